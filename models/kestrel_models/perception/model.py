@@ -1,0 +1,112 @@
+"""MultiTaskPerceptionModel: ResNet + FPN + detection / segmentation / depth heads."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .backbone import ResNetBackbone
+from .config import HEAD_NAMES, PerceptionConfig
+from .fpn import FPN
+from .heads import DenseHead, DenseNeck, FCOSHead, upsample_crop
+
+DET_STRIDES: tuple[int, ...] = (8, 16, 32)  # strides of P3, P4, P5
+PAD_MULTIPLE = 32  # input H, W are padded to a multiple of the coarsest stride
+
+
+class MultiTaskPerceptionModel(nn.Module):
+    """Camera perception network with run-time selectable heads.
+
+    forward(images: [B,3,H,W] uint8 RGB (B = cameras x batch), heads: frozenset[str] | None)
+      -> dict with, for the requested heads only:
+         "det_cls":  list over P3-P5 of [B, num_det_classes, H_l, W_l] logits
+         "det_ltrb": list over P3-P5 of [B, 4, H_l, W_l] px (distances to the box sides)
+         "det_ctr":  list over P3-P5 of [B, 1, H_l, W_l] centerness logits
+         "seg":      [B, num_classes, H, W] class logits
+         "depth":    [B, 1, H, W] m along the optical axis, in (0, max_depth]
+    H_l, W_l are the feature sizes of the padded input (ceil(H / 32) * 32 / stride).
+    Normalisation (mean/std buffers) and padding happen inside, so uint8 goes to the device.
+    """
+
+    def __init__(self, config: PerceptionConfig) -> None:
+        super().__init__()
+        self.config = config
+        mean = torch.tensor(config.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
+        std = torch.tensor(config.image_std, dtype=torch.float32).view(1, 3, 1, 1)
+        # x_norm = x_uint8 * scale + shift  ==  (x / 255 - mean) / std
+        self.register_buffer("in_scale", 1.0 / (255.0 * std), persistent=False)
+        self.register_buffer("in_shift", -mean / std, persistent=False)
+        self.backbone = ResNetBackbone(config.backbone_depth, config.base_width)
+        dense = {"segmentation", "depth"} & config.heads
+        with_p2 = bool(dense) and config.dense_stride == 4
+        self.fpn = FPN(self.backbone.out_channels, config.fpn_channels, with_p2=with_p2)
+        c = config.fpn_channels
+        self.det_head = (FCOSHead(c, config.num_det_classes, config.head_convs, len(DET_STRIDES))
+                         if "detection" in config.heads else None)
+        levels = (["p2"] if with_p2 else []) + ["p3", "p4", "p5"]
+        self.dense_neck = DenseNeck(c, levels) if dense else None
+        self.seg_head = (DenseHead(c, config.num_classes)
+                         if "segmentation" in config.heads else None)
+        self.depth_head = DenseHead(c, 1) if "depth" in config.heads else None
+
+    @property
+    def enabled_heads(self) -> frozenset[str]:
+        return self.config.heads
+
+    def _check_heads(self, heads: frozenset[str] | None) -> frozenset[str]:
+        if heads is None:
+            return self.config.heads
+        heads = frozenset(heads)
+        missing = heads - self.config.heads
+        if missing or not heads:
+            raise ValueError(f"heads {sorted(heads)}: must be a non-empty subset of the built "
+                             f"heads {sorted(self.config.heads)} (known: {HEAD_NAMES})")
+        return heads
+
+    def normalise(self, images: torch.Tensor) -> torch.Tensor:
+        """[B,3,H,W] uint8 -> float normalised, padded to multiples of 32 (zeros = mean)."""
+        if images.dim() != 4 or images.shape[1] != 3:
+            raise ValueError(f"images: expected [B,3,H,W], got {tuple(images.shape)}")
+        x = images.float() * self.in_scale + self.in_shift
+        h, w = x.shape[-2:]
+        ph, pw = -h % PAD_MULTIPLE, -w % PAD_MULTIPLE
+        if ph or pw:
+            x = F.pad(x, (0, pw, 0, ph))
+        if self.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last):
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    def forward(self, images: torch.Tensor, heads: frozenset[str] | None = None
+                ) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        heads = self._check_heads(heads)
+        hw = (int(images.shape[-2]), int(images.shape[-1]))
+        x = self.normalise(images)
+        padded_hw = (int(x.shape[-2]), int(x.shape[-1]))
+        pyramid = self.fpn(self.backbone(x))
+        out: dict[str, torch.Tensor | list[torch.Tensor]] = {}
+        if "detection" in heads:
+            assert self.det_head is not None
+            cls, ltrb, ctr = self.det_head([pyramid["p3"], pyramid["p4"], pyramid["p5"]],
+                                           DET_STRIDES)
+            out["det_cls"], out["det_ltrb"], out["det_ctr"] = cls, ltrb, ctr
+        if heads & {"segmentation", "depth"}:
+            assert self.dense_neck is not None
+            dense = self.dense_neck(pyramid)
+            if "segmentation" in heads:
+                assert self.seg_head is not None
+                out["seg"] = upsample_crop(self.seg_head(dense), padded_hw, hw)
+            if "depth" in heads:
+                assert self.depth_head is not None
+                d = upsample_crop(self.depth_head(dense), padded_hw, hw)
+                if self.config.depth_activation == "sigmoid":
+                    d = torch.sigmoid(d) * self.config.max_depth
+                else:
+                    d = F.softplus(d).clamp(min=1e-3, max=self.config.max_depth)
+                out["depth"] = d
+        return out
+
+
+def count_parameters(module: nn.Module) -> int:
+    """Number of parameters (works for modules built on the meta device)."""
+    return sum(p.numel() for p in module.parameters())

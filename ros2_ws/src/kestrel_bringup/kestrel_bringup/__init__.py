@@ -1,0 +1,1 @@
+"""Kestrel launch files, parameter files and the launch-free stack runner."""

@@ -1,0 +1,243 @@
+"""The base of every Kestrel node: a LifecycleNode with declared, validated parameters,
+named drop counters on /diagnostics, QoS profiles chosen on purpose, and a main() helper.
+
+Parameter handling (see params.py): each ParamSpec becomes a declared parameter whose
+descriptor carries the description, the allowed range (as text in additional_constraints)
+and read_only. Ranges are NOT put into rclpy's numeric range fields on purpose: rclpy raises
+inside declare_parameter for an out-of-range override, which would crash the process at
+construction; instead `load_params()` validates in on_configure and fails the transition with
+a log line naming the parameter and the value. Runtime changes (`ros2 param set`) go through
+the same validation in an on-set-parameters callback.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any, Callable, Sequence
+
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
+from rclpy.exceptions import (InvalidParameterTypeException, InvalidParameterValueException,
+                              ParameterUninitializedException)
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.parameter import Parameter
+from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy)
+
+from kestrel_common.conversions import diagnostic_status
+from kestrel_common.counters import Counters
+from kestrel_common.params import ParamError, ParamSpec, check_unique_names, validate_value
+
+# Sensor streams (camera, LiDAR, joint states): best effort, keep only the newest sample.
+# A late frame is worthless; queues must never grow under overload.
+SENSOR_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
+                        reliability=ReliabilityPolicy.BEST_EFFORT,
+                        durability=DurabilityPolicy.VOLATILE)
+# Commands, targets and results: reliable, a short queue (a lost command is a real fault).
+COMMAND_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10,
+                         reliability=ReliabilityPolicy.RELIABLE,
+                         durability=DurabilityPolicy.VOLATILE)
+# State that late joiners need (the current plan, ground truth): reliable + transient local.
+LATCHED_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
+                         reliability=ReliabilityPolicy.RELIABLE,
+                         durability=DurabilityPolicy.TRANSIENT_LOCAL)
+
+_TYPE_OF = {
+    bool: Parameter.Type.BOOL, int: Parameter.Type.INTEGER, float: Parameter.Type.DOUBLE,
+    str: Parameter.Type.STRING,
+}
+_ARRAY_TYPE_OF = {
+    bool: Parameter.Type.BOOL_ARRAY, int: Parameter.Type.INTEGER_ARRAY,
+    float: Parameter.Type.DOUBLE_ARRAY, str: Parameter.Type.STRING_ARRAY,
+}
+
+BASE_SPECS = (
+    ParamSpec("autostart", True, "Configure and activate at start-up (no lifecycle manager).",
+              read_only=True),
+    ParamSpec("diagnostics_period", 1.0, "Period of /diagnostics publication, s.",
+              min=0.01, max=60.0, read_only=True),
+)
+
+
+def _typed_only(spec: ParamSpec) -> bool:
+    return isinstance(spec.default, list) and not spec.default
+
+
+class KestrelLifecycleNode(LifecycleNode):
+    """LifecycleNode + ParamSpecs + Counters + /diagnostics.
+
+    Subclasses pass their specs, call `self.load_params()` in on_configure (None -> return
+    FAILURE), create publishers/subscriptions there, start work in on_activate and stop it in
+    on_deactivate / `stop_workers()` (which must be idempotent: run_node calls it at exit).
+    """
+
+    def __init__(self, node_name: str, specs: Sequence[ParamSpec], **kwargs: Any) -> None:
+        super().__init__(node_name, **kwargs)
+        self.specs: list[ParamSpec] = list(BASE_SPECS) + list(specs)
+        check_unique_names(self.specs)
+        self._spec_by_name = {s.name: s for s in self.specs}
+        self._decl_errors: dict[str, str] = {}
+        for spec in self.specs:
+            self._declare(spec)
+        self.counters = Counters()
+        self.params: dict[str, Any] = {}
+        self._diag_pub = None
+        self._diag_timer = None
+        self._status_fn: Callable[[], tuple[int, str, dict]] | None = None
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+
+    # ---- parameters ---------------------------------------------------------------------
+    def _descriptor(self, spec: ParamSpec) -> ParameterDescriptor:
+        # dynamic_typing: `rate: 5` for a double parameter is accepted (validate_value
+        # normalises int -> float); every other type error is reported at configure.
+        return ParameterDescriptor(description=spec.description, read_only=spec.read_only,
+                                   additional_constraints=spec.range_text(),
+                                   dynamic_typing=not _typed_only(spec))
+
+    def _declare(self, spec: ParamSpec) -> None:
+        desc = self._descriptor(spec)
+        etype = spec.list_element_type
+        value: Any = spec.default
+        if _typed_only(spec):  # an empty list default: declare by type
+            value = _ARRAY_TYPE_OF[etype]
+        try:
+            self.declare_parameter(spec.name, value, desc)
+        except (InvalidParameterTypeException, InvalidParameterValueException) as exc:
+            # Wrong type in a params file / command line: keep the node alive and fail at
+            # configure with a message that names the parameter.
+            self._decl_errors[spec.name] = str(exc)
+            self.declare_parameter(spec.name, value, desc, ignore_override=True)
+
+    def _raw_value(self, spec: ParamSpec) -> Any:
+        try:
+            value = self.get_parameter(spec.name).value
+        except ParameterUninitializedException:
+            return spec.default
+        if value is None:
+            return spec.default
+        if isinstance(spec.default, list):
+            return list(value)
+        return value
+
+    def load_params(self) -> dict[str, Any] | None:
+        """Validate every parameter. Returns the values, or None after logging the error."""
+        try:
+            if self._decl_errors:
+                name, err = next(iter(self._decl_errors.items()))
+                raise ParamError(name, "(override)", f"wrong type: {err}")
+            values = {spec.name: validate_value(spec, self._raw_value(spec))
+                      for spec in self.specs}
+            self.validate_extra(values)
+        except ParamError as exc:
+            self.get_logger().error(f"configure failed: {exc}")
+            return None
+        self.params = values
+        return values
+
+    def validate_extra(self, values: dict[str, Any]) -> None:
+        """Cross-parameter checks (override; raise ParamError)."""
+
+    def _on_set_parameters(self, params: list[Parameter]) -> SetParametersResult:
+        for p in params:
+            spec = self._spec_by_name.get(p.name)
+            if spec is None:
+                continue
+            try:
+                validate_value(spec, p.value if not isinstance(spec.default, list)
+                               else list(p.value))
+            except ParamError as exc:
+                return SetParametersResult(successful=False, reason=str(exc))
+        return SetParametersResult(successful=True)
+
+    # ---- diagnostics --------------------------------------------------------------------
+    def drop(self, reason: str, message: str, throttle_s: float = 1.0) -> None:
+        """Count a dropped input under `reason` and log it (throttled)."""
+        n = self.counters.inc(reason)
+        self.get_logger().warning(f"dropped input ({reason}, total {n}): {message}",
+                                  throttle_duration_sec=throttle_s)
+
+    def start_diagnostics(self, status_fn: Callable[[], tuple[int, str, dict]] | None = None,
+                          ) -> None:
+        """Publish /diagnostics every diagnostics_period. status_fn -> (level, message,
+        values); default: OK + all counters."""
+        self._status_fn = status_fn
+        if self._diag_pub is None:
+            self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        period = float(self.params.get("diagnostics_period", 1.0))
+        self._diag_timer = self.create_timer(period, self.publish_diagnostics)
+
+    def publish_diagnostics(self) -> None:
+        if self._diag_pub is None:
+            return
+        if self._status_fn is not None:
+            level, message, values = self._status_fn()
+        else:
+            level, message, values = DiagnosticStatus.OK, "ok", {}
+        merged = dict(self.counters.snapshot())
+        merged.update(values)
+        arr = DiagnosticArray()
+        arr.header.stamp = self.get_clock().now().to_msg()
+        arr.status = [diagnostic_status(f"{self.get_name()}", self.get_fully_qualified_name(),
+                                        level, message, merged)]
+        self._diag_pub.publish(arr)
+
+    def stop_diagnostics(self) -> None:
+        if self._diag_timer is not None:
+            self.destroy_timer(self._diag_timer)
+            self._diag_timer = None
+
+    # ---- lifecycle defaults ---------------------------------------------------------------
+    def stop_workers(self) -> None:
+        """Stop threads started by the node. Idempotent. Override."""
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.stop_workers()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.stop_workers()
+        return TransitionCallbackReturn.SUCCESS
+
+
+def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None,
+             num_threads: int = 4) -> int:
+    """main() for a Kestrel node: init, autostart (configure + activate), spin a
+    MultiThreadedExecutor until SIGINT/SIGTERM, then stop workers and shut down in order.
+
+    Returns 0, or 2 when autostart configure/activate failed (the reason is logged)."""
+    rclpy.init(args=args)
+    node = node_cls()
+    executor = MultiThreadedExecutor(num_threads=num_threads)
+    executor.add_node(node)
+    code = 0
+    stop = threading.Event()
+
+    def _term(signum: int, frame: Any) -> None:  # SIGTERM -> same path as Ctrl-C
+        stop.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        if node.get_parameter("autostart").value:
+            from lifecycle_msgs.msg import State
+            node.trigger_configure()
+            if node._state_machine.current_state[0] != State.PRIMARY_STATE_INACTIVE:
+                node.get_logger().fatal("autostart: configure failed (see the error above)")
+                code = 2
+            else:
+                node.trigger_activate()
+                if node._state_machine.current_state[0] != State.PRIMARY_STATE_ACTIVE:
+                    node.get_logger().fatal("autostart: activate failed")
+                    code = 2
+        if code == 0:
+            executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        node.stop_workers()
+        executor.shutdown(timeout_sec=2.0)
+        node.destroy_node()
+        rclpy.try_shutdown()
+    return code

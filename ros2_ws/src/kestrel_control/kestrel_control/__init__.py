@@ -1,0 +1,1 @@
+"""Kestrel real-time learned-policy control node."""

@@ -1,0 +1,145 @@
+"""Safety filter between the policy and the robot: stale/NaN inputs -> hold, commands clamped.
+
+All per-cycle methods work on preallocated arrays, never allocate arrays and never raise: an
+unexpected error inside them is treated like a non-finite value (hold + counted).
+Counters live on a `counters` object with the attributes `stale_inputs`, `rejected_nonfinite`
+and `clamped_actions` (a `LoopStats`, or a `SafetyCounters` by default); counts are per cycle.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+
+class SafetyStatus(IntEnum):
+    """Outcome of one cycle's checks (IntEnum members are singletons: returning one is free)."""
+
+    OK = 0
+    NO_INPUT = 1  # no observation received yet: nothing to command
+    STALE = 2  # observation older than max_obs_age: holding
+    NONFINITE_OBS = 3  # NaN/inf in the observation: holding
+    NONFINITE_ACTION = 4  # NaN/inf in the policy output: holding
+
+
+@dataclass
+class SafetyCounters:
+    stale_inputs: int = 0
+    rejected_nonfinite: int = 0
+    clamped_actions: int = 0
+
+
+def _all_finite(x: np.ndarray) -> bool:
+    # The sum is NaN/inf iff some element is (or the sum overflows, ~1e308: bogus anyway).
+    # No temporary array, unlike np.isfinite(x).all().
+    return math.isfinite(float(x.sum()))
+
+
+def validate_limits(joint_lower: Any, joint_upper: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Joint limits as float64 [n] arrays; ValueError naming the parameter and value if bad."""
+    lower = np.asarray(joint_lower, dtype=np.float64).reshape(-1)
+    upper = np.asarray(joint_upper, dtype=np.float64).reshape(-1)
+    if lower.size == 0:
+        raise ValueError(f"parameter 'joint_lower' = {list(lower)}: must not be empty")
+    if upper.size != lower.size:
+        raise ValueError(
+            f"parameter 'joint_upper' = {upper.tolist()}: has {upper.size} values, "
+            f"'joint_lower' has {lower.size}"
+        )
+    for name, arr in (("joint_lower", lower), ("joint_upper", upper)):
+        if not np.isfinite(arr).all():
+            raise ValueError(f"parameter '{name}' = {arr.tolist()}: must be finite")
+    bad = np.nonzero(lower > upper)[0]
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"parameter 'joint_lower' = {lower.tolist()}: joint {i} lower {lower[i]} > "
+            f"'joint_upper' {upper[i]}"
+        )
+    return lower, upper
+
+
+class SafetyFilter:
+    """Hold on stale/non-finite input, reject non-finite commands, clamp to joint limits.
+
+    joint_lower, joint_upper: [n], rad. max_obs_age_s: an observation whose age (node-clock now
+    minus its stamp) is above this, or below minus this (stamp from the future: a clock jump), is
+    stale. The hold command is the last safe command, else the current position clamped.
+    """
+
+    def __init__(self, joint_lower: Any, joint_upper: Any, max_obs_age_s: float,
+                 counters: Any = None) -> None:
+        self.lower, self.upper = validate_limits(joint_lower, joint_upper)
+        if not (isinstance(max_obs_age_s, (int, float)) and math.isfinite(max_obs_age_s)
+                and max_obs_age_s > 0):
+            raise ValueError(f"parameter 'max_obs_age' = {max_obs_age_s!r}: must be > 0 s")
+        self.max_obs_age_s = float(max_obs_age_s)
+        self.counters = counters if counters is not None else SafetyCounters()
+        n = self.lower.shape[0]
+        self.num_joints = n
+        self._last_safe = np.zeros(n)  # last command that passed the filter, rad
+        self.has_last_safe = False
+        self._neq = np.zeros(n, dtype=bool)  # scratch for the clamp check
+        self.internal_errors = 0
+
+    def reset(self) -> None:
+        """Forget the last safe command (on activation)."""
+        self.has_last_safe = False
+
+    def check_observation(self, observation: np.ndarray, age_s: float) -> SafetyStatus:
+        """Stale (counted) or non-finite (counted) observation? `observation`: any float array
+        (positions, velocities, target). NaN age counts as stale."""
+        try:
+            if not (-self.max_obs_age_s <= age_s <= self.max_obs_age_s):
+                self.counters.stale_inputs += 1
+                return SafetyStatus.STALE
+            if not _all_finite(observation):
+                self.counters.rejected_nonfinite += 1
+                return SafetyStatus.NONFINITE_OBS
+            return SafetyStatus.OK
+        except Exception:  # never raise in the hot path
+            self.internal_errors += 1
+            self.counters.rejected_nonfinite += 1
+            return SafetyStatus.NONFINITE_OBS
+
+    def hold(self, out: np.ndarray, position: np.ndarray | None = None) -> bool:
+        """Write the hold command into `out` [n], rad. False when there is none (no safe command
+        yet and no finite position): then `out` is left untouched and nothing may be sent."""
+        try:
+            if self.has_last_safe:
+                np.copyto(out, self._last_safe)
+                return True
+            if position is not None and _all_finite(position):
+                np.clip(position, self.lower, self.upper, out=out)
+                return True
+            return False
+        except Exception:
+            self.internal_errors += 1
+            return False
+
+    def filter_command(self, out: np.ndarray, proposed: np.ndarray,
+                       position: np.ndarray | None = None) -> SafetyStatus:
+        """`proposed` [n] rad -> `out` [n] rad: non-finite -> hold (counted, NONFINITE_ACTION);
+        else clamped to the limits (counted when any joint was clamped) and remembered as the
+        last safe command. If NONFINITE_ACTION and `hold` had nothing, `out` is untouched."""
+        try:
+            if not _all_finite(proposed):
+                self.counters.rejected_nonfinite += 1
+                self.hold(out, position)
+                return SafetyStatus.NONFINITE_ACTION
+            np.clip(proposed, self.lower, self.upper, out=out)
+            np.not_equal(out, proposed, out=self._neq)
+            if self._neq.any():
+                self.counters.clamped_actions += 1
+            np.copyto(self._last_safe, out)
+            self.has_last_safe = True
+            return SafetyStatus.OK
+        except Exception:
+            self.internal_errors += 1
+            self.counters.rejected_nonfinite += 1
+            self.hold(out, position)
+            return SafetyStatus.NONFINITE_ACTION

@@ -1,0 +1,1 @@
+"""Kestrel camera+LiDAR multi-task perception node."""

@@ -1,0 +1,239 @@
+"""PerceptionCore: FrameSet (images + cameras + cloud) -> detections with 3D positions, masks,
+depth maps. Pure Python + torch, no ROS."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from kestrel_models.perception import (
+    DEFAULT_BUCKETS,
+    MultiTaskPerceptionModel,
+    PerceptionConfig,
+    PositionSource,
+    box_positions,
+    bucket_points,
+    decode_detections,
+    project_points,
+)
+
+from .types import (
+    DEFAULT_CLASS_NAMES,
+    CameraModel,
+    Detection,
+    FrameSet,
+    PerceptionOutput,
+    validate_frames,
+)
+
+STAGES: tuple[str, ...] = ("preprocess", "model", "postprocess", "lidar_fusion")
+
+
+def _fail(name: str, value: object, why: str) -> ValueError:
+    return ValueError(f"parameter '{name}' = {value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class PerceptionCoreConfig:
+    """Runtime settings of the core around the model's own `PerceptionConfig`.
+
+    `model.num_classes` must equal len(class_names). The default model is the tiny CPU config.
+    """
+
+    model: PerceptionConfig = field(default_factory=PerceptionConfig.tiny)
+    class_names: tuple[str, ...] = DEFAULT_CLASS_NAMES
+    device: str = "cpu"  # "cpu" or "cuda" (or "cuda:N")
+    weights_path: str = ""  # "" = random init from `seed`; else a state_dict file
+    seed: int = 0
+    max_points: int = 500_000  # larger clouds are rejected (InputError too_many_points)
+    point_buckets: tuple[int, ...] = DEFAULT_BUCKETS  # static cloud sizes (NaN padded)
+    min_lidar_points: int = 5  # LiDAR points needed inside a box for a LiDAR position
+    amp: bool = False  # bf16 autocast (CUDA only)
+    channels_last: bool = True
+    warmup_image_hw: tuple[int, int] | None = (256, 320)  # (H, W) px of the warm-up run
+    warmup_cameras: int = 1
+    num_threads: int = 0  # torch intra-op threads; 0 = leave torch's setting
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "class_names", tuple(self.class_names))
+        if len(self.class_names) != self.model.num_classes:
+            raise _fail("class_names", list(self.class_names),
+                        f"has {len(self.class_names)} names but the model has "
+                        f"num_classes = {self.model.num_classes}")
+        if len(set(self.class_names)) != len(self.class_names) or not all(self.class_names):
+            raise _fail("class_names", list(self.class_names), "must be unique, non-empty")
+        if "segmentation" in self.model.heads and self.model.num_classes > 255:
+            raise _fail("class_names", len(self.class_names), "at most 255 for mono8 masks")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise _fail("device", self.device, "must be 'cpu' or 'cuda'")
+        if self.weights_path and not os.path.isfile(self.weights_path):
+            raise _fail("weights_path", self.weights_path, "file not found")
+        if not 1 <= self.max_points <= 50_000_000:
+            raise _fail("max_points", self.max_points, "must be in [1, 50000000]")
+        if not self.point_buckets or min(self.point_buckets) < 1:
+            raise _fail("point_buckets", self.point_buckets, "must be positive sizes")
+        if self.min_lidar_points < 1:
+            raise _fail("min_lidar_points", self.min_lidar_points, "must be >= 1")
+        if self.warmup_image_hw is not None and min(self.warmup_image_hw) < 1:
+            raise _fail("warmup_image_hw", self.warmup_image_hw, "must be positive")
+        if not 1 <= self.warmup_cameras <= 16:
+            raise _fail("warmup_cameras", self.warmup_cameras, "must be in [1, 16]")
+        if self.num_threads < 0:
+            raise _fail("num_threads", self.num_threads, "must be >= 0")
+
+
+class PerceptionCore:
+    """Builds the model once (seeded or from weights), warms it up, then `process()`es sets.
+
+    Not thread-safe: call `process` from one thread (the node's worker).
+    """
+
+    def __init__(self, config: PerceptionCoreConfig) -> None:
+        self.config = config
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise _fail("device", config.device, "CUDA is not available on this machine")
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        self.model = self._build_model()
+        self.heads = config.model.heads
+        self._in_buf = np.zeros((0, 0, 0, 3), dtype=np.uint8)  # [C,H,W,3] reused input
+        if config.warmup_image_hw is not None:
+            self.warmup(config.warmup_image_hw, config.warmup_cameras)
+
+    def _build_model(self) -> MultiTaskPerceptionModel:
+        cfg = self.config
+        with torch.random.fork_rng(devices=[]):  # seeded init without touching global RNG
+            torch.manual_seed(cfg.seed)
+            model = MultiTaskPerceptionModel(cfg.model)
+        if cfg.weights_path:
+            try:
+                state = torch.load(cfg.weights_path, map_location="cpu", weights_only=True)
+                if isinstance(state, dict) and "state_dict" in state:
+                    state = state["state_dict"]
+                model.load_state_dict(state, strict=True)
+            except Exception as exc:  # any load failure is a parameter error
+                msg = str(exc).splitlines()[0][:300]
+                raise _fail("weights_path", cfg.weights_path, f"cannot load: {msg}") from exc
+        model = model.to(self.device).eval()
+        if cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        return model
+
+    def warmup(self, image_hw: tuple[int, int], cameras: int, iterations: int = 2) -> None:
+        """Run `iterations` full process() calls on synthetic input (allocations, kernels)."""
+        h, w = image_hw
+        K = np.array([[w, 0.0, w / 2], [0.0, w, h / 2], [0.0, 0.0, 1.0]])
+        cams = [CameraModel(K, w, h, f"warmup_{i}") for i in range(cameras)]
+        imgs = [np.zeros((h, w, 3), np.uint8) for _ in range(cameras)]
+        pts = np.array([[0.0, 0.0, 2.0]] * 8, dtype=np.float32)
+        for _ in range(iterations):
+            self.process(FrameSet(0, imgs, cams, pts))
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _input_tensor(self, images: list[np.ndarray]) -> torch.Tensor:
+        """Copy the images into the reused [C,H,W,3] buffer -> [C,3,H,W] uint8 on device."""
+        shape = (len(images), *images[0].shape)
+        if self._in_buf.shape != shape:
+            self._in_buf = np.empty(shape, dtype=np.uint8)
+        for i, img in enumerate(images):
+            self._in_buf[i] = img
+        # NHWC memory viewed as NCHW = channels_last; one host->device copy of uint8
+        return torch.from_numpy(self._in_buf).permute(0, 3, 1, 2).to(self.device)
+
+    def process(self, frames: FrameSet, heads: frozenset[str] | None = None
+                ) -> PerceptionOutput:
+        """Run the enabled (or the given subset of) heads on one FrameSet.
+
+        Raises InputError for bad input (nothing else is expected at runtime).
+        """
+        cfg = self.config
+        heads = self.heads if heads is None else frozenset(heads)
+        timings = dict.fromkeys(STAGES, 0.0)
+        t0 = time.monotonic()
+        hw = validate_frames(frames, cfg.max_points)
+        x = self._input_tensor(frames.images)
+        self._sync()
+        t1 = time.monotonic()
+        timings["preprocess"] = t1 - t0
+
+        with torch.inference_mode(), torch.autocast(
+                self.device.type, dtype=torch.bfloat16,
+                enabled=cfg.amp and self.device.type == "cuda"):
+            raw = self.model(x, heads)
+        self._sync()
+        t2 = time.monotonic()
+        timings["model"] = t2 - t1
+
+        m = cfg.model
+        with torch.inference_mode():
+            dets = (decode_detections(raw, hw, m.score_threshold, m.nms_iou, m.max_detections,
+                                      pre_nms_top_k=m.pre_nms_top_k,
+                                      class_offset=m.det_class_offset)
+                    if "det_cls" in raw else [])
+            masks_t = raw["seg"].argmax(dim=1).to(torch.uint8) if "seg" in raw else None
+            depth_t = raw["depth"][:, 0].float() if "depth" in raw else None
+            masks = list(masks_t.cpu().numpy()) if masks_t is not None else []
+            depths = list(depth_t.cpu().numpy()) if depth_t is not None else []
+            det_np = [(d.boxes.cpu().numpy(), d.scores.cpu().numpy(), d.classes.cpu().numpy())
+                      for d in dets]
+        t3 = time.monotonic()
+        timings["postprocess"] = t3 - t2
+
+        out = PerceptionOutput(frames.stamp_ns, [], masks, depths, timings)
+        positions = self._fuse(frames, hw, dets, depth_t, out)
+        for cam, (boxes, scores, classes) in enumerate(det_np):
+            pos, src = positions[cam]
+            for k in range(boxes.shape[0]):
+                source = PositionSource(int(src[k]))
+                out.detections.append(Detection(
+                    camera_index=cam, class_index=int(classes[k]),
+                    class_name=cfg.class_names[int(classes[k])], score=float(scores[k]),
+                    box_xyxy=boxes[k], position=None if source == PositionSource.NONE
+                    else pos[k], position_source=source))
+        timings["lidar_fusion"] = time.monotonic() - t3
+        return out
+
+    def _fuse(self, frames: FrameSet, hw: tuple[int, int], dets: list,
+              depth_t: torch.Tensor | None, out: PerceptionOutput
+              ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per camera (positions [K,3] m base frame, sources [K]) for the decoded boxes."""
+        pts = frames.points
+        proj = None
+        if pts is not None and pts.shape[0] > 0:
+            finite = np.isfinite(pts).all(axis=1)
+            good = pts[finite].astype(np.float32, copy=False)  # [M,3] m, base frame
+            out.dropped_points = int(pts.shape[0] - good.shape[0])
+            out.used_points = min(good.shape[0], max(self.config.point_buckets))
+            out.truncated_points = good.shape[0] - out.used_points
+            if good.shape[0] > 0 and any(d.boxes.shape[0] for d in dets):
+                padded, _, _ = bucket_points(good, self.config.point_buckets)  # [Nb,3]
+                T_base = np.stack([c.T_base_from_cam for c in frames.cameras])
+                T_cam = torch.from_numpy(np.linalg.inv(T_base)).to(self.device)
+                Ks = torch.from_numpy(np.stack([np.asarray(c.K, np.float64)
+                                                for c in frames.cameras])).to(self.device)
+                p = torch.from_numpy(padded).to(self.device)
+                proj = project_points(p, T_cam, Ks, hw)  # uv [C,Nb,2], z [C,Nb], valid [C,Nb]
+        result = []
+        with torch.inference_mode():
+            for cam, d in enumerate(dets):
+                if d.boxes.shape[0] == 0:
+                    result.append((np.zeros((0, 3)), np.zeros(0, dtype=np.int64)))
+                    continue
+                c = frames.cameras[cam]
+                K = torch.as_tensor(np.asarray(c.K, np.float64), device=self.device)
+                T = torch.as_tensor(np.linalg.inv(c.T_base_from_cam), device=self.device)
+                empty = torch.zeros((0, 2), device=self.device)
+                uv, z, valid = ((proj[0][cam], proj[1][cam], proj[2][cam]) if proj is not None
+                                else (empty, empty[:, 0], empty[:, 0].bool()))
+                dmap = depth_t[cam] if depth_t is not None else None
+                pos, src = box_positions(d.boxes, uv, z, valid, dmap, K, T,
+                                         self.config.min_lidar_points)
+                result.append((pos.cpu().numpy(), src.cpu().numpy()))
+        return result

@@ -1,0 +1,1 @@
+"""Kestrel vision-language task planner node (PlanTask action)."""

@@ -1,0 +1,1 @@
+"""Kestrel embedded MuJoCo simulator: clock, camera, LiDAR, joint states, ground truth."""

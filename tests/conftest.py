@@ -1,0 +1,77 @@
+"""Fixtures for multi-process DDS tests (see ros_harness.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ros_harness import DomainLease, NodeProcess, Probe, ros_env, spawn_node  # noqa: E402
+
+
+def _ros_available() -> str | None:
+    if "AMENT_PREFIX_PATH" not in os.environ:
+        return "ROS environment not sourced (run through `make test` / scripts/env.sh)"
+    try:
+        import kestrel_interfaces.msg  # noqa: F401
+        import rclpy  # noqa: F401
+    except ImportError as exc:
+        return f"ROS packages not importable: {exc}"
+    return None
+
+
+@pytest.fixture
+def ros_domain() -> Iterator[int]:
+    reason = _ros_available()
+    if reason:
+        pytest.skip(reason)
+    lease = DomainLease()
+    try:
+        yield lease.domain_id
+    finally:
+        lease.release()
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+@pytest.fixture
+def env(ros_domain: int, run_dir: Path) -> dict[str, str]:
+    return ros_env(ros_domain, run_dir)
+
+
+@pytest.fixture
+def probe(ros_domain: int) -> Iterator[Probe]:
+    p = Probe(ros_domain)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+def launch_node(env: dict[str, str], run_dir: Path) -> Iterator:
+    """launch_node(module, node_name, params=None, remaps=None) -> NodeProcess.
+
+    On teardown every process is stopped (bounded) and its process group must be gone.
+    """
+    procs: list[NodeProcess] = []
+
+    def _launch(module: str, node_name: str, params: dict | None = None,
+                remaps: dict | None = None, params_files: list | None = None) -> NodeProcess:
+        p = spawn_node(module, node_name, env, run_dir, params, remaps, params_files)
+        procs.append(p)
+        return p
+
+    yield _launch
+    for p in procs:
+        p.stop()
+    for p in procs:
+        assert p.group_gone(), f"stray processes left by {p.name}"

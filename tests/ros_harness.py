@@ -1,0 +1,236 @@
+"""Multi-process ROS 2 test harness: node processes + an in-test probe node, isolated per test.
+
+Isolation: every test gets its own ROS_DOMAIN_ID (an flock-held id in 1..100, so concurrent
+runs on one machine never share a domain), localhost-only discovery, and its own ROS_HOME /
+ROS_LOG_DIR. Every wait is bounded. Node processes are started in their own process group and
+stopped with SIGINT -> SIGTERM -> SIGKILL; the harness checks nothing of the group survives.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+LOCK_DIR = Path("/tmp/kestrel_ros_domains")
+
+
+class DomainLease:
+    """An exclusive ROS_DOMAIN_ID for this process (flock on /tmp/kestrel_ros_domains/<id>)."""
+
+    def __init__(self, low: int = 1, high: int = 100) -> None:
+        LOCK_DIR.mkdir(parents=True, exist_ok=True)
+        ids = list(range(low, high + 1))
+        random.shuffle(ids)
+        for domain in ids:
+            fd = os.open(LOCK_DIR / f"{domain}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.domain_id = domain
+            self._fd = fd
+            return
+        raise RuntimeError("no free ROS_DOMAIN_ID in 1..100")
+
+    def release(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+
+
+def ros_env(domain_id: int, run_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "ROS_DOMAIN_ID": str(domain_id),
+        "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
+        "ROS_HOME": str(run_dir / "ros_home"),
+        "ROS_LOG_DIR": str(run_dir / "ros_log"),
+        "PYTHONUNBUFFERED": "1",
+        "RCUTILS_COLORIZED_OUTPUT": "0",
+        "OMP_NUM_THREADS": "1",
+    })
+    return env
+
+
+@dataclass
+class NodeProcess:
+    """A node running as its own process. Output goes to `log_path` (stdout+stderr)."""
+
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    _log_file: Any = None
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_for_output(self, text: str, timeout: float = 20.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.output():
+                return True
+            if self.proc.poll() is not None:
+                return text in self.output()
+            time.sleep(0.05)
+        return False
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGINT, then SIGTERM, then SIGKILL (each bounded). Returns the exit code."""
+        for sig, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
+            if self.proc.poll() is not None:
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+        code = self.proc.wait(5.0)
+        if self._log_file is not None:
+            self._log_file.close()
+        return code
+
+    def group_gone(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+
+def write_params(path: Path, node_name: str, params: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump({node_name: {"ros__parameters": params}}))
+    return path
+
+
+def spawn_node(module: str, node_name: str, env: dict[str, str], run_dir: Path,
+               params: dict[str, Any] | None = None, remaps: dict[str, str] | None = None,
+               params_files: list[Path] | None = None) -> NodeProcess:
+    """Start `python -m module --ros-args -r __node:=node_name ...` in its own process group."""
+    cmd = [sys.executable, "-m", module, "--ros-args", "-r", f"__node:={node_name}"]
+    for pf in params_files or []:
+        cmd += ["--params-file", str(pf)]
+    if params:
+        pf = write_params(run_dir / f"{node_name}_params.yaml", node_name, params)
+        cmd += ["--params-file", str(pf)]
+    for src, dst in (remaps or {}).items():
+        cmd += ["-r", f"{src}:={dst}"]
+    log_path = run_dir / f"{node_name}.log"
+    log_file = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(run_dir))
+    return NodeProcess(node_name, proc, log_path, log_file)
+
+
+@dataclass
+class Collector:
+    """Messages received on one topic (thread-safe append from the probe's executor)."""
+
+    topic: str
+    messages: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, msg: Any) -> None:
+        with self.lock:
+            self.messages.append(msg)
+
+    def snapshot(self) -> list:
+        with self.lock:
+            return list(self.messages)
+
+    def wait_for(self, predicate: Callable[[list], bool] = lambda m: len(m) > 0,
+                 timeout: float = 20.0) -> list:
+        """Wait (bounded) until predicate(messages) holds; returns the messages either way."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msgs = self.snapshot()
+            if predicate(msgs):
+                return msgs
+            time.sleep(0.02)
+        return self.snapshot()
+
+
+class Probe:
+    """An rclpy node inside the test process, spun on a background thread, in its own context."""
+
+    def __init__(self, domain_id: int, name: str = "kestrel_test_probe") -> None:
+        import rclpy
+        from rclpy.executors import MultiThreadedExecutor
+
+        self._rclpy = rclpy
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context, domain_id=domain_id)
+        self.node = rclpy.create_node(name, context=self.context)
+        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
+        self.executor.add_node(self.node)
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._thread.start()
+
+    def _spin(self) -> None:
+        from rclpy.executors import ExternalShutdownException
+        try:
+            self.executor.spin()
+        except (ExternalShutdownException, Exception):  # shutdown races end the spin
+            pass
+
+    def subscribe(self, msg_type: Any, topic: str, qos: Any = 10) -> Collector:
+        col = Collector(topic)
+        self.node.create_subscription(msg_type, topic, col, qos)
+        return col
+
+    def publisher(self, msg_type: Any, topic: str, qos: Any = 10) -> Any:
+        return self.node.create_publisher(msg_type, topic, qos)
+
+    def wait_for_subscribers(self, pub: Any, count: int = 1, timeout: float = 20.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pub.get_subscription_count() >= count:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def publish_until(self, pub: Any, make_msg: Callable[[], Any], done: Callable[[], bool],
+                      period: float = 0.05, timeout: float = 20.0) -> bool:
+        """Publish make_msg() every `period` until done() (bounded)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pub.publish(make_msg())
+            if done():
+                return True
+            time.sleep(period)
+        return done()
+
+    def now_ns(self) -> int:
+        return self.node.get_clock().now().nanoseconds
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=2.0)
+        self.node.destroy_node()
+        self._rclpy.try_shutdown(context=self.context)
+        self._thread.join(timeout=5.0)
+
+
+def diagnostics_values(msgs: list, node_name: str) -> dict[str, str]:
+    """Latest key/values of `node_name`'s status from collected DiagnosticArray messages."""
+    for arr in reversed(msgs):
+        for status in arr.status:
+            if status.name == node_name:
+                return {kv.key: kv.value for kv in status.values}
+    return {}
