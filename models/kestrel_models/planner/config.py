@@ -1,7 +1,7 @@
 """Configuration of the planner VLM, validated up front, and the named presets.
 
 Presets:
-- "tiny": ~1.3M parameters, 32x32 images -> 16 image tokens; runs on one CPU thread in tests.
+- "tiny": ~1.7M parameters, 32x32 images -> 16 image tokens; runs on one CPU thread in tests.
 - "0.5b": the reference size (~0.58B: a ViT-B/16 vision tower, Qwen2-0.5B-shaped decoder with
   GQA 14/2 heads, vocab 151936). Expressible and countable (on the meta device), not run here.
 """
@@ -32,11 +32,11 @@ class VLMConfig:
     # Projector: vision_dim -> projector_hidden -> dim (GELU MLP).
     projector_hidden: int = 128
     # Decoder (RMSNorm, RoPE, GQA, SwiGLU).
-    dim: int = 128
+    dim: int = 192
     n_layers: int = 4
-    n_heads: int = 4
+    n_heads: int = 6
     n_kv_heads: int = 2
-    ffn_hidden: int = 352
+    ffn_hidden: int = 512
     rope_theta: float = 10000.0
     vocab_size: int = 260
     max_seq_len: int = 1024
@@ -76,7 +76,7 @@ class VLMConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def with_overrides(self, **kwargs: object) -> "VLMConfig":
+    def with_overrides(self, **kwargs: object) -> VLMConfig:
         return replace(self, **kwargs)
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -72,7 +73,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], eos_id: i
         raise ValueError("every prompt needs at least one token")
     procs = _per_row(logits_processor, b, "logits_processor")
     stops = _per_row(should_stop, b, "should_stop")
-    dev = model.tok_emb.weight.device
+    dev = next(iter(model.parameters()), torch.empty(0)).device
     t = max(len(p) for p in prompts)
     toks = torch.full((b, t), pad_id, dtype=torch.long)
     for i, p in enumerate(prompts):

@@ -14,7 +14,8 @@ a small adapter (encode/decode/vocab_size/special ids) can satisfy it later.
 from __future__ import annotations
 
 import codecs
-from typing import Iterable, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 __all__ = ["Tokenizer", "ByteTokenizer", "StreamDecoder"]
 

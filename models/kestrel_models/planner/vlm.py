@@ -22,7 +22,7 @@ __all__ = ["VLMConfig", "KVCache", "VisionLanguageModel"]
 
 
 class KVCache(nn.Module):
-    """Preallocated keys/values of one decoder layer: k, v [batch, n_kv_heads, max_len, head_dim]."""
+    """Preallocated keys/values of one layer: k, v [batch, n_kv_heads, max_len, head_dim]."""
 
     def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
@@ -129,8 +129,9 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
                 write_pos: Tensor | None = None, kv_len: int = 0) -> Tensor:
-        """mask: bool [B, 1, S, L] (True = attend). write_pos None: prefill (writes slots [0, S)
-        when a cache is set); else decode (S = 1) writing slot write_pos[b], attending [0, kv_len)."""
+        """mask: bool [B, 1, S, L] (True = attend). write_pos None: prefill (writes slots
+        [0, S) when a cache is set); else decode (S = 1): writes slot write_pos[b] and attends
+        slots [0, kv_len)."""
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.hd).transpose(1, 2)
         k = self.wk(x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
@@ -243,7 +244,7 @@ class VisionLanguageModel(nn.Module):
             mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()[None, None]
             logits = self._run(x, self.rope_cos[None, :s], self.rope_sin[None, :s], mask)
         finally:
-            for layer, c in zip(self.layers, caches):
+            for layer, c in zip(self.layers, caches, strict=True):
                 layer.attn.cache = c
         return logits[:, n:]
 

@@ -1,0 +1,54 @@
+"""ParamSpec validation: every bad value fails with a message naming parameter and value."""
+
+import pytest
+
+from kestrel_common.params import ParamError, ParamSpec, check_unique_names, validate_params
+
+
+SPECS = [
+    ParamSpec("rate_hz", 1000.0, "loop rate", min=10.0, max=2000.0),
+    ParamSpec("num_cameras", 1, "cameras", min=1, max=8, read_only=True),
+    ParamSpec("device", "cpu", "torch device", choices=("cpu", "cuda")),
+    ParamSpec("enable", True, "flag"),
+    ParamSpec("limits", [-1.0, 1.0], "joint limits", min=-10.0, max=10.0, length=2),
+    ParamSpec("names", [], "joint names", element_type=str),
+]
+
+
+def test_defaults_are_valid():
+    values = validate_params(SPECS, {})
+    assert values["rate_hz"] == 1000.0 and values["names"] == []
+
+
+def test_int_is_accepted_for_float_and_normalised():
+    values = validate_params(SPECS, {"rate_hz": 500, "limits": [-2, 2]})
+    assert isinstance(values["rate_hz"], float) and values["limits"] == [-2.0, 2.0]
+
+
+@pytest.mark.parametrize("name,value,fragment", [
+    ("rate_hz", 0.0, ">= 10.0"),
+    ("rate_hz", 5000.0, "<= 2000.0"),
+    ("rate_hz", float("nan"), "finite"),
+    ("rate_hz", "fast", "number"),
+    ("num_cameras", 2.5, "integer"),
+    ("num_cameras", True, "integer"),
+    ("device", "tpu", "one of"),
+    ("enable", 1, "bool"),
+    ("limits", [0.0], "exactly 2"),
+    ("limits", [0.0, 100.0], "<= 10.0"),
+    ("names", [1, 2], "strings"),
+])
+def test_bad_values_name_parameter_and_value(name, value, fragment):
+    with pytest.raises(ParamError) as exc:
+        validate_params(SPECS, {name: value})
+    text = str(exc.value)
+    assert f"parameter '{name}'" in text and fragment in text
+    assert repr(value) in text or str(value) in text
+
+
+def test_custom_check_and_duplicates():
+    spec = ParamSpec("k", 1, "odd", check=lambda v: None if v % 2 else "must be odd")
+    with pytest.raises(ParamError, match="must be odd"):
+        validate_params([spec], {"k": 2})
+    with pytest.raises(ValueError, match="declared twice"):
+        check_unique_names([spec, spec])

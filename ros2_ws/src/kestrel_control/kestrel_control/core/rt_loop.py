@@ -1,0 +1,204 @@
+"""Periodic real-time loop on a dedicated thread, with absolute deadlines.
+
+Deadline k is `t0 + k * period` on CLOCK_MONOTONIC (time.monotonic_ns). Each cycle sleeps until
+`spin_ns` before the deadline (time.sleep: clock_nanosleep on Linux, Python >= 3.11), then
+busy-waits the rest (holding the GIL: other Python threads wait at most `spin_ns`), runs
+`step_fn(deadline_ns)` and records wake error, period and step latency into `LoopStats`.
+Overrun: when a cycle ends after the next deadline, the loop skips to the first future deadline
+(no catch-up burst) and counts every skipped deadline in `stats.deadline_misses`; so
+cycles + deadline_misses == deadlines elapsed.
+
+At start the loop thread attempts (each optional, each reported, failures are not fatal):
+SCHED_FIFO priority and CPU affinity for itself, mlockall for the process; then gc.collect(),
+gc.freeze() (the warmed-up objects leave the collector's view) and gc.disable(). gc is
+process-wide: it stays disabled while the loop runs and is re-enabled on stop (if it was on).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from kestrel_control.core.stats import LoopStats
+
+_MCL_CURRENT, _MCL_FUTURE = 1, 2
+
+
+def _mlockall() -> str:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if libc.mlockall(_MCL_CURRENT | _MCL_FUTURE) != 0:
+        err = ctypes.get_errno()
+        return f"failed: {os.strerror(err)} (errno {err})"
+    return "applied"
+
+
+def apply_realtime_settings(rt_priority: int = 0, cpu_affinity: Sequence[int] | None = None,
+                            lock_memory: bool = False) -> dict[str, str]:
+    """Try the requested settings for the CALLING thread (mlockall: whole process).
+
+    Returns {'sched_fifo', 'cpu_affinity', 'mlockall'} -> 'applied ...', 'not requested' or
+    'failed: <reason>'. Never raises.
+    """
+    result: dict[str, str] = {}
+    if rt_priority > 0:
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(int(rt_priority)))
+            result["sched_fifo"] = f"applied (priority {rt_priority})"
+        except (OSError, AttributeError, ValueError) as exc:
+            result["sched_fifo"] = f"failed: {exc}"
+    else:
+        result["sched_fifo"] = "not requested"
+    if cpu_affinity:
+        try:
+            os.sched_setaffinity(0, {int(c) for c in cpu_affinity})
+            result["cpu_affinity"] = f"applied (cpus {sorted(os.sched_getaffinity(0))})"
+        except (OSError, AttributeError, ValueError) as exc:
+            result["cpu_affinity"] = f"failed: {exc}"
+    else:
+        result["cpu_affinity"] = "not requested"
+    if lock_memory:
+        try:
+            result["mlockall"] = _mlockall()
+        except OSError as exc:
+            result["mlockall"] = f"failed: {exc}"
+    else:
+        result["mlockall"] = "not requested"
+    return result
+
+
+class RealtimeLoop:
+    """Runs `step_fn(deadline_ns)` every `period_s` on its own thread (see module docstring).
+
+    step_fn: called once per cycle with the cycle's deadline (time.monotonic_ns). Exceptions it
+    raises are counted in `stats.step_errors` (last one in `last_error`) and the loop goes on.
+    """
+
+    def __init__(self, period_s: float, step_fn: Callable[[int], object], stats: LoopStats, *,
+                 spin_s: float = 200e-6, rt_priority: int = 0,
+                 cpu_affinity: Sequence[int] | None = None, lock_memory: bool = False,
+                 manage_gc: bool = True, name: str = "kestrel-rt-loop",
+                 log: Callable[[str], None] | None = None) -> None:
+        if not (isinstance(period_s, (int, float)) and 0 < period_s <= 10.0):
+            raise ValueError(f"parameter 'period_s' = {period_s!r}: must be in (0, 10] s")
+        if not 0 <= spin_s < period_s:
+            raise ValueError(f"parameter 'spin_s' = {spin_s!r}: must be in [0, period_s)")
+        if not 0 <= rt_priority <= 99:
+            raise ValueError(f"parameter 'rt_priority' = {rt_priority!r}: must be in [0, 99]")
+        self.period_ns = int(round(period_s * 1e9))
+        self.spin_ns = int(round(spin_s * 1e9))
+        self.step_fn = step_fn
+        self.stats = stats
+        self.rt_priority = int(rt_priority)
+        self.cpu_affinity = list(cpu_affinity or [])
+        self.lock_memory = bool(lock_memory)
+        self.manage_gc = bool(manage_gc)
+        self.name = name
+        self._log = log or logging.getLogger(__name__).info
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._gc_was_enabled = False
+        self.applied: dict[str, str] = {}
+        self.last_error: str = ""
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, timeout_s: float = 2.0) -> dict[str, str]:
+        """Start the thread; wait (bounded) until it applied its settings. Returns what applied.
+
+        RuntimeError if already running or the thread did not come up within `timeout_s`.
+        """
+        if self.running:
+            raise RuntimeError(f"loop '{self.name}' is already running")
+        self._stop.clear()
+        self._ready.clear()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            self.stop(timeout_s)
+            raise RuntimeError(f"loop '{self.name}' did not start within {timeout_s} s")
+        return dict(self.applied)
+
+    def stop(self, timeout_s: float = 1.0) -> bool:
+        """Ask the thread to stop and join it (bounded). True if it has stopped."""
+        self._stop.set()
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout_s)
+        if thread.is_alive():
+            self._log(f"loop '{self.name}' did not stop within {timeout_s} s (step stuck?)")
+            return False
+        self._thread = None
+        return True
+
+    # ---- the loop thread --------------------------------------------------------------------
+    def _setup(self) -> None:
+        applied = apply_realtime_settings(self.rt_priority, self.cpu_affinity, self.lock_memory)
+        if self.manage_gc:
+            self._gc_was_enabled = gc.isenabled()
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+            applied["gc"] = f"frozen ({gc.get_freeze_count()} objects), disabled"
+        else:
+            applied["gc"] = "not managed"
+        self.applied = applied
+        self._log(f"real-time loop '{self.name}' at {1e9 / self.period_ns:.1f} Hz: " + ", ".join(
+            f"{k}: {v}" for k, v in applied.items()))
+
+    def _teardown(self) -> None:
+        if self.manage_gc:
+            gc.unfreeze()
+            if self._gc_was_enabled:
+                gc.enable()
+
+    def _run(self) -> None:
+        try:
+            self._setup()
+        finally:
+            self._ready.set()
+        try:
+            self._cycle_until_stopped()
+        finally:
+            self._teardown()
+
+    def _cycle_until_stopped(self) -> None:
+        clock = time.monotonic_ns
+        sleep = time.sleep
+        period, spin = self.period_ns, self.spin_ns
+        stats, step, stop = self.stats, self.step_fn, self._stop
+        t0 = clock() + period
+        k = 0
+        prev_wake = -1
+        while not stop.is_set():
+            deadline = t0 + k * period
+            remaining = deadline - clock() - spin
+            if remaining > 0:
+                sleep(remaining * 1e-9)
+            while clock() < deadline:
+                pass  # busy-wait the last `spin` ns
+            wake = clock()
+            try:
+                step(deadline)
+            except Exception as exc:  # counted, loop goes on
+                stats.step_errors += 1
+                self.last_error = repr(exc)
+            done = clock()
+            stats.record((wake - deadline) * 1e-9, (done - wake) * 1e-9,
+                         (wake - prev_wake) * 1e-9 if prev_wake >= 0 else None)
+            prev_wake = wake
+            k += 1
+            late = done - (t0 + k * period)
+            if late > 0:  # deadline k (and maybe more) passed during this cycle: skip them
+                skipped = late // period + 1
+                stats.deadline_misses += skipped
+                k += skipped

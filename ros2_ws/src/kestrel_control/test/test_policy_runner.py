@@ -1,0 +1,201 @@
+"""PolicyRunner: observation layout, command = pos + scale * tanh(action), safety, no allocation."""
+
+from __future__ import annotations
+
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # source-tree runs
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kestrel_control.core.policy_runner import PolicyRunner, RunnerConfig  # noqa: E402
+from kestrel_control.core.safety import SafetyStatus  # noqa: E402
+from kestrel_control.core.stats import LoopStats  # noqa: E402
+from kestrel_models.control.policy import PolicyConfig, build_policy  # noqa: E402
+
+torch.set_num_threads(1)
+N = 6
+LOWER, UPPER = np.full(N, -2.0), np.full(N, 2.0)
+TINY = PolicyConfig.tiny(obs_dim=32, num_actions=8)  # 3 * 6 + 8 = 26 <= 32
+MS = 1_000_000
+
+
+def make(**kwargs) -> PolicyRunner:
+    args = {"joint_lower": LOWER, "joint_upper": UPPER, "policy": TINY, "action_scale": 0.1,
+            "seed": 3, "warmup_steps": 2} | kwargs
+    return PolicyRunner(RunnerConfig(**args), counters=LoopStats(1e-3))
+
+
+def feed(runner: PolicyRunner, pos, vel, stamp_ns: int) -> None:
+    runner.joint_states.write(np.stack([np.asarray(pos, float), np.asarray(vel, float)]), stamp_ns)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"policy": PolicyConfig.tiny(obs_dim=64, num_actions=4)}, r"6 joints.*num_actions = 4"),
+        ({"policy": PolicyConfig.tiny(obs_dim=20, num_actions=8)}, r"'obs_dim' = 20.*26"),
+        ({"backend": "tensorrt"}, r"'backend' = 'tensorrt'"),
+        ({"action_scale": 0.0}, "'action_scale'"),
+        ({"max_obs_age_s": -1.0}, "'max_obs_age'"),
+        ({"joint_lower": np.full(N, 3.0)}, "'joint_lower'"),
+        ({"weights_path": "/nonexistent/policy.pt"}, "'weights_path' = '/nonexistent"),
+    ],
+)
+def test_configuration_errors_name_parameter(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make(**kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_backend_refused_without_cuda() -> None:
+    with pytest.raises(ValueError, match="'backend' = 'cuda_eager': CUDA is not available"):
+        make(backend="cuda_eager")
+
+
+def test_no_input_no_command_and_cpu_threads() -> None:
+    runner = make()
+    assert torch.get_num_threads() == 1
+    _, info = runner.step(5 * MS)
+    assert info.status is SafetyStatus.NO_INPUT and not info.valid
+
+
+def test_command_matches_policy_on_documented_observation_layout() -> None:
+    runner = make()
+    ref = build_policy(TINY, seed=3)
+    rng = np.random.default_rng(0)
+    target = rng.uniform(-1, 1, N)
+    runner.target.write(target, 1)
+    h, c = ref.initial_state(1)
+    prev_action = np.zeros(TINY.num_actions, np.float32)
+    for k in range(4):
+        pos, vel = rng.uniform(-1, 1, N), rng.uniform(-3, 3, N)
+        feed(runner, pos, vel, stamp_ns=k * MS)
+        command, info = runner.step(k * MS + MS // 2)
+        assert info.status is SafetyStatus.OK and info.valid
+        assert info.obs_age_s == pytest.approx(0.5e-3) and info.obs_stamp_ns == k * MS
+        obs = np.zeros(TINY.obs_dim, np.float32)
+        obs[:N], obs[N:2 * N], obs[2 * N:3 * N] = pos, vel, target
+        obs[3 * N:3 * N + TINY.num_actions] = prev_action
+        with torch.inference_mode():
+            actions, _, h, c = ref.step(torch.from_numpy(obs)[None], h, c)
+        prev_action = actions[0].numpy()
+        expected = np.clip(pos + 0.1 * np.tanh(prev_action[:N].astype(np.float64)), LOWER, UPPER)
+        np.testing.assert_allclose(command, expected, atol=1e-6)
+    assert runner.counters.clamped_actions == 0
+
+
+def test_clamped_to_limits_and_counted() -> None:
+    runner = make(action_scale=5.0)
+    feed(runner, np.full(N, 1.9), np.zeros(N), 0)
+    command, info = runner.step(MS)
+    assert info.status is SafetyStatus.OK
+    assert np.all(command <= UPPER) and np.all(command >= LOWER)
+    assert np.any(command == UPPER) or np.any(command == LOWER)
+    assert runner.counters.clamped_actions == 1
+
+
+def test_stale_observation_holds_last_command_and_counts() -> None:
+    runner = make()
+    feed(runner, np.full(N, 0.3), np.zeros(N), 0)
+    good, info = runner.step(MS)
+    good = good.copy()
+    held, info = runner.step(25 * MS)  # 25 ms old > max_obs_age 20 ms
+    assert info.status is SafetyStatus.STALE and info.valid
+    np.testing.assert_array_equal(held, good)
+    runner.step(26 * MS)
+    assert runner.counters.stale_inputs == 2
+
+
+def test_stale_first_observation_holds_current_position() -> None:
+    runner = make()
+    feed(runner, np.full(N, 0.3), np.zeros(N), 0)
+    command, info = runner.step(100 * MS)
+    assert info.status is SafetyStatus.STALE and info.valid
+    np.testing.assert_array_equal(command, np.full(N, 0.3))
+
+
+def test_nonfinite_observation_rejected_then_recovers() -> None:
+    runner = make()
+    feed(runner, np.zeros(N), np.zeros(N), 0)
+    good = runner.step(MS)[0].copy()
+    pos = np.zeros(N)
+    pos[2] = np.nan
+    feed(runner, pos, np.zeros(N), 2 * MS)
+    held, info = runner.step(3 * MS)
+    assert info.status is SafetyStatus.NONFINITE_OBS and info.valid
+    np.testing.assert_array_equal(held, good)
+    runner.target.write(np.full(N, np.inf), 3 * MS)  # a bad target is rejected too
+    feed(runner, np.zeros(N), np.zeros(N), 4 * MS)
+    assert runner.step(5 * MS)[1].status is SafetyStatus.NONFINITE_OBS
+    runner.target.write(np.zeros(N), 5 * MS)
+    command, info = runner.step(5 * MS)
+    assert info.status is SafetyStatus.OK and np.all(np.isfinite(command))
+    assert runner.counters.rejected_nonfinite == 2
+
+
+def test_nonfinite_policy_output_holds_and_resets_recurrent_state() -> None:
+    runner = make()
+    feed(runner, np.zeros(N), np.zeros(N), 0)
+    good = runner.step(MS)[0].copy()
+    with torch.no_grad():
+        runner.model.policy_head.bias[1] = float("nan")
+    held, info = runner.step(2 * MS)
+    assert info.status is SafetyStatus.NONFINITE_ACTION and info.valid
+    np.testing.assert_array_equal(held, good)
+    assert runner.counters.rejected_nonfinite == 1
+    assert not runner._h.abs().sum().isnan()  # state not carried poisoned
+    assert np.all(runner._obs[3 * N:] == 0.0)  # previous action cleared
+
+
+def test_weights_file_loaded(tmp_path: Path) -> None:
+    path = tmp_path / "policy.pt"
+    torch.save(build_policy(TINY, seed=11).state_dict(), path)
+    loaded, seeded = make(weights_path=str(path), seed=0), make(seed=11)
+    for r in (loaded, seeded):
+        feed(r, np.full(N, 0.1), np.zeros(N), 0)
+    np.testing.assert_array_equal(loaded.step(MS)[0], seeded.step(MS)[0])
+    wrong = tmp_path / "wrong.pt"
+    torch.save(build_policy(PolicyConfig.tiny(obs_dim=40), seed=1).state_dict(), wrong)
+    with pytest.raises(ValueError, match="'weights_path'.*does not match"):
+        make(weights_path=str(wrong))
+
+
+def test_reference_sizes_run() -> None:
+    runner = make(policy=PolicyConfig())  # obs 256, 512 -> 256, LSTM 256, 12 actions
+    feed(runner, np.zeros(N), np.zeros(N), 0)
+    command, info = runner.step(MS)
+    assert info.valid and command.shape == (N,)
+
+
+def test_steady_state_steps_do_not_allocate() -> None:
+    """After warm-up, 1000 steps leave ~0 net Python-traced memory. (torch's own tensor memory
+    comes from its C++ allocator, outside tracemalloc; per-step wrappers are freed.)"""
+    runner = make()
+    js = np.zeros((2, N))  # [positions; velocities], written like a subscription callback
+    stamp = 0
+    for k in range(200):
+        stamp += MS
+        js[0] = 0.2 + 1e-3 * k
+        runner.joint_states.write(js, stamp)
+        runner.step(stamp + 1000)
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(1000):
+            stamp += MS
+            js[1, 0] += 1e-3
+            runner.joint_states.write(js, stamp)
+            runner.step(stamp + 1000)  # fresh observation: the full inference path
+        after, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert runner.info.status is SafetyStatus.OK and runner.counters.stale_inputs == 0
+    assert after - before < 2048, f"{after - before} bytes retained over 1000 steps"
+    assert peak - before < 64 * 1024

@@ -1,0 +1,198 @@
+"""RealtimeLoop (absolute deadlines, skip on overrun, bounded start/stop) and LoopStats."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # source-tree runs
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kestrel_control.core.rt_loop import RealtimeLoop, apply_realtime_settings  # noqa: E402
+from kestrel_control.core.stats import LoopStats, Ring  # noqa: E402
+
+MSG = Path(__file__).resolve().parents[2] / "kestrel_interfaces" / "msg" / "LoopStatistics.msg"
+PERIOD_NS = 1_000_000
+
+
+class Recorder:
+    """Step function recording (deadline, start, end) per cycle into preallocated arrays."""
+
+    def __init__(self, cycles: int, overrun_at: int = -1, overrun_s: float = 0.0) -> None:
+        self.deadline = np.zeros(cycles, np.int64)
+        self.start = np.zeros(cycles, np.int64)
+        self.end = np.zeros(cycles, np.int64)
+        self.gc_enabled = np.ones(cycles, bool)
+        self.n = 0
+        self.overrun_at, self.overrun_s = overrun_at, overrun_s
+        self.done = threading.Event()
+
+    def __call__(self, deadline_ns: int) -> None:
+        i = self.n
+        if i >= self.deadline.shape[0]:
+            self.done.set()
+            return
+        self.start[i] = time.monotonic_ns()
+        self.deadline[i] = deadline_ns
+        self.gc_enabled[i] = gc.isenabled()
+        if i == self.overrun_at:
+            time.sleep(self.overrun_s)  # the overrun under test, not a synchronisation
+        self.end[i] = time.monotonic_ns()
+        self.n = i + 1
+
+
+def run_loop(rec: Recorder, stats: LoopStats, **kwargs) -> RealtimeLoop:
+    loop = RealtimeLoop(PERIOD_NS * 1e-9, rec, stats, **kwargs)
+    applied = loop.start()
+    assert set(applied) == {"sched_fifo", "cpu_affinity", "mlockall", "gc"}
+    finished = rec.done.wait(10.0)
+    t0 = time.monotonic()
+    assert loop.stop(1.0)
+    assert time.monotonic() - t0 < 1.0 and not loop.running
+    assert finished, f"only {rec.n} cycles in 10 s"
+    return loop
+
+
+def test_300ms_at_1khz_cycle_count_and_absolute_deadlines() -> None:
+    stats = LoopStats(1e-3)
+    rec = Recorder(300)
+    gc_before = gc.isenabled()
+    run_loop(rec, stats)
+    assert gc.isenabled() == gc_before  # re-enabled on stop
+    assert not rec.gc_enabled.any()  # disabled inside the loop
+    d = rec.deadline
+    # Absolute deadlines: every served deadline is on the t0 + k * period grid.
+    assert np.all((d - d[0]) % PERIOD_NS == 0) and np.all(np.diff(d) > 0)
+    # Each deadline in the run was either served or counted as missed (none lost, none extra).
+    spanned = int((d[-1] - d[0]) // PERIOD_NS) + 1
+    assert stats.cycles >= 300
+    assert 300 + stats.deadline_misses >= spanned >= 300
+    # Wall time: 300 cycles took ~300 ms (>= 299 periods: no faster than the rate).
+    elapsed_ms = (rec.start[-1] - rec.start[0]) / 1e6
+    assert 299 * 0.999 <= elapsed_ms <= 299 + stats.deadline_misses + 50
+    assert np.all(rec.start >= d)  # never woken before the deadline
+    snap = stats.snapshot()
+    assert 0.8e-3 <= snap.period_p50 <= 1.2e-3
+    assert 0.0 <= snap.wake_error_p50 < 0.5e-3
+
+
+def test_overrun_counts_misses_and_skips_without_burst() -> None:
+    stats = LoopStats(1e-3)
+    rec = Recorder(60, overrun_at=20, overrun_s=0.0045)
+    run_loop(rec, stats)
+    d, start, end = rec.deadline, rec.start, rec.end
+    # The 4.5 ms step passed 4 deadlines (5 if it woke late): all counted as misses.
+    gap = int((d[21] - d[20]) // PERIOD_NS)
+    assert gap >= 5 and stats.deadline_misses >= gap - 1 >= 4
+    # No catch-up: no cycle ever starts on a deadline that had passed when the previous ended.
+    assert np.all(d[1:] >= end[:-1])
+    # After the overrun the loop is back on the grid, one period apart.
+    assert np.all(np.diff(d[21:]) % PERIOD_NS == 0)
+    assert np.median(np.diff(start[21:31])) >= 0.8 * PERIOD_NS
+    spanned = int((d[-1] - d[0]) // PERIOD_NS) + 1
+    assert 60 + stats.deadline_misses >= spanned
+    assert stats.snapshot().period_max >= 4.5e-3
+
+
+def test_step_exception_counted_loop_continues() -> None:
+    stats = LoopStats(1e-3)
+    rec = Recorder(30)
+
+    def step(deadline_ns: int) -> None:
+        rec(deadline_ns)
+        if rec.n == 5:
+            raise RuntimeError("boom")
+
+    loop = RealtimeLoop(1e-3, step, stats)
+    loop.start()
+    assert rec.done.wait(10.0)
+    assert loop.stop()
+    assert stats.step_errors == 1 and "boom" in loop.last_error and rec.n == 30
+
+
+def test_start_twice_refused_and_stop_idempotent() -> None:
+    rec = Recorder(10**6)
+    loop = RealtimeLoop(2e-3, rec, LoopStats(2e-3), manage_gc=False)
+    assert loop.start()["gc"] == "not managed"
+    with pytest.raises(RuntimeError, match="already running"):
+        loop.start()
+    assert loop.stop() and loop.stop()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [({"period_s": 0.0}, "period_s"), ({"period_s": -1.0}, "period_s"),
+     ({"spin_s": 2e-3}, "spin_s"), ({"rt_priority": 100}, "rt_priority")],
+)
+def test_bad_parameters(kwargs: dict, name: str) -> None:
+    args = {"period_s": 1e-3, "step_fn": lambda _: None, "stats": LoopStats(1e-3)} | kwargs
+    with pytest.raises(ValueError, match=f"'{name}'"):
+        RealtimeLoop(**args)
+
+
+def test_realtime_settings_report_without_raising() -> None:
+    result: dict[str, str] = {}
+
+    def probe() -> None:  # a throwaway thread: its scheduling changes die with it
+        result.update(apply_realtime_settings(rt_priority=1, cpu_affinity=[0]))
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join(5.0)
+    assert result["sched_fifo"].startswith(("applied (priority 1)", "failed:"))
+    assert result["cpu_affinity"].startswith(("applied (cpus [0])", "failed:"))
+    assert result["mlockall"] == "not requested"
+    bad = apply_realtime_settings(cpu_affinity=[100000])
+    assert bad["cpu_affinity"].startswith("failed:")
+
+
+# ---- LoopStats ----------------------------------------------------------------------------
+def test_ring_wraps_and_keeps_the_newest() -> None:
+    ring = Ring(4)
+    for v in range(10):
+        ring.push(float(v))
+    np.testing.assert_array_equal(ring.since(0), [6.0, 7.0, 8.0, 9.0])
+    np.testing.assert_array_equal(ring.since(8), [8.0, 9.0])
+    assert ring.since(10).size == 0
+
+
+def test_snapshot_windows_percentiles_and_counters() -> None:
+    stats = LoopStats(1e-3, capacity=2048)
+    for i in range(1000):
+        stats.record(wake_error_s=i * 1e-6, latency_s=(i + 1) * 1e-6,
+                     period_s=None if i == 0 else 1e-3)
+    stats.deadline_misses, stats.stale_inputs = 2, 3
+    snap = stats.snapshot()
+    assert (snap.cycles_window, snap.cycles_total) == (1000, 1000)
+    assert snap.step_latency_max == pytest.approx(1000e-6)
+    assert snap.step_latency_p50 == pytest.approx(500.5e-6)
+    assert snap.step_latency_p999 == pytest.approx(np.percentile(np.arange(1, 1001) * 1e-6, 99.9))
+    assert snap.wake_error_p99 == pytest.approx(np.percentile(np.arange(1000) * 1e-6, 99))
+    assert snap.period_p50 == pytest.approx(1e-3) and snap.period_max == pytest.approx(1e-3)
+    assert (snap.deadline_misses, snap.stale_inputs, snap.period_target) == (2, 3, 1e-3)
+    for _ in range(10):  # the next window only sees its own samples
+        stats.record(0.0, 5e-3, 2e-3)
+    snap2 = stats.snapshot()
+    assert (snap2.cycles_window, snap2.cycles_total) == (10, 1010)
+    assert snap2.step_latency_p50 == pytest.approx(5e-3) and snap2.period_max == 2e-3
+    empty = stats.snapshot()
+    assert empty.cycles_window == 0 and np.isnan(empty.step_latency_p50)
+    assert stats.percentiles()["step_latency_max"] == pytest.approx(5e-3)
+    stats.reset()
+    assert stats.counters() == dict.fromkeys(LoopStats.COUNTERS, 0)
+
+
+def test_snapshot_fields_match_loop_statistics_msg() -> None:
+    fields = []
+    for line in MSG.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line and not line.startswith("std_msgs/Header"):
+            fields.append(line.split()[1])
+    assert [f.name for f in dataclasses.fields(LoopStats(1e-3).snapshot())] == fields

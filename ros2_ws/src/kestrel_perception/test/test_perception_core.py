@@ -1,0 +1,241 @@
+"""PerceptionCore: happy path, input errors, NaN points, LiDAR fusion, weights, timing."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from kestrel_models.perception import PerceptionConfig, PositionSource
+from kestrel_perception.core import (
+    DEFAULT_CLASS_NAMES,
+    CameraModel,
+    FrameSet,
+    InputError,
+    PerceptionCore,
+    PerceptionCoreConfig,
+)
+
+torch.set_num_threads(1)
+
+H, W = 96, 128  # px, small for speed
+K = np.array([[100.0, 0.0, 64.0], [0.0, 100.0, 48.0], [0.0, 0.0, 1.0]])
+
+
+def extrinsic(tx: float) -> np.ndarray:
+    """T_base_from_cam of a camera at base (tx, 0, 1) looking along base +x."""
+    T = np.eye(4)
+    T[:3, :3] = np.array([[0.0, 0, 1], [-1, 0, 0], [0, -1, 0]])  # columns: cam x, y, z in base
+    T[:3, 3] = (tx, 0.0, 1.0)
+    return T
+
+
+CAMERAS = [CameraModel(K, W, H, "cam0", extrinsic(0.0)), CameraModel(K, W, H, "cam1",
+                                                                         extrinsic(0.5))]
+
+
+def core_config(**kw: object) -> PerceptionCoreConfig:
+    model = PerceptionConfig.tiny(base_width=8, fpn_channels=32, score_threshold=0.0,
+                                  max_detections=12)
+    base: dict[str, object] = dict(model=model, warmup_image_hw=(H, W), warmup_cameras=2,
+                                   max_points=50_000)
+    base.update(kw)
+    return PerceptionCoreConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def core() -> PerceptionCore:
+    return PerceptionCore(core_config())
+
+
+def frames(stamp: int = 1_234_567_890, points: np.ndarray | None = None,
+           images: list[np.ndarray] | None = None) -> FrameSet:
+    rng = np.random.default_rng(stamp % 1000)
+    imgs = images if images is not None else [
+        rng.integers(0, 256, (H, W, 3), dtype=np.uint8) for _ in CAMERAS]
+    return FrameSet(stamp, imgs, list(CAMERAS), points)
+
+
+def wall_points(depth: float, cam_x: float = 0.0, step: float = 0.02) -> np.ndarray:
+    """Points (step m apart) on the plane base x = cam_x + depth, wide enough to cover the
+    whole views of both test cameras (at base x = 0 and 0.5)."""
+    ys, zs = np.meshgrid(np.arange(-1.5, 1.5, step), np.arange(-0.1, 2.1, step))
+    x = np.full(ys.size, cam_x + depth)
+    return np.stack([x, ys.ravel(), zs.ravel()], axis=1).astype(np.float32)
+
+
+# ---- happy path -----------------------------------------------------------------------------
+def test_happy_path_shapes_values_and_stamp(core: PerceptionCore) -> None:
+    out = core.process(frames(stamp=42_000_000_123))
+    assert out.stamp_ns == 42_000_000_123
+    assert len(out.masks) == 2 and len(out.depths) == 2
+    for m, d in zip(out.masks, out.depths, strict=True):
+        assert m.shape == (H, W) and m.dtype == np.uint8
+        assert int(m.max()) < len(DEFAULT_CLASS_NAMES)
+        assert d.shape == (H, W) and d.dtype == np.float32
+        assert np.isfinite(d).all() and (d > 0).all()
+    assert set(out.timings) == {"preprocess", "model", "postprocess", "lidar_fusion"}
+    assert all(v >= 0.0 for v in out.timings.values()) and out.timings["model"] > 0.0
+    assert {d.camera_index for d in out.detections} == {0, 1}
+    assert len(out.detections) == 24  # score_threshold 0: max_detections (12) per camera
+    for det in out.detections:
+        assert 1 <= det.class_index < len(DEFAULT_CLASS_NAMES)  # never background
+        assert det.class_name == DEFAULT_CLASS_NAMES[det.class_index]
+        x1, y1, x2, y2 = det.box_xyxy
+        assert 0 <= x1 < x2 <= W and 0 <= y1 < y2 <= H
+        assert 0.0 <= det.score <= 1.0
+        # no cloud: positions come from the predicted depth (always positive)
+        assert det.position_source == PositionSource.PREDICTED_DEPTH
+        assert det.position is not None and np.isfinite(det.position).all()
+
+
+def test_deterministic_seeded_init() -> None:
+    a = PerceptionCore(core_config(warmup_image_hw=None))
+    b = PerceptionCore(core_config(warmup_image_hw=None))
+    c = PerceptionCore(core_config(warmup_image_hw=None, seed=1))
+    f = frames()
+    oa, ob, oc = a.process(f), b.process(f), c.process(f)
+    np.testing.assert_array_equal(oa.depths[0], ob.depths[0])
+    assert not np.array_equal(oa.depths[0], oc.depths[0])
+
+
+def test_runtime_head_subset(core: PerceptionCore) -> None:
+    out = core.process(frames(), heads=frozenset({"detection"}))
+    assert out.masks == [] and out.depths == [] and len(out.detections) == 24
+    # neither a cloud nor a depth map: no position
+    assert all(d.position is None and d.position_source == PositionSource.NONE
+               for d in out.detections)
+
+
+def test_bgr_view_and_non_contiguous_images_are_copied(core: PerceptionCore) -> None:
+    f = frames()
+    flipped = [np.ascontiguousarray(img[..., ::-1]) for img in f.images]
+    views = [img[..., ::-1] for img in f.images]  # strided views
+    a = core.process(frames(images=flipped))
+    b = core.process(frames(images=views))
+    np.testing.assert_array_equal(a.depths[1], b.depths[1])
+
+
+# ---- input errors ---------------------------------------------------------------------------
+def _img(h: int = H, w: int = W, c: int = 3, dtype: type = np.uint8) -> np.ndarray:
+    return np.zeros((h, w, c), dtype=dtype) if c else np.zeros((h, w), dtype=dtype)
+
+
+@pytest.mark.parametrize("images,code", [
+    ([_img(), _img(h=H + 2)], "size_mismatch"),
+    ([_img(), _img(c=0)], "bad_image"),
+    ([_img(c=4), _img()], "bad_image"),
+    ([_img(), _img(dtype=np.float32)], "bad_image"),
+    ([_img()], "no_images"),
+])
+def test_bad_images_raise_input_error(core: PerceptionCore, images: list, code: str) -> None:
+    with pytest.raises(InputError) as err:
+        core.process(frames(images=images))
+    assert err.value.reason_code == code
+    assert "camera" in err.value.message or code == "no_images"
+
+
+def test_size_mismatch_names_both_sizes(core: PerceptionCore) -> None:
+    with pytest.raises(InputError) as err:
+        core.process(frames(images=[_img(), _img(h=50, w=60)]))
+    assert err.value.reason_code == "size_mismatch"
+    assert "60x50" in err.value.message and f"{W}x{H}" in err.value.message
+
+
+def test_mixed_sizes_and_bad_camera(core: PerceptionCore) -> None:
+    small = CameraModel(K, 64, 48, "small", extrinsic(0.0))
+    f = FrameSet(1, [_img(), _img(48, 64)], [CAMERAS[0], small])
+    with pytest.raises(InputError) as err:
+        core.process(f)
+    assert err.value.reason_code == "mixed_sizes"
+    zero_k = CameraModel(np.zeros((3, 3)), W, H, "uncalibrated")
+    with pytest.raises(InputError) as err:
+        core.process(FrameSet(1, [_img(), _img()], [CAMERAS[0], zero_k]))
+    assert err.value.reason_code == "bad_camera" and "uncalibrated" in err.value.message
+
+
+def test_point_errors(core: PerceptionCore) -> None:
+    with pytest.raises(InputError) as err:
+        core.process(frames(points=np.zeros((50_001, 3), np.float32)))
+    assert err.value.reason_code == "too_many_points" and "50001" in err.value.message
+    with pytest.raises(InputError) as err:
+        core.process(frames(points=np.zeros((10, 2), np.float32)))
+    assert err.value.reason_code == "bad_points"
+    # the core keeps working after errors
+    assert len(core.process(frames()).detections) == 24
+
+
+# ---- points ---------------------------------------------------------------------------------
+def test_nan_points_filtered_and_counted(core: PerceptionCore) -> None:
+    pts = wall_points(2.0)
+    n = pts.shape[0]
+    pts[:7, 1] = np.nan
+    pts[7, 2] = np.inf
+    out = core.process(frames(points=pts))
+    assert out.dropped_points == 8
+    assert out.used_points == n - 8 and out.truncated_points == 0
+    all_nan = np.full((100, 3), np.nan, np.float32)
+    out = core.process(frames(points=all_nan))
+    assert out.dropped_points == 100 and out.used_points == 0
+    assert all(d.position_source == PositionSource.PREDICTED_DEPTH for d in out.detections)
+
+
+def test_empty_cloud_uses_predicted_depth(core: PerceptionCore) -> None:
+    out = core.process(frames(points=np.zeros((0, 3), np.float32)))
+    assert out.dropped_points == 0 and out.used_points == 0
+    assert all(d.position_source == PositionSource.PREDICTED_DEPTH for d in out.detections)
+
+
+def test_positions_from_lidar(core: PerceptionCore) -> None:
+    # a wall 2 m in front of camera 0 (base x = 2), i.e. 1.5 m in front of camera 1
+    out = core.process(frames(points=wall_points(2.0)))
+    assert len(out.detections) == 24
+    for det in out.detections:
+        assert det.position_source == PositionSource.LIDAR
+        assert det.position is not None
+        # every point of the wall has base x = 2; the box centre lies on it
+        np.testing.assert_allclose(det.position[0], 2.0, atol=1e-4)
+        cam = CAMERAS[det.camera_index]
+        p_cam = np.linalg.inv(cam.T_base_from_cam) @ np.append(det.position, 1.0)
+        uvw = K @ p_cam[:3]
+        centre = ((det.box_xyxy[0] + det.box_xyxy[2]) / 2, (det.box_xyxy[1] + det.box_xyxy[3]) / 2)
+        np.testing.assert_allclose(uvw[:2] / uvw[2], centre, atol=1e-3)
+
+
+# ---- config / weights -----------------------------------------------------------------------
+def test_config_errors_name_parameter() -> None:
+    with pytest.raises(ValueError, match="'class_names'"):
+        core_config(class_names=("background", "cube"))
+    with pytest.raises(ValueError, match="'device' = 'tpu'"):
+        core_config(device="tpu")
+    with pytest.raises(ValueError, match="'weights_path' = '/nonexistent.pt'"):
+        core_config(weights_path="/nonexistent.pt")
+
+
+def test_weights_path_round_trip(core: PerceptionCore, tmp_path) -> None:
+    path = tmp_path / "w.pt"
+    torch.save(core.model.state_dict(), path)
+    other = PerceptionCore(core_config(weights_path=str(path), seed=7, warmup_image_hw=None))
+    f = frames()
+    np.testing.assert_array_equal(other.process(f).masks[0], core.process(f).masks[0])
+    bad = tmp_path / "bad.pt"
+    torch.save({"nope": torch.zeros(1)}, bad)
+    with pytest.raises(ValueError, match="'weights_path'.*cannot load"):
+        PerceptionCore(core_config(weights_path=str(bad), warmup_image_hw=None))
+
+
+def test_tiny_demo_config_latency_one_thread() -> None:
+    """Tiny demo config (ResNet-18, width 16, FPN 64) at 320x256: well under 150 ms."""
+    demo = PerceptionCore(PerceptionCoreConfig(num_threads=1))
+    rng = np.random.default_rng(0)
+    k = np.array([[300.0, 0, 160], [0, 300.0, 128], [0, 0, 1]])
+    f = FrameSet(1, [rng.integers(0, 256, (256, 320, 3), dtype=np.uint8)],
+                 [CameraModel(k, 320, 256)], wall_points(3.0))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        demo.process(f)
+        times.append(time.perf_counter() - t0)
+    # typically ~20 ms; the bound leaves room for a shared, loaded CI machine
+    assert float(np.median(times)) < 0.150

@@ -1,0 +1,24 @@
+"""Pure-Python planner core (no rclpy): skills, plan schema, constrained decoding, validation,
+execution, and the PlannerCore that ties the VLM to them."""
+
+from kestrel_planner.core.constrained import PlanGrammar, PlanLogitsProcessor
+from kestrel_planner.core.executor import (
+    ControlTargetSpec, ExecutorConfig, ExecutorOutput, PlanExecutor, StepEvent, StepState,
+    TargetMode,
+)
+from kestrel_planner.core.plan import (
+    Plan, PlanParseError, PlanStep, SceneObject, format_plan, parse_plan,
+)
+from kestrel_planner.core.planner_core import (
+    PlannerConfig, PlannerCore, PlannerInputError, PlanRequest, PlanResult,
+)
+from kestrel_planner.core.skills import SKILLS, Skill, skill_by_name
+from kestrel_planner.core.validator import PlanLimits, PlanValidator, ValidationReport
+
+__all__ = [
+    "PlanGrammar", "PlanLogitsProcessor", "ControlTargetSpec", "ExecutorConfig",
+    "ExecutorOutput", "PlanExecutor", "StepEvent", "StepState", "TargetMode", "Plan",
+    "PlanParseError", "PlanStep", "SceneObject", "format_plan", "parse_plan", "PlannerConfig",
+    "PlannerCore", "PlannerInputError", "PlanRequest", "PlanResult", "SKILLS", "Skill",
+    "skill_by_name", "PlanLimits", "PlanValidator", "ValidationReport",
+]

@@ -1,0 +1,243 @@
+"""Plan execution: an accepted plan -> a sequence of control targets with per-step status.
+
+Each step expands into waypoints (skills.skill_points for the Cartesian geometry, a gripper
+command, or the home joint configuration). `tick(now_s, ee_position)` returns the target to
+send and the status transitions: a Cartesian waypoint is reached when the end effector is within
+`position_tolerance` m; a gripper command after `gripper_time` s; HOME when the joints (or the
+end effector, if `home_position` is set) are within tolerance. A step that does not finish
+within `step_timeout` s FAILS and the rest of the plan is ABORTED. Without feedback
+(ee_position None) Cartesian steps can only time out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from kestrel_planner.core.plan import Plan, SceneObject
+from kestrel_planner.core.skills import Skill, skill_points
+
+__all__ = ["TargetMode", "StepState", "ControlTargetSpec", "StepEvent", "ExecutorConfig",
+           "ExecutorOutput", "PlanExecutor"]
+
+Vec3 = tuple[float, float, float]
+
+
+class TargetMode(IntEnum):
+    """ControlTarget.MODE_* values."""
+
+    HOLD = 0
+    JOINT = 1
+    CARTESIAN = 2
+
+
+class StepState(IntEnum):
+    """StepStatus.STATUS_* values."""
+
+    PENDING = 0
+    ACTIVE = 1
+    SUCCEEDED = 2
+    FAILED = 3
+    ABORTED = 4
+
+
+@dataclass(frozen=True)
+class ControlTargetSpec:
+    """mode; position xyz m (CARTESIAN); joint_positions rad (JOINT); max_speed m/s or rad/s;
+    gripper 0 = open, 1 = closed; the plan step it executes."""
+
+    mode: TargetMode
+    position: Vec3 = (0.0, 0.0, 0.0)
+    joint_positions: tuple[float, ...] = ()
+    max_speed: float = 0.0
+    gripper: float = 0.0
+    step_index: int = 0
+    skill_name: str = ""
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    step_index: int
+    step_count: int
+    status: StepState
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    position_tolerance: float = 0.01  # m
+    step_timeout: float = 10.0  # s
+    gripper_time: float = 0.5  # s to wait for a gripper command
+    home_joint_positions: tuple[float, ...] = ()  # rad, control node's joint order
+    home_position: Vec3 | None = None  # m, optional EE position check for HOME
+    joint_tolerance: float = 0.02  # rad
+    home_speed: float = 0.5  # rad/s
+
+    def __post_init__(self) -> None:
+        for name in ("position_tolerance", "step_timeout", "joint_tolerance", "home_speed"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"parameter '{name}' = {v!r}: must be finite and > 0")
+        if not (math.isfinite(self.gripper_time) and self.gripper_time >= 0):
+            raise ValueError(f"parameter 'gripper_time' = {self.gripper_time!r}: must be >= 0")
+
+
+@dataclass
+class ExecutorOutput:
+    target: ControlTargetSpec | None
+    events: list[StepEvent] = field(default_factory=list)
+
+
+@dataclass
+class _Waypoint:
+    kind: str  # "cartesian" | "gripper" | "joint"
+    target: ControlTargetSpec
+
+
+def _dist(a: Sequence[float], b: Sequence[float]) -> float:
+    return math.sqrt(sum((float(x) - float(y)) ** 2 for x, y in zip(a, b, strict=True)))
+
+
+class PlanExecutor:
+    def __init__(self, config: ExecutorConfig) -> None:
+        self.config = config
+        self.statuses: list[StepState] = []
+        self._plan: list[list[_Waypoint]] = []
+        self._names: list[str] = []
+        self._step = 0
+        self._wp = 0
+        self._t_step = 0.0
+        self._t_wp = 0.0
+        self._gripper = 0.0
+
+    # ---- state -----------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return any(s in (StepState.PENDING, StepState.ACTIVE) for s in self.statuses)
+
+    @property
+    def active_index(self) -> int | None:
+        return self._step if self.running else None
+
+    def _event(self, i: int, st: StepState, msg: str = "") -> StepEvent:
+        self.statuses[i] = st
+        return StepEvent(i, len(self.statuses), st, msg)
+
+    # ---- plan -> waypoints -----------------------------------------------------------------
+    def _expand(self, plan: Plan, objects: Sequence[SceneObject]) -> list[list[_Waypoint]]:
+        scene = {o.name: o for o in objects}
+        grip = self._gripper
+        steps: list[list[_Waypoint]] = []
+        for i, step in enumerate(plan.steps):
+            skill = Skill(int(step.skill))
+            name = skill.text
+            wps: list[_Waypoint] = []
+
+            def cart(p: Vec3, g: float, speed: float, i: int = i, name: str = name) -> _Waypoint:
+                return _Waypoint("cartesian", ControlTargetSpec(
+                    TargetMode.CARTESIAN, tuple(p), (), speed, g, i, name))
+
+            def gripper(g: float, i: int = i, name: str = name) -> _Waypoint:
+                return _Waypoint("gripper", ControlTargetSpec(
+                    TargetMode.HOLD, (0.0, 0.0, 0.0), (), 0.0, g, i, name))
+
+            if skill in (Skill.MOVE_TO, Skill.PICK, Skill.PLACE, Skill.PUSH):
+                obj = scene.get(step.target_object)
+                if obj is None or obj.position is None:
+                    raise ValueError(f"step {i + 1}: target {step.target_object!r} has no "
+                                     "position in the scene")
+                dist = step.value("distance") if skill == Skill.PUSH else 0.0
+                pts = skill_points(skill, obj.position, step.value("height"), dist)
+                speed = step.value("speed")
+                if skill == Skill.PICK:
+                    grip = 0.0
+                wps += [cart(p, grip, speed) for p in pts]
+                if skill == Skill.PICK:
+                    grip = 1.0
+                    wps.append(gripper(grip))
+                elif skill == Skill.PLACE:
+                    grip = 0.0
+                    wps.append(gripper(grip))
+            elif skill in (Skill.OPEN_GRIPPER, Skill.CLOSE_GRIPPER):
+                grip = 0.0 if skill == Skill.OPEN_GRIPPER else 1.0
+                wps.append(gripper(grip))
+            else:  # HOME
+                wps.append(_Waypoint("joint", ControlTargetSpec(
+                    TargetMode.JOINT, (0.0, 0.0, 0.0), tuple(self.config.home_joint_positions),
+                    self.config.home_speed, grip, i, name)))
+            steps.append(wps)
+        return steps
+
+    # ---- public API ------------------------------------------------------------------------
+    def start(self, plan: Plan, objects: Sequence[SceneObject], now_s: float) -> list[StepEvent]:
+        """Begin executing an (accepted) plan; a running plan is preempted (its remaining
+        steps ABORTED). ValueError if a target has no position (nothing is changed then)."""
+        expanded = self._expand(plan, objects)
+        events = self.abort("preempted by a new plan") if self.running else []
+        self._plan = expanded
+        self._names = [Skill(int(s.skill)).text for s in plan.steps]
+        self.statuses = [StepState.PENDING] * len(expanded)
+        self._step, self._wp = 0, 0
+        if expanded:
+            self._t_step = self._t_wp = now_s
+            events.append(self._event(0, StepState.ACTIVE, self._names[0]))
+        return events
+
+    def abort(self, reason: str = "aborted") -> list[StepEvent]:
+        """Every PENDING/ACTIVE step -> ABORTED. The caller should command HOLD."""
+        return [self._event(i, StepState.ABORTED, reason) for i, s in enumerate(self.statuses)
+                if s in (StepState.PENDING, StepState.ACTIVE)]
+
+    def hold_target(self) -> ControlTargetSpec:
+        return ControlTargetSpec(TargetMode.HOLD, gripper=self._gripper,
+                                 step_index=self._step, skill_name="hold")
+
+    def _reached(self, wp: _Waypoint, now_s: float, ee: Sequence[float] | None,
+                 joints: Sequence[float] | None) -> bool:
+        c = self.config
+        if wp.kind == "gripper":
+            return now_s - self._t_wp >= c.gripper_time
+        if wp.kind == "joint":
+            home = wp.target.joint_positions
+            if joints is not None and home and len(joints) == len(home):
+                return max(abs(float(a) - b) for a, b in zip(joints, home, strict=True)) \
+                    <= c.joint_tolerance
+            if ee is not None and c.home_position is not None:
+                return _dist(ee, c.home_position) <= c.position_tolerance
+            return False
+        return ee is not None and _dist(ee, wp.target.position) <= c.position_tolerance
+
+    def tick(self, now_s: float, ee_position: Sequence[float] | None = None,
+             joint_positions: Sequence[float] | None = None) -> ExecutorOutput:
+        """Advance on feedback (ee_position xyz m, joint_positions rad; either may be None).
+        Returns the current target (None when no plan is running) and status transitions."""
+        events: list[StepEvent] = []
+        if ee_position is not None and (len(ee_position) != 3 or
+                                        not all(math.isfinite(float(v)) for v in ee_position)):
+            ee_position = None  # malformed feedback is treated as no feedback
+        while self.running:
+            wps = self._plan[self._step]
+            wp = wps[self._wp]
+            if self._reached(wp, now_s, ee_position, joint_positions):
+                if wp.kind == "gripper":
+                    self._gripper = wp.target.gripper
+                self._wp += 1
+                self._t_wp = now_s
+                if self._wp < len(wps):
+                    continue
+                events.append(self._event(self._step, StepState.SUCCEEDED))
+                self._step, self._wp = self._step + 1, 0
+                self._t_step = now_s
+                if self._step < len(self._plan):
+                    events.append(self._event(self._step, StepState.ACTIVE,
+                                              self._names[self._step]))
+                continue
+            if now_s - self._t_step > self.config.step_timeout:
+                events.append(self._event(self._step, StepState.FAILED,
+                                          f"timeout after {self.config.step_timeout:.1f} s"))
+                events += self.abort(f"step {self._step} failed")
+                return ExecutorOutput(self.hold_target(), events)
+            return ExecutorOutput(wp.target, events)
+        return ExecutorOutput(None, events)
