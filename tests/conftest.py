@@ -11,7 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ros_harness import DomainLease, NodeProcess, Probe, ros_env, spawn_node  # noqa: E402
+from ros_harness import (DomainLease, NodeProcess, Probe, dds_shm_files,  # noqa: E402
+                         orphaned_shm_files, ros_env, spawn_node)
 
 
 def _ros_available() -> str | None:
@@ -48,7 +49,18 @@ def env(ros_domain: int, run_dir: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def probe(ros_domain: int) -> Iterator[Probe]:
+def dds_guard(ros_domain: int) -> Iterator[None]:
+    """After the test's processes and probe are gone, no Fast DDS shared-memory file that
+    appeared during the test may be left orphaned in /dev/shm."""
+    before = dds_shm_files()
+    yield
+    new = dds_shm_files() - before
+    orphans = orphaned_shm_files(new)
+    assert not orphans, f"orphaned Fast DDS files left in /dev/shm: {sorted(orphans)}"
+
+
+@pytest.fixture
+def probe(ros_domain: int, dds_guard: None) -> Iterator[Probe]:
     p = Probe(ros_domain)
     try:
         yield p
@@ -57,7 +69,7 @@ def probe(ros_domain: int) -> Iterator[Probe]:
 
 
 @pytest.fixture
-def launch_node(env: dict[str, str], run_dir: Path) -> Iterator:
+def launch_node(env: dict[str, str], run_dir: Path, dds_guard: None) -> Iterator:
     """launch_node(module, node_name, params=None, remaps=None) -> NodeProcess.
 
     On teardown every process is stopped (bounded) and its process group must be gone.

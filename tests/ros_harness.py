@@ -60,6 +60,8 @@ def ros_env(domain_id: int, run_dir: Path) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         "RCUTILS_COLORIZED_OUTPUT": "0",
         "OMP_NUM_THREADS": "1",
+        # tests/ holds small test-only nodes (echo_node.py)
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
     })
     return env
 
@@ -225,6 +227,44 @@ class Probe:
         self.node.destroy_node()
         self._rclpy.try_shutdown(context=self.context)
         self._thread.join(timeout=5.0)
+
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIXES = ("fastrtps_", "fastdds_")
+
+
+def dds_shm_files() -> set[str]:
+    """Fast DDS shared-memory segments and port files in /dev/shm. Not the named semaphores
+    `sem.fastdds_port<N>_mutex`: Fast DDS keeps one per port on purpose and reuses it."""
+    try:
+        return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(SHM_PREFIXES)}
+    except OSError:
+        return set()
+
+
+def orphaned_shm_files(candidates: set[str]) -> set[str]:
+    """The candidates that no live process has mapped or open (left by a dead process)."""
+    if not candidates:
+        return set()
+    in_use: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            maps = (proc / "maps").read_text()
+        except OSError:
+            continue
+        for name in candidates:
+            if name in maps:
+                in_use.add(name)
+        try:
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/"):
+                    in_use.add(target[len("/dev/shm/"):])
+        except OSError:
+            continue
+    return {name for name in candidates if name not in in_use and (SHM_DIR / name).exists()}
 
 
 def diagnostics_values(msgs: list, node_name: str) -> dict[str, str]:

@@ -11,7 +11,7 @@ import pytest
 pytestmark = [pytest.mark.dds, pytest.mark.slow]
 
 
-def test_stack_runs_end_to_end(env, ros_domain, run_dir):
+def test_stack_runs_end_to_end(env, ros_domain, run_dir, dds_guard):
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
 

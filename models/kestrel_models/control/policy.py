@@ -107,10 +107,16 @@ class ActorCritic(nn.Module):
         value [B, 1], h' [1, B, H], c' [1, B, H]). New tensors are returned; a real-time caller
         copies h', c' into its own preallocated state (`h.copy_(h_new)`).
         """
-        feats = self.encoder(obs).unsqueeze(1)  # [B, 1, E]
-        out, (h_new, c_new) = self.lstm(feats, (h, c))  # out: [B, 1, H]
-        last = out[:, 0]  # [B, H]
-        return self.policy_head(last), self.value_head(last), h_new, c_new
+        feats = self.encoder(obs)  # [B, E]
+        lstm = self.lstm
+        # One fused LSTM-cell op on the nn.LSTM's own weights (gate order i, f, g, o). On CPU it
+        # is ~10x faster than calling nn.LSTM for T=1 (which repacks its weights every call).
+        h_new, c_new = torch.lstm_cell(
+            feats, (h[0], c[0]), lstm.weight_ih_l0, lstm.weight_hh_l0, lstm.bias_ih_l0,
+            lstm.bias_hh_l0,
+        )  # [B, H] each
+        return (self.policy_head(h_new), self.value_head(h_new), h_new.unsqueeze(0),
+                c_new.unsqueeze(0))
 
 
 def build_policy(

@@ -93,28 +93,35 @@ def test_projection_hits_object_colours(world: SimWorld, camera: CameraSensor) -
 
 
 def test_depth_matches_ray_casts(world: SimWorld, camera: CameraSensor) -> None:
+    """Depth = distance along the optical axis of the surface the pixel's ray hits.
+
+    The tolerance allows half a pixel of position (llvmpipe evaluates depth ~0.4 px away from
+    the pixel centre; a GPU does not): 1 mm + 0.5 x the local depth change per pixel.
+    """
     world.reset(0)
     frame = camera.render()
     k_inv = np.linalg.inv(camera.intrinsics())
     t = camera.extrinsics()
     origin = t[:3, 3].copy()
-    errs = []
+    errs, n_checked = [], 0
     geomid = np.zeros(1, dtype=np.int32)
-    for v in range(4, H, 12):
-        for u in range(4, W, 12):
-            ray_cam = k_inv @ np.array([u, v, 1.0])  # z = 1
-            ray_w = t[:3, :3] @ ray_cam
+    for v in range(4, H - 1, 7):
+        for u in range(4, W - 1, 7):
+            ray_w = t[:3, :3] @ (k_inv @ np.array([u, v, 1.0]))  # optical z component = 1
             dist = mujoco.mj_ray(world.model, world.data, origin, ray_w, None, 1, -1, geomid)
             if dist < 0:
                 assert not np.isfinite(frame.depth[v, u])
                 continue
             patch = frame.depth[v - 1:v + 2, u - 1:u + 2]
-            if np.ptp(patch) > 0.02:  # skip depth edges (sub-pixel aliasing)
+            if np.ptp(patch) > 0.03:  # skip depth edges
                 continue
-            errs.append(abs(frame.depth[v, u] - dist))  # ray has unit z: dist = optical depth
-    errs = np.array(errs)
-    assert len(errs) > 300
-    assert np.median(errs) < 1e-3 and np.percentile(errs, 95) < 5e-3, errs.max()
+            grad = max(abs(patch[2, 1] - patch[0, 1]), abs(patch[1, 2] - patch[1, 0])) / 2
+            err = abs(frame.depth[v, u] - dist)  # unit optical z: ray parameter = depth
+            assert err <= 1e-3 + 0.5 * grad, ((u, v), err, grad)
+            errs.append(err)
+            n_checked += 1
+    assert n_checked > 1000
+    assert np.median(errs) < 2e-3
 
 
 def test_render_follows_state_changes(world: SimWorld, camera: CameraSensor) -> None:
@@ -195,7 +202,8 @@ def test_lidar_sees_moved_object_and_validates(world: SimWorld) -> None:
     lidar = LidarSensor(world, n_vertical=32, n_horizontal=360)
     scan = lidar.scan()
     red = next(o for o in world.ground_truth() if o.name == "red_cube")
-    near = np.linalg.norm(scan.points - red.position, axis=1) < 0.045
+    near = ((np.linalg.norm(scan.points[:, :2] - red.position[:2], axis=1) < 0.035)
+            & (scan.points[:, 2] > world.table_height + 0.005))  # above the table top
     assert near.sum() >= 5
     assert np.all(np.array(CLASS_NAMES)[scan.class_index[near]] == "red_cube")
     world.reset(0)
@@ -205,6 +213,27 @@ def test_lidar_sees_moved_object_and_validates(world: SimWorld) -> None:
         LidarSensor(world, fov=(0.5, -0.5))
     with pytest.raises(ValueError, match="camera_width"):
         CameraSensor(world, width=8)
+
+
+def test_lidar_sees_the_arm(world: SimWorld) -> None:
+    world.reset(0)
+    world.set_joint_positions([0.0, 0.8, 0.6, 1.0, 0.0, 0.0])  # gripper over the table
+    ee = world.end_effector_position()
+    assert ee[2] > world.table_height + 0.2
+    scan = LidarSensor(world).scan()
+    cls = np.array(CLASS_NAMES)[scan.class_index]
+    robot = scan.points[cls == "robot"]
+    assert len(robot) > 20
+    assert np.min(np.linalg.norm(robot - ee, axis=1)) < 0.08  # hits on the gripper
+    # nothing is seen through the gripper palm: no hit lies beyond it on a ray through it
+    palm = world.data.geom("gripper_palm").xpos.copy()
+    origin = world.data.site_xpos[world.info.lidar_site_id]
+    dirs = (scan.points - origin) / scan.ranges[:, None]
+    along = (palm - origin) @ dirs.T  # [N] distance along each ray to the palm's foot point
+    miss = np.linalg.norm(origin + along[:, None] * dirs - palm, axis=1)
+    through = (miss < 0.01) & (scan.ranges > along + 0.02)
+    assert (miss < 0.01).sum() >= 1 and not np.any(through)
+    world.reset(0)
 
 
 def test_sensor_costs(world: SimWorld, camera: CameraSensor) -> None:
