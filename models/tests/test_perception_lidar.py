@@ -152,3 +152,26 @@ def test_box_positions_batch_and_empty_cloud() -> None:
     pos0, src0 = box_positions(torch.zeros((0, 4)), empty, empty[:, 0], empty[:, 0].bool(),
                                depth_map, K, T)
     assert pos0.shape == (0, 3) and src0.shape == (0,)
+
+
+def test_lidar_median_equals_numpy_lower_median() -> None:
+    g = torch.Generator().manual_seed(5)
+    n = 3000
+    uv = torch.rand(n, 2, generator=g) * torch.tensor([100.0, 80.0])
+    depth = torch.rand(n, generator=g) * 9 + 1
+    valid = torch.rand(n, generator=g) > 0.2
+    xy = torch.rand(40, 2, generator=g) * torch.tensor([90.0, 70.0])
+    boxes = torch.cat([xy, xy + torch.rand(40, 2, generator=g) * 30 + 0.5], dim=1)
+    T = torch.eye(4, dtype=torch.float64)
+    pos, src = box_positions(boxes, uv, depth, valid, None, K, T, min_points=3)
+    u, v, z, ok = uv[:, 0].numpy(), uv[:, 1].numpy(), depth.numpy(), valid.numpy()
+    checked = 0
+    for i, (x1, y1, x2, y2) in enumerate(boxes.tolist()):
+        sel = np.sort(z[ok & (u >= x1) & (u <= x2) & (v >= y1) & (v <= y2)])
+        if sel.size >= 3:
+            assert src[i] == PositionSource.LIDAR
+            assert pos[i, 2].item() == pytest.approx(float(sel[(sel.size - 1) // 2]))
+            checked += 1
+        else:
+            assert src[i] == PositionSource.NONE
+    assert checked > 20

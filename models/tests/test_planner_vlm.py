@@ -231,3 +231,20 @@ def test_sampling_is_seeded(model: VisionLanguageModel) -> None:
 
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+def test_bigram_state_dict_drives_greedy_decoding() -> None:
+    from kestrel_models.planner.vlm import bigram_state_dict
+
+    tok = ByteTokenizer()
+    cfg = get_config("tiny")
+    text = tok.encode("\nhome\n") + [tok.eos_id]
+    m = VisionLanguageModel(cfg).eval()
+    m.load_state_dict(bigram_state_dict(cfg, text, tok.eos_id, tok.encode("abc")))
+    m.setup_cache(1, 128)
+    res = generate(m, [tok.encode("task: go\n", add_bos=True)], tok.eos_id, tok.pad_id, 20,
+                   image=_img(1))
+    # '\n' -> 'h' (first successor), ..., 'e' -> '\n', '\n' -> 'h' again until the budget.
+    assert tok.decode(res.tokens[0]).startswith("home\nhome\n")
+    with pytest.raises(ValueError, match="do not fit"):
+        bigram_state_dict(cfg, list(range(256)), tok.eos_id, [])

@@ -110,17 +110,21 @@ def box_positions(boxes: torch.Tensor, uv: torch.Tensor, depth: torch.Tensor,
         return torch.zeros((0, 3), dtype=dt, device=boxes.device), src
     keep = valid.nonzero().flatten()
     if keep.numel() > 0:
-        u, v, zs = uv[keep, 0].float(), uv[keep, 1].float(), depth[keep].float()  # [M]
+        zs, order = depth[keep].float().sort()  # [M] ascending depth, m
+        u, v = uv[keep[order], 0].float(), uv[keep[order], 1].float()  # [M] px
         bx = boxes.float()
         chunk = max(1, (1 << 22) // keep.numel())  # bound the [D, M] masks to ~4M entries
         for s in range(0, d, chunk):
             b = bx[s:s + chunk]
             inside = ((u[None] >= b[:, 0:1]) & (u[None] <= b[:, 2:3])
                       & (v[None] >= b[:, 1:2]) & (v[None] <= b[:, 3:4]))  # [d_chunk, M]
-            masked = torch.where(inside, zs[None, :], torch.full_like(zs[None, :], torch.nan))
-            med = torch.nanmedian(masked, dim=1).values.to(dt)  # NaN where no point
-            use = inside.sum(dim=1) >= max(1, min_points)
-            z[s:s + chunk] = torch.where(use, med, z[s:s + chunk])
+            count = inside.sum(dim=1)  # [d_chunk]
+            # lower median without a per-box sort: points are depth-sorted, so it is the
+            # point where the running count of inside points reaches ceil(count / 2)
+            rank = inside.cumsum(dim=1, dtype=torch.int32)  # [d_chunk, M]
+            first = (rank >= ((count + 1) // 2)[:, None]).to(torch.uint8).argmax(dim=1)
+            use = count >= max(1, min_points)
+            z[s:s + chunk] = torch.where(use, zs[first].to(dt), z[s:s + chunk])
             src[s:s + chunk][use] = int(PositionSource.LIDAR)
     if depth_map is not None:
         h, w = depth_map.shape[-2:]
@@ -130,9 +134,9 @@ def box_positions(boxes: torch.Tensor, uv: torch.Tensor, depth: torch.Tensor,
             r0, r1 = max(0, int(np.floor(y1))), min(h, int(np.ceil(y2)))
             if c1 <= c0 or r1 <= r0:
                 continue
-            patch = depth_map[..., r0:r1, c0:c1].reshape(-1).to(dt)
-            med = torch.nanmedian(patch)
-            if torch.isfinite(med) and med > 0:
+            # depth_map may live on another device (e.g. the CPU copy of a CUDA output)
+            med = float(torch.nanmedian(depth_map[..., r0:r1, c0:c1].reshape(-1)))
+            if np.isfinite(med) and med > 0:
                 z[i] = med
                 src[i] = int(PositionSource.PREDICTED_DEPTH)
     cu = (boxes[:, 0] + boxes[:, 2]) * 0.5

@@ -20,14 +20,14 @@ class ImageDetections:
 
 def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """IoU of xyxy boxes a [N,4] and b [M,4] -> [N, M]."""
-    area_a = (a[:, 2] - a[:, 0]).clamp(min=0) * (a[:, 3] - a[:, 1]).clamp(min=0)
-    area_b = (b[:, 2] - b[:, 0]).clamp(min=0) * (b[:, 3] - b[:, 1]).clamp(min=0)
-    lt = torch.maximum(a[:, None, :2], b[None, :, :2])
-    rb = torch.minimum(a[:, None, 2:], b[None, :, 2:])
-    wh = (rb - lt).clamp(min=0)
-    inter = wh[..., 0] * wh[..., 1]
-    union = area_a[:, None] + area_b[None, :] - inter
-    return inter / union.clamp(min=1e-9)
+    ax1, ay1, ax2, ay2 = (c[:, None] for c in a.unbind(dim=1))  # each [N,1]
+    bx1, by1, bx2, by2 = (c[None, :] for c in b.unbind(dim=1))  # each [1,M]
+    area_a = (ax2 - ax1).clamp(min=0) * (ay2 - ay1).clamp(min=0)  # [N,1]
+    area_b = (bx2 - bx1).clamp(min=0) * (by2 - by1).clamp(min=0)  # [1,M]
+    iw = (torch.minimum(ax2, bx2) - torch.maximum(ax1, bx1)).clamp_(min=0)  # [N,M]
+    ih = (torch.minimum(ay2, by2) - torch.maximum(ay1, by1)).clamp_(min=0)
+    inter = iw.mul_(ih)
+    return inter / (area_a + area_b - inter).clamp_(min=1e-9)
 
 
 def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_thr: float) -> torch.Tensor:

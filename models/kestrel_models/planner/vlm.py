@@ -305,3 +305,42 @@ class VisionLanguageModel(nn.Module):
         with torch.device("meta"):
             return VisionLanguageModel(cfg).num_params()
 
+
+
+def bigram_state_dict(cfg: VLMConfig, text_ids: list[int], eos_id: int,
+                      alphabet: list[int], seed: int = 0) -> dict[str, Tensor]:
+    """Hand-set weights for tests and demos: a VLM that acts as a bigram model of `text_ids`.
+
+    Every attention output and every MLP except layer 0's is zero, so the logits depend only
+    on the current token; layer 0's SwiGLU maps a token of `alphabet` (one-hot embeddings,
+    tied with lm_head) to scores that rank next tokens in the order they first follow it in
+    `text_ids`. Under a grammar mask, greedy decoding then reproduces the text's choices.
+    alphabet: the token ids that get embeddings (the text's tokens and eos are added).
+    """
+    ids = list(dict.fromkeys([*alphabet, *text_ids, eos_id]))
+    n = len(ids)
+    if n > min(cfg.dim, cfg.ffn_hidden):
+        raise ValueError(f"{n} tokens do not fit dim {cfg.dim} / ffn_hidden {cfg.ffn_hidden}")
+    torch.manual_seed(seed)
+    model = VisionLanguageModel(cfg)
+    col = {t: k for k, t in enumerate(ids)}
+    scores = torch.zeros(n, n)  # [current, next]
+    for k, t in enumerate(ids):
+        nxt = [b for a, b in zip(text_ids, text_ids[1:], strict=False) if a == t]
+        for rank, b in enumerate(dict.fromkeys(nxt)):
+            scores[k, col[b]] = float(n - rank)
+    with torch.no_grad():
+        for layer in model.layers:
+            for lin in (layer.attn.wo, layer.w_down, layer.w_gate, layer.w_up):
+                lin.weight.zero_()
+        emb = torch.zeros(cfg.vocab_size, cfg.dim)
+        for t, k in col.items():
+            emb[t, k] = 1.0
+        model.tok_emb.weight.copy_(emb)
+        if not cfg.tie_embeddings:
+            model.lm_head.weight.copy_(emb)
+        l0 = model.layers[0]
+        l0.w_up.weight[:n, :n] = torch.eye(n)
+        l0.w_gate.weight[:n, :n] = 1.0
+        l0.w_down.weight[:n, :n] = scores.t()  # hidden j (current token j) -> its scores
+    return model.state_dict()

@@ -20,7 +20,10 @@ setup(
     zip_safe=True,
     maintainer='Kestrel developers',
     maintainer_email='dev@kestrel.invalid',
-    description='Shared pieces of the Kestrel node shells: parameter specs, counters, message conversions, lifecycle node base.',
+    description=(
+        'Shared pieces of the Kestrel node shells: parameter specs, counters, '
+        'message conversions, lifecycle node base.'
+    ),
     license='Apache-2.0',
     entry_points={
         'console_scripts': [

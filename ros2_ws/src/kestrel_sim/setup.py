@@ -20,7 +20,9 @@ setup(
     zip_safe=True,
     maintainer='Kestrel developers',
     maintainer_email='dev@kestrel.invalid',
-    description='Kestrel embedded MuJoCo simulator: clock, camera, LiDAR, joint states, ground truth.',
+    description=(
+        'Kestrel embedded MuJoCo simulator: clock, camera, LiDAR, joint states, ground truth.'
+    ),
     license='Apache-2.0',
     entry_points={
         'console_scripts': [

@@ -41,7 +41,7 @@ TOPICS = {
     "/control/loop_stats": (LoopStatistics, BEST_EFFORT),
 }
 
-SIM_APPLIED_KEYS = ("commands_applied", "applied_commands", "joint_commands_applied")
+SIM_APPLIED_KEYS = ("joint_command_applied",)
 VALIDATION = {PlanTask.Result.VALIDATION_ACCEPTED: "accepted",
               PlanTask.Result.VALIDATION_REJECTED: "rejected",
               PlanTask.Result.VALIDATION_ERROR: "error"}

@@ -115,7 +115,8 @@ class StackReport:
                 nz = {k: v for k, v in self.counters[node].items()
                       if _nonzero_count(k, v)}
                 if nz:
-                    lines.append(f"  {node}: " + ", ".join(f"{k}={v}" for k, v in sorted(nz.items())))
+                    text = ", ".join(f"{k}={v}" for k, v in sorted(nz.items()))
+                    lines.append(f"  {node}: {text}")
         return "\n".join(lines)
 
 

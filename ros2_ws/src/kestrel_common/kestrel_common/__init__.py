@@ -1,1 +1,2 @@
-"""Shared pieces of the Kestrel node shells: parameter specs, counters, message conversions, lifecycle node base."""
+"""Shared pieces of the Kestrel node shells: parameter specs, counters, message
+conversions, the lifecycle node base."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import rclpy
@@ -21,6 +22,7 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
 from rclpy.exceptions import (InvalidParameterTypeException, InvalidParameterValueException,
                               ParameterUninitializedException)
+from rclpy.clock import Clock, ClockType
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
@@ -86,6 +88,8 @@ class KestrelLifecycleNode(LifecycleNode):
         self._diag_pub = None
         self._diag_timer = None
         self._status_fn: Callable[[], tuple[int, str, dict]] | None = None
+        self._drop_logged: dict[str, float] = {}
+        self._drop_log_lock = threading.Lock()
         self.add_on_set_parameters_callback(self._on_set_parameters)
 
     # ---- parameters ---------------------------------------------------------------------
@@ -153,10 +157,15 @@ class KestrelLifecycleNode(LifecycleNode):
 
     # ---- diagnostics --------------------------------------------------------------------
     def drop(self, reason: str, message: str, throttle_s: float = 1.0) -> None:
-        """Count a dropped input under `reason` and log it (throttled)."""
+        """Count a dropped input under `reason` and log it, throttled per reason (rclpy's
+        own throttle is per call site, which would hide a second reason logged from here)."""
         n = self.counters.inc(reason)
-        self.get_logger().warning(f"dropped input ({reason}, total {n}): {message}",
-                                  throttle_duration_sec=throttle_s)
+        now = time.monotonic()
+        with self._drop_log_lock:
+            if now - self._drop_logged.get(reason, -1e9) < throttle_s:
+                return
+            self._drop_logged[reason] = now
+        self.get_logger().warning(f"dropped input ({reason}, total {n}): {message}")
 
     def start_diagnostics(self, status_fn: Callable[[], tuple[int, str, dict]] | None = None,
                           ) -> None:
@@ -166,7 +175,9 @@ class KestrelLifecycleNode(LifecycleNode):
         if self._diag_pub is None:
             self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         period = float(self.params.get("diagnostics_period", 1.0))
-        self._diag_timer = self.create_timer(period, self.publish_diagnostics)
+        # Steady clock: diagnostics keep flowing when sim time is paused or absent.
+        self._diag_timer = self.create_timer(period, self.publish_diagnostics,
+                                             clock=Clock(clock_type=ClockType.STEADY_TIME))
 
     def publish_diagnostics(self) -> None:
         if self._diag_pub is None:

@@ -66,7 +66,8 @@ def image_to_numpy(msg: Image, accept: tuple[str, ...] = ("rgb8", "bgr8")) -> np
         raise ConversionError("bad_size", f"image size {w}x{h} is empty")
     row = w * channels * dtype.itemsize
     if msg.step < row:
-        raise ConversionError("bad_size", f"image step {msg.step} < width*channels*size {row}")
+        raise ConversionError("bad_size",
+                              f"image step {msg.step} < width*channels*size {row}")
     data = msg.data
     buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
     if buf.size != msg.step * h:
@@ -90,8 +91,8 @@ def numpy_to_image(array: np.ndarray, encoding: str, header: Header) -> Image:
     arr = np.ascontiguousarray(array, dtype=dtype)
     expected_ndim = 3 if channels > 1 else 2
     if arr.ndim != expected_ndim or (channels > 1 and arr.shape[2] != channels):
-        raise ConversionError("bad_size", f"{encoding} needs shape HxW{'x3' if channels > 1 else ''}"
-                              f", got {arr.shape}")
+        shape = "HxWx3" if channels > 1 else "HxW"
+        raise ConversionError("bad_size", f"{encoding} needs shape {shape}, got {arr.shape}")
     msg = Image()
     msg.header = header
     msg.height, msg.width = int(arr.shape[0]), int(arr.shape[1])
@@ -143,7 +144,8 @@ def pointcloud2_to_xyz(msg: PointCloud2) -> np.ndarray:
             msg.row_step < msg.width * msg.point_step:
         raise ConversionError(
             "bad_cloud", f"point cloud data size {len(msg.data)} inconsistent with "
-            f"{msg.width}x{msg.height} points, point_step {msg.point_step}, row_step {msg.row_step}")
+            f"{msg.width}x{msg.height} points, point_step {msg.point_step}, "
+            f"row_step {msg.row_step}")
     buf = np.frombuffer(msg.data, dtype=np.uint8) if not isinstance(msg.data, np.ndarray) \
         else msg.data
     rows = buf.reshape(msg.height, msg.row_step)[:, : msg.width * msg.point_step]

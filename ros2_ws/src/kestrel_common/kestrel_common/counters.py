@@ -75,7 +75,7 @@ class LatencyWindow:
             out["max"] = float("nan")
             return out
         values = np.percentile(data, qs)
-        for q, v in zip(qs, values):
+        for q, v in zip(qs, values, strict=True):
             out[_pname(q)] = float(v)
         out["max"] = float(data.max())
         return out

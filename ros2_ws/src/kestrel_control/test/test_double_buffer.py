@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # source-tree runs
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kestrel_control.core.double_buffer import LatestValueBuffer  # noqa: E402
+from kestrel_control.core.double_buffer import LatestValueBuffer
 
 
 def test_empty_buffer_reads_zeros_version_zero() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import tracemalloc
 from pathlib import Path
 
@@ -10,13 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # source-tree runs
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kestrel_control.core.policy_runner import PolicyRunner, RunnerConfig  # noqa: E402
-from kestrel_control.core.safety import SafetyStatus  # noqa: E402
-from kestrel_control.core.stats import LoopStats  # noqa: E402
-from kestrel_models.control.policy import PolicyConfig, build_policy  # noqa: E402
+from kestrel_control.core.policy_runner import PolicyRunner, RunnerConfig
+from kestrel_control.core.safety import SafetyStatus
+from kestrel_control.core.stats import LoopStats
+from kestrel_models.control.policy import PolicyConfig, build_policy
 
 torch.set_num_threads(1)
 N = 6
@@ -38,7 +34,7 @@ def feed(runner: PolicyRunner, pos, vel, stamp_ns: int) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"policy": PolicyConfig.tiny(obs_dim=64, num_actions=4)}, r"6 joints.*num_actions = 4"),
+        ({"policy": PolicyConfig.tiny(obs_dim=64, num_actions=4)}, r"'num_actions' = 4:.* 6 "),
         ({"policy": PolicyConfig.tiny(obs_dim=20, num_actions=8)}, r"'obs_dim' = 20.*26"),
         ({"backend": "tensorrt"}, r"'backend' = 'tensorrt'"),
         ({"action_scale": 0.0}, "'action_scale'"),
@@ -56,6 +52,22 @@ def test_configuration_errors_name_parameter(kwargs: dict, match: str) -> None:
 def test_cuda_backend_refused_without_cuda() -> None:
     with pytest.raises(ValueError, match="'backend' = 'cuda_eager': CUDA is not available"):
         make(backend="cuda_eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_backend_matches_cpu() -> None:
+    cpu, cuda = make(), make(backend="cuda_eager")
+    assert cuda.model.policy_head.weight.is_cuda and cuda._h.is_cuda
+    rng = np.random.default_rng(1)
+    for k in range(20):
+        js = np.stack([rng.uniform(-1, 1, N), rng.uniform(-1, 1, N)])
+        for r in (cpu, cuda):
+            r.joint_states.write(js, k * MS)
+        c_cpu, info_cpu = cpu.step(k * MS + 1)
+        c_cuda, info_cuda = cuda.step(k * MS + 1)
+        assert info_cpu.status is info_cuda.status is SafetyStatus.OK
+        np.testing.assert_allclose(c_cuda, c_cpu, atol=1e-5)
 
 
 def test_no_input_no_command_and_cpu_threads() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import sys
 import threading
 import time
 from pathlib import Path
@@ -12,11 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # source-tree runs
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kestrel_control.core.rt_loop import RealtimeLoop, apply_realtime_settings  # noqa: E402
-from kestrel_control.core.stats import LoopStats, Ring  # noqa: E402
+from kestrel_control.core.rt_loop import RealtimeLoop, apply_realtime_settings
+from kestrel_control.core.stats import LoopStats, Ring
 
 MSG = Path(__file__).resolve().parents[2] / "kestrel_interfaces" / "msg" / "LoopStatistics.msg"
 PERIOD_NS = 1_000_000
@@ -51,7 +47,7 @@ class Recorder:
 def run_loop(rec: Recorder, stats: LoopStats, **kwargs) -> RealtimeLoop:
     loop = RealtimeLoop(PERIOD_NS * 1e-9, rec, stats, **kwargs)
     applied = loop.start()
-    assert set(applied) == {"sched_fifo", "cpu_affinity", "mlockall", "gc"}
+    assert set(applied) == {"sched_fifo", "cpu_affinity", "mlockall", "gc", "gil_switch_interval"}
     finished = rec.done.wait(10.0)
     t0 = time.monotonic()
     assert loop.stop(1.0)

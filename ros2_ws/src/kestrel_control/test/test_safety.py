@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # source-tree runs
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kestrel_control.core.safety import SafetyFilter, SafetyStatus  # noqa: E402
-from kestrel_control.core.stats import LoopStats  # noqa: E402
+from kestrel_control.core.safety import SafetyFilter, SafetyStatus
+from kestrel_control.core.stats import LoopStats
 
 LOWER = np.array([-1.0, -2.0, 0.0])
 UPPER = np.array([1.0, 2.0, 0.5])

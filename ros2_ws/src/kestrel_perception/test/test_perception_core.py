@@ -239,3 +239,112 @@ def test_tiny_demo_config_latency_one_thread() -> None:
         times.append(time.perf_counter() - t0)
     # typically ~20 ms; the bound leaves room for a shared, loaded CI machine
     assert float(np.median(times)) < 0.150
+
+
+# ---- synchroniser (pure Python) ---------------------------------------------------------------
+def _sync(n: int = 2, slop: float = 0.01, history: int = 4):
+    from kestrel_perception.core.sync import FrameSynchronizer
+
+    counts: dict[str, int] = {}
+
+    def count(name: str, k: int) -> None:
+        counts[name] = counts.get(name, 0) + k
+
+    return FrameSynchronizer(n, slop, history, count=count), counts
+
+
+def _st(stamp_ms: int, data: object = None):
+    from kestrel_perception.core.sync import Stamped
+
+    return Stamped(stamp_ms * 1_000_000, stamp_ms / 1000.0, data)
+
+
+def test_sync_takes_newest_complete_set_and_counts_skipped() -> None:
+    sync, counts = _sync()
+    for t in (100, 200, 300):
+        for c in range(2):
+            sync.add_info(c, _st(t))
+            sync.add_image(c, _st(t + 3 * c, f"img{c}@{t + 3 * c}"))  # camera 1: +3 ms, in slop
+    sync.add_cloud(_st(295, "cloud295"))
+    sync.add_cloud(_st(250, "cloud250"))
+    s = sync.pop_newest_set()
+    assert s is not None and s.stamp_ns == 300_000_000
+    assert [i.data for i in s.images] == ["img0@300", "img1@303"]
+    assert s.cloud is not None and s.cloud.data == "cloud295"
+    assert s.newest_recv_s == pytest.approx(0.303)
+    assert counts == {"skipped_stale": 4}  # the sets at 100 and 200 were complete, skipped
+    assert sync.pop_newest_set() is None  # consumed
+    sync.add_image(0, _st(250))  # older than the set just processed
+    assert counts["skipped_stale"] == 5
+
+
+def test_sync_out_of_sync_and_bounded_history() -> None:
+    sync, counts = _sync(history=4)
+    for t in range(0, 1000, 100):  # 10 images per camera, camera 1 always 50 ms late
+        for c in range(2):
+            sync.add_info(c, _st(t + 50 * c))
+            sync.add_image(c, _st(t + 50 * c))
+        assert sync.pop_newest_set() is None
+    assert counts == {"out_of_sync": 12}  # 6 evicted per camera, the history stays at 4
+    assert all(len(q) == 4 for q in sync._images)
+    sync.add_info(1, _st(900))
+    sync.add_image(1, _st(905))  # now camera 0's 900 has a partner: a set, no cloud
+    s = sync.pop_newest_set()
+    assert s is not None and s.stamp_ns == 900_000_000 and s.cloud is None
+    # camera 0: 600, 700, 800 had no partner; camera 1: 650..950 (950 is newer, stays)
+    assert counts["out_of_sync"] == 12 + 3 + 3
+
+
+def test_sync_needs_camera_info_within_slop() -> None:
+    sync, counts = _sync(n=1)
+    sync.add_image(0, _st(100))
+    sync.add_info(0, _st(150))
+    assert sync.pop_newest_set() is None
+    sync.add_info(0, _st(105))
+    s = sync.pop_newest_set()
+    assert s is not None and s.infos[0].stamp_ns == 105_000_000
+
+
+# ---- node parameters (pure Python) ------------------------------------------------------------
+def test_param_cross_checks_and_core_config() -> None:
+    from kestrel_common.params import ParamError, validate_params
+    from kestrel_perception.core.params import SPECS, core_config, validate_perception_params
+
+    values = validate_params(SPECS, {"num_cameras": 2, "score_threshold": 0.4})
+    validate_perception_params(values)
+    cfg = core_config(values)
+    assert cfg.model.heads == frozenset({"detection", "segmentation", "depth"})
+    assert cfg.model.score_threshold == 0.4 and cfg.warmup_cameras == 2
+    assert cfg.warmup_image_hw == (256, 320) and cfg.class_names == DEFAULT_CLASS_NAMES
+    for bad, name in (({"camera_poses": [0.0] * 7}, "camera_poses"),
+                      ({"class_names": ["a", "a"]}, "class_names"),
+                      ({"enable_detection": False, "enable_segmentation": False,
+                        "enable_depth": False}, "enable_detection")):
+        with pytest.raises(ParamError, match=f"parameter '{name}'"):
+            validate_perception_params({**values, **bad})
+    with pytest.raises(ParamError, match="parameter 'backbone_depth' = 101"):
+        validate_params(SPECS, {"backbone_depth": 101})
+
+
+def test_pose_to_matrix() -> None:
+    from kestrel_perception.core.params import pose_to_matrix
+
+    T = pose_to_matrix([1.0, 2.0, 3.0, -0.5, 0.5, -0.5, 0.5])
+    np.testing.assert_allclose(T[:3, :3], extrinsic(0.0)[:3, :3], atol=1e-12)
+    np.testing.assert_allclose(T[:3, 3], [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="non-zero quaternion"):
+        pose_to_matrix([0.0] * 7)
+
+
+def test_debug_render_draws_box_outlines() -> None:
+    from kestrel_perception.core.draw import PALETTE, render_debug
+    from kestrel_perception.core.types import Detection
+
+    imgs = [np.zeros((20, 30, 3), np.uint8), np.zeros((20, 30, 3), np.uint8)]
+    det = Detection(1, 2, "red_cube", 0.9, np.array([5.0, 4.0, 15.0, 12.0], np.float32), None)
+    out = render_debug(imgs, [det], thickness=1)
+    assert out.shape == (20, 60, 3)
+    assert (out[4, 35:46] == PALETTE[2]).all() and (out[12, 35:46] == PALETTE[2]).all()
+    assert (out[4:13, 35] == PALETTE[2]).all() and (out[4:13, 45] == PALETTE[2]).all()
+    assert (out[8, 36:45] == 0).all() and (out[:, :30] == 0).all()  # inside / camera 0 clean
+    assert (imgs[1] == 0).all()  # inputs untouched

@@ -50,8 +50,8 @@ class RunnerConfig:
         n, cfg = lower.shape[0], self.policy
         if n > cfg.num_actions:
             raise ValueError(
-                f"parameter 'joint_names': the robot has {n} joints but the policy has only "
-                f"num_actions = {cfg.num_actions}"
+                f"parameter 'num_actions' = {cfg.num_actions}: the policy needs one action per "
+                f"joint and the robot has {n} joints (joint_lower/joint_upper/joint_names)"
             )
         needed = 3 * n + cfg.num_actions
         if needed > cfg.obs_dim:

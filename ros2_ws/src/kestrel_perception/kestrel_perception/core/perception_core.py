@@ -187,7 +187,7 @@ class PerceptionCore:
         timings["postprocess"] = t3 - t2
 
         out = PerceptionOutput(frames.stamp_ns, [], masks, depths, timings)
-        positions = self._fuse(frames, hw, dets, depth_t, out)
+        positions = self._fuse(frames, hw, dets, out)
         for cam, (boxes, scores, classes) in enumerate(det_np):
             pos, src = positions[cam]
             for k in range(boxes.shape[0]):
@@ -200,10 +200,12 @@ class PerceptionCore:
         timings["lidar_fusion"] = time.monotonic() - t3
         return out
 
-    def _fuse(self, frames: FrameSet, hw: tuple[int, int], dets: list,
-              depth_t: torch.Tensor | None, out: PerceptionOutput
+    def _fuse(self, frames: FrameSet, hw: tuple[int, int], dets: list, out: PerceptionOutput
               ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per camera (positions [K,3] m base frame, sources [K]) for the decoded boxes."""
+        """Per camera (positions [K,3] m base frame, sources [K]) for the decoded boxes.
+
+        LiDAR medians run on the model's device; the predicted-depth fallback reads the
+        depth maps already copied to the host (out.depths), so it costs no device syncs."""
         pts = frames.points
         proj = None
         if pts is not None and pts.shape[0] > 0:
@@ -232,7 +234,7 @@ class PerceptionCore:
                 empty = torch.zeros((0, 2), device=self.device)
                 uv, z, valid = ((proj[0][cam], proj[1][cam], proj[2][cam]) if proj is not None
                                 else (empty, empty[:, 0], empty[:, 0].bool()))
-                dmap = depth_t[cam] if depth_t is not None else None
+                dmap = torch.from_numpy(out.depths[cam]) if out.depths else None
                 pos, src = box_positions(d.boxes, uv, z, valid, dmap, K, T,
                                          self.config.min_lidar_points)
                 result.append((pos.cpu().numpy(), src.cpu().numpy()))

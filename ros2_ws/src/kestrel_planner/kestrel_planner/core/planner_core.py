@@ -19,6 +19,7 @@ import torch
 from kestrel_models.planner import ByteTokenizer, StreamDecoder, VisionLanguageModel, VLMConfig
 from kestrel_models.planner import generate as generate_tokens
 from kestrel_models.planner import get_config
+from kestrel_models.planner.vlm import bigram_state_dict
 from kestrel_planner.core.constrained import PlanGrammar, PlanLogitsProcessor
 from kestrel_planner.core.plan import Plan, PlanParseError, SceneObject, parse_plan
 from kestrel_planner.core.skills import NAME_RE
@@ -42,6 +43,9 @@ class PlannerInputError(ValueError):
 class PlannerConfig:
     model: str | VLMConfig = "tiny"
     weights_path: str = ""  # state dict (torch.save); '' = random weights from `seed`
+    # Demo/test weights when weights_path is '': the VLM parameterised as a bigram model of
+    # this plan text (vlm.bigram_state_dict); decoding, grammar and validation are unchanged.
+    demo_plan: str = ""
     device: str = "cpu"
     seed: int = 0
     max_new_tokens: int = 160
@@ -104,6 +108,8 @@ class PlannerCore:
             model = VisionLanguageModel(cfg)
             if config.weights_path:
                 self._load(model, config.weights_path)
+            elif config.demo_plan:
+                model.load_state_dict(self._demo_weights(cfg, config.demo_plan))
         self.model = model.to(config.device).eval()
         self.model.setup_cache(config.max_batch, cfg.max_seq_len)
         self._n_img = cfg.num_image_tokens
@@ -117,6 +123,16 @@ class PlannerCore:
             model.load_state_dict(state, strict=True)
         except (OSError, RuntimeError, ValueError) as exc:
             raise ValueError(f"parameter 'weights_path' = {path!r}: cannot load: {exc}") from exc
+
+    def _demo_weights(self, cfg: VLMConfig, text: str) -> dict[str, torch.Tensor]:
+        try:
+            parse_plan(text)
+        except PlanParseError as exc:
+            raise ValueError(f"parameter 'demo_plan' = {text!r}: {exc}") from exc
+        alphabet = self.tokenizer.encode("abcdefghijklmnopqrstuvwxyz0123456789_ =-.\n")
+        # The prompt ends with a newline: lead with one so the first line is chosen from it.
+        ids = self.tokenizer.encode("\n" + text)
+        return bigram_state_dict(cfg, ids, self.tokenizer.eos_id, alphabet, self.config.seed)
 
     # ---- prompt ----------------------------------------------------------------------------
     @staticmethod

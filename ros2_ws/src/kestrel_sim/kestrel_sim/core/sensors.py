@@ -26,6 +26,7 @@ class CameraFrame:
     rgb: np.ndarray  # [H, W, 3] uint8, row 0 = top of the image
     depth: np.ndarray  # [H, W] float32, m, along the optical axis; +inf where nothing is hit
     stamp_ns: int  # sim time of the state that was rendered
+    t_world_cam: np.ndarray  # [4, 4] T_world_from_cam (optical frame) of that state
 
 
 @dataclass
@@ -93,18 +94,20 @@ class CameraSensor:
                          [0.0, f, (self.height - 1) / 2.0],
                          [0.0, 0.0, 1.0]])
 
-    def extrinsics(self, data: mujoco.MjData | None = None) -> np.ndarray:
-        """T_world_from_cam [4, 4] of the optical frame (x right, y down, z forward)."""
-        if data is None:
-            data = self._data
-            self.world.snapshot_into(data)
+    def extrinsics(self) -> np.ndarray:
+        """T_world_from_cam [4, 4] of the optical frame (x right, y down, z forward), now."""
+        with self._render_lock:
+            self.world.snapshot_into(self._data)
+            return self._extrinsics(self._data)
+
+    def _extrinsics(self, data: mujoco.MjData) -> np.ndarray:
         t = np.eye(4)
         t[:3, :3] = data.cam_xmat[self._cam_id].reshape(3, 3) @ _MJCAM_FROM_OPTICAL
         t[:3, 3] = data.cam_xpos[self._cam_id]
         return t
 
     def render(self) -> CameraFrame:
-        """Render RGB and depth of a snapshot of the world in one GL pass (~70 ms on CPU)."""
+        """Render RGB + depth of a snapshot in one GL pass (~10 ms at 320x256, osmesa)."""
         with self._render_lock:
             stamp = self.world.snapshot_into(self._data)
             self._ensure_context()
@@ -117,7 +120,8 @@ class CameraSensor:
             z = np.flipud(self._depth_raw).astype(np.float64)
             depth = (self._d_coef / (z + self._c_coef)).astype(np.float32)
             depth[z <= 0.0] = np.inf  # cleared depth (reversed Z: 0 = far plane): no surface
-        return CameraFrame(rgb, depth, stamp)
+            t_world_cam = self._extrinsics(self._data)
+        return CameraFrame(rgb, depth, stamp, t_world_cam)
 
     def close(self) -> None:
         """Free the GL resources (call from the rendering thread)."""

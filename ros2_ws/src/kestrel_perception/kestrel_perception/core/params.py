@@ -1,0 +1,124 @@
+"""The perception node's parameters (ParamSpecs) and their mapping to PerceptionCoreConfig.
+
+No rclpy: the specs are plain data (kestrel_common.params), testable without ROS.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from kestrel_common.params import ParamError, ParamSpec
+from kestrel_models.perception import PerceptionConfig
+
+from .perception_core import PerceptionCoreConfig
+from .types import DEFAULT_CLASS_NAMES
+
+_CONF = " Applied at configure."
+_RUN = " Applied at run time (no reconfigure, same weights)."
+
+SPECS: tuple[ParamSpec, ...] = (
+    ParamSpec("num_cameras", 1, "Number of cameras (topics ~/input/camera_<i>/...).",
+              min=1, max=8, read_only=True),
+    ParamSpec("backbone_depth", 18, "ResNet depth of the backbone." + _CONF,
+              choices=(18, 34, 50)),
+    ParamSpec("base_width", 16, "Channels of the ResNet stem (64 = real ResNet)." + _CONF,
+              min=8, max=128, check=lambda v: None if v % 4 == 0 else "must be a multiple of 4"),
+    ParamSpec("fpn_channels", 64, "Channels of the FPN and heads." + _CONF, min=8, max=1024,
+              check=lambda v: None if v % 8 == 0 else "must be a multiple of 8"),
+    ParamSpec("head_convs", 1, "3x3 convs per detection tower (FCOS: 4)." + _CONF,
+              min=0, max=8),
+    ParamSpec("class_names", list(DEFAULT_CLASS_NAMES),
+              "Class names; index 0 is background (mask values index this list)." + _CONF),
+    ParamSpec("enable_detection", True, "Run the detection head." + _RUN),
+    ParamSpec("enable_segmentation", True, "Run the segmentation head." + _RUN),
+    ParamSpec("enable_depth", True, "Run the depth head." + _RUN),
+    ParamSpec("score_threshold", 0.3, "Detection score threshold." + _RUN, min=0.0, max=1.0),
+    ParamSpec("nms_iou", 0.5, "Class-wise NMS IoU threshold." + _RUN, min=0.0, max=1.0),
+    ParamSpec("max_detections", 100, "Detections per camera after NMS." + _RUN,
+              min=1, max=1000),
+    ParamSpec("max_depth", 20.0, "Upper bound of the predicted depth, m." + _CONF,
+              min=0.1, max=1000.0),
+    ParamSpec("max_points", 500_000, "Clouds with more points are dropped (counted)." + _CONF,
+              min=1, max=50_000_000),
+    ParamSpec("min_lidar_points", 5, "LiDAR points needed in a box for a LiDAR position."
+              + _CONF, min=1, max=100_000),
+    ParamSpec("sync_slop", 0.02, "Max stamp difference between the images, camera_infos and "
+              "cloud of one set, s." + _CONF, min=0.0, max=1.0),
+    ParamSpec("device", "cpu", "Torch device." + _CONF, choices=("cpu", "cuda")),
+    ParamSpec("amp", False, "bf16 autocast (CUDA only)." + _CONF),
+    ParamSpec("weights_path", "", "state_dict file; '' = random init from 'seed'." + _CONF),
+    ParamSpec("seed", 0, "Seed of the random initialisation." + _CONF, min=0, max=2**31 - 1),
+    ParamSpec("torch_threads", 0, "Torch intra-op threads (0 = torch's default).",
+              min=0, max=256, read_only=True),
+    ParamSpec("warmup_size", [320, 256], "Image [width, height] px of the warm-up run."
+              + _CONF, element_type=int, length=2, min=1, max=8192),
+    ParamSpec("frame_id", "world", "Frame of the cloud, camera poses and 3D positions." + _CONF),
+    ParamSpec("camera_poses", [], "Per camera x y z qx qy qz qw (m): pose of its optical "
+              "frame in frame_id ([] = identity for all; ~/input/camera_<i>/pose overrides)."
+              + _CONF, element_type=float),
+    ParamSpec("publish_debug_image", False, "Publish ~/output/debug_image." + _CONF),
+    ParamSpec("target_fps", 10.0, "Diagnostics warn when p99 latency > 1/target_fps, Hz.",
+              min=0.1, max=1000.0),
+)
+
+RUNTIME_PARAMS: tuple[str, ...] = ("enable_detection", "enable_segmentation", "enable_depth",
+                                   "score_threshold", "nms_iou", "max_detections")
+
+
+def pose_to_matrix(pose: list[float] | np.ndarray) -> np.ndarray:
+    """x y z qx qy qz qw -> T [4,4] (the quaternion is normalised). ValueError if degenerate."""
+    x, y, z, qx, qy, qz, qw = (float(v) for v in pose)
+    norm = math.sqrt(qx * qx + qy * qy + qz * qz + qw * qw)
+    if not all(math.isfinite(v) for v in (x, y, z, norm)) or norm < 1e-9:
+        raise ValueError(f"pose {list(pose)}: needs finite values and a non-zero quaternion")
+    qx, qy, qz, qw = qx / norm, qy / norm, qz / norm, qw / norm
+    T = np.eye(4)
+    T[:3, :3] = [
+        [1 - 2 * (qy * qy + qz * qz), 2 * (qx * qy - qz * qw), 2 * (qx * qz + qy * qw)],
+        [2 * (qx * qy + qz * qw), 1 - 2 * (qx * qx + qz * qz), 2 * (qy * qz - qx * qw)],
+        [2 * (qx * qz - qy * qw), 2 * (qy * qz + qx * qw), 1 - 2 * (qx * qx + qy * qy)],
+    ]
+    T[:3, 3] = (x, y, z)
+    return T
+
+
+def validate_perception_params(values: dict[str, Any]) -> None:
+    """Cross-parameter checks; raises ParamError naming the parameter and value."""
+    names = values["class_names"]
+    if not 2 <= len(names) <= 255 or len(set(names)) != len(names) or not all(names):
+        raise ParamError("class_names", names, "needs 2..255 unique, non-empty names")
+    if not (values["enable_detection"] or values["enable_segmentation"]
+            or values["enable_depth"]):
+        raise ParamError("enable_detection", values["enable_detection"],
+                         "enable_detection/segmentation/depth are all false")
+    if not values["frame_id"]:
+        raise ParamError("frame_id", values["frame_id"], "must not be empty")
+    poses, n = values["camera_poses"], values["num_cameras"]
+    if poses and len(poses) != 7 * n:
+        raise ParamError("camera_poses", poses, f"needs 7 values per camera ({7 * n} for "
+                                                f"num_cameras = {n}) or none")
+    for i in range(len(poses) // 7):
+        try:
+            pose_to_matrix(poses[7 * i: 7 * i + 7])
+        except ValueError as exc:
+            raise ParamError("camera_poses", poses, f"camera {i}: {exc}") from None
+
+
+def core_config(values: dict[str, Any]) -> PerceptionCoreConfig:
+    """Validated node parameters -> PerceptionCoreConfig. All three heads are always built so
+    they can be switched at run time; ValueError (naming the parameter) on bad values."""
+    model = PerceptionConfig(
+        backbone_depth=values["backbone_depth"], base_width=values["base_width"],
+        fpn_channels=values["fpn_channels"], num_classes=len(values["class_names"]),
+        head_convs=values["head_convs"], max_depth=values["max_depth"],
+        score_threshold=values["score_threshold"], nms_iou=values["nms_iou"],
+        max_detections=values["max_detections"])
+    w, h = values["warmup_size"]
+    return PerceptionCoreConfig(
+        model=model, class_names=tuple(values["class_names"]), device=values["device"],
+        weights_path=values["weights_path"], seed=values["seed"],
+        max_points=values["max_points"], min_lidar_points=values["min_lidar_points"],
+        amp=values["amp"], warmup_image_hw=(h, w), warmup_cameras=values["num_cameras"],
+        num_threads=values["torch_threads"])

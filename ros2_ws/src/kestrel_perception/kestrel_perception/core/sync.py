@@ -1,0 +1,149 @@
+"""Approximate-time synchronisation of N cameras (image + camera_info) and a LiDAR cloud.
+
+Pure Python (no rclpy). Every stream keeps a fixed-size history (deque with maxlen), so memory
+never grows whatever the input rate; the consumer always takes the NEWEST complete set.
+
+A set is complete when, for the newest possible reference image of camera 0, every camera has
+an image whose stamp is within `slop` of it and a camera_info within `slop` of that image. The
+newest cloud within `slop` of the reference is attached, else none. Images that leave the
+history unprocessed are counted through `count(name, n)`:
+  "skipped_stale": it could have formed a set, but a newer set was taken (processing slower
+                   than the input rate: newest wins), or it arrived older than the last set;
+  "out_of_sync":   no set could be formed with it (a partner image or camera_info missing or
+                   further than `slop` away).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+SKIPPED_STALE = "skipped_stale"
+OUT_OF_SYNC = "out_of_sync"
+
+
+@dataclass
+class Stamped:
+    """One received message: stamp (ns, message time), receipt time (s, monotonic), payload."""
+
+    stamp_ns: int
+    recv_s: float
+    data: Any
+
+
+@dataclass
+class SyncedSet:
+    """A synchronised input set: one image and one camera_info per camera, maybe a cloud."""
+
+    stamp_ns: int  # camera 0's image stamp (the set's stamp)
+    images: list[Stamped]  # per camera
+    infos: list[Stamped]  # per camera
+    cloud: Stamped | None
+    newest_recv_s: float  # receipt of the set's last message (s, monotonic): it was complete
+
+
+class FrameSynchronizer:
+    """Thread-safe: add_* from subscription callbacks, pop_newest_set from the worker."""
+
+    def __init__(self, num_cameras: int, slop_s: float, history: int = 8,
+                 count: Callable[[str, int], Any] | None = None) -> None:
+        if num_cameras < 1:
+            raise ValueError(f"parameter 'num_cameras' = {num_cameras}: must be >= 1")
+        if slop_s < 0:
+            raise ValueError(f"parameter 'sync_slop' = {slop_s}: must be >= 0")
+        if history < 1:
+            raise ValueError(f"parameter 'history' = {history}: must be >= 1")
+        self.num_cameras = num_cameras
+        self.slop_ns = int(round(slop_s * 1e9))
+        self._images: list[deque[Stamped]] = [deque() for _ in range(num_cameras)]
+        self._infos: list[deque[Stamped]] = [deque(maxlen=history) for _ in range(num_cameras)]
+        self._clouds: deque[Stamped] = deque(maxlen=history)
+        self._history = history
+        self._last_ns = [-1] * num_cameras  # stamp of the last image consumed, per camera
+        self._count = count or (lambda name, n: None)
+        self._lock = threading.Lock()
+
+    # ---- input ----------------------------------------------------------------------------
+    def add_image(self, camera: int, msg: Stamped) -> None:
+        with self._lock:
+            if msg.stamp_ns <= self._last_ns[camera]:
+                self._count(SKIPPED_STALE, 1)  # older than what was already processed
+                return
+            q = self._images[camera]
+            if len(q) >= self._history:  # evict the oldest (by arrival), counted
+                self._discard(camera, q.popleft())
+            q.append(msg)
+
+    def add_info(self, camera: int, msg: Stamped) -> None:
+        with self._lock:
+            self._infos[camera].append(msg)
+
+    def add_cloud(self, msg: Stamped) -> None:
+        with self._lock:
+            self._clouds.append(msg)
+
+    # ---- matching -------------------------------------------------------------------------
+    def _closest(self, q: deque[Stamped] | list[Stamped], stamp_ns: int) -> Stamped | None:
+        best = None
+        for m in q:
+            if abs(m.stamp_ns - stamp_ns) <= self.slop_ns and (
+                    best is None or abs(m.stamp_ns - stamp_ns) < abs(best.stamp_ns - stamp_ns)
+                    or (abs(m.stamp_ns - stamp_ns) == abs(best.stamp_ns - stamp_ns)
+                        and m.stamp_ns > best.stamp_ns)):
+                best = m
+        return best
+
+    def _match(self, camera: int, ref: Stamped) -> tuple[list[Stamped], list[Stamped]] | None:
+        """Images and infos of all cameras matching `ref` (an image of `camera`), or None."""
+        images: list[Stamped] = []
+        infos: list[Stamped] = []
+        for c in range(self.num_cameras):
+            img = ref if c == camera else self._closest(self._images[c], ref.stamp_ns)
+            if img is None:
+                return None
+            info = self._closest(self._infos[c], img.stamp_ns)
+            if info is None:
+                return None
+            images.append(img)
+            infos.append(info)
+        return images, infos
+
+    def _discard(self, camera: int, img: Stamped) -> None:
+        self._count(SKIPPED_STALE if self._match(camera, img) is not None else OUT_OF_SYNC, 1)
+
+    def pop_newest_set(self) -> SyncedSet | None:
+        """The newest complete set, removed from the histories (older images are discarded and
+        counted); None when no set is complete."""
+        with self._lock:
+            for ref in sorted(self._images[0], key=lambda m: m.stamp_ns, reverse=True):
+                found = self._match(0, ref)
+                if found is not None:
+                    break
+            else:
+                return None
+            images, infos = found
+            # classify the unused older images while the histories are still complete
+            stale = [(c, m) for c, used in enumerate(images) for m in self._images[c]
+                     if m.stamp_ns <= used.stamp_ns and m is not used]
+            for c, m in stale:
+                self._discard(c, m)
+            for c, used in enumerate(images):
+                self._images[c] = deque(m for m in self._images[c]
+                                        if m.stamp_ns > used.stamp_ns)
+                self._last_ns[c] = used.stamp_ns
+            cloud = None
+            for m in self._clouds:  # newest within slop of the reference
+                if abs(m.stamp_ns - ref.stamp_ns) <= self.slop_ns and (
+                        cloud is None or m.stamp_ns >= cloud.stamp_ns):
+                    cloud = m
+            parts = [*images, *infos] + ([cloud] if cloud is not None else [])
+            return SyncedSet(ref.stamp_ns, images, infos, cloud, max(m.recv_s for m in parts))
+
+    def clear(self) -> None:
+        with self._lock:
+            for q in (*self._images, *self._infos, self._clouds):
+                q.clear()
+            self._last_ns = [-1] * self.num_cameras

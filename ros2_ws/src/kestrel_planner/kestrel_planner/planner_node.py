@@ -1,0 +1,471 @@
+"""The planner node shell: PlanTask goals -> PlannerCore (batched) -> validated plan -> executor.
+
+  ~/input/image (Image rgb8/bgr8, SENSOR_QOS)           -> latest frame
+  ~/input/perception (PerceptionResult, best effort)     -> latest scene objects (class, xyz m)
+  ~/input/joint_states (JointState, SENSOR_QOS), ~/input/ee_position (PointStamped): optional
+      execution feedback (HOME check; Cartesian waypoints reached within position_tolerance)
+  ~/plan_task (action PlanTask): goals wait on a batching worker thread that serves up to
+      max_batch goals in one decode; feedback streams tokens; cancel is checked every token
+  ~/output/plan (TaskPlan, LATCHED_QOS), ~/output/control_target (ControlTarget, COMMAND_QOS,
+      at execution_rate while a plan runs), ~/output/step_status (StepStatus, COMMAND_QOS)
+A rejected plan sends nothing to control; a new accepted plan preempts the running one.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from diagnostic_msgs.msg import DiagnosticStatus
+from geometry_msgs.msg import PointStamped
+from kestrel_interfaces.action import PlanTask
+from kestrel_interfaces.msg import (ControlTarget, PerceptionResult, StepArgument, StepStatus,
+                                    TaskPlan, TaskStep)
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import Image, JointState
+
+from kestrel_common.base_node import (COMMAND_QOS, LATCHED_QOS, SENSOR_QOS, KestrelLifecycleNode,
+                                      run_node)
+from kestrel_common.conversions import ConversionError, image_to_numpy, make_header
+from kestrel_common.counters import LatencyWindow
+from kestrel_common.params import ParamSpec
+from kestrel_planner.core import (SKILLS, ExecutorConfig, PlanExecutor, PlanLimits, PlannerConfig,
+                                  PlannerCore, PlannerInputError, PlanRequest, PlanResult,
+                                  SceneObject, Skill, StepEvent)
+from kestrel_planner.core.skills import NAME_RE
+from kestrel_models.planner import get_config
+
+R = PlanTask.Result
+
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+SPECS = [
+    ParamSpec("model_config", "tiny", "VLM preset.", choices=("tiny", "0.5b"), read_only=True),
+    ParamSpec("weights_path", "", "State dict file; '' = random weights from seed.",
+              read_only=True),
+    ParamSpec("demo_plan", "", "With no weights_path: bigram demo weights of this plan text "
+              "(lines separated by newlines or ';').", read_only=True),
+    ParamSpec("device", "cpu", "torch device.", read_only=True,
+              check=lambda v: None if v == "cpu" or v.startswith("cuda") else "cpu or cuda[:n]"),
+    ParamSpec("seed", 0, "Seed of the random weights.", min=0, read_only=True),
+    ParamSpec("num_threads", 1, "torch CPU threads.", min=1, max=64, read_only=True),
+    ParamSpec("image_size", 0, "Model input size, px; 0 = the preset's.", min=0, max=1024,
+              read_only=True),
+    ParamSpec("max_new_tokens", 160, "Decode budget per plan, tokens.", min=3, max=8192,
+              read_only=True),
+    ParamSpec("max_batch", 4, "Goals decoded together.", min=1, max=16, read_only=True),
+    ParamSpec("max_pending_goals", 6, "Goals waiting or decoding; more are rejected.",
+              min=1, max=6, read_only=True),
+    ParamSpec("temperature", 0.0, "0 = greedy.", min=0.0, max=5.0),
+    ParamSpec("max_steps", 8, "Default and maximum plan length.", min=1, max=64),
+    ParamSpec("max_speed", 0.5, "End-effector speed limit, m/s.", check=_positive),
+    ParamSpec("min_height", 0.0, "Minimum clearance above a target, m."),
+    ParamSpec("max_height", 0.4, "Maximum clearance above a target, m."),
+    ParamSpec("workspace_min", [-1.0, -1.0, -0.05], "Workspace box min (x, y, z), m.", length=3),
+    ParamSpec("workspace_max", [1.0, 1.0, 1.0], "Workspace box max (x, y, z), m.", length=3),
+    ParamSpec("step_timeout", 10.0, "A step not done after this FAILS, s.", check=_positive),
+    ParamSpec("position_tolerance", 0.01, "Waypoint reached within, m.", check=_positive),
+    ParamSpec("gripper_time", 0.5, "Wait after a gripper command, s.", min=0.0, max=30.0),
+    ParamSpec("home_joint_positions", [], "HOME target, rad (control joint order).",
+              element_type=float),
+    ParamSpec("execution_rate", 20.0, "Executor tick / target rate, Hz.", min=1.0, max=200.0),
+    ParamSpec("goal_timeout", 30.0, "Bound on one goal's wait for its plan, s.", min=0.1),
+    ParamSpec("feedback_age", 1.0, "Ignore ee/joint feedback older than this, s.", min=0.0),
+]
+
+
+@dataclass
+class _Job:
+    request: PlanRequest
+    done: threading.Event = field(default_factory=threading.Event)
+    result: PlanResult | None = None
+    error: str = ""
+
+
+def scene_from_perception(msg: PerceptionResult) -> tuple[list[SceneObject], dict[str, int]]:
+    """One object per class (best score, a 3D position preferred); counts of skipped items."""
+    best: dict[str, tuple[tuple[bool, float], SceneObject]] = {}
+    skipped = {"perception_bad_name": 0, "perception_nonfinite_position": 0}
+    for det in msg.detections:
+        if det.results:
+            hyp, score = det.results[0].hypothesis, det.results[0].hypothesis.score
+            name = hyp.class_id
+        else:
+            hyp, score, name = None, 0.0, ""
+        if not name and det.class_index < len(msg.class_names):
+            name = msg.class_names[det.class_index]
+        if not NAME_RE.match(name):
+            skipped["perception_bad_name"] += 1
+            continue
+        pos = None
+        if hyp is not None and det.position_source != 0:
+            p = det.results[0].pose.pose.position
+            if all(math.isfinite(v) for v in (p.x, p.y, p.z)):
+                pos = (p.x, p.y, p.z)
+            else:
+                skipped["perception_nonfinite_position"] += 1
+        key = (pos is not None, float(score))
+        if name not in best or key > best[name][0]:
+            best[name] = (key, SceneObject(name, name, pos))
+    return [obj for _, obj in best.values()], skipped
+
+
+def plan_to_msg(result: PlanResult, stamp_ns: int, frame_id: str) -> TaskPlan:
+    """Steps with the effective value of every argument (given or default), SI units."""
+    msg = TaskPlan(header=make_header(stamp_ns, frame_id))
+    if result.plan is None:
+        return msg
+    msg.instruction = result.plan.instruction
+    for s in result.plan.steps:
+        spec = SKILLS[Skill(int(s.skill))]
+        msg.steps.append(TaskStep(
+            skill=int(s.skill), skill_name=spec.name, target_object=s.target_object,
+            arguments=[StepArgument(name=a.name, value=s.value(a.name), unit=a.unit)
+                       for a in spec.args]))
+    return msg
+
+
+class PlannerNode(KestrelLifecycleNode):
+    def __init__(self) -> None:
+        super().__init__("planner", SPECS)
+        self.core: PlannerCore | None = None
+        self.executor_core: PlanExecutor | None = None
+        self._lock = threading.Lock()  # latest inputs + executor
+        self._cv = threading.Condition()
+        self._jobs: list[_Job] = []
+        self._pending = 0
+        self._worker: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._active = False
+        self._image = None  # latest camera frame, HxWx3 uint8 RGB
+        self._scene: list[SceneObject] = []
+        self._frame_id = ""
+        self._ee: tuple[tuple[float, float, float], float] | None = None
+        self._joints: tuple[list[float], float] | None = None
+        self._plan_frame = ""
+        self._ttft = LatencyWindow(256)
+        self._total = LatencyWindow(256)
+        self._handles: list = []
+        self._timer = None
+        self._action = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        p = self.load_params()
+        if p is None:
+            return TransitionCallbackReturn.FAILURE
+        try:
+            torch.set_num_threads(p["num_threads"])
+            limits = PlanLimits(p["max_speed"], p["min_height"], p["max_height"],
+                                tuple(p["workspace_min"]), tuple(p["workspace_max"]),
+                                p["max_steps"])
+            cfg = get_config(p["model_config"])
+            if p["image_size"]:
+                cfg = cfg.with_overrides(image_size=p["image_size"])
+            need = cfg.num_image_tokens + p["max_new_tokens"] + 64
+            if need > cfg.max_seq_len:
+                raise ValueError(f"parameter 'max_new_tokens' = {p['max_new_tokens']}: image "
+                                 f"tokens + budget + prompt exceed max_seq_len {cfg.max_seq_len}")
+            self.executor_core = PlanExecutor(ExecutorConfig(
+                p["position_tolerance"], p["step_timeout"], p["gripper_time"],
+                tuple(p["home_joint_positions"])))
+            self.core = PlannerCore(PlannerConfig(
+                model=cfg, weights_path=p["weights_path"],
+                demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),
+                device=p["device"], seed=p["seed"], max_new_tokens=p["max_new_tokens"],
+                max_batch=p["max_batch"], temperature=p["temperature"], limits=limits))
+        except ValueError as exc:
+            self.get_logger().error(f"configure failed: {exc}")
+            return TransitionCallbackReturn.FAILURE
+        io = MutuallyExclusiveCallbackGroup()
+        best_effort = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT)
+        self._plan_pub = self.create_publisher(TaskPlan, "~/output/plan", LATCHED_QOS)
+        self._target_pub = self.create_publisher(ControlTarget, "~/output/control_target",
+                                                 COMMAND_QOS)
+        self._status_pub = self.create_publisher(StepStatus, "~/output/step_status",
+                                                 COMMAND_QOS)
+        self._handles = [
+            self.create_subscription(Image, "~/input/image", self._on_image, SENSOR_QOS,
+                                     callback_group=io),
+            self.create_subscription(PerceptionResult, "~/input/perception", self._on_scene,
+                                     best_effort, callback_group=io),
+            self.create_subscription(JointState, "~/input/joint_states", self._on_joints,
+                                     SENSOR_QOS, callback_group=io),
+            self.create_subscription(PointStamped, "~/input/ee_position", self._on_ee,
+                                     SENSOR_QOS, callback_group=io),
+        ]
+        self._action = ActionServer(
+            self, PlanTask, "~/plan_task", self._execute, callback_group=ReentrantCallbackGroup(),
+            goal_callback=self._on_goal, cancel_callback=lambda _g: CancelResponse.ACCEPT)
+        self.get_logger().info(f"configured: {p['model_config']} model, max_batch "
+                               f"{p['max_batch']}, limits {limits}")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop.clear()
+        self._worker = threading.Thread(target=self._work, name="planner_worker", daemon=True)
+        self._worker.start()
+        self._timer = self.create_timer(1.0 / self.params["execution_rate"], self._tick,
+                                        callback_group=MutuallyExclusiveCallbackGroup())
+        self.start_diagnostics(self._diag)
+        self._active = True
+        self.get_logger().info("active: serving ~/plan_task")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.stop_workers()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.stop_workers()
+        for h in self._handles:
+            self.destroy_subscription(h)
+        for pub in (self._plan_pub, self._target_pub, self._status_pub):
+            self.destroy_publisher(pub)
+        if self._action is not None:
+            self._action.destroy()
+        self._handles, self._action, self.core = [], None, None
+        return TransitionCallbackReturn.SUCCESS
+
+    def stop_workers(self) -> None:
+        was_active, self._active = self._active, False
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        if self._worker is not None:
+            self._worker.join(timeout=5.0)
+            self._worker = None
+        if self._timer is not None:
+            self.destroy_timer(self._timer)
+            self._timer = None
+        self.stop_diagnostics()
+        if was_active and self.executor_core is not None:
+            with self._lock:
+                events = self.executor_core.abort("node deactivated")
+            self._publish_events(events, hold=bool(events))
+
+    # ---- inputs ----------------------------------------------------------------------------
+    def _on_image(self, msg: Image) -> None:
+        try:
+            arr = image_to_numpy(msg)
+        except ConversionError as exc:
+            self.drop(f"image_{exc.reason}", str(exc))
+            return
+        with self._lock:
+            self._image = arr
+
+    def _on_scene(self, msg: PerceptionResult) -> None:
+        objects, skipped = scene_from_perception(msg)
+        for reason, n in skipped.items():
+            if n:
+                self.drop(reason, f"{n} detection(s) in the perception result")
+        with self._lock:
+            self._scene, self._frame_id = objects, msg.header.frame_id
+
+    def _on_joints(self, msg: JointState) -> None:
+        with self._lock:
+            self._joints = (list(msg.position), time.monotonic())
+
+    def _on_ee(self, msg: PointStamped) -> None:
+        p = msg.point
+        if not all(math.isfinite(v) for v in (p.x, p.y, p.z)):
+            self.drop("ee_nonfinite", f"ee position {p}")
+            return
+        with self._lock:
+            self._ee = ((p.x, p.y, p.z), time.monotonic())
+
+    # ---- goals -----------------------------------------------------------------------------
+    def _on_goal(self, goal: PlanTask.Goal) -> GoalResponse:
+        with self._cv:
+            if not self._active or self._pending >= self.params["max_pending_goals"]:
+                self.counters.inc("goals_refused")
+                return GoalResponse.REJECT
+            self._pending += 1
+        return GoalResponse.ACCEPT
+
+    def _execute(self, handle) -> PlanTask.Result:
+        try:
+            return self._serve(handle)
+        finally:
+            with self._cv:
+                self._pending -= 1
+
+    def _finish(self, handle, status: int, reasons: list[str], res: PlanResult | None = None,
+                frame_id: str = "") -> PlanTask.Result:
+        key = {R.VALIDATION_ACCEPTED: "goals_accepted", R.VALIDATION_REJECTED: "goals_rejected",
+               R.VALIDATION_ERROR: "goals_error"}[status]
+        out = R(validation_status=status, reasons=reasons)
+        if res is not None:
+            out.plan = plan_to_msg(res, self.get_clock().now().nanoseconds, frame_id)
+            out.time_to_first_token, out.total_time = res.ttft_s, res.total_s
+        if res is not None and res.cancelled:
+            self.counters.inc("goals_cancelled")
+            if handle.is_cancel_requested:
+                handle.canceled()
+            else:  # stopped by deactivation / shutdown
+                handle.abort()
+            return out
+        self.counters.inc(key)
+        handle.succeed()
+        return out
+
+    def _serve(self, handle) -> PlanTask.Result:
+        goal = handle.request
+        with self._lock:
+            image, scene, frame = self._image, list(self._scene), self._frame_id
+        if goal.use_image:
+            try:
+                image = image_to_numpy(goal.image)
+            except ConversionError as exc:
+                self.counters.inc(f"goal_image_{exc.reason}")
+                return self._finish(handle, R.VALIDATION_ERROR, [f"goal image: {exc}"])
+        elif image is None:
+            self.counters.inc("goal_no_image")
+            return self._finish(handle, R.VALIDATION_ERROR, [
+                "no image: the goal has use_image=false and no camera frame was received"])
+        if not goal.instruction.strip():
+            return self._finish(handle, R.VALIDATION_ERROR, ["instruction is empty"])
+        last = [0.0]
+
+        def feedback(n: int, text: str) -> None:
+            now = time.monotonic()
+            if n == 1 or now - last[0] >= 0.05:
+                last[0] = now
+                handle.publish_feedback(PlanTask.Feedback(
+                    progress=min(1.0, n / self.params["max_new_tokens"]), tokens_generated=n,
+                    partial_text=text))
+
+        job = _Job(PlanRequest(goal.instruction, image, scene, int(goal.max_steps), feedback,
+                               lambda: handle.is_cancel_requested or self._stop.is_set()))
+        with self._cv:
+            self._jobs.append(job)
+            self._cv.notify()
+        if not job.done.wait(self.params["goal_timeout"]):
+            job.request.should_cancel = lambda: True  # if still queued, skip it
+            return self._finish(handle, R.VALIDATION_ERROR, ["planning timed out"])
+        if job.result is None:
+            return self._finish(handle, R.VALIDATION_ERROR, [job.error or "planning failed"])
+        res = job.result
+        if res.cancelled:
+            return self._finish(handle, R.VALIDATION_ERROR, ["cancelled"], res, frame)
+        self._ttft.add(res.ttft_s)
+        self._total.add(res.total_s)
+        if not res.report.accepted:
+            return self._finish(handle, R.VALIDATION_REJECTED, res.report.reasons, res, frame)
+        return self._accept(handle, res, scene, frame)
+
+    def _accept(self, handle, res: PlanResult, scene, frame: str) -> PlanTask.Result:
+        plan_msg = plan_to_msg(res, self.get_clock().now().nanoseconds, frame)
+        try:
+            with self._lock:
+                events = self.executor_core.start(res.plan, scene, self._now())
+                self._plan_frame = frame
+        except ValueError as exc:  # cannot happen for a validated plan; never crash on it
+            return self._finish(handle, R.VALIDATION_ERROR, [f"execution: {exc}"], res, frame)
+        self._plan_pub.publish(plan_msg)
+        self._publish_events(events)
+        out = self._finish(handle, R.VALIDATION_ACCEPTED, [], res, frame)
+        out.plan = plan_msg
+        return out
+
+    # ---- batching worker -------------------------------------------------------------------
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            with self._cv:
+                if not self._jobs:
+                    self._cv.wait(timeout=0.2)
+                    continue
+                batch = self._jobs[: self.params["max_batch"]]
+                del self._jobs[: len(batch)]
+            self._run_batch(batch)
+        with self._cv:
+            left, self._jobs = self._jobs, []
+        for job in left:
+            job.error = "node deactivated"
+            job.done.set()
+
+    def _run_batch(self, batch: list[_Job]) -> None:
+        self.counters.inc("batches")
+        self.counters.inc(f"batch_size_{len(batch)}")
+        try:
+            results = self.core.plan_batch([j.request for j in batch])
+            for job, res in zip(batch, results, strict=True):
+                job.result = res
+        except PlannerInputError:  # one bad request: serve them one by one
+            for job in batch:
+                try:
+                    job.result = self.core.plan_batch([job.request])[0]
+                except PlannerInputError as exc:
+                    job.error = f"bad request: {exc}"
+        except Exception as exc:  # a model failure must not kill the node
+            self.counters.inc("planner_errors")
+            self.get_logger().error(f"planning failed: {exc!r}")
+            for job in batch:
+                job.error = f"internal error: {exc!r}"
+        for job in batch:
+            job.done.set()
+
+    # ---- execution -------------------------------------------------------------------------
+    def _now(self) -> float:
+        return self.get_clock().now().nanoseconds * 1e-9
+
+    def _tick(self) -> None:
+        if not self._active or self.executor_core is None:
+            return
+        now_m, age = time.monotonic(), self.params["feedback_age"]
+        with self._lock:
+            ee = self._ee[0] if self._ee and now_m - self._ee[1] <= age else None
+            q = self._joints[0] if self._joints and now_m - self._joints[1] <= age else None
+            out = self.executor_core.tick(self._now(), ee, q)
+            frame = self._plan_frame
+        if out.target is not None:
+            self._publish_target(out.target, frame)
+        self._publish_events(out.events)
+
+    def _publish_target(self, t, frame: str) -> None:
+        msg = ControlTarget(header=make_header(self.get_clock().now().nanoseconds, frame))
+        msg.mode = int(t.mode)
+        msg.position.x, msg.position.y, msg.position.z = (float(v) for v in t.position)
+        msg.joint_positions = [float(v) for v in t.joint_positions]
+        msg.max_speed, msg.gripper = float(t.max_speed), float(t.gripper)
+        msg.step_index, msg.skill_name = int(t.step_index), t.skill_name
+        self._target_pub.publish(msg)
+
+    def _publish_events(self, events: list[StepEvent], hold: bool = False) -> None:
+        stamp = self.get_clock().now().nanoseconds
+        for e in events:
+            self._status_pub.publish(StepStatus(
+                header=make_header(stamp, self._plan_frame), step_index=e.step_index,
+                step_count=e.step_count, status=int(e.status), message=e.message))
+        if hold and self.executor_core is not None:
+            self._publish_target(self.executor_core.hold_target(), self._plan_frame)
+
+    def _diag(self) -> tuple[int, str, dict]:
+        with self._lock:
+            values: dict[str, object] = {"pending_goals": self._pending,
+                                         "scene_objects": len(self._scene),
+                                         "have_image": self._image is not None}
+        for name, w in (("ttft", self._ttft), ("total", self._total)):
+            for k, v in w.percentiles((50.0, 99.0)).items():
+                values[f"{name}_{k}_s"] = v
+        ex = self.executor_core
+        values["executing_step"] = -1 if ex is None or ex.active_index is None \
+            else ex.active_index
+        return DiagnosticStatus.OK, "ok" if self._active else "inactive", values
+
+
+def main(args: list[str] | None = None) -> int:
+    return run_node(PlannerNode, args, num_threads=8)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

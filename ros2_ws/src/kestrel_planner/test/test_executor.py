@@ -1,0 +1,120 @@
+"""PlanExecutor: plan -> control targets, per-step status, tolerance, timeout, abort, preempt."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from kestrel_planner.core.executor import (
+    ExecutorConfig, PlanExecutor, StepState, TargetMode,
+)
+from kestrel_planner.core.plan import SceneObject, parse_plan
+from kestrel_planner.core.skills import PUSH_BACKOFF_M
+
+SCENE = [SceneObject("red_cube", "red_cube", (0.4, 0.0, 0.02)),
+         SceneObject("bin", "bin", (0.3, 0.3, 0.0)),
+         SceneObject("ghost", "ghost", None)]
+CFG = ExecutorConfig(position_tolerance=0.01, step_timeout=5.0, gripper_time=0.5,
+                     home_joint_positions=(0.0, -0.5, 0.5), joint_tolerance=0.05)
+
+
+def approx(a, b) -> bool:
+    return all(abs(x - y) < 1e-9 for x, y in zip(a, b, strict=True))
+
+
+def test_pick_place_runs_to_success() -> None:
+    ex = PlanExecutor(CFG)
+    plan = parse_plan("pick red_cube speed=0.2 height=0.1\nplace bin\nhome\nend")
+    ev = ex.start(plan, SCENE, now_s=0.0)
+    assert [(e.step_index, e.status) for e in ev] == [(0, StepState.ACTIVE)]
+    assert ex.statuses == [StepState.ACTIVE, StepState.PENDING, StepState.PENDING]
+    seen = []
+    t, ee, joints = 0.0, None, None
+    for _ in range(200):
+        out = ex.tick(t, ee, joints)
+        for e in out.events:
+            seen.append((e.step_index, e.status))
+        if out.target is None:
+            break
+        tg = out.target
+        # A perfect robot: reaches whatever it was told on the next tick.
+        if tg.mode == TargetMode.CARTESIAN:
+            ee = tg.position
+        elif tg.mode == TargetMode.JOINT:
+            joints = tg.joint_positions
+        t += 0.05
+    assert ex.statuses == [StepState.SUCCEEDED] * 3 and not ex.running
+    assert seen == [(0, StepState.SUCCEEDED), (1, StepState.ACTIVE), (1, StepState.SUCCEEDED),
+                    (2, StepState.ACTIVE), (2, StepState.SUCCEEDED)]
+
+
+def test_target_sequence_content() -> None:
+    ex = PlanExecutor(CFG)
+    ex.start(parse_plan("pick red_cube speed=0.2 height=0.1\nplace bin\nend"), SCENE, 0.0)
+    a = ex.tick(0.0, None).target
+    assert a.mode == TargetMode.CARTESIAN and approx(a.position, (0.4, 0.0, 0.12))
+    assert a.max_speed == 0.2 and a.gripper == 0.0 and a.step_index == 0
+    assert a.skill_name == "pick"
+    # Within tolerance of the approach point -> next waypoint: down to the object.
+    b = ex.tick(0.1, (0.4, 0.005, 0.12)).target
+    assert approx(b.position, (0.4, 0.0, 0.02)) and b.gripper == 0.0
+    c = ex.tick(0.2, (0.4, 0.0, 0.02)).target
+    assert c.mode == TargetMode.HOLD and c.gripper == 1.0  # close, wait gripper_time
+    assert ex.tick(0.6, (0.4, 0.0, 0.02)).target.mode == TargetMode.HOLD
+    out = ex.tick(0.75, (0.4, 0.0, 0.02))
+    assert [(e.step_index, e.status) for e in out.events] == [(0, StepState.SUCCEEDED),
+                                                              (1, StepState.ACTIVE)]
+    d = out.target  # place: above the bin at the default height, gripper still closed
+    assert approx(d.position, (0.3, 0.3, 0.05)) and d.gripper == 1.0 and d.step_index == 1
+    assert d.max_speed == 0.1  # the schema default
+
+
+def test_push_geometry_and_home_joint_target() -> None:
+    ex = PlanExecutor(CFG)
+    ex.start(parse_plan("push red_cube height=0 distance=0.1\nhome\nend"), SCENE, 0.0)
+    p1 = ex.tick(0.0, None).target
+    assert approx(p1.position, (0.4 - PUSH_BACKOFF_M, 0.0, 0.02))
+    p2 = ex.tick(0.1, p1.position).target
+    assert approx(p2.position, (0.5, 0.0, 0.02))
+    h = ex.tick(0.2, p2.position).target
+    assert h.mode == TargetMode.JOINT and h.joint_positions == (0.0, -0.5, 0.5)
+    assert ex.tick(0.3, None, (0.0, -0.4, 0.5)).target is h  # 0.1 rad off: not yet
+    out = ex.tick(0.4, None, (0.01, -0.49, 0.5))
+    assert out.target is None and ex.statuses[-1] == StepState.SUCCEEDED
+
+
+def test_timeout_fails_step_and_aborts_rest() -> None:
+    ex = PlanExecutor(CFG)
+    ex.start(parse_plan("move_to bin\nhome\nend"), SCENE, 10.0)
+    assert ex.tick(14.9, None).target.mode == TargetMode.CARTESIAN  # no feedback yet
+    out = ex.tick(15.1, (0.0, 0.0, 0.5))  # far from the target, past step_timeout
+    assert [(e.step_index, e.status) for e in out.events] == [(0, StepState.FAILED),
+                                                              (1, StepState.ABORTED)]
+    assert "timeout" in out.events[0].message
+    assert out.target.mode == TargetMode.HOLD
+    assert ex.statuses == [StepState.FAILED, StepState.ABORTED] and not ex.running
+    assert ex.tick(16.0, None).target is None
+
+
+def test_abort_and_preempt() -> None:
+    ex = PlanExecutor(CFG)
+    ex.start(parse_plan("move_to bin\nmove_to red_cube\nend"), SCENE, 0.0)
+    ev = ex.start(parse_plan("home\nend"), SCENE, 1.0)
+    assert [(e.step_index, e.step_count, e.status) for e in ev] == [
+        (0, 2, StepState.ABORTED), (1, 2, StepState.ABORTED), (0, 1, StepState.ACTIVE)]
+    assert ex.statuses == [StepState.ACTIVE]
+    ev = ex.abort("cancelled")
+    assert [(e.status, e.message) for e in ev] == [(StepState.ABORTED, "cancelled")]
+    assert ex.abort() == [] and ex.tick(2.0, None).target is None
+
+
+def test_malformed_feedback_and_bad_plan() -> None:
+    ex = PlanExecutor(CFG)
+    ex.start(parse_plan("move_to bin\nend"), SCENE, 0.0)
+    out = ex.tick(0.1, (float("nan"), 0.3, 0.05))  # treated as no feedback
+    assert out.events == [] and ex.statuses == [StepState.ACTIVE]
+    with pytest.raises(ValueError, match="'ghost' has no position"):
+        ex.start(parse_plan("pick ghost\nend"), SCENE, 0.0)
+    assert ex.statuses == [StepState.ACTIVE]  # the running plan is untouched
+    with pytest.raises(ValueError, match="parameter 'step_timeout'"):
+        ExecutorConfig(step_timeout=0.0)

@@ -1,0 +1,219 @@
+"""The control node as its own process over DDS: commands from joint states, loop statistics,
+counted bad inputs, hold on stale input, sim time (/clock), and configure failures."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+from diagnostic_msgs.msg import DiagnosticArray
+from kestrel_interfaces.msg import ControlTarget, LoopStatistics
+from rosgraph_msgs.msg import Clock
+from sensor_msgs.msg import JointState
+
+from kestrel_common.base_node import COMMAND_QOS, SENSOR_QOS
+from kestrel_common.conversions import ns_to_stamp, stamp_to_ns
+from ros_harness import diagnostics_values
+
+pytestmark = pytest.mark.dds
+
+MODULE = "kestrel_control.control_node"
+JOINTS = ["shoulder_pan", "shoulder_lift", "elbow", "wrist_1", "wrist_2", "wrist_3"]
+LOWER = [-3.14159, -2.0, -2.6, -2.6, -2.6, -3.14159]
+UPPER = [3.14159, 2.0, 2.6, 2.6, 2.6, 0.2]  # wrist_3 limited to 0.2 rad: clamping is exercised
+Q = np.array([0.1, -0.3, 0.5, -0.7, 0.9, 0.5])  # joint positions sent, node order, rad
+SCALE = 0.05  # action_scale: |command - position| <= SCALE unless clamped
+RATE = 500.0
+PARAMS = {"rate_hz": RATE, "stats_period": 0.1, "diagnostics_period": 0.2, "max_obs_age": 0.05,
+          "action_scale": SCALE, "joint_upper": UPPER, "joint_lower": LOWER}
+
+
+class JointStateSource:
+    """Publishes JointState at ~200 Hz from a thread; `mode` picks what ('good', 'off', ...).
+
+    The joint order in the message is reversed w.r.t. the node's, so reordering is tested.
+    """
+
+    def __init__(self, probe, stamp_fn) -> None:
+        self.pub = probe.publisher(JointState, "/control/input/joint_states", SENSOR_QOS)
+        self.stamp_fn = stamp_fn
+        self.mode = "good"
+        self.last_good_stamp = 0
+        self.first_good_stamp = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def message(self, mode: str) -> JointState:
+        names, pos = list(reversed(JOINTS)), list(reversed(Q.tolist()))
+        if mode == "short":
+            names, pos = names[:5], pos[:5]
+        elif mode == "unknown":
+            names = ["gripper"] + names[1:]
+        elif mode == "nan":
+            pos[2] = math.nan
+        msg = JointState(name=names, position=pos, velocity=[0.0] * len(pos))
+        stamp = self.stamp_fn()
+        msg.header.stamp = ns_to_stamp(stamp)
+        if mode == "good":
+            self.last_good_stamp = stamp
+            self.first_good_stamp = self.first_good_stamp or stamp
+        return msg
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.mode != "off":
+                self.pub.publish(self.message(self.mode))
+            time.sleep(0.005)  # publishing rate, not a synchronisation
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+
+
+def _latest(col):
+    msgs = col.snapshot()
+    return msgs[-1] if msgs else None
+
+
+def _wait_stats(stats, pred, timeout=15.0):
+    msgs = stats.wait_for(lambda m: bool(m) and pred(m[-1]), timeout)
+    assert msgs and pred(msgs[-1]), f"loop_stats never satisfied the condition: {_latest(stats)}"
+    return msgs[-1]
+
+
+def _check_command(msg: JointState) -> np.ndarray:
+    q = np.asarray(msg.position)
+    assert list(msg.name) == JOINTS and q.shape == (6,)
+    assert np.all(np.isfinite(q)) and np.all(q >= LOWER) and np.all(q <= UPPER), q
+    return q
+
+
+def test_commands_stats_bad_inputs_and_stale_hold(launch_node, probe):
+    node = launch_node(MODULE, "control", params=PARAMS)
+    commands = probe.subscribe(JointState, "/control/output/joint_command", COMMAND_QOS)
+    stats = probe.subscribe(LoopStatistics, "/control/output/loop_stats", COMMAND_QOS)
+    diag = probe.subscribe(DiagnosticArray, "/diagnostics")
+    target_pub = probe.publisher(ControlTarget, "/control/input/target", COMMAND_QOS)
+    source = JointStateSource(probe, probe.now_ns)
+    try:
+        assert probe.wait_for_subscribers(target_pub, timeout=30.0), node.output()
+        target = ControlTarget(mode=ControlTarget.MODE_JOINT, joint_positions=[0.0] * 6)
+        target_pub.publish(target)
+
+        # ---- good input: commands near the (reordered) positions, within the limits --------
+        msgs = commands.wait_for(lambda m: len(m) >= 100, timeout=20.0)
+        assert len(msgs) >= 100, node.output()
+        t_probe = probe.now_ns()
+        for msg in msgs[-50:]:
+            q = _check_command(msg)
+            np.testing.assert_array_less(np.abs(q[:5] - Q[:5]), SCALE + 1e-9)
+            assert q[5] == 0.2  # 0.5 + 0.05 * tanh(a) > 0.2: clamped to joint_upper
+            stamp = stamp_to_ns(msg.header.stamp)  # node clock at the tick (wall time here)
+            assert source.first_good_stamp <= stamp <= t_probe
+        stamps = [stamp_to_ns(m.header.stamp) for m in msgs]
+        assert all(b >= a for a, b in zip(stamps, stamps[1:], strict=False))
+        assert len(set(tuple(m.position) for m in msgs[-50:])) > 1  # the policy acts per tick
+
+        # ---- loop statistics: rate ~ rate_hz, every deadline served or counted --------------
+        _wait_stats(stats, lambda s: s.cycles_total > 1000 and s.clamped_actions > 0)
+        window = stats.snapshot()[-10:]
+        assert all(s.period_target == pytest.approx(1.0 / RATE) for s in window)
+        rates = [s.cycles_window / 0.1 for s in window]
+        assert 0.5 * RATE <= np.median(rates) <= 1.15 * RATE, rates
+        assert 0.8 / RATE <= np.median([s.period_p50 for s in window]) <= 1.2 / RATE
+        assert all(s.step_latency_max >= s.step_latency_p99 >= s.step_latency_p50 > 0
+                   for s in window if s.cycles_window)
+
+        # ---- bad inputs: counted, commands keep flowing and stay finite ---------------------
+        for mode, counter in (("short", "joint_state_bad_length"),
+                              ("unknown", "joint_state_bad_names")):
+            source.mode = mode
+            got = diag.wait_for(lambda m, c=counter: int(
+                diagnostics_values(m, "control").get(c, "0")) >= 1, timeout=10.0)
+            assert int(diagnostics_values(got, "control").get(counter, "0")) >= 1, node.output()
+        rejected_before = _latest(stats).rejected_nonfinite
+        source.mode = "nan"
+        _wait_stats(stats, lambda s: s.rejected_nonfinite > rejected_before + 10)
+        source.mode = "good"
+        assert probe.publish_until(
+            target_pub, lambda: ControlTarget(mode=ControlTarget.MODE_JOINT,
+                                              joint_positions=[0.0] * 3),
+            lambda: int(diagnostics_values(diag.snapshot(), "control").get(
+                "target_bad_length", "0")) >= 1, period=0.1, timeout=10.0), node.output()
+        n_before = len(commands.snapshot())
+        msgs = commands.wait_for(lambda m: len(m) >= n_before + 50, timeout=10.0)
+        for msg in msgs[-50:]:
+            q = _check_command(msg)
+            np.testing.assert_array_less(np.abs(q[:5] - Q[:5]), SCALE + 1e-9)
+        values = diagnostics_values(diag.snapshot(), "control")
+        assert int(values["loop_rejected_nonfinite"]) > 0 and int(values["loop_cycles"]) > 0
+        assert "loop_step_latency_p999" in values and "rt_gc" in values
+
+        # ---- stale input: counted, the last command is held ---------------------------------
+        stale_before = _latest(stats).stale_inputs
+        source.mode = "off"
+        _wait_stats(stats, lambda s: s.stale_inputs > stale_before + 50)
+        stopped_at = source.last_good_stamp  # final: the source is off
+
+        def late(msgs: list) -> list:  # commands of ticks at which the input was stale
+            return [m for m in msgs if stamp_to_ns(m.header.stamp) > stopped_at + int(0.06e9)]
+
+        late = late(commands.wait_for(lambda m: len(late(m)) >= 50, timeout=10.0))
+        assert len(late) >= 50, "commands stopped flowing while holding"
+        held = {tuple(m.position) for m in late}
+        assert len(held) == 1, f"commands not held: {len(held)} distinct"
+        _check_command(late[-1])
+        assert node.alive()
+    finally:
+        source.close()
+    assert node.stop() == 0, node.output()
+    assert "Traceback" not in node.output()
+
+
+def test_sim_time_observation_age_uses_clock_topic(launch_node, probe):
+    """use_sim_time: stamps in sim time (far from wall time) are fresh against /clock."""
+    node = launch_node(MODULE, "control", params=dict(PARAMS, use_sim_time=True))
+    sim_ns = [1000 * 10**9]  # sim time starts at 1000 s
+    clock_pub = probe.publisher(Clock, "/clock", 10)
+    commands = probe.subscribe(JointState, "/control/output/joint_command", COMMAND_QOS)
+    stats = probe.subscribe(LoopStatistics, "/control/output/loop_stats", COMMAND_QOS)
+    lock = threading.Lock()
+
+    def sim_stamp() -> int:  # advance sim time 5 ms per joint state and publish /clock first
+        with lock:
+            sim_ns[0] += 5_000_000
+            clock_pub.publish(Clock(clock=ns_to_stamp(sim_ns[0])))
+            return sim_ns[0]
+
+    source = JointStateSource(probe, sim_stamp)
+    try:
+        msgs = commands.wait_for(lambda m: len(m) >= 100, timeout=30.0)
+        assert len(msgs) >= 100, node.output()
+        for msg in msgs[-50:]:
+            q = _check_command(msg)
+            assert 1000e9 < stamp_to_ns(msg.header.stamp) <= sim_ns[0]  # node clock = /clock
+            np.testing.assert_array_less(np.abs(q[:5] - Q[:5]), SCALE + 1e-9)
+        s = _wait_stats(stats, lambda s: s.cycles_total > 500)
+        # Fresh most of the time (a loaded CPU can delay a joint state past max_obs_age).
+        assert s.stale_inputs < 0.3 * s.cycles_total, s
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize(("params", "fragment"), [
+    ({"joint_lower": [0.0, -2.0, -2.6, -2.6, -2.6, -3.0],
+      "joint_upper": [-0.5, 2.0, 2.6, 2.6, 2.6, 3.0]},
+     "parameter 'joint_lower' = [0.0, -2.0, -2.6, -2.6, -2.6, -3.0]: joint 0 (shoulder_pan): "
+     "lower 0.0 > upper -0.5"),
+    ({"rate_hz": 0}, "parameter 'rate_hz' = 0"),
+])
+def test_bad_parameters_fail_configure(launch_node, params, fragment):
+    node = launch_node(MODULE, "control", params=params)
+    assert node.wait_for_output("autostart: configure failed", timeout=30.0), node.output()
+    assert fragment in node.output()
+    assert node.proc.wait(10) == 2
+    assert "Traceback" not in node.output()

@@ -1,0 +1,268 @@
+"""perception node over DDS: the node runs as its own process; this test publishes real
+camera images, CameraInfos and PointCloud2s and checks the PerceptionResult content, the
+counted drops of bad input on /diagnostics, run-time head switching and configure failures."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from diagnostic_msgs.msg import DiagnosticArray
+from kestrel_common.base_node import SENSOR_QOS
+from kestrel_common.conversions import (
+    make_camera_info,
+    make_header,
+    numpy_to_image,
+    stamp_to_ns,
+    xyz_to_pointcloud2,
+)
+from kestrel_interfaces.msg import Detection2D, PerceptionResult
+from kestrel_perception.core.params import pose_to_matrix
+from rcl_interfaces.msg import Parameter as ParameterMsg
+from rcl_interfaces.msg import ParameterType, ParameterValue
+from rcl_interfaces.srv import SetParameters
+from sensor_msgs.msg import CameraInfo, Image, PointCloud2, PointField
+
+from ros_harness import diagnostics_values
+
+pytestmark = pytest.mark.dds
+
+NODE = "perception"
+W, H = 128, 96  # px
+K = np.array([[100.0, 0.0, 64.0], [0.0, 100.0, 48.0], [0.0, 0.0, 1.0]])
+CLASSES = ["background", "table", "red_cube", "green_cube", "blue_cylinder", "bin", "robot"]
+# both cameras look along world +x from (0, 0, 1) and (0.5, 0, 1): optical x = -world y,
+# optical y = -world z, optical z = world x  ->  quaternion (x, y, z, w) = (-.5, .5, -.5, .5)
+QUAT = [-0.5, 0.5, -0.5, 0.5]
+POSES = [0.0, 0.0, 1.0, *QUAT, 0.5, 0.0, 1.0, *QUAT]
+WALL_X = 2.0  # m: a wall of LiDAR points at world x = 2 fills both views
+PARAMS = {
+    "num_cameras": 2, "base_width": 8, "fpn_channels": 32, "score_threshold": 0.0,
+    "max_detections": 5, "max_points": 10_000, "sync_slop": 0.01, "torch_threads": 1,
+    "warmup_size": [W, H], "camera_poses": POSES, "publish_debug_image": True,
+    "diagnostics_period": 0.1, "frame_id": "world",
+}
+
+
+def wall_points() -> np.ndarray:
+    ys, zs = np.meshgrid(np.arange(-1.5, 1.5, 0.04), np.arange(-0.1, 2.1, 0.04))
+    return np.stack([np.full(ys.size, WALL_X), ys.ravel(), zs.ravel()], 1).astype(np.float32)
+
+
+class Rig:
+    """The test's publishers for 2 cameras + LiDAR, and a fresh stamp per set."""
+
+    def __init__(self, probe) -> None:
+        self.probe = probe
+        self.img = [probe.publisher(Image, f"/{NODE}/input/camera_{i}/image", SENSOR_QOS)
+                    for i in range(2)]
+        self.info = [probe.publisher(CameraInfo, f"/{NODE}/input/camera_{i}/camera_info",
+                                     SENSOR_QOS) for i in range(2)]
+        self.cloud = probe.publisher(PointCloud2, f"/{NODE}/input/points", SENSOR_QOS)
+        self.rng = np.random.default_rng(0)
+        self.t = probe.now_ns()
+
+    def next_stamp(self) -> int:
+        self.t += 100_000_000  # 0.1 s apart: never within sync_slop of each other
+        return self.t
+
+    def image(self, cam: int, stamp: int, w: int = W, h: int = H, encoding: str = "rgb8"
+              ) -> Image:
+        arr = self.rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        msg = numpy_to_image(arr, "rgb8", make_header(stamp, f"cam{cam}_optical"))
+        msg.encoding = encoding  # mislabelled on purpose for the bad-encoding cases
+        return msg
+
+    def publish_set(self, stamp: int, cloud: np.ndarray | None = None, image0: Image | None = None,
+                    stamp1: int | None = None) -> None:
+        if cloud is not None:
+            self.cloud.publish(xyz_to_pointcloud2(cloud, make_header(stamp, "world")))
+        for i in range(2):
+            self.info[i].publish(make_camera_info(K, W, H, make_header(
+                stamp if i == 0 or stamp1 is None else stamp1, f"cam{i}_optical")))
+        self.img[1].publish(self.image(1, stamp if stamp1 is None else stamp1))
+        self.img[0].publish(image0 if image0 is not None else self.image(0, stamp))
+
+
+def result_for(results, stamp: int) -> PerceptionResult | None:
+    for msg in results.snapshot():
+        if stamp_to_ns(msg.header.stamp) == stamp:
+            return msg
+    return None
+
+
+def produce(rig: Rig, results, cloud: np.ndarray | None = None, timeout: float = 20.0,
+            check=lambda r: True) -> PerceptionResult:
+    """Publish fresh good sets until a result for one of them satisfies `check`."""
+    stamps: list[int] = []
+
+    def done() -> bool:
+        return any((r := result_for(results, s)) is not None and check(r) for s in stamps)
+
+    def publish() -> None:
+        stamps.append(rig.next_stamp())
+        rig.publish_set(stamps[-1], cloud)
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not done():
+        publish()
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end and not done():
+            time.sleep(0.02)
+    for s in stamps:
+        r = result_for(results, s)
+        if r is not None and check(r):
+            return r
+    raise AssertionError("no matching result from the perception node")
+
+
+def counter(diag, name: str, at_least: int, timeout: float = 10.0) -> int:
+    msgs = diag.wait_for(lambda m: int(diagnostics_values(m, NODE).get(name, "0")) >= at_least,
+                         timeout=timeout)
+    return int(diagnostics_values(msgs, NODE).get(name, "0"))
+
+
+def check_result_content(r: PerceptionResult, stamp: int) -> None:
+    assert stamp_to_ns(r.header.stamp) == stamp and r.header.frame_id == "world"
+    assert list(r.class_names) == CLASSES
+    assert len(r.masks) == 2 and len(r.depths) == 2
+    for i, (m, d) in enumerate(zip(r.masks, r.depths, strict=True)):
+        assert (m.encoding, m.width, m.height) == ("mono8", W, H)
+        assert stamp_to_ns(m.header.stamp) == stamp and m.header.frame_id == f"cam{i}_optical"
+        assert int(np.frombuffer(bytes(m.data), np.uint8).max()) < len(CLASSES)
+        assert (d.encoding, d.width, d.height) == ("32FC1", W, H)
+        depth = np.frombuffer(bytes(d.data), np.float32)
+        assert depth.size == W * H and np.isfinite(depth).all() and (depth > 0).all()
+    # score_threshold 0: max_detections (5) per camera
+    assert sorted(d.camera_index for d in r.detections) == [0] * 5 + [1] * 5
+    for det in r.detections:
+        assert stamp_to_ns(det.header.stamp) == stamp
+        assert det.header.frame_id == f"cam{det.camera_index}_optical"
+        assert 1 <= det.class_index < len(CLASSES)
+        assert det.results[0].hypothesis.class_id == CLASSES[det.class_index]
+        assert 0.0 <= det.results[0].hypothesis.score <= 1.0
+        b = det.bbox
+        assert -1e-3 <= b.center.x - b.size_x / 2 and b.center.x + b.size_x / 2 <= W + 1e-3
+        assert -1e-3 <= b.center.y - b.size_y / 2 and b.center.y + b.size_y / 2 <= H + 1e-3
+        assert det.position_frame_id == "world"
+    assert {t.name for t in r.timings} >= {"preprocess", "model", "postprocess",
+                                           "lidar_fusion"}
+    assert all(t.duration >= 0 for t in r.timings) and r.latency > 0
+
+
+def check_lidar_positions(r: PerceptionResult) -> None:
+    """Every detection's position lies on the wall and projects onto its box centre."""
+    assert all(d.position_source == Detection2D.POSITION_LIDAR for d in r.detections)
+    for det in r.detections:
+        p = det.results[0].pose.pose.position
+        assert p.x == pytest.approx(WALL_X, abs=1e-3)
+        T = pose_to_matrix(POSES[7 * det.camera_index: 7 * det.camera_index + 7])
+        p_cam = np.linalg.inv(T) @ np.array([p.x, p.y, p.z, 1.0])
+        u, v = (K @ p_cam[:3])[:2] / p_cam[2]
+        assert (u, v) == pytest.approx((det.bbox.center.x, det.bbox.center.y), abs=1e-2)
+        assert det.results[0].pose.covariance[0] > 0
+
+
+def set_bool(probe, name: str, value: bool):
+    cli = probe.node.create_client(SetParameters, f"/{NODE}/set_parameters")
+    assert cli.wait_for_service(timeout_sec=10.0)
+    p = ParameterMsg(name=name, value=ParameterValue(type=ParameterType.PARAMETER_BOOL,
+                                                     bool_value=value))
+    fut = cli.call_async(SetParameters.Request(parameters=[p]))
+    deadline = time.monotonic() + 10.0
+    while not fut.done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert fut.done()
+    return fut.result().results[0]
+
+
+def test_results_bad_inputs_and_runtime_heads(launch_node, probe):
+    node = launch_node("kestrel_perception.perception_node", NODE, params=PARAMS)
+    results = probe.subscribe(PerceptionResult, f"/{NODE}/output/result", 50)
+    debug = probe.subscribe(Image, f"/{NODE}/output/debug_image", SENSOR_QOS)
+    diag = probe.subscribe(DiagnosticArray, "/diagnostics", 50)
+    rig = Rig(probe)
+    assert probe.wait_for_subscribers(rig.img[0], timeout=30.0), node.output()
+    assert probe.wait_for_subscribers(rig.cloud, timeout=10.0), node.output()
+
+    # 1. good input with a LiDAR cloud -> content, stamps, 3D positions from the LiDAR
+    r = produce(rig, results, wall_points(), timeout=30.0,
+                check=lambda r: all(d.position_source == Detection2D.POSITION_LIDAR
+                                    for d in r.detections))
+    check_result_content(r, stamp_to_ns(r.header.stamp))
+    check_lidar_positions(r)
+    dbg = debug.wait_for(lambda m: len(m) > 0, timeout=10.0)
+    assert dbg and (dbg[-1].encoding, dbg[-1].width, dbg[-1].height) == ("rgb8", 2 * W, H)
+
+    # 2. without a cloud: positions from the predicted depth
+    r = produce(rig, results)
+    assert all(d.position_source == Detection2D.POSITION_PREDICTED_DEPTH for d in r.detections)
+
+    # 3. bad inputs: each is counted on /diagnostics (republished if a best-effort sample
+    #    got lost) and the node keeps producing results
+    def bad(name: str, publish, period: float = 1.5) -> None:
+        before = counter(diag, name, 0)
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:
+            publish()
+            if counter(diag, name, before + 1, timeout=period) > before:
+                return
+        raise AssertionError(f"{name} not counted\n{node.output()}")
+
+    bad("dropped_bad_encoding", lambda: rig.img[0].publish(
+        rig.image(0, rig.next_stamp(), encoding="mono16")))
+    bad("dropped_bad_encoding", lambda: rig.img[0].publish(
+        rig.image(0, rig.next_stamp(), encoding="32FC1")))
+    bad("dropped_size_mismatch", lambda: (s := rig.next_stamp(), rig.publish_set(
+        s, image0=rig.image(0, s, w=64, h=48))))
+    no_x = xyz_to_pointcloud2(wall_points(), make_header(rig.next_stamp(), "world"))
+    no_x.fields = [PointField(name=n, offset=4 * i, datatype=PointField.FLOAT32, count=1)
+                   for i, n in enumerate(("a", "y", "z"))]
+    bad("dropped_bad_cloud", lambda: rig.cloud.publish(no_x))
+    all_nan = np.full((500, 3), np.nan, np.float32)
+    bad("dropped_bad_cloud", lambda: rig.cloud.publish(
+        xyz_to_pointcloud2(all_nan, make_header(rig.next_stamp(), "world"))))
+    huge = np.zeros((10_001, 3), np.float32)  # > max_points
+    bad("dropped_too_many_points", lambda: rig.cloud.publish(
+        xyz_to_pointcloud2(huge, make_header(rig.next_stamp(), "world"))))
+    # camera 1 always 50 ms after camera 0 (sync_slop 10 ms): no set can form; the images are
+    # counted as out_of_sync when they leave the fixed-size history (8 per camera)
+    bad("out_of_sync", lambda: (s := rig.next_stamp(), rig.publish_set(s, stamp1=s + 50_000_000)),
+        period=0.1)
+    r = produce(rig, results)
+    check_result_content(r, stamp_to_ns(r.header.stamp))
+    # every published result was counted (results are reliable: all of them arrive)
+    diag.wait_for(lambda m: int(diagnostics_values(m, NODE).get("processed", "-1"))
+                  == len(results.snapshot()), timeout=10.0)
+    processed = int(diagnostics_values(diag.snapshot(), NODE)["processed"])
+    assert processed == len(results.snapshot()) and processed >= 3
+    values = diagnostics_values(diag.snapshot(), NODE)
+    assert float(values["latency_model_p50_s"]) > 0.0
+    assert float(values["latency_total_p99_s"]) >= float(values["latency_total_p50_s"])
+    assert "dropped input (dropped_bad_encoding" in node.output()
+
+    # 4. heads switch at run time (same process, same weights)
+    assert set_bool(probe, "enable_segmentation", False).successful
+    r = produce(rig, results, check=lambda r: len(r.masks) == 0)
+    assert len(r.depths) == 2 and len(r.detections) == 10
+    assert set_bool(probe, "enable_detection", False).successful
+    refused = set_bool(probe, "enable_depth", False)  # would leave no head
+    assert not refused.successful and "at least one head" in refused.reason
+    r = produce(rig, results, check=lambda r: len(r.detections) == 0)
+    assert len(r.masks) == 0 and len(r.depths) == 2
+    assert node.alive() and "Traceback" not in node.output()
+
+
+@pytest.mark.parametrize("params,fragment", [
+    ({"score_threshold": 1.5}, "parameter 'score_threshold' = 1.5: must be <= 1.0"),
+    ({"backbone_depth": 101}, "parameter 'backbone_depth' = 101"),
+    ({"num_cameras": 2, "camera_poses": [0.0] * 7}, "parameter 'camera_poses'"),
+])
+def test_bad_parameter_fails_configure(launch_node, params, fragment):
+    node = launch_node("kestrel_perception.perception_node", NODE,
+                       params={"torch_threads": 1, **params})
+    assert node.wait_for_output("autostart: configure failed", timeout=30.0), node.output()
+    assert fragment in node.output()
+    assert node.proc.wait(10) == 2
+    assert "Traceback" not in node.output()
