@@ -26,7 +26,9 @@ LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                      durability=DurabilityPolicy.TRANSIENT_LOCAL)
 
 # topic -> (type, qos). Sensor topics are published best effort; a best-effort subscription
-# matches any publisher.
+# matches any publisher. Topics whose content the monitor does not read are subscribed raw
+# (no deserialisation): counting ~1,000 msg/s must not steal the CPU the stack runs on.
+CONTENT_TOPICS = {"/perception/result", "/control/loop_stats"}
 TOPICS = {
     "/clock": (Clock, BEST_EFFORT),
     "/camera/image_raw": (Image, BEST_EFFORT),
@@ -55,7 +57,8 @@ class StackMonitor(Node):
         self.instruction = instruction
         self.plan_interval = plan_interval
         for topic, (msg_type, qos) in TOPICS.items():
-            self.create_subscription(msg_type, topic, self._make_cb(topic), qos)
+            self.create_subscription(msg_type, topic, self._make_cb(topic), qos,
+                                     raw=topic not in CONTENT_TOPICS)
         self.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, RELIABLE)
         self._action = ActionClient(self, PlanTask, "/planner/plan_task")
         self._goal_pending = False

@@ -247,7 +247,15 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
-        node.stop_workers()
+        # Ctrl-C reaches every process of the terminal's group and `ros2 launch` forwards
+        # another SIGINT (then SIGTERM): ignore repeats so the orderly stop below completes.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            node.stop_workers()
+        except Exception as exc:  # noqa: BLE001 - the rest of the shutdown must still run
+            node.get_logger().error(f"stop_workers failed at exit: {exc!r}")
+            code = code or 1
         executor.shutdown(timeout_sec=2.0)
         node.destroy_node()
         rclpy.try_shutdown()

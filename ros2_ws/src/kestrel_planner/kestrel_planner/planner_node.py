@@ -24,6 +24,7 @@ from geometry_msgs.msg import PointStamped
 from kestrel_interfaces.action import PlanTask
 from kestrel_interfaces.msg import (ControlTarget, PerceptionResult, StepArgument, StepStatus,
                                     TaskPlan, TaskStep)
+from rclpy._rclpy_pybind11 import RCLError
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
@@ -251,7 +252,8 @@ class PlannerNode(KestrelLifecycleNode):
         if was_active and self.executor_core is not None:
             with self._lock:
                 events = self.executor_core.abort("node deactivated")
-            self._publish_events(events, hold=bool(events))
+            if self.context.ok():  # at process exit the context may already be shut down
+                self._publish_events(events, hold=bool(events))
 
     # ---- inputs ----------------------------------------------------------------------------
     def _on_image(self, msg: Image) -> None:
@@ -315,7 +317,10 @@ class PlannerNode(KestrelLifecycleNode):
                 handle.abort()
             return out
         self.counters.inc(key)
-        handle.succeed()
+        try:
+            handle.succeed()
+        except RCLError:  # the node is shutting down under this goal: nothing left to tell
+            pass
         return out
 
     def _serve(self, handle) -> PlanTask.Result:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,6 +35,37 @@ STAGES: tuple[str, ...] = ("preprocess", "model", "postprocess", "lidar_fusion")
 
 def _fail(name: str, value: object, why: str) -> ValueError:
     return ValueError(f"parameter '{name}' = {value!r}: {why}")
+
+
+PACKAGE_URI = "package://"
+_SOURCE_ROOT = Path(__file__).resolve().parents[2]  # ros2_ws/src/kestrel_perception
+
+
+def resolve_weights_path(path: str) -> str:
+    """weights_path -> an existing file path. "package://<pkg>/<rel>" resolves to
+    <share of pkg>/<rel> (ament index), falling back to the source tree <pkg source>/<rel>
+    (for this package, when it is not installed); other values are plain file paths.
+    Raises ValueError naming 'weights_path' (and the paths tried) when no file exists."""
+    if not path.startswith(PACKAGE_URI):
+        if not os.path.isfile(path):
+            raise _fail("weights_path", path, "file not found")
+        return path
+    pkg, _, rel = path[len(PACKAGE_URI):].partition("/")
+    if not pkg or not rel:
+        raise _fail("weights_path", path, "expected package://<package>/<relative path>")
+    tried = []
+    try:
+        from ament_index_python.packages import get_package_share_directory
+        tried.append(os.path.join(get_package_share_directory(pkg), rel))
+    except Exception:  # ament_index_python missing, or the package is not installed
+        pass
+    if pkg == _SOURCE_ROOT.name:
+        tried.append(str(_SOURCE_ROOT / rel))
+    for cand in tried:
+        if os.path.isfile(cand):
+            return cand
+    where = tried if tried else f"nothing: package '{pkg}' is not installed"
+    raise _fail("weights_path", path, f"file not found (tried: {where})")
 
 
 @dataclass(frozen=True)
@@ -69,8 +101,8 @@ class PerceptionCoreConfig:
             raise _fail("class_names", len(self.class_names), "at most 255 for mono8 masks")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise _fail("device", self.device, "must be 'cpu' or 'cuda'")
-        if self.weights_path and not os.path.isfile(self.weights_path):
-            raise _fail("weights_path", self.weights_path, "file not found")
+        if self.weights_path:  # package:// URIs become file paths here
+            object.__setattr__(self, "weights_path", resolve_weights_path(self.weights_path))
         if not 1 <= self.max_points <= 50_000_000:
             raise _fail("max_points", self.max_points, "must be in [1, 50000000]")
         if not self.point_buckets or min(self.point_buckets) < 1:
