@@ -85,7 +85,7 @@ def main() -> int:
     finally:
         codes = runner.stop()
         executor.shutdown(timeout_sec=2.0)
-        monitor.destroy_node()
+        monitor.close()
         rclpy.try_shutdown()
         lease.release()
     failures += report.flow_failures()

@@ -39,7 +39,7 @@ def test_stack_runs_end_to_end(env, ros_domain, run_dir, dds_guard):
         exited = runner.exited()
     finally:
         codes = runner.stop()
-        monitor.destroy_node()
+        monitor.close()
         rclpy.try_shutdown(context=context)
     logs = {p.name: p.read_text(errors="replace")[-3000:] for p in run_dir.glob("*.log")}
     assert exited == [], f"nodes exited early: {exited}\n{logs}"

@@ -62,7 +62,7 @@ def test_stack_launch_data_flows_end_to_end():
         while time.monotonic() < deadline and report.flow_failures():
             executor.spin_once(timeout_sec=0.1)
         assert report.flow_failures() == [], report.table(0.0)
-        monitor.destroy_node()
+        monitor.close()
     finally:
         rclpy.try_shutdown(context=context)
         _LEASE.release()

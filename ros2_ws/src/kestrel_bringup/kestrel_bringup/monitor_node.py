@@ -122,6 +122,12 @@ class StackMonitor(Node):
         self.report.on_latency("planner: goal round trip", time.monotonic() - self._sent_at)
         self._done()
 
+    def close(self) -> None:
+        """Destroy the action client, then the node. (An action client left to the node's
+        destruction leaves Fast DDS shared-memory files behind.)"""
+        self._action.destroy()
+        self.destroy_node()
+
     def _done(self) -> None:
         self._goal_pending = False
         self._next_goal = time.monotonic() + self.plan_interval
