@@ -309,15 +309,15 @@ class PlannerNode(KestrelLifecycleNode):
         if res is not None:
             out.plan = plan_to_msg(res, self.get_clock().now().nanoseconds, frame_id)
             out.time_to_first_token, out.total_time = res.ttft_s, res.total_s
-        if res is not None and res.cancelled:
-            self.counters.inc("goals_cancelled")
-            if handle.is_cancel_requested:
-                handle.canceled()
-            else:  # stopped by deactivation / shutdown
-                handle.abort()
-            return out
-        self.counters.inc(key)
         try:
+            if res is not None and res.cancelled:
+                self.counters.inc("goals_cancelled")
+                if handle.is_cancel_requested:
+                    handle.canceled()
+                else:  # stopped by deactivation / shutdown
+                    handle.abort()
+                return out
+            self.counters.inc(key)
             handle.succeed()
         except RCLError:  # the node is shutting down under this goal: nothing left to tell
             pass
