@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray
-from geometry_msgs.msg import PoseStamped
+from geometry_msgs.msg import PointStamped, PoseStamped
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import CameraInfo, Image, JointState, PointCloud2
 
@@ -64,12 +64,18 @@ def test_streams_clock_camera_lidar_joints(probe, launch_node):
     pose = probe.subscribe(PoseStamped, "/sim/output/camera_pose", latched)
     pts = probe.subscribe(PointCloud2, "/sim/output/points", sensor)
     js = probe.subscribe(JointState, "/sim/output/joint_states", sensor)
+    ee = probe.subscribe(PointStamped, "/sim/output/ee_position", sensor)
     gt = probe.subscribe(GroundTruth, "/sim/output/ground_truth", latched)
     diag = probe.subscribe(DiagnosticArray, "/diagnostics")
 
     assert img.wait_for(lambda m: len(m) >= 3, timeout=40.0), node.output()
-    for col in (info, pose, pts, js, gt, depth):
+    for col in (info, pose, pts, js, gt, depth, ee):
         assert col.wait_for(timeout=10.0), (col.topic, node.output())
+    # tool centre point (forward kinematics): world frame, sim-time stamp, above the floor
+    e = ee.snapshot()[-1]
+    assert e.header.frame_id == "world" and _ns(e.header.stamp) > 0
+    tcp = np.array([e.point.x, e.point.y, e.point.z])
+    assert np.all(np.isfinite(tcp)) and 0.0 < tcp[2] < 2.0 and np.linalg.norm(tcp[:2]) < 1.5
     # /clock advances, at about real time (loose: the CPU is shared)
     c0 = clock.snapshot()[-1]
     w0 = time.monotonic()

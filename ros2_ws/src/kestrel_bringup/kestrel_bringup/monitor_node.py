@@ -15,6 +15,7 @@ from kestrel_interfaces.msg import (ControlTarget, LoopStatistics, PerceptionRes
 from rclpy.action import ActionClient
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from geometry_msgs.msg import PointStamped
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import CameraInfo, Image, JointState, PointCloud2
 
@@ -35,6 +36,7 @@ TOPICS = {
     "/camera/camera_info": (CameraInfo, BEST_EFFORT),
     "/lidar/points": (PointCloud2, BEST_EFFORT),
     "/joint_states": (JointState, BEST_EFFORT),
+    "/ee_position": (PointStamped, BEST_EFFORT),
     "/perception/result": (PerceptionResult, BEST_EFFORT),
     "/planner/plan": (TaskPlan, LATCHED),
     "/planner/step_status": (StepStatus, RELIABLE),

@@ -21,7 +21,7 @@ from typing import Any
 import mujoco
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticStatus
-from geometry_msgs.msg import Pose, PoseStamped, Vector3
+from geometry_msgs.msg import Point, PointStamped, Pose, PoseStamped, Vector3
 from kestrel_interfaces.msg import GroundTruth, ObjectState
 from kestrel_interfaces.srv import ResetWorld
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
@@ -163,6 +163,8 @@ class SimNode(KestrelLifecycleNode):
             "camera_pose": mk(PoseStamped, "~/output/camera_pose", LATCHED_QOS),
             "points": mk(PointCloud2, "~/output/points", SENSOR_QOS),
             "joint_states": mk(JointState, "~/output/joint_states", SENSOR_QOS),
+            # tool-centre-point position (forward kinematics), what a robot driver's TF gives
+            "ee_position": mk(PointStamped, "~/output/ee_position", SENSOR_QOS),
             "ground_truth": mk(GroundTruth, "~/output/ground_truth", LATCHED_QOS),
         }
         if p["publish_depth"]:
@@ -276,6 +278,10 @@ class SimNode(KestrelLifecycleNode):
                              velocity=qd.tolist(), effort=eff.tolist())
             self._pubs["joint_states"].publish(msg)
             self._meters["joint_states"].tick()
+            ee = world.end_effector_position()  # (3,) m, world frame
+            self._pubs["ee_position"].publish(PointStamped(
+                header=make_header(now_ns, self.params["world_frame"]),
+                point=Point(x=float(ee[0]), y=float(ee[1]), z=float(ee[2]))))
         if self._gt_due.due(now_ns):
             self._pubs["ground_truth"].publish(self._ground_truth_msg(now_ns))
 
