@@ -37,6 +37,12 @@ class PerceptionConfig:
     pre_nms_top_k: int = 1000  # candidates kept per FPN level before NMS
     image_mean: tuple[float, float, float] = (0.485, 0.456, 0.406)  # RGB, of x / 255
     image_std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    # optional BEV fusion block (bev.py): LiDAR pillars + camera features -> BEV occupancy
+    bev: bool = False
+    bev_grid: int = 64  # BEV cells per side (square grid centred on the base frame origin)
+    bev_range: float = 25.6  # m, half extent of the BEV grid (cell = 2 * range / grid)
+    bev_z_range: tuple[float, float] = (-2.0, 4.0)  # m, points outside this height are dropped
+    bev_heads: int = 4  # attention heads of the BEV <- image cross-attention
 
     def __post_init__(self) -> None:
         if self.backbone_depth not in BACKBONE_DEPTHS:
@@ -75,6 +81,14 @@ class PerceptionConfig:
                         "must have 3 values (RGB)")
         if min(self.image_std) <= 0.0:
             raise _fail("image_std", self.image_std, "must be > 0")
+        if not 4 <= self.bev_grid <= 512:
+            raise _fail("bev_grid", self.bev_grid, "must be in [4, 512]")
+        if not 0.0 < self.bev_range <= 200.0:
+            raise _fail("bev_range", self.bev_range, "must be in (0, 200] m")
+        if len(self.bev_z_range) != 2 or not self.bev_z_range[0] < self.bev_z_range[1]:
+            raise _fail("bev_z_range", self.bev_z_range, "must be (low, high) with low < high")
+        if self.bev_heads < 1 or self.fpn_channels % self.bev_heads:
+            raise _fail("bev_heads", self.bev_heads, "must be >= 1 and divide fpn_channels")
 
     @property
     def num_det_classes(self) -> int:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backbone import ResNetBackbone
+from .bev import BEVFusion
 from .config import HEAD_NAMES, PerceptionConfig
 from .fpn import FPN
 from .heads import DenseHead, DenseNeck, FCOSHead, upsample_crop
@@ -25,6 +26,8 @@ class MultiTaskPerceptionModel(nn.Module):
          "det_ctr":  list over P3-P5 of [B, 1, H_l, W_l] centerness logits
          "seg":      [B, num_classes, H, W] class logits
          "depth":    [B, 1, H, W] m along the optical axis, in (0, max_depth]
+         "bev_occ":  [S, 1, G, G] BEV occupancy logits, only with config.bev and `points`
+                     [S, N, 3] m (S samples; B = S x cameras, images grouped per sample)
     H_l, W_l are the feature sizes of the padded input (ceil(H / 32) * 32 / stride).
     Normalisation (mean/std buffers) and padding happen inside, so uint8 goes to the device.
     """
@@ -49,6 +52,8 @@ class MultiTaskPerceptionModel(nn.Module):
         self.seg_head = (DenseHead(c, config.num_classes)
                          if "segmentation" in config.heads else None)
         self.depth_head = DenseHead(c, 1) if "depth" in config.heads else None
+        self.bev = (BEVFusion(c, config.bev_grid, config.bev_range, config.bev_z_range,
+                              config.bev_heads) if config.bev else None)
 
     @property
     def enabled_heads(self) -> frozenset[str]:
@@ -68,16 +73,17 @@ class MultiTaskPerceptionModel(nn.Module):
         """[B,3,H,W] uint8 -> float normalised, padded to multiples of 32 (zeros = mean)."""
         if images.dim() != 4 or images.shape[1] != 3:
             raise ValueError(f"images: expected [B,3,H,W], got {tuple(images.shape)}")
-        x = images.float() * self.in_scale + self.in_shift
+        x = images.float() * self.in_scale.float() + self.in_shift.float()
         h, w = x.shape[-2:]
         ph, pw = -h % PAD_MULTIPLE, -w % PAD_MULTIPLE
         if ph or pw:
             x = F.pad(x, (0, pw, 0, ph))
         if self.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last):
             x = x.contiguous(memory_format=torch.channels_last)
-        return x
+        return x.to(self.backbone.conv1.weight.dtype)  # weights cast to bf16/fp16: same
 
-    def forward(self, images: torch.Tensor, heads: frozenset[str] | None = None
+    def forward(self, images: torch.Tensor, heads: frozenset[str] | None = None,
+                points: torch.Tensor | None = None
                 ) -> dict[str, torch.Tensor | list[torch.Tensor]]:
         heads = self._check_heads(heads)
         hw = (int(images.shape[-2]), int(images.shape[-1]))
@@ -104,6 +110,8 @@ class MultiTaskPerceptionModel(nn.Module):
                 else:
                     d = F.softplus(d).clamp(min=1e-3, max=self.config.max_depth)
                 out["depth"] = d
+        if self.bev is not None and points is not None:
+            out["bev_occ"] = self.bev(points, pyramid["p5"])
         return out
 
 

@@ -3,9 +3,15 @@
 Data flow (all numerics in kestrel_control.core, no ROS there):
   ~/input/joint_states (JointState, SENSOR_QOS) --callback--> LatestValueBuffer [2, n]
   ~/input/target (ControlTarget, COMMAND_QOS)   --callback--> LatestValueBuffer [n]
-  RealtimeLoop thread, every 1/rate_hz: PolicyRunner.step(node-clock now) -> command [n] rad
+  RealtimeLoop thread, every 1/rate_hz: PolicyRunner.step_all(node-clock now) -> commands [R, n]
       -> ~/output/joint_command (JointState, COMMAND_QOS, position = command, stamp = now)
   ~/output/loop_stats (LoopStatistics) every stats_period (steady clock); /diagnostics.
+With `robots: [a, b, ...]` the R robots are batched into one inference (padded to a power of
+two) and each has its own topics: ~/<ns>/input/joint_states, ~/<ns>/input/target,
+~/<ns>/output/joint_command. The policy is the reference ActorCritic (dims + weights_path) or a
+user's TorchScript / ONNX file (`model_*` parameters); `backend` picks the runtime
+(kestrel_models.control.runtimes). ControlTarget: MODE_JOINT sets the joint target; MODE_HOLD and
+MODE_CARTESIAN keep the current one (Cartesian needs IK: TODO, counted).
 Callbacks only check the message's structure (length, joint names: counted drops) and write
 into the buffers; values (NaN/inf, staleness, joint limits) are the SafetyFilter's job, counted
 in the loop statistics. Observation age = node clock now - header stamp, so it works on wall time
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -37,6 +44,7 @@ from kestrel_common.base_node import COMMAND_QOS, SENSOR_QOS, KestrelLifecycleNo
 from kestrel_common.conversions import stamp_to_ns
 from kestrel_common.params import ParamError, ParamSpec
 from kestrel_control.core import (BACKENDS, LoopStats, PolicyRunner, RealtimeLoop, RunnerConfig)
+from kestrel_models.control.external import FORMATS, ModelSpec
 from kestrel_models.control.policy import PolicyConfig
 
 # The sim arm (kestrel_sim.core.scene.JOINT_NAMES and the joint ranges of tabletop.xml).
@@ -73,6 +81,23 @@ SPECS = [
     ParamSpec("backend", "cpu_eager", "Inference backend.", choices=BACKENDS, read_only=True),
     ParamSpec("weights_path", "", "Policy state_dict file; empty = seeded random weights.",
               read_only=True),
+    ParamSpec("model_path", "", "A user's policy file (TorchScript .pt or ONNX .onnx, Isaac Lab "
+              "export style); overrides the reference policy and weights_path.", read_only=True),
+    ParamSpec("model_format", "auto", "Format of model_path.", choices=FORMATS, read_only=True),
+    ParamSpec("model_input", "obs", "Observation input name (ONNX).", read_only=True),
+    ParamSpec("model_output", "actions", "Action output name (ONNX).", read_only=True),
+    ParamSpec("model_state_inputs", [], "Recurrent state input names, e.g. [h_in, c_in].",
+              element_type=str, read_only=True),
+    ParamSpec("model_state_outputs", [], "Recurrent state output names, e.g. [h_out, c_out].",
+              element_type=str, read_only=True),
+    ParamSpec("model_state_shape", [], "Batch-1 shape of every recurrent state, e.g. [1, 1, "
+              "256] (empty = from the ONNX file).", min=1, max=65536, element_type=int,
+              read_only=True),
+    ParamSpec("latency_compensation", True, "Predict joint positions forward by observation "
+              "age + compute latency (linear).", read_only=True),
+    ParamSpec("robots", [], "Robot namespaces batched into one inference (empty = one robot on "
+              "~/input/..., ~/output/...; else ~/<ns>/input/joint_states, ~/<ns>/input/target, "
+              "~/<ns>/output/joint_command).", element_type=str, read_only=True),
     ParamSpec("seed", 0, "Seed of the random weights.", min=0, max=2**31 - 1, read_only=True),
     ParamSpec("stats_period", 0.1, "Period of ~/output/loop_stats, s.", min=0.01, max=60.0,
               read_only=True),
@@ -106,8 +131,9 @@ class ControlNode(KestrelLifecycleNode):
         self._subs: list[Any] = []
         self._stats_timer = None
         self._steady = Clock(clock_type=ClockType.STEADY_TIME)
-        self._perm_names: list[str] = []  # joint-name order of the last accepted message
-        self._perm = np.zeros(0, dtype=np.intp)  # message index of each node joint
+        # Per robot: joint-name order of the last accepted message, message index per joint.
+        self._perm_names: list[list[str]] = []
+        self._perm: list[np.ndarray] = []
         self.published = 0  # commands published (loop thread)
         self.no_clock_cycles = 0  # cycles skipped: node clock at 0 (sim time, no /clock yet)
         self._last_diag = dict.fromkeys(LOOP_COUNTERS, 0)
@@ -124,6 +150,11 @@ class ControlNode(KestrelLifecycleNode):
                 raise ParamError("joint_lower", values["joint_lower"],
                                  f"joint {i} ({values['joint_names'][i]}): lower {lo} > upper "
                                  f"{hi} (joint_upper)")
+        robots = values["robots"]
+        if len(set(robots)) != len(robots) or any(
+                not r or not r.replace("_", "a").isalnum() or r[0].isdigit() for r in robots):
+            raise ParamError("robots", robots, "namespaces must be unique identifiers "
+                             "(letters, digits, '_'; not starting with a digit)")
         if values["spin_us"] * 1e-6 >= 1.0 / values["rate_hz"]:
             raise ParamError("spin_us", values["spin_us"], "must be shorter than the period")
 
@@ -136,10 +167,22 @@ class ControlNode(KestrelLifecycleNode):
                                   num_actions=p["num_actions"], lstm_hidden=p["lstm_hidden"],
                                   history=p["history"])
             self._stats = LoopStats(1.0 / p["rate_hz"])
+            model = None
+            if p["model_path"]:
+                states = p["model_state_inputs"]
+                shape = tuple(p["model_state_shape"])
+                model = ModelSpec(
+                    path=p["model_path"], format=p["model_format"], obs_name=p["model_input"],
+                    actions_name=p["model_output"], state_in_names=tuple(states),
+                    state_out_names=tuple(p["model_state_outputs"]),
+                    state_shapes=(shape,) * len(states) if shape else (),
+                    obs_dim=p["obs_dim"], num_actions=0)
             self._runner = PolicyRunner(RunnerConfig(
                 joint_lower=p["joint_lower"], joint_upper=p["joint_upper"], policy=policy,
                 action_scale=p["action_scale"], max_obs_age_s=p["max_obs_age"],
-                backend=p["backend"], weights_path=p["weights_path"], seed=p["seed"]),
+                backend=p["backend"], weights_path=p["weights_path"], seed=p["seed"],
+                model=model, num_robots=max(1, len(p["robots"])),
+                latency_compensation=p["latency_compensation"]),
                 counters=self._stats)
         except ValueError as exc:  # names the parameter and value
             self.get_logger().error(f"configure failed: {exc}")
@@ -147,25 +190,37 @@ class ControlNode(KestrelLifecycleNode):
             return TransitionCallbackReturn.FAILURE
         names = list(p["joint_names"])
         self._index = {name: i for i, name in enumerate(names)}
-        self._cmd_msg = JointState()  # reused every cycle (loop thread only)
-        self._cmd_msg.name = names
-        self._cmd_msg.position = array.array("d", [0.0] * len(names))
-        self._cmd_view = np.frombuffer(self._cmd_msg.position, dtype=np.float64)  # [n], rad
-        self._cmd_pub = self.create_publisher(JointState, "~/output/joint_command", COMMAND_QOS)
+        prefixes = [f"~/{ns}/" for ns in p["robots"]] or ["~/"]
+        self._cmd_msgs, self._cmd_views, self._cmd_pubs = [], [], []
+        group = MutuallyExclusiveCallbackGroup()
+        self._subs = []
+        self._perm_names = [[] for _ in prefixes]
+        self._perm = [np.zeros(0, dtype=np.intp) for _ in prefixes]
+        for r, prefix in enumerate(prefixes):
+            msg = JointState()  # reused every cycle (loop thread only)
+            msg.name = names
+            msg.position = array.array("d", [0.0] * len(names))
+            self._cmd_msgs.append(msg)
+            self._cmd_views.append(np.frombuffer(msg.position, dtype=np.float64))  # [n], rad
+            self._cmd_pubs.append(self.create_publisher(
+                JointState, prefix + "output/joint_command", COMMAND_QOS))
+            self._subs += [
+                self.create_subscription(JointState, prefix + "input/joint_states",
+                                         functools.partial(self._on_joint_state, r),
+                                         SENSOR_QOS, callback_group=group),
+                self.create_subscription(ControlTarget, prefix + "input/target",
+                                         functools.partial(self._on_target, r),
+                                         COMMAND_QOS, callback_group=group),
+            ]
         self._stats_pub = self.create_publisher(LoopStatistics, "~/output/loop_stats",
                                                 COMMAND_QOS)
-        self._pubs = [self._cmd_pub, self._stats_pub]
-        group = MutuallyExclusiveCallbackGroup()
-        self._subs = [
-            self.create_subscription(JointState, "~/input/joint_states", self._on_joint_state,
-                                     SENSOR_QOS, callback_group=group),
-            self.create_subscription(ControlTarget, "~/input/target", self._on_target,
-                                     COMMAND_QOS, callback_group=group),
-        ]
+        self._pubs = [*self._cmd_pubs, self._stats_pub]
         self._clock = self.get_clock()
         self.get_logger().info(
-            f"configured: {len(names)} joints {names}, {p['rate_hz']:g} Hz, backend "
-            f"{p['backend']}, policy {policy}")
+            f"configured: {len(names)} joints {names}, {len(prefixes)} robot(s) (batch "
+            f"{self._runner.batch}), {p['rate_hz']:g} Hz, backend {p['backend']}, policy "
+            f"{self._runner.policy.source if p['model_path'] else policy}, latency "
+            f"compensation {'on' if p['latency_compensation'] else 'off'}")
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -216,7 +271,7 @@ class ControlNode(KestrelLifecycleNode):
             self._stats_timer = None
 
     # ---- input callbacks (executor threads): structure checks, then write a buffer -------
-    def _on_joint_state(self, msg: JointState) -> None:
+    def _on_joint_state(self, robot: int, msg: JointState) -> None:
         if not self._active:
             return
         n = len(self._index)
@@ -226,20 +281,20 @@ class ControlNode(KestrelLifecycleNode):
                       f"{len(names)} names, {len(pos)} positions, {len(vel)} velocities; the "
                       f"node has {n} joints")
             return
-        if names != self._perm_names:  # new joint order: rebuild the permutation
+        if names != self._perm_names[robot]:  # new joint order: rebuild the permutation
             try:
                 perm = np.array([list(names).index(j) for j in self._index], dtype=np.intp)
             except ValueError:  # n names holding all n joints are a permutation of them
                 self.drop("joint_state_bad_names",
                           f"names {list(names)} are not the node's joints {list(self._index)}")
                 return
-            self._perm_names, self._perm = list(names), perm
+            self._perm_names[robot], self._perm[robot] = list(names), perm
         stamp = stamp_to_ns(msg.header.stamp) or self._clock.now().nanoseconds
         pos_a = np.frombuffer(pos, dtype=np.float64) if isinstance(pos, array.array) \
             else np.asarray(pos, dtype=np.float64)
         vel_a = np.frombuffer(vel, dtype=np.float64) if isinstance(vel, array.array) \
             else np.asarray(vel, dtype=np.float64)
-        perm = self._perm
+        perm = self._perm[robot]
 
         def fill(slot: np.ndarray) -> None:  # slot: [2, n], node joint order
             np.take(pos_a, perm, out=slot[0])
@@ -248,17 +303,24 @@ class ControlNode(KestrelLifecycleNode):
             else:
                 slot[1] = 0.0
 
-        self._runner.joint_states.write_with(fill, stamp)
+        self._runner.robots[robot].joint_states.write_with(fill, stamp)
 
-    def _on_target(self, msg: ControlTarget) -> None:
+    def _on_target(self, robot: int, msg: ControlTarget) -> None:
         if not self._active:
+            return
+        if msg.mode != ControlTarget.MODE_JOINT:
+            # MODE_HOLD: keep the current joint target. MODE_CARTESIAN: also held, counted.
+            # TODO(control): Cartesian targets need IK (not in this node yet); the planner's
+            # Cartesian position is ignored and the last joint target stays in force.
+            if msg.mode == ControlTarget.MODE_CARTESIAN:
+                self.counters.inc("target_cartesian_held")
+            else:
+                self.counters.inc("target_hold")
             return
         n, q = len(self._index), msg.joint_positions
         if len(q) == n:
-            self._runner.target.write(np.asarray(q, dtype=np.float64),
-                                      stamp_to_ns(msg.header.stamp))
-        elif len(q) == 0:  # no joint-space target (HOLD / CARTESIAN): zeros
-            self._runner.target.write(0.0, stamp_to_ns(msg.header.stamp))
+            self._runner.robots[robot].target.write(np.asarray(q, dtype=np.float64),
+                                                    stamp_to_ns(msg.header.stamp))
         else:
             self.drop("target_bad_length",
                       f"target has {len(q)} joint positions, the node has {n} joints")
@@ -269,15 +331,17 @@ class ControlNode(KestrelLifecycleNode):
         if now_ns <= 0:  # use_sim_time and no /clock yet: no time, no command
             self.no_clock_cycles += 1
             return
-        command, info = self._runner.step(now_ns)
-        if not info.valid:
-            return
-        np.copyto(self._cmd_view, command)
-        stamp = self._cmd_msg.header.stamp
-        stamp.sec = now_ns // 1_000_000_000
-        stamp.nanosec = now_ns % 1_000_000_000
-        self._cmd_pub.publish(self._cmd_msg)
-        self.published += 1
+        commands, infos = self._runner.step_all(now_ns)
+        for r, info in enumerate(infos):
+            if not info.valid:
+                continue
+            msg = self._cmd_msgs[r]
+            np.copyto(self._cmd_views[r], commands[r])
+            stamp = msg.header.stamp
+            stamp.sec = now_ns // 1_000_000_000
+            stamp.nanosec = now_ns % 1_000_000_000
+            self._cmd_pubs[r].publish(msg)
+            self.published += 1
 
     # ---- reporting (executor threads) --------------------------------------------------------
     def _publish_stats(self) -> None:
@@ -300,7 +364,9 @@ class ControlNode(KestrelLifecycleNode):
         values.update({f"loop_{k}": v for k, v in stats.percentiles(window).items()})
         values["commands_published"] = self.published
         values["no_clock_cycles"] = self.no_clock_cycles
-        values["buffer_locked_reads"] = self._runner.joint_states.locked_reads
+        values["buffer_locked_reads"] = sum(r.joint_states.locked_reads
+                                            for r in self._runner.robots)
+        values["compute_latency_ema_s"] = self._runner.compute_latency_s
         if self._loop is not None:
             values.update({f"rt_{k}": v for k, v in self._loop.applied.items()})
             if self._loop.last_error:

@@ -58,7 +58,7 @@ def test_cuda_backend_refused_without_cuda() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_backend_matches_cpu() -> None:
     cpu, cuda = make(), make(backend="cuda_eager")
-    assert cuda.model.policy_head.weight.is_cuda and cuda._h.is_cuda
+    assert cuda.model.policy_head.weight.is_cuda and cuda.backend.states[0].is_cuda
     rng = np.random.default_rng(1)
     for k in range(20):
         js = np.stack([rng.uniform(-1, 1, N), rng.uniform(-1, 1, N)])
@@ -161,7 +161,7 @@ def test_nonfinite_policy_output_holds_and_resets_recurrent_state() -> None:
     assert info.status is SafetyStatus.NONFINITE_ACTION and info.valid
     np.testing.assert_array_equal(held, good)
     assert runner.counters.rejected_nonfinite == 1
-    assert not runner._h.abs().sum().isnan()  # state not carried poisoned
+    assert all(not s.abs().sum().isnan() for s in runner.backend.states)  # not poisoned
     assert np.all(runner._obs[3 * N:] == 0.0)  # previous action cleared
 
 

@@ -66,7 +66,7 @@ from kestrel_perception.core.params import (
 COUNTERS = ("processed", "dropped_bad_encoding", "dropped_bad_image", "dropped_size_mismatch",
             "dropped_bad_camera_info", "dropped_bad_pose", "dropped_bad_cloud",
             "dropped_too_many_points", "out_of_sync", "skipped_stale", "processing_error",
-            "nan_points", "truncated_points")
+            "nan_points", "truncated_points", "runtime_shape_fallbacks")
 # core InputError reason code -> counter
 REASON_COUNTER = {"bad_image": "dropped_bad_image", "size_mismatch": "dropped_size_mismatch",
                   "mixed_sizes": "dropped_size_mismatch", "bad_camera": "dropped_bad_camera_info",
@@ -307,6 +307,8 @@ class PerceptionNode(KestrelLifecycleNode):
             self.counters.inc("nan_points", out.dropped_points)
         if out.truncated_points:
             self.counters.inc("truncated_points", out.truncated_points)
+        if out.runtime_fallback:
+            self.counters.inc("runtime_shape_fallbacks")
         msg = self._result_msg(s, cams, out)
         msg.timings.append(StageTiming(name="wait", duration=t_start - s.newest_recv_s))
         msg.latency = time.monotonic() - s.newest_recv_s

@@ -64,6 +64,9 @@ SPECS = [
     ParamSpec("max_new_tokens", 160, "Decode budget per plan, tokens.", min=3, max=8192,
               read_only=True),
     ParamSpec("max_batch", 4, "Goals decoded together.", min=1, max=16, read_only=True),
+    ParamSpec("backend", "generate", "Decoder: generate (batch per call) or engine "
+              "(DecodeEngine: KV-cache slots, CUDA-graph decode on GPU).",
+              choices=("generate", "engine"), read_only=True),
     ParamSpec("max_pending_goals", 6, "Goals waiting or decoding; more are rejected.",
               min=1, max=6, read_only=True),
     ParamSpec("temperature", 0.0, "0 = greedy.", min=0.0, max=5.0),
@@ -183,7 +186,8 @@ class PlannerNode(KestrelLifecycleNode):
                 model=cfg, weights_path=p["weights_path"],
                 demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),
                 device=p["device"], seed=p["seed"], max_new_tokens=p["max_new_tokens"],
-                max_batch=p["max_batch"], temperature=p["temperature"], limits=limits))
+                max_batch=p["max_batch"], temperature=p["temperature"], limits=limits,
+                backend=p["backend"]))
         except ValueError as exc:
             self.get_logger().error(f"configure failed: {exc}")
             return TransitionCallbackReturn.FAILURE

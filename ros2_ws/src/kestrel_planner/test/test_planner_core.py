@@ -192,3 +192,26 @@ def test_demo_plan_weights() -> None:
     assert r.text == "move_to bin speed=0.3\nmove_to bin speed=0.3\nend" and r.report.accepted
     with pytest.raises(ValueError, match="parameter 'demo_plan'"):
         PlannerCore(PlannerConfig(demo_plan="fly away"))
+
+
+def test_engine_backend_matches_generate_backend() -> None:
+    """backend='engine' (DecodeEngine: slots, static cache) gives the same plans, streams and
+    cancellation as the default generate.py backend, random weights and demo weights alike."""
+    reqs = [PlanRequest("put the red cube in the bin", IMAGE, SCENE),
+            PlanRequest("push the cup", None, [SceneObject("cup", "cup", (0.2, -0.2, 0.0))]),
+            PlanRequest("go home", IMAGE[:20, :30].copy(), [])]
+    for demo in ("", "pick red_cube\nplace bin\nend"):
+        a = PlannerCore(PlannerConfig(seed=3, demo_plan=demo, limits=LIMITS, warmup=False))
+        b = PlannerCore(PlannerConfig(seed=3, demo_plan=demo, limits=LIMITS, warmup=False,
+                                      backend="engine"))
+        ra, rb = a.plan_batch(reqs), b.plan_batch(reqs)
+        assert [x.text for x in ra] == [y.text for y in rb]
+        assert [x.report for x in ra] == [y.report for y in rb]
+        assert any(len(x.text) > 10 for x in rb)
+    streamed: list[tuple[int, str]] = []
+    r = b.plan("put the red cube in the bin", IMAGE, SCENE,
+               on_token=lambda n, text: streamed.append((n, text)),
+               should_cancel=lambda: len(streamed) >= 3)
+    assert r.cancelled and r.tokens == 3 and streamed[-1][0] == 3
+    with pytest.raises(ValueError, match="parameter 'backend'"):
+        PlannerConfig(backend="vllm")

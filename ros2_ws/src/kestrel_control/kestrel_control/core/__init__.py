@@ -1,7 +1,8 @@
 """Pure-Python core of the control node (no rclpy): buffers, real-time loop, safety, policy."""
 
 from kestrel_control.core.double_buffer import LatestValueBuffer
-from kestrel_control.core.policy_runner import BACKENDS, PolicyRunner, RunnerConfig, StepInfo
+from kestrel_control.core.policy_runner import (BACKENDS, PolicyRunner, RunnerConfig, StepInfo,
+                                                padded_batch)
 from kestrel_control.core.rt_loop import RealtimeLoop, apply_realtime_settings
 from kestrel_control.core.safety import SafetyCounters, SafetyFilter, SafetyStatus, validate_limits
 from kestrel_control.core.stats import LoopStats, LoopStatsSnapshot, Ring
@@ -9,5 +10,5 @@ from kestrel_control.core.stats import LoopStats, LoopStatsSnapshot, Ring
 __all__ = [
     "BACKENDS", "LatestValueBuffer", "LoopStats", "LoopStatsSnapshot", "PolicyRunner",
     "RealtimeLoop", "Ring", "RunnerConfig", "SafetyCounters", "SafetyFilter", "SafetyStatus",
-    "StepInfo", "apply_realtime_settings", "validate_limits",
+    "StepInfo", "apply_realtime_settings", "padded_batch", "validate_limits",
 ]

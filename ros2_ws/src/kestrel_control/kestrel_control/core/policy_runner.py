@@ -1,22 +1,28 @@
-"""Runs the recurrent policy once per control tick on preallocated buffers.
+"""Runs the recurrent policy once per control tick for R robots in one padded batch.
 
-Per tick (`step(now_ns)`), with no allocation in steady state on the Python side:
+Per tick (`step_all(now_ns)`), with no allocation in steady state on the Python side, for each
+robot r (its own input buffers, safety filter and command row):
   joint states [2, n] (positions rad; velocities rad/s) and target [n] (rad, zeros when none)
   are read from LatestValueBuffers (written by the node's subscription callbacks);
-  obs [obs_dim] float32 = [positions n | velocities n | target n | previous action A | zeros];
-  SafetyFilter: stale or non-finite observation -> hold (no inference);
-  actions [A] = policy.step(obs, h, c) (LSTM state h, c [1, 1, H] kept on the device);
-  command [n] rad = positions + action_scale * tanh(actions[:n]) -> SafetyFilter (NaN -> hold,
-  clamp to the joint limits).
-Torch itself allocates its intermediate tensors in its C++ allocators (CPU: malloc-backed, freed
-every step; CUDA: the caching allocator, whose blocks are reused): invisible to tracemalloc and
-constant in steady state. Only per-step Python objects (tensor wrappers, floats) come and go.
-Backends now: 'cpu_eager' and 'cuda_eager' (later: CUDA graphs, ONNX Runtime, ...).
+  latency compensation (optional): positions are predicted forward to the time the command
+  takes effect, q + v * (observation age + measured compute latency), the horizon in
+  [0, max_obs_age] (linear constant-velocity prediction);
+  obs row r [obs_dim] float32 = [positions n | velocities n | target n | previous action A | 0];
+  SafetyFilter: stale or non-finite observation -> hold (counted);
+then ONE backend step for the batch [B, obs_dim] -> [B, A] (B = R padded to a power of two so
+one captured graph / engine serves; padded rows are zeros); then per robot
+  command [n] rad = positions + action_scale * tanh(actions[r, :n]) -> SafetyFilter (NaN ->
+  hold + that robot's recurrent state reset, clamp to the joint limits).
+When no robot has a valid observation the backend is not run. With several robots, a held
+robot's row still goes through the batch step (on its last observation), so its recurrent state
+advances; it is not reset.
+`step(now_ns)` is the single-robot form: robot 0's (command, info).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +31,14 @@ import torch
 
 from kestrel_control.core.double_buffer import LatestValueBuffer
 from kestrel_control.core.safety import SafetyCounters, SafetyFilter, SafetyStatus, validate_limits
-from kestrel_models.control.policy import ActorCritic, PolicyConfig, build_policy
+from kestrel_models.control.external import ModelSpec, load_policy
+from kestrel_models.control.policy import ActorCritic, PolicyConfig
+from kestrel_models.control.runtimes import BACKENDS, PolicyBackend, check_backend, create_backend
 
-BACKENDS = ("cpu_eager", "cuda_eager")
+
+def padded_batch(num_robots: int) -> int:
+    """Smallest power of two >= num_robots."""
+    return 1 << max(0, int(num_robots) - 1).bit_length()
 
 
 @dataclass
@@ -40,29 +51,20 @@ class RunnerConfig:
     action_scale: float = 0.05  # rad of command offset per unit of tanh(action)
     max_obs_age_s: float = 0.02  # s, older observations -> hold
     backend: str = "cpu_eager"  # one of BACKENDS
-    weights_path: str = ""  # torch state_dict file; "" = seeded random weights
+    weights_path: str = ""  # torch state_dict file (reference architecture, `policy` dims)
     seed: int = 0  # random-weight seed
     warmup_steps: int = 20  # inference calls at construction
+    model: ModelSpec | None = None  # a user's TorchScript/ONNX file (overrides the above)
+    num_robots: int = 1  # robots batched into one inference
+    latency_compensation: bool = False  # predict positions forward by age + compute latency
+    cache_dir: str = ""  # for exported ONNX files ("" = a temporary directory)
 
     def __post_init__(self) -> None:
         lower, upper = validate_limits(self.joint_lower, self.joint_upper)
         self.joint_lower, self.joint_upper = lower, upper
-        n, cfg = lower.shape[0], self.policy
-        if n > cfg.num_actions:
-            raise ValueError(
-                f"parameter 'num_actions' = {cfg.num_actions}: the policy needs one action per "
-                f"joint and the robot has {n} joints (joint_lower/joint_upper/joint_names)"
-            )
-        needed = 3 * n + cfg.num_actions
-        if needed > cfg.obs_dim:
-            raise ValueError(
-                f"parameter 'obs_dim' = {cfg.obs_dim}: the observation needs 3 * {n} joints + "
-                f"{cfg.num_actions} actions = {needed} values"
-            )
         if self.backend not in BACKENDS:
             raise ValueError(f"parameter 'backend' = {self.backend!r}: must be one of {BACKENDS}")
-        if self.backend == "cuda_eager" and not torch.cuda.is_available():
-            raise ValueError("parameter 'backend' = 'cuda_eager': CUDA is not available")
+        check_backend(self.backend)
         if not (isinstance(self.action_scale, (int, float)) and math.isfinite(self.action_scale)
                 and self.action_scale > 0):
             raise ValueError(f"parameter 'action_scale' = {self.action_scale!r}: must be > 0")
@@ -70,145 +72,193 @@ class RunnerConfig:
             raise ValueError(f"parameter 'max_obs_age' = {self.max_obs_age_s!r}: must be > 0")
         if self.warmup_steps < 0:
             raise ValueError(f"parameter 'warmup_steps' = {self.warmup_steps!r}: must be >= 0")
+        if not (isinstance(self.num_robots, int) and 1 <= self.num_robots <= 1024):
+            raise ValueError(f"parameter 'robots' = {self.num_robots!r}: 1 to 1024 robots")
+        if self.model is None:
+            self.model = ModelSpec(path=self.weights_path, format="state_dict",
+                                   config=self.policy, seed=self.seed)
 
     @property
     def num_joints(self) -> int:
         return int(self.joint_lower.shape[0])
 
 
+def check_layout(num_joints: int, obs_dim: int, num_actions: int, source: str) -> None:
+    """The observation layout needs obs_dim >= 3n + A and A >= n (ValueError otherwise)."""
+    n = num_joints
+    if n > num_actions:
+        raise ValueError(
+            f"parameter 'num_actions' = {num_actions}: the policy ({source}) outputs "
+            f"{num_actions} actions and the robot has {n} joints (joint_names/joint_lower/"
+            "joint_upper); it needs one action per joint")
+    needed = 3 * n + num_actions
+    if needed > obs_dim:
+        raise ValueError(
+            f"parameter 'obs_dim' = {obs_dim}: the observation needs 3 * {n} joints + "
+            f"{num_actions} actions = {needed} values ({source})")
+
+
 @dataclass
 class StepInfo:
-    """Outcome of one `step` (one preallocated instance, updated in place)."""
+    """Outcome of one robot's tick (preallocated, updated in place)."""
 
     status: SafetyStatus = SafetyStatus.NO_INPUT
     valid: bool = False  # a command is available to send
     obs_age_s: float = float("nan")  # now - observation stamp, s
     obs_version: int = 0  # version of the joint-state value used (0 = none yet)
     obs_stamp_ns: int = 0  # its stamp, ns (node clock)
+    predicted_s: float = 0.0  # how far the positions were predicted forward, s
 
 
-def load_weights(path: str) -> dict[str, torch.Tensor]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - reported as a configuration error
-        raise ValueError(f"parameter 'weights_path' = {path!r}: cannot load: {exc}") from exc
-    if not isinstance(state, dict):
-        raise ValueError(f"parameter 'weights_path' = {path!r}: not a state_dict")
-    return state
+class _Robot:
+    """Per-robot buffers, preallocated."""
+
+    def __init__(self, cfg: RunnerConfig, counters: Any, obs_row: np.ndarray,
+                 act_row: np.ndarray) -> None:
+        n = cfg.num_joints
+        self.safety = SafetyFilter(cfg.joint_lower, cfg.joint_upper, cfg.max_obs_age_s, counters)
+        self.joint_states = LatestValueBuffer((2, n))  # [positions rad; velocities rad/s]
+        self.target = LatestValueBuffer((n,))  # joint position target, rad
+        self.js = np.zeros((2, n))
+        self.pos, self.vel = self.js[0], self.js[1]  # views, [n]
+        self.target_now = np.zeros(n)
+        self.proposed = np.zeros(n)
+        self.info = StepInfo()
+        self.obs, self.act = obs_row, act_row  # views into the backend's static buffers
+        self.act_n = act_row[:n]
 
 
 class PolicyRunner:
-    """Policy + safety filter + input buffers for the real-time loop (see module docstring)."""
+    """Policy backend + per-robot safety filters and input buffers (see module docstring)."""
 
     def __init__(self, config: RunnerConfig, counters: Any = None) -> None:
         self.config = config
-        cfg, n = config.policy, config.num_joints
-        self.num_joints, self.num_actions = n, cfg.num_actions
-        self.device = torch.device("cuda" if config.backend == "cuda_eager" else "cpu")
-        if self.device.type == "cpu":
-            torch.set_num_threads(1)  # process-wide: one intra-op thread, no pool wake-ups
-        state = load_weights(config.weights_path) if config.weights_path else None
-        try:
-            model = build_policy(cfg, seed=config.seed, state_dict=state)
-        except RuntimeError as exc:
-            raise ValueError(
-                f"parameter 'weights_path' = {config.weights_path!r}: does not match the "
-                f"policy dims: {exc}") from exc
-        self.model: ActorCritic = model.to(self.device)
+        torch.set_num_threads(1)  # process-wide: one intra-op thread, no pool wake-ups
+        self.policy = load_policy(config.model)
+        n = config.num_joints
+        check_layout(n, self.policy.obs_dim, self.policy.num_actions, self.policy.source)
+        self.num_joints, self.num_actions = n, self.policy.num_actions
+        self.num_robots = config.num_robots
+        self.batch = padded_batch(config.num_robots)
+        self.backend: PolicyBackend = create_backend(
+            config.backend, self.policy, self.batch, cache_dir=config.cache_dir,
+            warmup_steps=0)
+        self.model: ActorCritic | None = self.policy.extra.get("model")
+        self.device = self.backend.device
         self.counters = counters if counters is not None else SafetyCounters()
-        self.safety = SafetyFilter(config.joint_lower, config.joint_upper, config.max_obs_age_s,
-                                   self.counters)
-        # Inputs, written by subscription callbacks (stamps: node clock, ns).
-        self.joint_states = LatestValueBuffer((2, n))  # [positions rad; velocities rad/s]
-        self.target = LatestValueBuffer((n,))  # joint position target, rad
-        # Preallocated per-tick arrays.
-        self._js = np.zeros((2, n))
-        self._pos, self._vel = self._js[0], self._js[1]  # views, [n]
-        self._target = np.zeros(n)
-        self._proposed = np.zeros(n)  # rad
-        self._command = np.zeros(n)  # rad, returned by step()
-        self.info = StepInfo()
-        pin = self.device.type == "cuda"
-        with torch.inference_mode():
-            self._obs_cpu = torch.zeros(1, cfg.obs_dim, pin_memory=pin)  # [1, obs_dim]
-            self._act_cpu = torch.zeros(1, cfg.num_actions, pin_memory=pin)  # [1, A]
-            self._obs_dev = self._obs_cpu if not pin else self._obs_cpu.to(self.device)
-            self._h, self._c = self.model.initial_state(1, self.device)  # [1, 1, H] each
-        self._obs = self._obs_cpu.numpy()[0]  # float32 view [obs_dim]
-        self._act = self._act_cpu.numpy()[0]  # float32 view [A]
-        self._act_n = self._act[:n]
+        obs, act = self.backend.obs_np, self.backend.act_np  # [B, obs_dim], [B, A] float32
+        self.robots = [_Robot(config, self.counters, obs[r], act[r])
+                       for r in range(self.num_robots)]
+        first = self.robots[0]
+        self.joint_states, self.target, self.safety = first.joint_states, first.target, \
+            first.safety
+        self.info = first.info
+        self._obs = first.obs  # robot 0's observation row [obs_dim] (tests)
+        self.commands = np.zeros((self.num_robots, n))  # rad, one row per robot
         self._o_vel, self._o_tgt, self._o_act = n, 2 * n, 3 * n
+        self.compute_latency_s = 0.0  # EMA of the backend step time, s
+        self._last_step_s = 0.0
+        self._ready = [False] * self.num_robots  # per tick: robot has a fresh, finite obs
+        self._infos = [r.info for r in self.robots]
         self.warmup(config.warmup_steps)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def warmup(self, steps: int) -> None:
-        """Run inference `steps` times on zeros, then reset the recurrent state."""
+        """Run inference `steps` times on zeros, then reset the recurrent state. The compute
+        latency estimate starts at the median of these steps (first calls may compile)."""
+        times = []
         for _ in range(steps):
             self._infer()
+            times.append(self._last_step_s)
+        if times:
+            self.compute_latency_s = float(np.median(times))
         self.reset()
 
     def reset(self) -> None:
-        """Zero LSTM state and previous action; forget the last safe command (on activation)."""
-        with torch.inference_mode():
-            self._h.zero_()
-            self._c.zero_()
-        self._obs[:] = 0.0
-        self._act[:] = 0.0
-        self.safety.reset()
+        """Zero recurrent state and observations; forget the last safe commands (activation)."""
+        self.backend.reset_state()
+        self.backend.obs_np[:] = 0.0
+        self.backend.act_np[:] = 0.0
+        for robot in self.robots:
+            robot.safety.reset()
+
+    def reset_recurrent(self, index: int = 0) -> None:
+        """Zero robot `index`'s recurrent state and previous action; keep its last command."""
+        self.backend.reset_state(index)
+        self.robots[index].obs[self._o_act:self._o_act + self.num_actions] = 0.0
 
     # ---- per tick --------------------------------------------------------------------------
     def _infer(self) -> None:
-        """obs (self._obs) -> actions (self._act); updates h, c."""
-        with torch.inference_mode():
-            if self._obs_dev is not self._obs_cpu:
-                self._obs_dev.copy_(self._obs_cpu, non_blocking=True)
-            actions, _value, h, c = self.model.step(self._obs_dev, self._h, self._c)
-            self._h.copy_(h)
-            self._c.copy_(c)
-            self._act_cpu.copy_(actions)  # device -> pinned host: synchronises
+        t0 = time.perf_counter()
+        self.backend.step()
+        dt = time.perf_counter() - t0
+        self._last_step_s = dt
+        self.compute_latency_s += 0.05 * (dt - self.compute_latency_s)
 
-    def step(self, now_ns: int) -> tuple[np.ndarray, StepInfo]:
-        """One tick at node-clock time `now_ns`. Returns (command [n] rad, info).
-
-        The command array is the runner's own buffer (overwritten next tick); send it only when
-        `info.valid`. Never raises for bad input: stale/NaN are held and counted.
-        """
-        info = self.info
-        version, stamp = self.joint_states.read_into(self._js)
+    def _prepare(self, index: int, now_ns: int) -> bool:
+        """Read robot `index`'s inputs, fill its obs row; False when it holds (or no input)."""
+        robot = self.robots[index]
+        info = robot.info
+        version, stamp = robot.joint_states.read_into(robot.js)
         info.obs_version, info.obs_stamp_ns = version, stamp
         if version == 0:
             info.status, info.valid, info.obs_age_s = SafetyStatus.NO_INPUT, False, math.nan
-            return self._command, info
-        self.target.read_into(self._target)
+            return False
+        robot.target.read_into(robot.target_now)
         age = (now_ns - stamp) * 1e-9
         info.obs_age_s = age
-        obs, n = self._obs, self.num_joints
-        obs[:n] = self._pos
-        obs[self._o_vel:self._o_tgt] = self._vel
-        obs[self._o_tgt:self._o_act] = self._target
-        # obs[3n : 3n + A] already holds the previous action (written below / by reset).
-        status = self.safety.check_observation(obs, age)
+        status = robot.safety.check_observation(robot.js, age)
+        if status is SafetyStatus.OK:
+            status = robot.safety.check_observation(robot.target_now, 0.0)
         if status is not SafetyStatus.OK:
             info.status = status
-            info.valid = self.safety.hold(self._command, self._pos)
-            return self._command, info
-        self._infer()
-        np.tanh(self._act_n, out=self._proposed)
-        self._proposed *= self.config.action_scale
-        self._proposed += self._pos
-        status = self.safety.filter_command(self._command, self._proposed, self._pos)
-        if status is SafetyStatus.OK:
-            obs[self._o_act:self._o_act + self.num_actions] = self._act
-            info.valid = True
-        else:  # non-finite policy output: drop the recurrent state, it may be poisoned
-            self.reset_recurrent()
-            info.valid = self.safety.hold(self._command, self._pos)
-        info.status = status
-        return self._command, info
+            info.valid = robot.safety.hold(self.commands[index], robot.pos)
+            return False
+        if self.config.latency_compensation:
+            ahead = min(max(age, 0.0) + self.compute_latency_s, robot.safety.max_obs_age_s)
+            robot.pos += robot.vel * ahead  # linear prediction, in place (robot.js is a copy)
+            info.predicted_s = ahead
+        obs, n = robot.obs, self.num_joints
+        obs[:n] = robot.pos
+        obs[self._o_vel:self._o_tgt] = robot.vel
+        obs[self._o_tgt:self._o_act] = robot.target_now
+        # obs[3n : 3n + A] already holds the previous action (written below / by reset).
+        return True
 
-    def reset_recurrent(self) -> None:
-        """Zero the LSTM state and the previous action, keep the last safe command."""
-        with torch.inference_mode():
-            self._h.zero_()
-            self._c.zero_()
-        self._obs[self._o_act:self._o_act + self.num_actions] = 0.0
+    def _finish(self, index: int) -> None:
+        robot = self.robots[index]
+        np.tanh(robot.act_n, out=robot.proposed)
+        robot.proposed *= self.config.action_scale
+        robot.proposed += robot.pos
+        if not math.isfinite(float(robot.act.sum())):  # NaN/inf in any action: rejected below
+            robot.proposed.fill(math.nan)
+        command = self.commands[index]
+        status = robot.safety.filter_command(command, robot.proposed, robot.pos)
+        if status is SafetyStatus.OK:
+            robot.obs[self._o_act:self._o_act + self.num_actions] = robot.act
+            robot.info.valid = True
+        else:  # non-finite policy output: drop the recurrent state, it may be poisoned
+            self.reset_recurrent(index)
+            robot.info.valid = robot.safety.hold(command, robot.pos)
+        robot.info.status = status
+
+    def step_all(self, now_ns: int) -> tuple[np.ndarray, list[StepInfo]]:
+        """One tick for every robot. Returns (commands [R, n] rad, per-robot infos); send row r
+        only when `infos[r].valid`. Arrays are the runner's own (overwritten next tick)."""
+        ready = self._ready
+        any_ready = False
+        for r in range(self.num_robots):
+            ok = self._prepare(r, now_ns)
+            ready[r] = ok
+            any_ready = any_ready or ok
+        if any_ready:
+            self._infer()
+            for r in range(self.num_robots):
+                if ready[r]:
+                    self._finish(r)
+        return self.commands, self._infos
+
+    def step(self, now_ns: int) -> tuple[np.ndarray, StepInfo]:
+        """Single-robot form: robot 0's (command [n] rad, info). Never raises for bad input."""
+        self.step_all(now_ns)
+        return self.commands[0], self.info

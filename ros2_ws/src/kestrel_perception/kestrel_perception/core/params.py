@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from kestrel_common.params import ParamError, ParamSpec
 from kestrel_models.perception import PerceptionConfig
+from kestrel_models.perception.runtime import VARIANTS
 
 from .perception_core import PerceptionCoreConfig
 from .types import DEFAULT_CLASS_NAMES
@@ -48,6 +49,10 @@ SPECS: tuple[ParamSpec, ...] = (
               "cloud of one set, s." + _CONF, min=0.0, max=1.0),
     ParamSpec("device", "cpu", "Torch device." + _CONF, choices=("cpu", "cuda")),
     ParamSpec("amp", False, "bf16 autocast (CUDA only)." + _CONF),
+    ParamSpec("runtime_variant", "eager", "'eager' (plain model) or a prepared runtime "
+              "variant (kestrel_models.perception.runtime.VARIANTS), built at configure for "
+              "num_cameras x warmup_size; other sizes run eager (counted)." + _CONF,
+              choices=("eager", *VARIANTS)),
     ParamSpec("weights_path", "", "state_dict file; '' = random init from 'seed'." + _CONF),
     ParamSpec("seed", 0, "Seed of the random initialisation." + _CONF, min=0, max=2**31 - 1),
     ParamSpec("torch_threads", 0, "Torch intra-op threads (0 = torch's default).",
@@ -121,4 +126,4 @@ def core_config(values: dict[str, Any]) -> PerceptionCoreConfig:
         weights_path=values["weights_path"], seed=values["seed"],
         max_points=values["max_points"], min_lidar_points=values["min_lidar_points"],
         amp=values["amp"], warmup_image_hw=(h, w), warmup_cameras=values["num_cameras"],
-        num_threads=values["torch_threads"])
+        num_threads=values["torch_threads"], runtime_variant=values["runtime_variant"])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from kestrel_models.perception.runtime import VARIANTS, PerceptionRuntime
 from kestrel_models.perception import (
     DEFAULT_BUCKETS,
     MultiTaskPerceptionModel,
@@ -88,6 +89,10 @@ class PerceptionCoreConfig:
     warmup_image_hw: tuple[int, int] | None = (256, 320)  # (H, W) px of the warm-up run
     warmup_cameras: int = 1
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's setting
+    # "eager" = the plain model; else a kestrel_models.perception.runtime variant prepared at
+    # warm-up for (warmup_cameras, warmup_image_hw) with every head subset; other shapes
+    # fall back to the plain model (PerceptionOutput.runtime_fallback)
+    runtime_variant: str = "eager"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "class_names", tuple(self.class_names))
@@ -115,6 +120,17 @@ class PerceptionCoreConfig:
             raise _fail("warmup_cameras", self.warmup_cameras, "must be in [1, 16]")
         if self.num_threads < 0:
             raise _fail("num_threads", self.num_threads, "must be >= 0")
+        if self.runtime_variant != "eager":
+            if self.runtime_variant not in VARIANTS:
+                raise _fail("runtime_variant", self.runtime_variant,
+                            f"must be 'eager' or one of {sorted(VARIANTS)}")
+            if self.warmup_image_hw is None:
+                raise _fail("runtime_variant", self.runtime_variant,
+                            "needs warmup_image_hw (the static input shape)")
+            if VARIANTS[self.runtime_variant].cuda_graph and \
+                    not self.device.startswith("cuda"):
+                raise _fail("runtime_variant", self.runtime_variant,
+                            f"uses CUDA graphs: needs device 'cuda', got {self.device!r}")
 
 
 class PerceptionCore:
@@ -133,6 +149,7 @@ class PerceptionCore:
         self.model = self._build_model()
         self.heads = config.model.heads
         self._in_buf = np.zeros((0, 0, 0, 3), dtype=np.uint8)  # [C,H,W,3] reused input
+        self.runtime: PerceptionRuntime | None = None
         if config.warmup_image_hw is not None:
             self.warmup(config.warmup_image_hw, config.warmup_cameras)
 
@@ -158,6 +175,12 @@ class PerceptionCore:
     def warmup(self, image_hw: tuple[int, int], cameras: int, iterations: int = 2) -> None:
         """Run `iterations` full process() calls on synthetic input (allocations, kernels)."""
         h, w = image_hw
+        if self.config.runtime_variant != "eager":
+            built = sorted(self.config.model.heads)
+            subsets = [frozenset(h for i, h in enumerate(built) if mask >> i & 1)
+                       for mask in range(1, 2 ** len(built))]
+            self.runtime = PerceptionRuntime(self.model, self.config.runtime_variant, (h, w),
+                                             cameras, 1, heads=subsets, device=self.device)
         K = np.array([[w, 0.0, w / 2], [0.0, w, h / 2], [0.0, 0.0, 1.0]])
         cams = [CameraModel(K, w, h, f"warmup_{i}") for i in range(cameras)]
         imgs = [np.zeros((h, w, 3), np.uint8) for _ in range(cameras)]
@@ -195,10 +218,16 @@ class PerceptionCore:
         t1 = time.monotonic()
         timings["preprocess"] = t1 - t0
 
-        with torch.inference_mode(), torch.autocast(
-                self.device.type, dtype=torch.bfloat16,
-                enabled=cfg.amp and self.device.type == "cuda"):
-            raw = self.model(x, heads)
+        rt = self.runtime
+        fallback = rt is not None and (tuple(x.shape) != rt.input_shape
+                                       or heads not in rt.head_sets)
+        if rt is not None and not fallback:
+            raw = rt.run(x, heads=heads)  # static buffers: consumed before the next call
+        else:
+            with torch.inference_mode(), torch.autocast(
+                    self.device.type, dtype=torch.bfloat16,
+                    enabled=cfg.amp and self.device.type == "cuda"):
+                raw = self.model(x, heads)
         self._sync()
         t2 = time.monotonic()
         timings["model"] = t2 - t1
@@ -218,7 +247,8 @@ class PerceptionCore:
         t3 = time.monotonic()
         timings["postprocess"] = t3 - t2
 
-        out = PerceptionOutput(frames.stamp_ns, [], masks, depths, timings)
+        out = PerceptionOutput(frames.stamp_ns, [], masks, depths, timings,
+                               runtime_fallback=fallback)
         positions = self._fuse(frames, hw, dets, out)
         for cam, (boxes, scores, classes) in enumerate(det_np):
             pos, src = positions[cam]

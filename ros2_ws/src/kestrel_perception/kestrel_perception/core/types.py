@@ -95,6 +95,7 @@ class PerceptionOutput:
     dropped_points: int = 0  # non-finite cloud points filtered out
     truncated_points: int = 0  # finite points beyond the largest bucket (not used)
     used_points: int = 0  # finite points projected into the cameras
+    runtime_fallback: bool = False  # the prepared runtime did not fit: ran the eager model
 
 
 def validate_frames(frames: FrameSet, max_points: int) -> tuple[int, int]:

@@ -19,6 +19,7 @@ import torch
 from kestrel_models.planner import ByteTokenizer, StreamDecoder, VisionLanguageModel, VLMConfig
 from kestrel_models.planner import generate as generate_tokens
 from kestrel_models.planner import get_config
+from kestrel_models.planner.engine import DecodeEngine
 from kestrel_models.planner.vlm import bigram_state_dict
 from kestrel_planner.core.constrained import PlanGrammar, PlanLogitsProcessor
 from kestrel_planner.core.plan import Plan, PlanParseError, SceneObject, parse_plan
@@ -31,6 +32,7 @@ __all__ = ["PlannerConfig", "PlanRequest", "PlanResult", "PlannerCore", "Planner
 SYSTEM_PROMPT = ("You are a robot task planner. Skills: move_to pick place push open_gripper "
                  "close_gripper home. One step per line, then end.\n")
 
+BACKENDS = ("generate", "engine")
 OnToken = Callable[[int, str], None]  # (tokens generated so far, partial text)
 
 
@@ -54,6 +56,9 @@ class PlannerConfig:
     temperature: float = 0.0
     limits: PlanLimits = field(default_factory=PlanLimits)
     warmup: bool = True
+    # 'generate': generate.py (static batch per call); 'engine': DecodeEngine (slots over a
+    # static KV cache, CUDA-graph decode on GPU). Same prompt layout, same outputs.
+    backend: str = "generate"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 3:
@@ -65,6 +70,9 @@ class PlannerConfig:
                              f"{self.max_instruction_chars}: must be >= 1")
         if not self.temperature >= 0.0:
             raise ValueError(f"parameter 'temperature' = {self.temperature}: must be >= 0")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"parameter 'backend' = {self.backend!r}: must be one of "
+                             f"{list(BACKENDS)}")
 
 
 @dataclass
@@ -111,8 +119,13 @@ class PlannerCore:
             elif config.demo_plan:
                 model.load_state_dict(self._demo_weights(cfg, config.demo_plan))
         self.model = model.to(config.device).eval()
-        self.model.setup_cache(config.max_batch, cfg.max_seq_len)
         self._n_img = cfg.num_image_tokens
+        self.engine: DecodeEngine | None = None
+        if config.backend == "engine":
+            self.engine = DecodeEngine(self.model, config.max_batch, cfg.max_seq_len,
+                                       self.tokenizer.eos_id)
+        else:
+            self.model.setup_cache(config.max_batch, cfg.max_seq_len)
         if config.warmup:
             self.plan("warm up", np.zeros((cfg.image_size, cfg.image_size, 3), np.uint8), [])
 
@@ -215,11 +228,18 @@ class PlannerCore:
                 cb(counts[row], streams[row].text)
 
         gen = torch.Generator().manual_seed(self.config.seed)
-        res = generate_tokens(
-            self.model, prompts, self.tokenizer.eos_id, self.tokenizer.pad_id,
-            self.config.max_new_tokens, image=image, image_mask=image_mask,
-            temperature=self.config.temperature, generator=gen, logits_processor=procs,
-            on_token=on_token, should_stop=[r.should_cancel for r in requests])
+        if self.engine is not None:
+            res = self.engine.generate(
+                prompts, self.config.max_new_tokens,
+                images=[None if im is None else im.to(self.config.device) for im in images],
+                temperature=self.config.temperature, logits_processor=procs, generator=gen,
+                on_token=on_token, should_stop=[r.should_cancel for r in requests])
+        else:
+            res = generate_tokens(
+                self.model, prompts, self.tokenizer.eos_id, self.tokenizer.pad_id,
+                self.config.max_new_tokens, image=image, image_mask=image_mask,
+                temperature=self.config.temperature, generator=gen, logits_processor=procs,
+                on_token=on_token, should_stop=[r.should_cancel for r in requests])
         total = time.monotonic() - t0
         out = []
         for k, r in enumerate(requests):

@@ -1,0 +1,358 @@
+"""Inference backends for the stateful policy step, on static (preallocated) buffers.
+
+A backend runs `actions, *states' = f(obs, *states)` once per control tick:
+  obs_host  [B, obs_dim]     float32 CPU tensor (pinned when the backend runs on CUDA), written
+                             by the caller before `step()`;
+  act_host  [B, num_actions] float32 CPU tensor (pinned on CUDA), valid after `step()` returns;
+  the recurrent states stay inside the backend, on its device, between ticks.
+`step()` allocates nothing on the Python side (torch's own allocators aside) and makes one
+host synchronisation. B is fixed at construction (the runner pads its robots to a power of 2).
+
+Backends (`BACKENDS`; `create_backend(name, policy, batch)`):
+  cpu_eager            fp32 eager; the LSTM as one fused torch.lstm_cell
+  cpu_int8             torch.ao dynamic INT8 quantization of every Linear (encoder, LSTM gates,
+                       heads; activations quantized per call)
+  cpu_compile          torch.compile (inductor, default mode) of the step
+  cuda_eager           fp32 eager on the GPU: pinned H2D copy, kernels, D2H copy (sync)
+  cuda_graph           one CUDA graph captured over static buffers: H2D copy, the step, state
+                       update and D2H copy are all inside; a tick = replay + one stream sync
+  cuda_compile         torch.compile default mode on the GPU
+  cuda_compile_graphs  torch.compile mode="reduce-overhead" (inductor + CUDA graph trees)
+  onnxruntime          the step exported to ONNX (states as extra I/O), CPU execution provider,
+                       I/O binding on preallocated arrays, state ping-pong between two bindings
+  tensorrt             needs the `tensorrt` package: refused at configure with a clear message
+                       where it is missing (FP16 engine build: not implemented yet)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from kestrel_models.control.policy import ActorCritic
+
+BACKENDS = ("cpu_eager", "cpu_int8", "cpu_compile", "cuda_eager", "cuda_graph", "cuda_compile",
+            "cuda_compile_graphs", "onnxruntime", "tensorrt")
+CUDA_BACKENDS = ("cuda_eager", "cuda_graph", "cuda_compile", "cuda_compile_graphs")
+
+
+class BackendUnavailable(ValueError):
+    """The backend cannot run here (no CUDA, package missing, model format unsupported)."""
+
+
+class StepModule(nn.Module):
+    """`ActorCritic.step` with 2-D states and only plain ops: forward(obs [B, D], h [B, H],
+    c [B, H]) -> (actions [B, A], h' [B, H], c' [B, H]).
+
+    fused=True: one torch.lstm_cell (fastest in eager); fused=False: the gates written out with
+    two Linear layers carrying the LSTM's weights (quantizable, ONNX-exportable, compilable).
+    """
+
+    def __init__(self, model: ActorCritic, fused: bool = True) -> None:
+        super().__init__()
+        self.encoder, self.policy_head = model.encoder, model.policy_head
+        self.fused = fused
+        lstm = model.lstm
+        self.lstm = lstm
+        hidden, width = lstm.hidden_size, lstm.input_size
+        self.ih = nn.Linear(width, 4 * hidden)
+        self.hh = nn.Linear(hidden, 4 * hidden)
+        with torch.no_grad():
+            self.ih.weight.copy_(lstm.weight_ih_l0)
+            self.ih.bias.copy_(lstm.bias_ih_l0)
+            self.hh.weight.copy_(lstm.weight_hh_l0)
+            self.hh.bias.copy_(lstm.bias_hh_l0)
+        self.ih.to(lstm.weight_ih_l0.device)
+        self.hh.to(lstm.weight_ih_l0.device)
+
+    def forward(self, obs: torch.Tensor, h: torch.Tensor, c: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        feats = self.encoder(obs)  # [B, E]
+        if self.fused:
+            lstm = self.lstm
+            h2, c2 = torch.lstm_cell(feats, (h, c), lstm.weight_ih_l0, lstm.weight_hh_l0,
+                                     lstm.bias_ih_l0, lstm.bias_hh_l0)
+        else:
+            gates = self.ih(feats) + self.hh(h)  # [B, 4H], gate order i, f, g, o
+            i, f, g, o = gates.chunk(4, dim=1)
+            c2 = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h2 = torch.sigmoid(o) * torch.tanh(c2)
+        return self.policy_head(h2), h2, c2
+
+
+@dataclass
+class StepPolicy:
+    """What a backend runs: `module(obs, *states) -> (actions, *states')` (or an ONNX file).
+
+    obs_dim, num_actions: sizes of obs [B, obs_dim] and actions [B, num_actions].
+    state_shapes: per recurrent state, its shape for batch 1 with the batch axis at
+    `state_batch_dims[i]` (e.g. (1, H) at 0; Isaac Lab's (layers, 1, H) at 1).
+    onnx_path: an ONNX file of the same step (used by 'onnxruntime'; exported from `module`
+    when empty). io_names: ONNX names (obs, actions, state inputs, state outputs).
+    """
+
+    obs_dim: int
+    num_actions: int
+    module: nn.Module | None = None
+    fused_module: nn.Module | None = None  # faster eager variant of `module`, if any
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    state_batch_dims: tuple[int, ...] = ()
+    onnx_path: str = ""
+    obs_name: str = "obs"
+    actions_name: str = "actions"
+    state_in_names: tuple[str, ...] = ()
+    state_out_names: tuple[str, ...] = ()
+    source: str = "kestrel ActorCritic"
+    extra: dict = field(default_factory=dict)
+
+    def batched_state_shape(self, i: int, batch: int) -> tuple[int, ...]:
+        shape = list(self.state_shapes[i])
+        shape[self.state_batch_dims[i]] = batch
+        return tuple(shape)
+
+
+def policy_from_actor_critic(model: ActorCritic) -> StepPolicy:
+    """The reference policy as a StepPolicy (states h, c: [B, lstm_hidden], batch axis 0)."""
+    cfg = model.config
+    return StepPolicy(
+        obs_dim=cfg.obs_dim, num_actions=cfg.num_actions,
+        module=StepModule(model, fused=False).eval(),
+        fused_module=StepModule(model, fused=True).eval(),
+        state_shapes=((1, cfg.lstm_hidden), (1, cfg.lstm_hidden)), state_batch_dims=(0, 0),
+        state_in_names=("h_in", "c_in"), state_out_names=("h_out", "c_out"))
+
+
+class PolicyBackend:
+    """Base: static host buffers + `step()`; subclasses fill in `_run`."""
+
+    name = "base"
+    device = torch.device("cpu")
+
+    def __init__(self, policy: StepPolicy, batch: int) -> None:
+        if batch < 1:
+            raise ValueError(f"parameter 'batch' = {batch!r}: must be >= 1")
+        self.policy, self.batch = policy, int(batch)
+        pin = self.device.type == "cuda"
+        self.obs_host = torch.zeros(self.batch, policy.obs_dim, pin_memory=pin)  # [B, D]
+        self.act_host = torch.zeros(self.batch, policy.num_actions, pin_memory=pin)  # [B, A]
+        self.obs_np = self.obs_host.numpy()  # views sharing the memory
+        self.act_np = self.act_host.numpy()
+
+    def step(self) -> None:
+        """obs_host -> act_host; advances the recurrent state."""
+        raise NotImplementedError
+
+    def reset_state(self, index: int | None = None) -> None:
+        """Zero the recurrent state of batch row `index` (None: all rows)."""
+        raise NotImplementedError
+
+    def warmup(self, steps: int = 10) -> None:
+        for _ in range(steps):
+            self.step()
+        self.reset_state()
+
+
+class TorchBackend(PolicyBackend):
+    """Eager / compiled torch module on CPU or CUDA (states kept on the device)."""
+
+    def __init__(self, name: str, policy: StepPolicy, batch: int, fn=None,
+                 device: str = "cpu") -> None:
+        self.name, self.device = name, torch.device(device)
+        super().__init__(policy, batch)
+        if policy.module is None:
+            raise BackendUnavailable(f"parameter 'backend' = {name!r}: needs a torch model "
+                                     f"(got {policy.source}); use 'onnxruntime' for ONNX files")
+        module = policy.fused_module if fn is None and policy.fused_module is not None \
+            else policy.module
+        self.fn = fn if fn is not None else module
+        with torch.no_grad():
+            self.obs_dev = self.obs_host if self.device.type == "cpu" \
+                else torch.zeros_like(self.obs_host, device=self.device)
+            self.states = [torch.zeros(policy.batched_state_shape(i, batch), device=self.device)
+                           for i in range(len(policy.state_shapes))]
+
+    def _forward(self) -> torch.Tensor:
+        out = self.fn(self.obs_dev, *self.states)
+        if isinstance(out, torch.Tensor):
+            return out
+        for state, new in zip(self.states, out[1:], strict=True):
+            state.copy_(new)
+        return out[0]
+
+    def step(self) -> None:
+        with torch.no_grad():
+            if self.obs_dev is not self.obs_host:
+                self.obs_dev.copy_(self.obs_host, non_blocking=True)
+            self.act_host.copy_(self._forward())  # CUDA: device -> pinned host, synchronises
+
+    def reset_state(self, index: int | None = None) -> None:
+        with torch.no_grad():
+            for i, state in enumerate(self.states):
+                if index is None:
+                    state.zero_()
+                else:
+                    state.select(self.policy.state_batch_dims[i], index).zero_()
+
+
+class CudaGraphBackend(TorchBackend):
+    """The whole tick captured once: H2D copy, step, state copy-back, D2H copy; replay + sync."""
+
+    def __init__(self, policy: StepPolicy, batch: int) -> None:
+        super().__init__("cuda_graph", policy, batch, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(3):  # warm-up outside capture (cuBLAS handles, workspaces)
+                self.obs_dev.copy_(self.obs_host, non_blocking=True)
+                self.act_host.copy_(self._forward(), non_blocking=True)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self.obs_dev.copy_(self.obs_host, non_blocking=True)  # pinned -> device
+            self.act_host.copy_(self._forward(), non_blocking=True)  # device -> pinned
+        self._stream = torch.cuda.current_stream()
+        self.reset_state()
+        torch.cuda.synchronize()
+
+    def step(self) -> None:
+        self.graph.replay()
+        self._stream.synchronize()
+
+
+class OrtBackend(PolicyBackend):
+    """ONNX Runtime (CPU EP, 1 thread) with I/O binding on preallocated numpy arrays."""
+
+    name = "onnxruntime"
+
+    def __init__(self, policy: StepPolicy, batch: int, cache_dir: str = "") -> None:
+        try:
+            import onnxruntime as ort
+        except ImportError as exc:
+            raise BackendUnavailable("parameter 'backend' = 'onnxruntime': the onnxruntime "
+                                     f"package is not installed ({exc})") from exc
+        fixed = policy.extra.get("fixed_batch", -1)
+        if policy.onnx_path and fixed > 0 and fixed != batch:
+            raise BackendUnavailable(f"parameter 'model_path' = {policy.onnx_path!r}: the ONNX "
+                                     f"model has a fixed batch {fixed}, the loop needs {batch}")
+        super().__init__(policy, batch)
+        path = policy.onnx_path or export_onnx(policy, batch, cache_dir)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        self.session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        n = len(policy.state_shapes)
+        shapes = [policy.batched_state_shape(i, batch) for i in range(n)]
+        self._sets = ([np.zeros(s, np.float32) for s in shapes],
+                      [np.zeros(s, np.float32) for s in shapes])
+        self._bindings = []
+        for k in (0, 1):  # binding k reads set k, writes set 1-k
+            b = self.session.io_binding()
+            b.bind_cpu_input(policy.obs_name, self.obs_np)
+            b.bind_output(policy.actions_name, "cpu", 0, np.float32, self.act_np.shape,
+                          self.act_np.ctypes.data)
+            for i in range(n):
+                src, dst = self._sets[k][i], self._sets[1 - k][i]
+                b.bind_cpu_input(policy.state_in_names[i], src)
+                b.bind_output(policy.state_out_names[i], "cpu", 0, np.float32, dst.shape,
+                              dst.ctypes.data)
+            self._bindings.append(b)
+        self._k = 0
+        self._run = self.session.run_with_iobinding
+
+    def step(self) -> None:
+        self._run(self._bindings[self._k])
+        if self.policy.state_shapes:
+            self._k ^= 1
+
+    def reset_state(self, index: int | None = None) -> None:
+        for states in self._sets:
+            for i, s in enumerate(states):
+                if index is None:
+                    s.fill(0.0)
+                else:
+                    np.moveaxis(s, self.policy.state_batch_dims[i], 0)[index] = 0.0
+
+
+def export_onnx(policy: StepPolicy, batch: int, cache_dir: str = "") -> str:
+    """Export `policy.module` (the step, states as extra I/O) to ONNX at a fixed batch."""
+    if policy.module is None:
+        raise BackendUnavailable("no torch module to export to ONNX")
+    directory = cache_dir or tempfile.mkdtemp(prefix="kestrel_policy_")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"policy_step_b{batch}.onnx")
+    obs = torch.zeros(batch, policy.obs_dim)
+    states = tuple(torch.zeros(policy.batched_state_shape(i, batch))
+                   for i in range(len(policy.state_shapes)))
+    import warnings
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the legacy exporter's deprecation notice
+        torch.onnx.export(policy.module, (obs, *states), path, dynamo=False,
+                          input_names=[policy.obs_name, *policy.state_in_names],
+                          output_names=[policy.actions_name, *policy.state_out_names])
+    return path
+
+
+def _quantized(policy: StepPolicy) -> nn.Module:
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao deprecation notices
+        return torch.ao.quantization.quantize_dynamic(policy.module, {nn.Linear},
+                                                      dtype=torch.qint8)
+
+
+def check_backend(name: str) -> None:
+    """Configure-time check: BackendUnavailable (names the parameter) when it cannot run here."""
+    if name not in BACKENDS:
+        raise ValueError(f"parameter 'backend' = {name!r}: must be one of {BACKENDS}")
+    if name in CUDA_BACKENDS and not torch.cuda.is_available():
+        raise BackendUnavailable(f"parameter 'backend' = {name!r}: CUDA is not available")
+    if name == "tensorrt":
+        try:
+            import tensorrt  # noqa: F401
+        except ImportError:
+            raise BackendUnavailable(
+                "parameter 'backend' = 'tensorrt': the tensorrt Python package is not installed "
+                "here; use 'cuda_graph' (GPU) or 'onnxruntime'") from None
+        raise BackendUnavailable("parameter 'backend' = 'tensorrt': the FP16 engine build is "
+                                 "not implemented yet; use 'cuda_graph'")
+
+
+def create_backend(name: str, policy: StepPolicy, batch: int = 1, *, cache_dir: str = "",
+                   warmup_steps: int = 10) -> PolicyBackend:
+    """Build, warm up and return backend `name` for `policy` at a fixed `batch`."""
+    check_backend(name)
+    if name == "onnxruntime":
+        backend: PolicyBackend = OrtBackend(policy, batch, cache_dir)
+    elif policy.module is None:
+        raise BackendUnavailable(f"parameter 'backend' = {name!r}: {policy.source} has no torch "
+                                 "module; an ONNX file runs on 'onnxruntime'")
+    elif name == "cpu_eager":
+        backend = TorchBackend(name, policy, batch)
+    elif name == "cpu_int8":
+        backend = TorchBackend(name, policy, batch, fn=_quantized(policy))
+    elif name == "cpu_compile":
+        backend = TorchBackend(name, policy, batch, fn=torch.compile(policy.module))
+    elif name == "cuda_graph":
+        policy.module.cuda()
+        if policy.fused_module is not None:
+            policy.fused_module.cuda()
+        backend = CudaGraphBackend(policy, batch)
+    else:  # cuda_eager, cuda_compile, cuda_compile_graphs
+        policy.module.cuda()
+        if policy.fused_module is not None:
+            policy.fused_module.cuda()
+        fn = None
+        if name == "cuda_compile":
+            fn = torch.compile(policy.module)
+        elif name == "cuda_compile_graphs":
+            fn = torch.compile(policy.module, mode="reduce-overhead")
+        backend = TorchBackend(name, policy, batch, fn=fn, device="cuda")
+    backend.warmup(warmup_steps)
+    return backend

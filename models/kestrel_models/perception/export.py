@@ -1,0 +1,177 @@
+"""ONNX export of the perception forward and TensorRT engine cache keys / build step.
+
+The TensorRT engine is built offline (`scripts/build_trt_engine.py`), keyed by
+model hash + GPU name + TensorRT version + precision + input shapes, and only *looked up* at
+node start: a missing engine raises `EngineMissingError` naming the build command, it is never
+rebuilt silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import HEAD_NAMES
+from .model import DET_STRIDES, MultiTaskPerceptionModel
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+class TensorRTUnavailableError(RuntimeError):
+    """The `tensorrt` Python package is not installed here."""
+
+
+class EngineMissingError(FileNotFoundError):
+    """No cached TensorRT engine matches the key (build it offline first)."""
+
+
+def output_names(heads: frozenset[str] | set[str], bev: bool = False) -> list[str]:
+    """Flat output names, in the order of `ExportWrapper.forward`."""
+    heads = frozenset(heads)
+    names: list[str] = []
+    if "detection" in heads:
+        for kind in ("det_cls", "det_ltrb", "det_ctr"):
+            names += [f"{kind}_p{s.bit_length() - 1}" for s in DET_STRIDES]
+    if "segmentation" in heads:
+        names.append("seg")
+    if "depth" in heads:
+        names.append("depth")
+    if bev:
+        names.append("bev_occ")
+    return names
+
+
+class ExportWrapper(nn.Module):
+    """The model's forward for one fixed head set, returning a flat tuple (ONNX-friendly)."""
+
+    def __init__(self, model: MultiTaskPerceptionModel, heads: frozenset[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.heads = frozenset(heads)
+
+    def forward(self, images: torch.Tensor, points: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, ...]:
+        out = self.model(images, self.heads, points=points)
+        flat: list[torch.Tensor] = []
+        if "detection" in self.heads:
+            for kind in ("det_cls", "det_ltrb", "det_ctr"):
+                flat += list(out[kind])
+        for key in ("seg", "depth", "bev_occ"):
+            if key in out:
+                flat.append(out[key])  # type: ignore[arg-type]
+        return tuple(flat)
+
+
+def export_onnx(model: MultiTaskPerceptionModel, path: str | Path,
+                heads: frozenset[str] | set[str] | None = None,
+                image_hw: tuple[int, int] = (640, 640), images_per_call: int = 1,
+                lidar_points: int = 0, opset: int = 17) -> list[str]:
+    """Export the fp32 forward (fixed head set and shapes) to ONNX at `path`.
+
+    Inputs: "images" [images_per_call, 3, H, W] uint8 and, with a BEV model and
+    lidar_points > 0, "points" [1, lidar_points, 3] float32 m. Returns the output names.
+    """
+    heads = model.enabled_heads if heads is None else frozenset(heads)
+    if not heads or not heads <= model.enabled_heads:
+        raise ValueError(f"parameter 'heads' = {sorted(heads)}: must be a non-empty subset of "
+                         f"{sorted(model.enabled_heads)} (known: {HEAD_NAMES})")
+    bev = model.bev is not None and lidar_points > 0
+    was_training = model.training
+    # the wrapper must be in eval mode too: export restores the *wrapper's* mode afterwards,
+    # which would otherwise switch the model (BatchNorm) to training
+    wrapper = ExportWrapper(model, heads).eval()
+    images = torch.zeros((images_per_call, 3, *image_hw), dtype=torch.uint8)
+    args: tuple[torch.Tensor, ...] = (images,)
+    inputs = ["images"]
+    if bev:
+        args = (images, torch.zeros((1, lidar_points, 3)))
+        inputs.append("points")
+    names = output_names(heads, bev)
+    with torch.no_grad():
+        torch.onnx.export(wrapper, args, str(path), input_names=inputs, output_names=names,
+                          opset_version=opset, dynamo=False)
+    model.train(was_training)
+    return names
+
+
+def model_hash(model: nn.Module) -> str:
+    """sha256 over the config repr and every state-dict tensor (name, dtype, shape, bytes)."""
+    h = hashlib.sha256(repr(getattr(model, "config", None)).encode())
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def engine_cache_key(model_sha: str, gpu_name: str, trt_version: str, precision: str,
+                     shapes: dict[str, tuple[int, ...]]) -> str:
+    """Key of a TensorRT engine: any change of model, GPU, TensorRT, precision or an input
+    shape gives another key (first 24 hex chars of a sha256 over a canonical JSON)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"parameter 'precision' = {precision!r}: must be one of {PRECISIONS}")
+    for field, value in (("model_sha", model_sha), ("gpu_name", gpu_name),
+                         ("trt_version", trt_version)):
+        if not value:
+            raise ValueError(f"parameter '{field}' = {value!r}: must be non-empty")
+    canon = json.dumps({"model": model_sha, "gpu": gpu_name.strip(), "trt": trt_version,
+                        "precision": precision,
+                        "shapes": {k: list(map(int, v)) for k, v in sorted(shapes.items())}},
+                       sort_keys=True)
+    return hashlib.sha256(canon.encode()).hexdigest()[:24]
+
+
+def engine_path(cache_dir: str | Path, key: str) -> Path:
+    return Path(cache_dir) / f"perception_{key}.engine"
+
+
+def find_engine(cache_dir: str | Path, key: str) -> Path:
+    """Path of the cached engine for `key`; raises EngineMissingError (never builds)."""
+    p = engine_path(cache_dir, key)
+    if not p.is_file():
+        raise EngineMissingError(f"no TensorRT engine for key {key} in {cache_dir}: build it "
+                                 "offline with scripts/build_trt_engine.py (never at node start)")
+    return p
+
+
+def tensorrt_version() -> str:
+    """Installed TensorRT version; raises TensorRTUnavailableError with the reason."""
+    try:
+        import tensorrt  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise TensorRTUnavailableError(
+            f"TensorRT is not installed ({exc}); the engine build step is skipped. Install the "
+            "'tensorrt' wheel matching the CUDA driver on the target GPU machine.") from exc
+    return str(tensorrt.__version__)
+
+
+def build_engine(onnx_path: str | Path, out_path: str | Path, precision: str = "fp16",
+                 workspace_gib: float = 4.0) -> Path:
+    """Build a TensorRT engine from an ONNX file (needs `tensorrt` and a GPU)."""
+    tensorrt_version()  # raises a clear error where absent
+    import tensorrt as trt  # type: ignore[import-not-found]
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(Path(onnx_path).read_bytes()):
+        errs = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise RuntimeError(f"TensorRT could not parse {onnx_path}: {errs}")
+    cfg = builder.create_builder_config()
+    cfg.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
+    if precision == "fp16":
+        cfg.set_flag(trt.BuilderFlag.FP16)
+    elif precision == "bf16":
+        cfg.set_flag(trt.BuilderFlag.BF16)
+    engine = builder.build_serialized_network(network, cfg)
+    if engine is None:
+        raise RuntimeError(f"TensorRT failed to build an engine from {onnx_path}")
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(bytes(engine))
+    return out

@@ -1,0 +1,298 @@
+"""PerceptionRuntime: a `MultiTaskPerceptionModel` prepared once for fixed shapes and run fast.
+
+Everything is decided at configure time (the constructor): device placement, memory format,
+precision, torch.compile per submodule group, static input buffers and, for the `*_graph`
+variants, one CUDA graph per enabled head set (so switching heads in the hot path replays
+another graph, never recompiles). Inputs stay uint8 until the device (normalised inside the
+model). No ROS here.
+
+Variants (VARIANTS): eager_fp32, eager_fp32_cl, eager_bf16_cl, eager_fp16_cl, compile_fp32,
+compile_bf16, compile_bf16_graph, compile_bf16w_graph, compile_bf16w_graph_at, eager_bf16w_graph,
+eager_fp32_fold, compile_bf16w_fold_graph.
+  *_cl: channels_last; bf16/fp16: autocast; bf16w: weights cast to bf16 (no per-call casts);
+  compile_*: torch.compile (trunk = backbone + FPN, heads = det/neck/seg/depth/BEV, each
+  group with its own mode); *_graph: whole-forward CUDA graph (CUDA only);
+  *_at: heads compiled with mode "max-autotune-no-cudagraphs"; *_fold: BatchNorm folded into
+  the convs at configure (eager_fp32_fold, compile_bf16w_fold_graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import HEAD_NAMES
+from .lidar import project_points
+from .model import MultiTaskPerceptionModel
+
+Outputs = dict[str, "torch.Tensor | list[torch.Tensor]"]
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune",
+                 "max-autotune-no-cudagraphs")
+
+
+class RuntimeInputError(ValueError):
+    """An input of `PerceptionRuntime.run` does not match the configured shapes."""
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """How a variant runs the model."""
+
+    precision: str = "fp32"  # "fp32", "bf16", "fp16"
+    cast_weights: bool = False  # True: weights cast to `precision`; False: autocast
+    channels_last: bool = False
+    trunk_compile: str | None = None  # torch.compile mode of backbone + FPN (None = eager)
+    heads_compile: str | None = None  # torch.compile mode of the heads (and BEV)
+    cuda_graph: bool = False  # capture the whole forward in one CUDA graph per head set
+    fold_bn: bool = False  # fold eval BatchNorm into the preceding convs at configure
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"parameter 'precision' = {self.precision!r}: must be fp32, "
+                             "bf16 or fp16")
+        for name in ("trunk_compile", "heads_compile"):
+            if getattr(self, name) not in COMPILE_MODES:
+                raise ValueError(f"parameter '{name}' = {getattr(self, name)!r}: must be one "
+                                 f"of {COMPILE_MODES}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
+            self.precision]
+
+
+VARIANTS: dict[str, VariantSpec] = {
+    "eager_fp32": VariantSpec(),
+    "eager_fp32_cl": VariantSpec(channels_last=True),
+    "eager_bf16_cl": VariantSpec("bf16", channels_last=True),
+    "eager_fp16_cl": VariantSpec("fp16", channels_last=True),
+    "eager_bf16w_graph": VariantSpec("bf16", True, True, cuda_graph=True),
+    "compile_fp32": VariantSpec(trunk_compile="default", heads_compile="default"),
+    "compile_bf16": VariantSpec("bf16", False, True, "default", "default"),
+    "compile_bf16_graph": VariantSpec("bf16", False, True, "default", "default", True),
+    "compile_bf16w_graph": VariantSpec("bf16", True, True, "default", "default", True),
+    "compile_bf16w_graph_at": VariantSpec("bf16", True, True, "default",
+                                          "max-autotune-no-cudagraphs", True),
+    "eager_fp32_fold": VariantSpec(fold_bn=True),
+    "compile_bf16w_fold_graph": VariantSpec("bf16", True, True, "default", "default", True,
+                                            fold_bn=True),
+}
+
+
+def fold_batchnorm(module: nn.Module) -> int:
+    """Fold every eval-mode BatchNorm2d into the Conv2d before it, in place (ResNet pairs
+    conv{i}/bn{i} and downsample Sequential(conv, bn)); the BN becomes Identity. Returns the
+    number of folded pairs. Removes one elementwise pass per conv on the GPU."""
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+    count = 0
+    for mod in list(module.modules()):
+        for i in (1, 2, 3):
+            conv, bn = getattr(mod, f"conv{i}", None), getattr(mod, f"bn{i}", None)
+            if isinstance(conv, nn.Conv2d) and isinstance(bn, nn.BatchNorm2d):
+                setattr(mod, f"conv{i}", fuse_conv_bn_eval(conv, bn))
+                setattr(mod, f"bn{i}", nn.Identity())
+                count += 1
+        if isinstance(mod, nn.Sequential) and len(mod) == 2 and \
+                isinstance(mod[0], nn.Conv2d) and isinstance(mod[1], nn.BatchNorm2d):
+            mod[0] = fuse_conv_bn_eval(mod[0], mod[1])
+            mod[1] = nn.Identity()
+            count += 1
+    return count
+
+
+def _as_head_sets(heads: Iterable | None, built: frozenset[str]) -> list[frozenset[str]]:
+    """None -> [built]; a set of names -> [that]; a list of sets -> those (validated)."""
+    if heads is None:
+        return [built]
+    items = list(heads)
+    sets = [frozenset(items)] if all(isinstance(h, str) for h in items) else \
+        [frozenset(h) for h in items]
+    for s in sets:
+        if not s or not s <= built:
+            raise ValueError(f"parameter 'heads' = {sorted(s)}: must be a non-empty subset of "
+                             f"the model's heads {sorted(built)} (known: {HEAD_NAMES})")
+    return list(dict.fromkeys(sets))
+
+
+class PerceptionRuntime:
+    """A configured, warmed-up perception forward for fixed shapes.
+
+    model: the (fp32, eval) reference model; the runtime works on its own copy.
+    image_hw: (H, W) px; cameras x batch images per call: images [batch*cameras, 3, H, W]
+    uint8 (grouped per sample). lidar_points: N > 0 adds LiDAR inputs points [batch, N, 3] m
+    (bucketed, NaN-padded) plus T_cam_from_base [cameras, 4, 4] and K [cameras, 3, 3]; the
+    projection (and the BEV block when the model has one) is then part of the forward.
+    heads: head sets to prepare (one graph each for *_graph variants); default all built heads.
+    Outputs of `run` are the model's dict plus, with LiDAR, "lidar_uv" [batch, cameras, N, 2]
+    px, "lidar_depth" [batch, cameras, N] m, "lidar_valid" [batch, cameras, N] bool. For
+    *_graph variants the tensors are static buffers, valid until the next `run`.
+    """
+
+    def __init__(self, model: MultiTaskPerceptionModel, variant: str | VariantSpec = "eager_fp32",
+                 image_hw: tuple[int, int] = (640, 640), cameras: int = 1, batch: int = 1,
+                 heads: Iterable | None = None, device: str | torch.device = "cpu",
+                 lidar_points: int = 0, warmup: int = 2) -> None:
+        if isinstance(variant, str):
+            if variant not in VARIANTS:
+                raise ValueError(f"parameter 'runtime_variant' = {variant!r}: must be one of "
+                                 f"{sorted(VARIANTS)}")
+            self.name, self.spec = variant, VARIANTS[variant]
+        else:
+            self.name, self.spec = "custom", variant
+        self.device = torch.device(device)
+        if self.spec.cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"parameter 'runtime_variant' = {self.name!r}: CUDA graphs need a "
+                             f"CUDA device, got {self.device}")
+        for name, v in (("cameras", cameras), ("batch", batch)):
+            if not 1 <= v <= 64:
+                raise ValueError(f"parameter '{name}' = {v!r}: must be in [1, 64]")
+        if len(image_hw) != 2 or min(image_hw) < 32:
+            raise ValueError(f"parameter 'image_hw' = {image_hw!r}: must be (H, W) >= 32 px")
+        if lidar_points < 0:
+            raise ValueError(f"parameter 'lidar_points' = {lidar_points}: must be >= 0")
+        self.image_hw = (int(image_hw[0]), int(image_hw[1]))
+        self.cameras, self.batch, self.lidar_points = cameras, batch, int(lidar_points)
+        self.head_sets = _as_head_sets(heads, model.enabled_heads)
+        self.compile_s = 0.0  # s spent in the first (compiling) calls
+        self.prepare_s = 0.0  # s for the whole configure step
+        t0 = time.perf_counter()
+        self.model = self._prepare_model(model)
+        n = cameras * batch
+        self._images = torch.zeros((n, 3, *self.image_hw), dtype=torch.uint8, device=self.device)
+        self._points = self._T = self._K = None
+        if self.lidar_points:
+            self._points = torch.zeros((batch, self.lidar_points, 3), device=self.device)
+            self._T = torch.eye(4, device=self.device).repeat(cameras, 1, 1)
+            self._K = torch.eye(3, device=self.device).repeat(cameras, 1, 1)
+        self._graphs: dict[frozenset[str], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
+        self._warmup(max(1, warmup))
+        self.prepare_s = time.perf_counter() - t0
+
+    # ---- configure ------------------------------------------------------------------------
+    def _prepare_model(self, ref: MultiTaskPerceptionModel) -> MultiTaskPerceptionModel:
+        spec = self.spec
+        m = copy.deepcopy(ref).eval().to(self.device)
+        for p in m.parameters():
+            p.requires_grad_(False)
+        if spec.fold_bn:
+            fold_batchnorm(m)
+        if spec.cast_weights and spec.precision != "fp32":
+            scale, shift = m.in_scale.clone(), m.in_shift.clone()
+            m.to(spec.dtype)
+            m.in_scale, m.in_shift = scale, shift  # normalisation constants stay fp32
+        if spec.channels_last:
+            m.to(memory_format=torch.channels_last)
+        trunk: list[nn.Module] = [m.backbone, m.fpn]
+        heads = [h for h in (m.det_head, m.dense_neck, m.seg_head, m.depth_head, m.bev)
+                 if h is not None]
+        for mods, mode in ((trunk, spec.trunk_compile), (heads, spec.heads_compile)):
+            if mode is not None:
+                for mod in mods:
+                    mod.compile(mode=mode, dynamic=False, fullgraph=False)
+        return m
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.spec.precision == "fp32" or self.spec.cast_weights:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.spec.dtype)
+
+    def _forward(self, heads: frozenset[str]) -> Outputs:
+        """The whole forward on the static buffers (what a CUDA graph captures)."""
+        with torch.inference_mode():
+            with self._autocast():
+                out = self.model(self._images, heads, points=self._points)
+            if self._points is not None:  # geometry stays fp32 (outside autocast)
+                uv, z, valid = [], [], []
+                for b in range(self.batch):  # static loop: batch is fixed at configure
+                    u, d, v = project_points(self._points[b], self._T, self._K, self.image_hw)
+                    uv.append(u)
+                    z.append(d)
+                    valid.append(v)
+                out["lidar_uv"] = torch.stack(uv)
+                out["lidar_depth"] = torch.stack(z)
+                out["lidar_valid"] = torch.stack(valid)
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _warmup(self, iters: int) -> None:
+        t0 = time.perf_counter()
+        if not self.spec.cuda_graph:
+            for hs in self.head_sets:
+                for _ in range(iters):
+                    self._forward(hs)
+            self._sync()
+            self.compile_s = time.perf_counter() - t0
+            return
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up (and compilation) off the capture stream
+            for hs in self.head_sets:
+                for _ in range(max(iters, 3)):
+                    self._forward(hs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._sync()
+        self.compile_s = time.perf_counter() - t0
+        pool = None
+        for hs in self.head_sets:  # one graph per head set, sharing one memory pool
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = self._forward(hs)
+            pool = g.pool()
+            self._graphs[hs] = (g, out)
+        self._sync()
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of the images `run` takes: (batch*cameras, 3, H, W)."""
+        return tuple(self._images.shape)
+
+    # ---- hot path -------------------------------------------------------------------------
+    def set_geometry(self, T_cam_from_base: torch.Tensor, K: torch.Tensor) -> None:
+        """Copy camera extrinsics [cameras,4,4] and intrinsics [cameras,3,3] into the buffers."""
+        if self._T is None or self._K is None:
+            raise RuntimeInputError("set_geometry: the runtime was configured without LiDAR")
+        if tuple(T_cam_from_base.shape) != tuple(self._T.shape) or \
+                tuple(K.shape) != tuple(self._K.shape):
+            raise RuntimeInputError(f"set_geometry: expected T {tuple(self._T.shape)} and K "
+                                    f"{tuple(self._K.shape)}, got {tuple(T_cam_from_base.shape)}"
+                                    f" and {tuple(K.shape)}")
+        self._T.copy_(T_cam_from_base)
+        self._K.copy_(K)
+
+    def run(self, images: torch.Tensor, points: torch.Tensor | None = None,
+            heads: Iterable[str] | None = None) -> Outputs:
+        """images [batch*cameras, 3, H, W] uint8 (any device); points [batch, N, 3] m.
+
+        Raises RuntimeInputError on a shape/dtype mismatch or an unprepared head set.
+        """
+        hs = self.head_sets[0] if heads is None else frozenset(heads)
+        if hs not in self.head_sets:
+            raise RuntimeInputError(f"heads {sorted(hs)}: not prepared (prepared: "
+                                    f"{[sorted(s) for s in self.head_sets]})")
+        if images.dtype != torch.uint8 or tuple(images.shape) != tuple(self._images.shape):
+            raise RuntimeInputError(f"images: expected uint8 {tuple(self._images.shape)}, got "
+                                    f"{images.dtype} {tuple(images.shape)}")
+        self._images.copy_(images, non_blocking=True)
+        if self._points is not None:
+            if points is None or tuple(points.shape) != tuple(self._points.shape):
+                got = None if points is None else tuple(points.shape)
+                raise RuntimeInputError(f"points: expected {tuple(self._points.shape)}, "
+                                        f"got {got}")
+            self._points.copy_(points, non_blocking=True)
+        elif points is not None:
+            raise RuntimeInputError("points: the runtime was configured without LiDAR")
+        if self.spec.cuda_graph:
+            graph, out = self._graphs[hs]
+            graph.replay()
+            return out
+        return self._forward(hs)

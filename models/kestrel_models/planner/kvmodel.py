@@ -1,0 +1,194 @@
+"""KVModel: the VLM's decoder as a few fused steps over a static, slot-addressed KV cache.
+
+Shared by the decode engine (engine.py) and speculative decoding (speculative.py). It reads
+the weights of a `VisionLanguageModel` (packed once: wq|wk|wv -> wqkv with 1/sqrt(head_dim)
+folded into wq and q/k features permuted so RoPE pairs are adjacent (a complex product);
+w_gate|w_up -> w13; the model itself is not changed) and owns its own cache, per layer
+    k, v: [max_batch, n_kv_heads, max_len, head_dim]  (model dtype, on the model's device).
+
+`forward(x, pos, rows, kv_len)` runs S new positions for a contiguous block of cache rows
+(`rows` = slice of slots, B rows): row b's tokens go to positions pos[b] .. pos[b] + S - 1,
+and each query attends keys at positions <= its own (keys past a row's position are masked,
+so stale entries left behind by a finished or rejected continuation never leak). Shapes are
+static for a given (B, S, kv_len), which is what lets the engine capture the decode step as a
+CUDA graph. Attention: SDPA (GQA) for long chunks (prefill), an explicit grouped matmul with
+an additive mask for short ones (decode, speculative verification).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kestrel_models.planner.vlm import VisionLanguageModel
+
+__all__ = ["KVModel"]
+
+SDPA_MIN_CHUNK = 32  # chunks with S >= this use F.scaled_dot_product_attention
+
+
+def _rope_complex(x: Tensor, cis: Tensor) -> Tensor:
+    """x [B, S, n, hd] with interleaved pairs, cis [B, S, hd/2, 2] float32 (cos, sin) ->
+    rotated x (one complex product)."""
+    b, s, n, hd = x.shape
+    z = torch.view_as_complex(x.float().reshape(b, s, n, hd // 2, 2))
+    return torch.view_as_real(z * torch.view_as_complex(cis)[:, :, None]).flatten(3).to(x.dtype)
+
+
+def _rope_real(x: Tensor, cis: Tensor) -> Tensor:
+    """Same as _rope_complex in real arithmetic (what torch.compile fuses best)."""
+    b, s, n, hd = x.shape
+    xr = x.float().reshape(b, s, n, hd // 2, 2)
+    c, si = cis[:, :, None, :, 0], cis[:, :, None, :, 1]
+    x0, x1 = xr[..., 0], xr[..., 1]
+    return torch.stack([x0 * c - x1 * si, x1 * c + x0 * si], dim=-1).flatten(3).to(x.dtype)
+
+
+def _pre(x: Tensor, norm_w: Tensor, eps: float, wqkv: Tensor, cis: Tensor, n_heads: int,
+         n_kv: int, hd: int, real_rope: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """x [B, S, D] -> q [B, S, H, hd] (pre-scaled by 1/sqrt(hd)), k, v [B, S, Hkv, hd]."""
+    b, s, _ = x.shape
+    h = F.rms_norm(x, (x.shape[-1],), norm_w, eps)
+    qkv = F.linear(h, wqkv).view(b, s, n_heads + 2 * n_kv, hd)
+    rope = _rope_real if real_rope else _rope_complex
+    qk = rope(qkv[:, :, : n_heads + n_kv], cis)
+    return qk[:, :, :n_heads], qk[:, :, n_heads:], qkv[:, :, n_heads + n_kv:]
+
+
+def _attn_grouped(q: Tensor, k: Tensor, v: Tensor, mask_add: Tensor) -> Tensor:
+    """q [B, S, H, hd] (pre-scaled), k, v [B, Hkv, L, hd], mask_add [B, S, L] float
+    (0 / -inf) -> [B, S, H * hd]. Query head h uses kv head h // (H / Hkv) (as SDPA's
+    enable_gqa); for S = 1 every reshape here is a view (no copies)."""
+    b, s, h, hd = q.shape
+    hkv, L = k.shape[1], k.shape[2]
+    g = h // hkv
+    qg = q.view(b, s, hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * s, hd)
+    sc = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G*S, L]
+    sc = sc.view(b, hkv, g, s, L) + mask_add[:, None, None]  # float32
+    p = torch.softmax(sc, dim=-1).to(v.dtype).view(b, hkv, g * s, L)
+    out = torch.matmul(p, v).view(b, hkv, g, s, hd)
+    return out.permute(0, 3, 1, 2, 4).reshape(b, s, h * hd)
+
+
+def _post(x: Tensor, a: Tensor, wo: Tensor, norm_w: Tensor, eps: float, w13: Tensor,
+          w2: Tensor) -> Tensor:
+    """Residual + output projection, then the SwiGLU MLP block. x, a: [B, S, D]/[B, S, H*hd]."""
+    x = x + F.linear(a, wo)
+    h = F.rms_norm(x, (x.shape[-1],), norm_w, eps)
+    gate, up = F.linear(h, w13).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w2)
+
+
+def _attn_post(x: Tensor, q: Tensor, k: Tensor, v: Tensor, mask_add: Tensor, wo: Tensor,
+               norm_w: Tensor, eps: float, w13: Tensor, w2: Tensor) -> Tensor:
+    return _post(x, _attn_grouped(q, k, v, mask_add), wo, norm_w, eps, w13, w2)
+
+
+class KVModel:
+    """Decoder runner over a static KV cache; `compile=True` wraps the per-layer pieces in
+    torch.compile (one compiled graph reused by all layers, since weights are arguments)."""
+
+    def __init__(self, model: VisionLanguageModel, max_batch: int, max_len: int,
+                 compile: bool = False) -> None:
+        cfg = model.cfg
+        if max_batch < 1:
+            raise ValueError(f"parameter 'max_batch' = {max_batch}: must be >= 1")
+        if not 0 < max_len <= cfg.max_seq_len:
+            raise ValueError(f"parameter 'max_len' = {max_len}: must be in "
+                             f"(0, {cfg.max_seq_len}] (the model's max_seq_len)")
+        self.model, self.cfg = model, cfg
+        self.max_batch, self.max_len = max_batch, max_len
+        w = model.tok_emb.weight
+        self.device, self.dtype = w.device, w.dtype
+        hd, half = cfg.head_dim, cfg.head_dim // 2
+        # RoPE pairs (i, i + hd/2) -> adjacent (2i, 2i+1): the same permutation of q's and
+        # k's features in every head leaves q.k unchanged and makes RoPE a complex product.
+        perm = torch.stack([torch.arange(half), torch.arange(half) + half], 1).flatten()
+        perm = perm.to(w.device)
+
+        def heads(wt: Tensor, n: int) -> Tensor:
+            return wt.view(n, hd, -1)[:, perm].reshape(n * hd, -1)
+
+        scale = 1.0 / math.sqrt(hd)
+        with torch.no_grad():
+            self.layers = [dict(
+                attn_norm=ly.attn_norm.weight, ffn_norm=ly.ffn_norm.weight,
+                wqkv=torch.cat([heads(ly.attn.wq.weight, cfg.n_heads) * scale,
+                                heads(ly.attn.wk.weight, cfg.n_kv_heads), ly.attn.wv.weight]),
+                wo=ly.attn.wo.weight, w13=torch.cat([ly.w_gate.weight, ly.w_up.weight]),
+                w2=ly.w_down.weight) for ly in model.layers]
+        shape = (max_batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in model.layers]
+        self.v = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in model.layers]
+        self._ar = torch.arange(max_len, device=w.device)
+        self._real_rope = compile
+        self._pre: Callable = torch.compile(_pre, dynamic=False) if compile else _pre
+        self._attn_post: Callable = (torch.compile(_attn_post, dynamic=False) if compile
+                                     else _attn_post)
+
+    # ---- embeddings ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """tokens [B, S] long -> [B, S, D]."""
+        return self.model.tok_emb(tokens)
+
+    @torch.inference_mode()
+    def embed_image(self, image: Tensor) -> Tensor:
+        """image [B, 3, H, W] uint8 (or float 0..1) -> image tokens [B, N, D]."""
+        return self.model.projector(self.model.vision(image.to(self.device)))
+
+    # ---- cache helpers ---------------------------------------------------------------------
+    def copy_prefix(self, src_k: list[Tensor], src_v: list[Tensor], slot: int) -> None:
+        """Per layer k, v [Hkv, P, hd] -> positions [0, P) of `slot`."""
+        p = src_k[0].shape[1]
+        for i in range(len(self.k)):
+            self.k[i][slot, :, :p].copy_(src_k[i])
+            self.v[i][slot, :, :p].copy_(src_v[i])
+
+    def read_prefix(self, slot: int, length: int) -> tuple[list[Tensor], list[Tensor]]:
+        return ([k[slot, :, :length].clone() for k in self.k],
+                [v[slot, :, :length].clone() for v in self.v])
+
+    # ---- forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, x: Tensor, pos: Tensor, rows: slice, kv_len: int,
+                last_only: bool = False) -> Tensor:
+        """x [B, S, D] (embeddings), pos [B] long (first position of each row), rows: the
+        B cache slots, kv_len: keys attended (static; >= max(pos) + S, <= max_len).
+        -> logits [B, S or 1, vocab] float32. The caller guarantees pos + S <= kv_len."""
+        cfg = self.cfg
+        b, s, _ = x.shape
+        positions = pos[:, None] + self._ar[:s]  # [B, S]
+        cis = torch.stack([self.model.rope_cos[positions], self.model.rope_sin[positions]],
+                          dim=-1).float()  # [B, S, hd/2, 2] (buffers follow the model dtype)
+        bi = torch.arange(b, device=x.device)[:, None]
+        allowed = self._ar[None, None, :kv_len] <= positions[:, :, None]  # [B, S, L]
+        use_sdpa = s >= SDPA_MIN_CHUNK
+        if not use_sdpa:
+            mask_add = torch.zeros(allowed.shape, dtype=torch.float32, device=x.device)
+            mask_add.masked_fill_(~allowed, float("-inf"))
+        for i, w in enumerate(self.layers):
+            pre = _pre if use_sdpa else self._pre  # prefill stays eager: no compile per length
+            q, k, v = pre(x, w["attn_norm"], cfg.norm_eps, w["wqkv"], cis, cfg.n_heads,
+                                cfg.n_kv_heads, cfg.head_dim, self._real_rope)
+            kc, vc = self.k[i][rows], self.v[i][rows]  # views [B, Hkv, max_len, hd]
+            kc[bi, :, positions] = k  # k [B, S, Hkv, hd]
+            vc[bi, :, positions] = v
+            kk, vv = kc[:, :, :kv_len], vc[:, :, :kv_len]
+            if use_sdpa:
+                a = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv,
+                                                   attn_mask=allowed[:, None], scale=1.0,
+                                                   enable_gqa=True)
+                a = a.transpose(1, 2).reshape(b, s, cfg.n_heads * cfg.head_dim)
+                x = _post(x, a, w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"], w["w2"])
+            else:
+                x = self._attn_post(x, q, kk, vv, mask_add, w["wo"], w["ffn_norm"],
+                                    cfg.norm_eps, w["w13"], w["w2"])
+        if last_only:
+            x = x[:, -1:]
+        x = F.rms_norm(x, (x.shape[-1],), self.model.norm.weight, cfg.norm_eps)
+        return F.linear(x, self.model.lm_head.weight).float()

@@ -1,0 +1,165 @@
+"""A remote planner backend: any server that speaks the OpenAI chat-completions protocol.
+
+POST {base_url}/chat/completions with
+    {"model", "messages": [{"role": "system", "content": str},
+                           {"role": "user", "content": [{"type": "text", "text": str},
+                                                        {"type": "image_url", "image_url":
+                                                         {"url": "data:image/png;base64,..."}}]}],
+     "max_tokens", "temperature"}
+and read choices[0].message.content. Standard library only (urllib, zlib): no client package.
+
+Every attempt has a timeout (timeout_s, connect + read); timeouts, connection errors, HTTP 429
+and 5xx are retried up to max_retries times with exponential backoff (backoff_s * 2^i, or the
+server's Retry-After when given, capped at max_backoff_s); other 4xx and malformed replies
+fail at once. Failures raise RemoteError (the caller counts it); the reply text is never
+trusted: the planner parses and validates it like its own model's output.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import time
+import urllib.error
+import urllib.request
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["RemoteConfig", "RemoteBackend", "RemoteCompletion", "RemoteError", "png_bytes"]
+
+
+class RemoteError(RuntimeError):
+    """The remote backend gave no usable completion (after retries where retryable)."""
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    base_url: str  # e.g. http://127.0.0.1:8000/v1
+    model: str
+    api_key: str = ""
+    timeout_s: float = 10.0
+    max_retries: int = 2
+    backoff_s: float = 0.2
+    max_backoff_s: float = 2.0
+    max_tokens: int = 160
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"parameter 'base_url' = {self.base_url!r}: must be http(s)://...")
+        if not self.model:
+            raise ValueError("parameter 'model' = '': must be a model name")
+        if not 0 < self.timeout_s <= 600:
+            raise ValueError(f"parameter 'timeout_s' = {self.timeout_s}: must be in (0, 600]")
+        if not 0 <= self.max_retries <= 10:
+            raise ValueError(f"parameter 'max_retries' = {self.max_retries}: must be in [0, 10]")
+        if not 0 <= self.backoff_s <= self.max_backoff_s:
+            raise ValueError(f"parameter 'backoff_s' = {self.backoff_s}: must be in "
+                             f"[0, max_backoff_s = {self.max_backoff_s}]")
+        if self.max_tokens < 1:
+            raise ValueError(f"parameter 'max_tokens' = {self.max_tokens}: must be >= 1")
+        if not 0 <= self.temperature <= 5:
+            raise ValueError(f"parameter 'temperature' = {self.temperature}: must be in [0, 5]")
+
+
+@dataclass
+class RemoteCompletion:
+    text: str
+    finish_reason: str
+    attempts: int
+    latency_s: float
+    usage: dict = field(default_factory=dict)
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    """uint8 [H, W, 3] RGB -> PNG file bytes (8-bit truecolour, no filter)."""
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"image must be uint8 [H, W, 3], got {image.dtype} {image.shape}")
+    h, w, _ = image.shape
+    raw = b"".join(b"\x00" + image[y].tobytes() for y in range(h))
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + tag + data
+                + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
+
+
+class _Retryable(Exception):
+    def __init__(self, msg: str, retry_after: float | None = None) -> None:
+        super().__init__(msg)
+        self.retry_after = retry_after
+
+
+class RemoteBackend:
+    def __init__(self, config: RemoteConfig) -> None:
+        self.config = config
+        self.url = config.base_url.rstrip("/") + "/chat/completions"
+
+    def request_body(self, system: str, user: str, image: np.ndarray | None) -> dict:
+        content: list[dict] = [{"type": "text", "text": user}]
+        if image is not None:
+            b64 = base64.b64encode(png_bytes(image)).decode("ascii")
+            content.append({"type": "image_url",
+                            "image_url": {"url": f"data:image/png;base64,{b64}"}})
+        return {"model": self.config.model,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": content}],
+                "max_tokens": self.config.max_tokens, "temperature": self.config.temperature}
+
+    def complete(self, system: str, user: str, image: np.ndarray | None = None) -> RemoteCompletion:
+        """One chat completion; RemoteError when none could be had."""
+        body = json.dumps(self.request_body(system, user, image)).encode()
+        c = self.config
+        t0 = time.monotonic()
+        last = ""
+        for attempt in range(c.max_retries + 1):
+            try:
+                text, reason, usage = self._once(body)
+                return RemoteCompletion(text, reason, attempt + 1, time.monotonic() - t0, usage)
+            except _Retryable as exc:
+                last = str(exc)
+                if attempt == c.max_retries:
+                    break
+                wait = exc.retry_after if exc.retry_after is not None else c.backoff_s * 2**attempt
+                time.sleep(min(max(wait, 0.0), c.max_backoff_s))
+        raise RemoteError(f"{self.url}: no completion after {c.max_retries + 1} attempts: {last}")
+
+    def _once(self, body: bytes) -> tuple[str, str, dict]:
+        headers = {"Content-Type": "application/json"}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.config.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            if exc.code == 429 or exc.code >= 500:
+                ra = exc.headers.get("Retry-After") if exc.headers else None
+                try:
+                    after = float(ra) if ra is not None else None
+                except ValueError:
+                    after = None
+                raise _Retryable(f"HTTP {exc.code}", after) from exc
+            raise RemoteError(f"{self.url}: HTTP {exc.code}: {exc.read()[:200]!r}") from exc
+        except TimeoutError as exc:
+            raise _Retryable(f"timeout after {self.config.timeout_s} s") from exc
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                raise _Retryable(f"timeout after {self.config.timeout_s} s") from exc
+            raise _Retryable(f"connection error: {exc.reason}") from exc
+        except ConnectionError as exc:
+            raise _Retryable(f"connection error: {exc}") from exc
+        try:
+            reply = json.loads(raw)
+            choice = reply["choices"][0]
+            text = choice["message"]["content"]
+            if not isinstance(text, str):
+                raise TypeError("content is not a string")
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise RemoteError(f"{self.url}: malformed reply: {raw[:200]!r}") from exc
+        return text, str(choice.get("finish_reason", "")), dict(reply.get("usage") or {})

@@ -1,0 +1,171 @@
+"""Speculative decoding: a small draft VLM proposes k tokens, the target verifies them at once.
+
+Per sequence and round (Leviathan et al. 2023 / Chen et al. 2023):
+  draft: x_i ~ q_i for i = 1..k (q_i the draft's distribution after x_1..x_{i-1});
+  target: one forward over [last, x_1..x_k] -> p_1..p_{k+1};
+  accept x_i while u_i < p_i(x_i) / q_i(x_i) (u_i ~ U(0, 1)), i.e. with prob min(1, p/q);
+  at the first rejection i emit a token from norm(max(0, p_i - q_i)); if all k are accepted,
+  emit a bonus token from p_{k+1}.
+Every row of a batch accepts its own number of tokens and keeps its own positions in both
+KV caches (kvmodel.KVModel); stale entries past a row's position are masked, so a rejected
+tail needs no rollback. The emitted tokens are distributed exactly as sampling from the
+target alone; with temperature 0 (p, q one-hot at their argmax) the output equals the
+target's greedy decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kestrel_models.planner.kvmodel import KVModel
+from kestrel_models.planner.vlm import VisionLanguageModel
+
+__all__ = ["SpeculativeDecoder", "SpecResult", "accept_draft", "to_probs"]
+
+
+def to_probs(logits: Tensor, temperature: float) -> Tensor:
+    """logits [..., V] -> probabilities (one-hot at the argmax when temperature == 0)."""
+    if temperature <= 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def accept_draft(p: Tensor, q: Tensor, draft: Tensor,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """p [B, k+1, V] target probs, q [B, k, V] draft probs, draft [B, k] the drafted ids ->
+    (n_accepted [B] in 0..k, next_token [B]: the correction or the bonus token)."""
+    b, k = draft.shape
+    px = p[:, :k].gather(-1, draft[..., None])[..., 0]  # [B, k]
+    qx = q.gather(-1, draft[..., None])[..., 0]
+    u = torch.rand(b, k, device=p.device, generator=generator)
+    ok = u * qx < px  # u < p/q without dividing (qx > 0: x was drawn from q)
+    n_acc = ok.long().cumprod(dim=1).sum(dim=1)  # leading accepted tokens
+    rows = torch.arange(b, device=p.device)
+    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # bonus: residual = p_{k+1}
+    res = (p[rows, n_acc] - q_pad[rows, n_acc]).clamp_min(0.0)  # [B, V]
+    mass = res.sum(-1, keepdim=True)
+    res = torch.where(mass > 0, res / mass.clamp_min(1e-30), p[rows, n_acc])
+    nxt = torch.multinomial(res, 1, generator=generator)[:, 0]
+    return n_acc, nxt
+
+
+@dataclass
+class SpecResult:
+    tokens: list[list[int]]
+    stop_reasons: list[str]
+    rounds: int
+    drafted: int  # draft tokens proposed to rows still running
+    accepted: int  # of those, accepted by the target
+    ttft_s: float
+    total_s: float
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class SpeculativeDecoder:
+    """target and draft: VisionLanguageModels with the same vocabulary (the draft may use its
+    own vision tower and image-token count). k: tokens drafted per round."""
+
+    def __init__(self, target: VisionLanguageModel, draft: VisionLanguageModel, k: int,
+                 max_batch: int, max_len: int, eos_id: int, compile: bool = False) -> None:
+        if k < 1:
+            raise ValueError(f"parameter 'k' = {k}: must be >= 1")
+        if target.cfg.vocab_size != draft.cfg.vocab_size:
+            raise ValueError(f"draft vocab {draft.cfg.vocab_size} != target vocab "
+                             f"{target.cfg.vocab_size}")
+        self.k, self.eos_id, self.max_len = k, eos_id, max_len
+        self.t = KVModel(target.eval(), max_batch, max_len, compile=compile)
+        self.d = KVModel(draft.eval(), max_batch, max_len, compile=compile)
+        self.device = self.t.device
+
+    def _prefill(self, kv: KVModel, prompts: Sequence[Sequence[int]],
+                 images: Sequence[Tensor | None]) -> tuple[Tensor, Tensor]:
+        """-> (last-position logits [B, V], positions [B]) after a per-row prefill."""
+        out, pos = [], []
+        for i, (p, img) in enumerate(zip(prompts, images, strict=True)):
+            parts = [] if img is None else [kv.embed_image(img[None])]
+            parts.append(kv.embed_tokens(torch.tensor([list(p)], device=self.device)))
+            x = torch.cat(parts, dim=1)
+            zero = torch.zeros(1, dtype=torch.long, device=self.device)
+            out.append(kv.forward(x, zero, slice(i, i + 1), x.shape[1], last_only=True)[0, -1])
+            pos.append(x.shape[1])
+        return torch.stack(out), torch.tensor(pos, device=self.device)
+
+    @staticmethod
+    def _bucket(n: int, hi: int) -> int:
+        b = 128
+        while b < n:
+            b *= 2
+        return min(b, hi)
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 images: Sequence[Tensor | None] | None = None, temperature: float = 0.0,
+                 generator: torch.Generator | None = None) -> SpecResult:
+        t0 = time.monotonic()
+        b, k, dev = len(prompts), self.k, self.device
+        if not 1 <= b <= self.t.max_batch:
+            raise ValueError(f"{b} prompts: must be 1..{self.t.max_batch}")
+        imgs = list(images) if images is not None else [None] * b
+        logits, tpos = self._prefill(self.t, prompts, imgs)
+        _, dpos = self._prefill(self.d, prompts, imgs)
+        need = int(max(tpos.max(), dpos.max())) + max_new_tokens + k + 1
+        if need > self.max_len:
+            raise ValueError(f"request needs {need} positions > max_len {self.max_len}")
+        p0 = to_probs(logits, temperature)
+        last = torch.multinomial(p0, 1, generator=generator)[:, 0]
+        ttft = time.monotonic() - t0
+        out: list[list[int]] = [[] for _ in range(b)]
+        reasons = [""] * b
+        self._emit(out, reasons, [[t] for t in last.tolist()], max_new_tokens)
+        rounds = drafted = accepted = 0
+        while not all(reasons):
+            running = torch.tensor([not r for r in reasons], device=dev)
+            drafts, qs, cur = [], [], last
+            ld = self._bucket(int(dpos.max()) + k + 1, self.max_len)
+            for i in range(k + 1):  # the (k+1)-th pass only writes x_k into the draft cache
+                lg = self.d.forward(self.d.embed_tokens(cur[:, None]), dpos + i,
+                                    slice(0, b), ld)[:, 0]
+                if i == k:
+                    break
+                q = to_probs(lg, temperature)
+                cur = torch.multinomial(q, 1, generator=generator)[:, 0]
+                drafts.append(cur)
+                qs.append(q)
+            x = torch.stack(drafts, dim=1)  # [B, k]
+            seq = torch.cat([last[:, None], x], dim=1)  # [B, k+1]
+            lt = self._bucket(int(tpos.max()) + k + 1, self.max_len)
+            p = to_probs(self.t.forward(self.t.embed_tokens(seq), tpos, slice(0, b), lt),
+                         temperature)
+            n_acc, nxt = accept_draft(p, torch.stack(qs, dim=1), x, generator)
+            n_acc = torch.where(running, n_acc, torch.zeros_like(n_acc))
+            rounds += 1
+            drafted += k * int(running.sum())
+            accepted += int(n_acc.sum())
+            na, xs, nx = n_acc.tolist(), x.tolist(), nxt.tolist()
+            new = [xs[i][:na[i]] + [nx[i]] if not reasons[i] else [] for i in range(b)]
+            self._emit(out, reasons, new, max_new_tokens)
+            step = torch.where(running, n_acc + 1, torch.zeros_like(n_acc))
+            tpos, dpos = tpos + step, dpos + step
+            last = torch.where(running, nxt, last)
+        return SpecResult(out, reasons, rounds, drafted, accepted, ttft, time.monotonic() - t0)
+
+    def _emit(self, out: list[list[int]], reasons: list[str], new: list[list[int]],
+              max_new: int) -> None:
+        for i, toks in enumerate(new):
+            for t in toks:
+                if reasons[i]:
+                    break
+                if t == self.eos_id:
+                    reasons[i] = "eos"
+                    break
+                out[i].append(t)
+                if len(out[i]) >= max_new:
+                    reasons[i] = "max_new_tokens"

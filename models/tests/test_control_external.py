@@ -1,0 +1,151 @@
+"""Users' policy files: TorchScript and ONNX (Isaac Lab style, with and without recurrent
+state), state dict + config; names and dims checked at configure with clear messages."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kestrel_models.control.external import ModelSpec, load_policy
+from kestrel_models.control.policy import PolicyConfig, build_policy
+from kestrel_models.control.runtimes import BackendUnavailable, create_backend
+
+torch.set_num_threads(1)
+OBS, ACT, H = 40, 6, 16
+
+
+class Mlp(nn.Module):
+    def __init__(self, actions: int = ACT) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(OBS, 32), nn.ELU(), nn.Linear(32, actions))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs)
+
+
+class Recurrent(nn.Module):
+    """Isaac Lab's recurrent export layout: obs [B, D], h/c [layers=1, B, H]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.lstm = nn.LSTM(OBS, H)
+        self.head = nn.Linear(H, ACT)
+
+    def forward(self, obs, h_in, c_in):
+        out, (h, c) = self.lstm(obs.unsqueeze(0), (h_in, c_in))
+        return self.head(out[0]), h, c
+
+
+def export_onnx(module: nn.Module, path: Path, recurrent: bool) -> None:
+    args = (torch.zeros(1, OBS),) + ((torch.zeros(1, 1, H), torch.zeros(1, 1, H))
+                                     if recurrent else ())
+    names_in = ["obs", "h_in", "c_in"] if recurrent else ["obs"]
+    names_out = ["actions", "h_out", "c_out"] if recurrent else ["actions"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module.eval(), args, str(path), dynamo=False, input_names=names_in,
+                          output_names=names_out)
+
+
+def run_steps(backend, xs):
+    out = []
+    for x in xs:
+        backend.obs_host.copy_(x)
+        backend.step()
+        out.append(backend.act_host.clone())
+    return out
+
+
+XS = [torch.randn(1, OBS, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+
+
+def test_torchscript_feedforward(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    mlp = Mlp().eval()
+    path = tmp_path / "policy.pt"
+    torch.jit.script(mlp).save(str(path))
+    policy = load_policy(ModelSpec(path=str(path), obs_dim=OBS))
+    assert (policy.obs_dim, policy.num_actions, policy.state_shapes) == (OBS, ACT, ())
+    got = run_steps(create_backend("cpu_eager", policy, 1), XS)
+    with torch.no_grad():
+        for x, a in zip(XS, got, strict=True):
+            torch.testing.assert_close(a, mlp(x), atol=1e-6, rtol=0)
+
+
+def test_torchscript_recurrent_state_io(tmp_path: Path) -> None:
+    rec = Recurrent().eval()
+    path = tmp_path / "policy.pt"
+    torch.jit.trace(rec, (XS[0], torch.zeros(1, 1, H), torch.zeros(1, 1, H))).save(str(path))
+    spec = ModelSpec(path=str(path), obs_dim=OBS, state_in_names=("h_in", "c_in"),
+                     state_out_names=("h_out", "c_out"), state_shapes=((1, 1, H), (1, 1, H)))
+    policy = load_policy(spec)
+    assert policy.state_batch_dims == (1, 1) and policy.num_actions == ACT
+    got = run_steps(create_backend("cpu_eager", policy, 1), XS)
+    h = c = torch.zeros(1, 1, H)
+    with torch.no_grad():
+        for x, a in zip(XS, got, strict=True):
+            want, h, c = rec(x, h, c)
+            torch.testing.assert_close(a, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("recurrent", [False, True], ids=["feedforward", "recurrent"])
+def test_onnx_isaac_lab_style(tmp_path: Path, recurrent: bool) -> None:
+    module = Recurrent() if recurrent else Mlp()
+    path = tmp_path / "policy.onnx"
+    export_onnx(module, path, recurrent)
+    names = {"state_in_names": ("h_in", "c_in"), "state_out_names": ("h_out", "c_out")} \
+        if recurrent else {}
+    policy = load_policy(ModelSpec(path=str(path), **names))
+    assert (policy.obs_dim, policy.num_actions) == (OBS, ACT)
+    assert policy.state_shapes == (((1, 1, H), (1, 1, H)) if recurrent else ())
+    got = run_steps(create_backend("onnxruntime", policy, 1), XS)
+    h = c = torch.zeros(1, 1, H)
+    with torch.no_grad():
+        for x, a in zip(XS, got, strict=True):
+            if recurrent:
+                want, h, c = module(x, h, c)
+            else:
+                want = module(x)
+            torch.testing.assert_close(a, want, atol=1e-5, rtol=0)
+    with pytest.raises(BackendUnavailable, match="an ONNX file runs on 'onnxruntime'"):
+        create_backend("cpu_eager", policy, 1)
+
+
+def test_onnx_names_and_dims_checked(tmp_path: Path) -> None:
+    path = tmp_path / "policy.onnx"
+    export_onnx(Recurrent(), path, recurrent=True)
+    with pytest.raises(ValueError, match=r"parameter 'model_input' = 'observations': not among "
+                                         r"the model's inputs \['c_in', 'h_in', 'obs'\]"):
+        load_policy(ModelSpec(path=str(path), obs_name="observations",
+                              state_in_names=("h_in", "c_in"),
+                              state_out_names=("h_out", "c_out")))
+    with pytest.raises(ValueError, match=r"'model_state_inputs' = \[\]: the model has further "
+                                         r"inputs \['c_in', 'h_in'\]"):
+        load_policy(ModelSpec(path=str(path)))
+    with pytest.raises(ValueError, match="parameter 'num_actions' = 12: the model .* outputs 6"):
+        load_policy(ModelSpec(path=str(path), num_actions=12, state_in_names=("h_in", "c_in"),
+                              state_out_names=("h_out", "c_out")))
+    with pytest.raises(ValueError, match="'model_state_outputs'.*one name per state input"):
+        ModelSpec(path=str(path), state_in_names=("h_in",))
+    with pytest.raises(ValueError, match="parameter 'model_path' = '/no/such.onnx': no such"):
+        load_policy(ModelSpec(path="/no/such.onnx"))
+
+
+def test_state_dict_plus_config(tmp_path: Path) -> None:
+    cfg = PolicyConfig.tiny(obs_dim=OBS, num_actions=ACT)
+    path = tmp_path / "weights.pt"
+    torch.save(build_policy(cfg, seed=9).state_dict(), path)
+    policy = load_policy(ModelSpec(path=str(path), config=cfg))
+    assert policy.source == "kestrel ActorCritic" and policy.num_actions == ACT
+    ref = build_policy(cfg, seed=9)
+    got = run_steps(create_backend("cpu_eager", policy, 1), XS[:1])[0]
+    h, c = ref.initial_state(1)
+    with torch.no_grad():
+        torch.testing.assert_close(got, ref.step(XS[0], h, c)[0], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="'weights_path'.*does not match the policy dims"):
+        load_policy(ModelSpec(path=str(path), config=PolicyConfig.tiny(obs_dim=OBS + 1)))

@@ -1,0 +1,119 @@
+"""Policy backends: each one equals fp32 eager `ActorCritic.step` on random inputs (stated
+tolerances), per-row state reset, configure-time refusals, no allocation per step."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import pytest
+import torch
+
+from kestrel_models.control.policy import PolicyConfig, build_policy
+from kestrel_models.control.runtimes import (BACKENDS, BackendUnavailable, check_backend,
+                                             create_backend, policy_from_actor_critic)
+
+torch.set_num_threads(1)
+CFG = PolicyConfig.tiny(obs_dim=48, num_actions=6)
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# Max abs difference of actions vs fp32 eager. fp32 backends: rounding only (different op
+# order / fused kernels; TF32 is off by default for matmuls). INT8 dynamic quantization: weights
+# and activations rounded to 8 bits, ~1e-2 on actions of magnitude ~0.5.
+TOLERANCE = {"cpu_eager": 1e-6, "cpu_int8": 3e-2, "cpu_compile": 1e-5, "onnxruntime": 1e-5,
+             "cuda_eager": 1e-4, "cuda_graph": 1e-4, "cuda_compile": 1e-4,
+             "cuda_compile_graphs": 1e-4}
+CPU_BACKENDS = ["cpu_eager", "cpu_int8", "cpu_compile", "onnxruntime"]
+CUDA_BACKENDS = ["cuda_eager", "cuda_graph", "cuda_compile", "cuda_compile_graphs"]
+PARAMS = [pytest.param(b, id=b) for b in CPU_BACKENDS] + [
+    pytest.param(b, id=b, marks=[pytest.mark.gpu, GPU]) for b in CUDA_BACKENDS]
+
+
+def reference_run(model, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    h, c = model.initial_state(inputs[0].shape[0], "cpu")
+    out = []
+    with torch.no_grad():
+        for x in inputs:
+            a, _, h, c = model.step(x, h, c)
+            out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_backend_matches_fp32_eager(name: str, tmp_path) -> None:
+    model = build_policy(CFG, seed=4)
+    ref_model = build_policy(CFG, seed=4)  # CPU copy (CUDA backends move `model`)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(4, CFG.obs_dim, generator=gen) for _ in range(6)]
+    expected = reference_run(ref_model, inputs)
+    backend = create_backend(name, policy_from_actor_critic(model), batch=4,
+                             cache_dir=str(tmp_path))
+    assert backend.obs_host.shape == (4, CFG.obs_dim) and backend.act_host.shape == (4, 6)
+    assert backend.obs_host.is_pinned() == name.startswith("cuda")
+    for x, want in zip(inputs, expected, strict=True):
+        backend.obs_host.copy_(x)
+        backend.step()
+        err = (backend.act_host - want).abs().max().item()
+        assert err <= TOLERANCE[name], f"{name}: max |diff| {err:.2e}"
+    assert expected[-1].abs().max() > 0.05  # the comparison is not between near-zeros
+
+
+@pytest.mark.parametrize("name", ["cpu_eager", "onnxruntime"])
+def test_reset_one_row_keeps_the_others(name: str, tmp_path) -> None:
+    model = build_policy(CFG, seed=2)
+    backend = create_backend(name, policy_from_actor_critic(model), batch=2,
+                             cache_dir=str(tmp_path))
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, CFG.obs_dim, generator=gen) for _ in range(4)]
+    for x in xs[:3]:
+        backend.obs_host.copy_(x)
+        backend.step()
+    backend.reset_state(1)
+    backend.obs_host.copy_(xs[3])
+    backend.step()
+    row0 = reference_run(model, [x[:1] for x in xs])[-1]  # never reset
+    row1 = reference_run(model, [xs[3][1:]])[-1]  # from the zero state
+    torch.testing.assert_close(backend.act_host[:1], row0, atol=1e-5, rtol=0)
+    torch.testing.assert_close(backend.act_host[1:], row1, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["cpu_eager", "onnxruntime"])
+def test_step_does_not_allocate(name: str, tmp_path) -> None:
+    backend = create_backend(name, policy_from_actor_critic(build_policy(CFG)), batch=1,
+                             cache_dir=str(tmp_path))
+    for _ in range(50):
+        backend.step()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(500):
+            backend.step()
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert after - before < 1024
+
+
+def test_unknown_and_unavailable_backends_name_the_parameter() -> None:
+    with pytest.raises(ValueError, match="parameter 'backend' = 'tpu': must be one of"):
+        check_backend("tpu")
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendUnavailable, match="'tensorrt': the tensorrt Python package "
+                                                     "is not installed"):
+            check_backend("tensorrt")
+    if not torch.cuda.is_available():
+        for name in CUDA_BACKENDS:
+            with pytest.raises(BackendUnavailable, match=f"'{name}': CUDA is not available"):
+                check_backend(name)
+    assert set(CPU_BACKENDS + CUDA_BACKENDS + ["tensorrt"]) == set(BACKENDS)
+
+
+def test_reference_sizes_on_onnxruntime(tmp_path) -> None:
+    model = build_policy(PolicyConfig(), seed=0)  # obs 256 -> 512 -> 256, LSTM 256, 12 actions
+    backend = create_backend("onnxruntime", policy_from_actor_critic(model), batch=1,
+                             cache_dir=str(tmp_path))
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3))
+    backend.obs_host.copy_(x)
+    backend.step()
+    torch.testing.assert_close(backend.act_host, reference_run(model, [x])[0], atol=1e-5,
+                               rtol=0)

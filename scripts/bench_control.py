@@ -1,0 +1,380 @@
+#!/usr/bin/env python3
+"""Benchmark of the control node's policy step and its 1 kHz loop (a script, not a test).
+
+Phase 1, step latency: for every backend that can run here, a PolicyRunner with the reference
+policy (obs 256 -> 512 -> 256, LSTM 256, 12 actions; 6 joints) does `--step-iters` ticks on fresh
+observations; percentiles of the full tick (`runner.step`: buffer read, safety, inference,
+command) and of the backend step alone.
+Phase 2, the loop: for each `--loops` entry backend@rate_hz:cycles, the real-time loop
+(kestrel_control.core.RealtimeLoop, absolute deadlines) runs the same tick with ROS I/O live:
+a separate process publishes sensor_msgs/JointState at `--pub-rate` Hz, this process's
+subscription writes them into the runner's double buffer (executor thread), and every tick
+publishes the command (sensor_msgs/JointState) directly from the loop thread, as the node does.
+Reported: wake error, period jitter, step latency percentiles, deadline misses, stale inputs.
+The loop here is the node's core + I/O path with standard messages only (kestrel_interfaces is
+not needed, so it runs on machines where only rclpy wheels exist).
+
+  python scripts/bench_control.py --out docs/benchmarks/control_cpu.json \
+      --loops cpu_eager@1000:20000,onnxruntime@1000:20000,cpu_eager@500:10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for sub in ("models", "ros2_ws/src/kestrel_control"):
+    sys.path.insert(0, str(ROOT / sub))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from kestrel_control.core.policy_runner import PolicyRunner, RunnerConfig  # noqa: E402
+from kestrel_control.core.rt_loop import RealtimeLoop  # noqa: E402
+from kestrel_control.core.stats import LoopStats  # noqa: E402
+from kestrel_models.control.policy import PolicyConfig  # noqa: E402
+from kestrel_models.control.runtimes import BACKENDS  # noqa: E402
+
+N_JOINTS = 6
+LOWER, UPPER = [-3.1] * N_JOINTS, [3.1] * N_JOINTS
+NAMES = [f"joint_{i}" for i in range(N_JOINTS)]
+TOPIC_IN, TOPIC_OUT = "/kestrel_bench/joint_states", "/kestrel_bench/joint_command"
+
+
+def pct(samples: np.ndarray, scale: float = 1e6) -> dict[str, float]:
+    """p50/p99/p99.9/max of `samples` (s) in us."""
+    if samples.size == 0:
+        return {}
+    q = np.percentile(samples, [50, 99, 99.9])
+    return {"p50": q[0] * scale, "p99": q[1] * scale, "p999": q[2] * scale,
+            "max": float(samples.max()) * scale, "n": int(samples.size)}
+
+
+def make_runner(backend: str, cache: str, warmup: int = 50) -> PolicyRunner:
+    return PolicyRunner(RunnerConfig(
+        joint_lower=LOWER, joint_upper=UPPER, policy=PolicyConfig(), backend=backend,
+        max_obs_age_s=0.02, warmup_steps=warmup, cache_dir=cache, latency_compensation=True))
+
+
+# ---- phase 1 -----------------------------------------------------------------------------------
+def bench_steps(backends: list[str], iters: int, cache: str) -> dict:
+    results = {}
+    for name in backends:
+        t0 = time.perf_counter()
+        try:
+            runner = make_runner(name, cache)
+        except ValueError as exc:  # BackendUnavailable included
+            results[name] = {"skipped": str(exc)}
+            print(f"  {name:20s} skipped: {exc}", flush=True)
+            continue
+        build_s = time.perf_counter() - t0
+        js = np.zeros((2, N_JOINTS))
+        tick = np.empty(iters)
+        infer = np.empty(iters)
+        clock = time.perf_counter_ns
+        gc.collect()
+        gc.disable()
+        try:
+            for i in range(iters):
+                js[0, 0] = 1e-4 * i
+                now = time.time_ns()
+                runner.joint_states.write(js, now)
+                a = clock()
+                runner.step(now + 1000)
+                tick[i] = (clock() - a) * 1e-9
+            step = runner.backend.step
+            for i in range(iters):
+                a = clock()
+                step()
+                infer[i] = (clock() - a) * 1e-9
+        finally:
+            gc.enable()
+        results[name] = {"build_s": build_s, "tick_us": pct(tick), "backend_step_us": pct(infer),
+                         "status": runner.info.status.name}
+        r = results[name]
+        print(f"  {name:20s} tick p50 {r['tick_us']['p50']:8.1f} p99.9 "
+              f"{r['tick_us']['p999']:8.1f} max {r['tick_us']['max']:9.1f} us | backend p50 "
+              f"{r['backend_step_us']['p50']:8.1f} us | build {build_s:.1f} s", flush=True)
+        del runner
+    return results
+
+
+# ---- phase 2 -----------------------------------------------------------------------------------
+def publisher_main(rate: float, cpus: str) -> None:
+    """Separate process: JointState at `rate` Hz on absolute deadlines until stdin closes."""
+    import rclpy
+    from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
+    from sensor_msgs.msg import JointState
+
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    rclpy.init()
+    node = rclpy.create_node("kestrel_bench_publisher")
+    qos = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
+                     reliability=ReliabilityPolicy.BEST_EFFORT)
+    pub = node.create_publisher(JointState, TOPIC_IN, qos)
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    msg = JointState(name=NAMES, position=[0.1] * N_JOINTS, velocity=[0.0] * N_JOINTS)
+    period = int(1e9 / rate)
+    t0 = time.monotonic_ns()
+    k = 0
+    while not stop.is_set():
+        k += 1
+        delay = t0 + k * period - time.monotonic_ns()
+        if delay > 0:
+            time.sleep(delay * 1e-9)
+        now = time.time_ns()
+        msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(now, 1_000_000_000)
+        msg.position[0] = 0.1 + 0.1 * np.sin(k * 1e-3)
+        pub.publish(msg)
+    node.destroy_node()
+    rclpy.try_shutdown()
+
+
+class RosIo:
+    """In-process node: subscription -> runner buffer; command publisher for the loop."""
+
+    def __init__(self, runner: PolicyRunner) -> None:
+        import rclpy
+        from rclpy.executors import SingleThreadedExecutor
+        from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
+        from sensor_msgs.msg import JointState
+
+        rclpy.init()
+        self.rclpy = rclpy
+        self.node = rclpy.create_node("kestrel_bench_control")
+        sensor = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
+                            reliability=ReliabilityPolicy.BEST_EFFORT)
+        command = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10,
+                             reliability=ReliabilityPolicy.RELIABLE)
+        self.runner = runner
+        self.received = 0
+        self.node.create_subscription(JointState, TOPIC_IN, self._on_js, sensor)
+        self.pub = self.node.create_publisher(JointState, TOPIC_OUT, command)
+        import array
+        self.msg = JointState(name=NAMES)
+        self.msg.position = array.array("d", [0.0] * N_JOINTS)
+        self.view = np.frombuffer(self.msg.position, dtype=np.float64)
+        self.published = 0
+        self.executor = SingleThreadedExecutor()
+        self.executor.add_node(self.node)
+        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self.thread.start()
+
+    def _on_js(self, msg) -> None:
+        self.received += 1
+        stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
+        pos = np.frombuffer(msg.position, dtype=np.float64)
+
+        def fill(slot: np.ndarray) -> None:
+            slot[0] = pos
+            slot[1] = 0.0
+
+        self.runner.joint_states.write_with(fill, stamp)
+
+    def tick(self, deadline_ns: int) -> None:
+        now = time.time_ns()
+        command, info = self.runner.step(now)
+        if info.valid:
+            np.copyto(self.view, command)
+            stamp = self.msg.header.stamp
+            stamp.sec, stamp.nanosec = divmod(now, 1_000_000_000)
+            self.pub.publish(self.msg)
+            self.published += 1
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=2.0)
+        self.node.destroy_node()
+        self.rclpy.try_shutdown()
+
+
+def bench_loop(backend: str, rate: float, cycles: int, args, cache: str) -> dict:
+    try:
+        runner = make_runner(backend, cache)
+    except ValueError as exc:
+        return {"skipped": str(exc)}
+    pub = subprocess.Popen([sys.executable, __file__, "--publisher", str(args.pub_rate),
+                            "--publisher-cpus", args.publisher_cpus], stdin=subprocess.PIPE)
+    io = RosIo(runner)
+    try:
+        deadline = time.monotonic() + 30.0
+        while io.received < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)  # bounded wait for the publisher's discovery
+        if io.received < 10:
+            return {"skipped": "no joint states from the publisher process within 30 s"}
+        stats = LoopStats(1.0 / rate, capacity=cycles + 1000)
+        cpus = [int(c) for c in args.loop_cpus.split(",")] if args.loop_cpus else None
+        loop = RealtimeLoop(1.0 / rate, io.tick, stats, spin_s=args.spin_us * 1e-6,
+                            rt_priority=args.rt_priority, cpu_affinity=cpus,
+                            lock_memory=args.lock_memory, manage_gc=True,
+                            switch_interval_s=200e-6, name=f"bench-{backend}")
+        received0 = io.received
+        applied = loop.start(timeout_s=30.0)  # mlockall of a CUDA process can take seconds
+        t_start = time.monotonic()
+        limit = t_start + cycles / rate * 3 + 30
+        while stats.cycles + stats.deadline_misses < cycles and time.monotonic() < limit:
+            time.sleep(0.2)
+        loop.stop(2.0)
+        wall = time.monotonic() - t_start
+        period = stats.period.since(0)
+        wake = stats.wake_error.since(0)
+        lat = stats.step_latency.since(0)
+        out = {
+            "backend": backend, "rate_hz": rate, "cycles": stats.cycles, "wall_s": wall,
+            "deadline_misses": stats.deadline_misses, "stale_inputs": stats.stale_inputs,
+            "step_errors": stats.step_errors, "last_error": loop.last_error,
+            "commands_published": io.published,
+            "joint_states_received": io.received - received0,
+            "wake_error_us": pct(wake), "step_latency_us": pct(lat),
+            "period_jitter_us": pct(np.abs(period - 1.0 / rate)),
+            "compute_latency_ema_us": runner.compute_latency_s * 1e6, "rt_settings": applied,
+        }
+        print(f"  {backend}@{rate:g}Hz: {stats.cycles} cycles, misses {stats.deadline_misses}, "
+              f"stale {stats.stale_inputs}, step p50 {out['step_latency_us']['p50']:.1f} p99.9 "
+              f"{out['step_latency_us']['p999']:.1f} max {out['step_latency_us']['max']:.1f} us, "
+              f"wake p99.9 {out['wake_error_us']['p999']:.1f} us", flush=True)
+        return out
+    finally:
+        io.close()
+        pub.stdin.close()
+        try:
+            pub.wait(10)
+        except subprocess.TimeoutExpired:
+            pub.kill()
+
+
+# ---- report ------------------------------------------------------------------------------------
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cpus": os.cpu_count(),
+            "cpu_affinity": sorted(os.sched_getaffinity(0))}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    try:
+        import onnxruntime
+        info["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Control benchmark: {report['label']}", "",
+             f"- machine: {json.dumps(report['machine'])}",
+             f"- commit: {report['commit']}", f"- command: `{report['command']}`",
+             f"- note: {report['note']}", "",
+             "## Step latency (reference policy, batch 1, 6 joints), us", "",
+             "| backend | tick p50 | tick p99 | tick p99.9 | tick max | backend-step p50 | "
+             "build s |", "|---|---|---|---|---|---|---|"]
+    for name, r in report["steps"].items():
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped: {r['skipped']} | | | | | |")
+            continue
+        t, b = r["tick_us"], r["backend_step_us"]
+        lines.append(f"| {name} | {t['p50']:.1f} | {t['p99']:.1f} | {t['p999']:.1f} | "
+                     f"{t['max']:.1f} | {b['p50']:.1f} | {r['build_s']:.1f} |")
+    lines += ["", "## Loop with ROS I/O live (JointState in from another process, commands "
+              "out), us", "",
+              "| backend | rate Hz | cycles | deadline misses | stale | step p50 | step p99 | "
+              "step p99.9 | step max | wake p50 | wake p99.9 | wake max | period jitter p99.9 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["loops"]:
+        if "skipped" in r:
+            lines.append(f"| {r.get('spec')} | skipped: {r['skipped']} |" + " |" * 11)
+            continue
+        s, w, p = r["step_latency_us"], r["wake_error_us"], r["period_jitter_us"]
+        lines.append(f"| {r['backend']} | {r['rate_hz']:g} | {r['cycles']} | "
+                     f"{r['deadline_misses']} | {r['stale_inputs']} | {s['p50']:.1f} | "
+                     f"{s['p99']:.1f} | {s['p999']:.1f} | {s['max']:.1f} | {w['p50']:.1f} | "
+                     f"{w['p999']:.1f} | {w['max']:.1f} | {p['p999']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--publisher", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--publisher-cpus", default="", help="CPUs of the publisher process")
+    ap.add_argument("--backends", default="all", help="comma list or 'all'")
+    ap.add_argument("--step-iters", type=int, default=5000)
+    ap.add_argument("--loops", default="cpu_eager@1000:10000",
+                    help="comma list of backend@rate_hz:cycles ('' = none)")
+    ap.add_argument("--pub-rate", type=float, default=1000.0)
+    ap.add_argument("--spin-us", type=float, default=200.0)
+    ap.add_argument("--rt-priority", type=int, default=0)
+    ap.add_argument("--loop-cpus", default="")
+    ap.add_argument("--lock-memory", action="store_true")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--note", default="")
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--loops-first", action="store_true",
+                    help="run phase 2 before phase 1 (the long loop first on a time budget)")
+    args = ap.parse_args()
+    if args.publisher:
+        publisher_main(args.publisher, args.publisher_cpus)
+        return 0
+    torch.set_num_threads(1)
+    commit = args.commit
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            commit = "unknown"
+    backends = list(BACKENDS) if args.backends == "all" else args.backends.split(",")
+    cache = tempfile.mkdtemp(prefix="kestrel_bench_")
+
+    def save() -> str:
+        text = markdown(report)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+            Path(args.out).with_suffix(".md").write_text(text)
+        return text
+
+    report = {"label": args.label or platform.node(), "machine": machine_info(),
+              "commit": commit or "unknown",
+              "command": " ".join(["python", "scripts/bench_control.py", *sys.argv[1:]]),
+              "note": args.note, "steps": {}, "loops": []}
+
+    def phase1() -> None:
+        print("phase 1: step latency", flush=True)
+        report["steps"] = bench_steps(backends, args.step_iters, cache)
+        save()
+
+    def phase2() -> None:
+        print("phase 2: loops with ROS I/O", flush=True)
+        for spec in [s for s in args.loops.split(",") if s]:
+            backend, rest = spec.split("@")
+            rate, cycles = rest.split(":")
+            result = bench_loop(backend, float(rate), int(cycles), args, cache)
+            result["spec"] = spec
+            report["loops"].append(result)
+            save()
+
+    for phase in ((phase2, phase1) if args.loops_first else (phase1, phase2)):
+        phase()
+    print(save())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
