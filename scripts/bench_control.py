@@ -218,7 +218,8 @@ def bench_loop(backend: str, rate: float, cycles: int, args, cache: str) -> dict
         loop = RealtimeLoop(1.0 / rate, io.tick, stats, spin_s=args.spin_us * 1e-6,
                             rt_priority=args.rt_priority, cpu_affinity=cpus,
                             lock_memory=args.lock_memory, manage_gc=True,
-                            switch_interval_s=200e-6, name=f"bench-{backend}")
+                            switch_interval_s=args.gil_switch_us * 1e-6,
+                            name=f"bench-{backend}")
         received0 = io.received
         applied = loop.start(timeout_s=30.0)  # mlockall of a CUDA process can take seconds
         t_start = time.monotonic()
@@ -239,6 +240,8 @@ def bench_loop(backend: str, rate: float, cycles: int, args, cache: str) -> dict
             "wake_error_us": pct(wake), "step_latency_us": pct(lat),
             "period_jitter_us": pct(np.abs(period - 1.0 / rate)),
             "compute_latency_ema_us": runner.compute_latency_s * 1e6, "rt_settings": applied,
+            "gil_switch_interval_us": args.gil_switch_us,
+            "cuda_graph_sync": getattr(runner.backend, "sync", None),
         }
         print(f"  {backend}@{rate:g}Hz: {stats.cycles} cycles, misses {stats.deadline_misses}, "
               f"stale {stats.stale_inputs}, step p50 {out['step_latency_us']['p50']:.1f} p99.9 "
@@ -320,6 +323,8 @@ def main() -> int:
     ap.add_argument("--pub-rate", type=float, default=1000.0)
     ap.add_argument("--spin-us", type=float, default=200.0)
     ap.add_argument("--rt-priority", type=int, default=0)
+    ap.add_argument("--gil-switch-us", type=float, default=50.0,
+                    help="sys.setswitchinterval while the loop runs (the node's parameter)")
     ap.add_argument("--loop-cpus", default="")
     ap.add_argument("--lock-memory", action="store_true")
     ap.add_argument("--label", default="")

@@ -94,7 +94,12 @@ def test_streams_clock_camera_lidar_joints(probe, launch_node):
     assert (im.width, im.height, im.encoding, im.step) == (320, 256, "rgb8", 960)
     assert len(im.data) == 960 * 256
     assert im.header.frame_id == ci.header.frame_id == "camera_optical_frame"
-    assert 0 < _ns(im.header.stamp) <= latest_clock < 10**15  # sim time, not wall time
+    # sim time, not wall time: the image's stamp is one /clock reaches (the image may arrive
+    # before the /clock message of the same instant: they travel on different topics)
+    im_ns = _ns(im.header.stamp)
+    assert 0 < im_ns < 10**15
+    clocks = clock.wait_for(lambda m: _ns(m[-1].clock) >= im_ns, timeout=5.0)
+    assert _ns(clocks[-1].clock) >= im_ns > latest_clock - 10**10
     f = 128.0 / math.tan(math.radians(25.0))
     k = camera_info_to_k(ci)
     np.testing.assert_allclose(k, [[f, 0, 159.5], [0, f, 127.5], [0, 0, 1]], rtol=1e-9)

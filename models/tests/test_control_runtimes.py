@@ -83,13 +83,15 @@ def test_step_does_not_allocate(name: str, tmp_path) -> None:
         backend.step()
     tracemalloc.start()
     try:
+        for _ in range(200):  # one-time wrapper caches first seen under tracing settle here
+            backend.step()
         before = tracemalloc.get_traced_memory()[0]
-        for _ in range(500):
+        for _ in range(2000):
             backend.step()
         after = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
-    assert after - before < 1024
+    assert after - before < 2048, f"{after - before} bytes retained over 2000 steps"
 
 
 def test_unknown_and_unavailable_backends_name_the_parameter() -> None:

@@ -200,9 +200,17 @@ class TorchBackend(PolicyBackend):
 
 
 class CudaGraphBackend(TorchBackend):
-    """The whole tick captured once: H2D copy, step, state copy-back, D2H copy; replay + sync."""
+    """The whole tick captured once: H2D copy, step, state copy-back, D2H copy; replay + sync.
 
-    def __init__(self, policy: StepPolicy, batch: int) -> None:
+    sync='poll' waits for the stream by polling `Stream.query()` (keeps the GIL: another Python
+    thread cannot take it in the middle of the tick for up to the switch interval);
+    sync='block' uses `Stream.synchronize()` (releases the GIL while waiting).
+    """
+
+    def __init__(self, policy: StepPolicy, batch: int, sync: str = "poll") -> None:
+        if sync not in ("poll", "block"):
+            raise ValueError(f"parameter 'sync' = {sync!r}: must be 'poll' or 'block'")
+        self.sync = sync
         super().__init__("cuda_graph", policy, batch, device="cuda")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -222,7 +230,12 @@ class CudaGraphBackend(TorchBackend):
 
     def step(self) -> None:
         self.graph.replay()
-        self._stream.synchronize()
+        if self.sync == "poll":
+            query = self._stream.query
+            while not query():
+                pass
+        else:
+            self._stream.synchronize()
 
 
 class OrtBackend(PolicyBackend):

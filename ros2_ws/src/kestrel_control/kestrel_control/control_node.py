@@ -108,7 +108,10 @@ SPECS = [
     ParamSpec("lock_memory", False, "mlockall the process at activation.", read_only=True),
     ParamSpec("spin_us", 200.0, "Busy-wait before each deadline, us.", min=0.0, max=5000.0,
               read_only=True),
-    ParamSpec("gil_switch_interval_us", 200.0, "sys.setswitchinterval while the loop runs, us "
+    # 50 us: measured with ROS I/O live (scripts/bench_control.py, docs/benchmarks/control_*):
+    # H200 cuda_graph loop p50 425 -> 121 us together with poll sync; 2-core CPU onnxruntime
+    # loop p99.9 778 -> 385 us vs 200 us.
+    ParamSpec("gil_switch_interval_us", 50.0, "sys.setswitchinterval while the loop runs, us "
               "(bounds how long another thread can keep the GIL from the loop; 0 = unchanged).",
               min=0.0, max=100000.0, read_only=True),
     ParamSpec("disable_gc", True, "gc.freeze + gc.disable (process-wide) while the loop runs.",

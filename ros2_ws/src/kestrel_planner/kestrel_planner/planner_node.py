@@ -256,8 +256,10 @@ class PlannerNode(KestrelLifecycleNode):
         if was_active and self.executor_core is not None:
             with self._lock:
                 events = self.executor_core.abort("node deactivated")
-            if self.context.ok():  # at process exit the context may already be shut down
+            try:  # at process exit the context may already be (or be being) shut down
                 self._publish_events(events, hold=bool(events))
+            except RCLError:
+                pass
 
     # ---- inputs ----------------------------------------------------------------------------
     def _on_image(self, msg: Image) -> None:
