@@ -141,6 +141,20 @@ def spawn_node(module: str, node_name: str, env: dict[str, str], run_dir: Path,
     return NodeProcess(node_name, proc, log_path, log_file)
 
 
+class WaitResult(list):
+    """The messages collected so far; truthy only if the awaited condition held.
+
+    So `assert col.wait_for(pred)` asserts the condition (not merely that messages exist), and
+    the messages stay available for content checks and failure messages."""
+
+    def __init__(self, messages: list, satisfied: bool) -> None:
+        super().__init__(messages)
+        self.satisfied = satisfied
+
+    def __bool__(self) -> bool:
+        return self.satisfied
+
+
 @dataclass
 class Collector:
     """Messages received on one topic (thread-safe append from the probe's executor)."""
@@ -158,15 +172,17 @@ class Collector:
             return list(self.messages)
 
     def wait_for(self, predicate: Callable[[list], bool] = lambda m: len(m) > 0,
-                 timeout: float = 20.0) -> list:
-        """Wait (bounded) until predicate(messages) holds; returns the messages either way."""
+                 timeout: float = 20.0) -> WaitResult:
+        """Wait (bounded) until predicate(messages) holds. Returns the messages either way, as
+        a WaitResult that is truthy only if the predicate held."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             msgs = self.snapshot()
             if predicate(msgs):
-                return msgs
+                return WaitResult(msgs, True)
             time.sleep(0.02)
-        return self.snapshot()
+        msgs = self.snapshot()
+        return WaitResult(msgs, bool(predicate(msgs)))
 
 
 class Probe:

@@ -90,3 +90,34 @@ def test_sigterm_stops_cleanly(launch_node, probe):
     node.proc.send_signal(signal.SIGTERM)
     assert node.proc.wait(10) == 0
     assert "Traceback" not in node.output()
+
+
+def test_lifecycle_deactivate_stops_diagnostics_and_activate_resumes(launch_node, probe):
+    import time
+
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState
+
+    node = launch_node("echo_node", "echo", params={"diagnostics_period": 0.1})
+    diag = probe.subscribe(DiagnosticArray, "/diagnostics")
+    cli = probe.node.create_client(ChangeState, "/echo/change_state")
+    _wait_service(cli)
+
+    def transition(tid):
+        fut = cli.call_async(ChangeState.Request(transition=Transition(id=tid)))
+        assert _spin_until(fut)
+        return fut.result().success
+
+    def echo_count():
+        return sum(1 for a in diag.snapshot() for s in a.status if s.name == "echo")
+
+    assert diag.wait_for(lambda m: echo_count() > 0), node.output()
+
+    assert transition(Transition.TRANSITION_DEACTIVATE)
+    time.sleep(0.3)  # let an in-flight diagnostics message land before counting
+    n = echo_count()
+    diag.wait_for(lambda m: echo_count() > n, timeout=1.0)  # 10 periods of observation
+    assert echo_count() == n, "diagnostics kept flowing after deactivate"
+    assert transition(Transition.TRANSITION_ACTIVATE)
+    assert diag.wait_for(lambda m: echo_count() > n + 2, timeout=10.0) and echo_count() > n + 2
+    assert node.alive()

@@ -203,6 +203,12 @@ class KestrelLifecycleNode(LifecycleNode):
     def stop_workers(self) -> None:
         """Stop threads started by the node. Idempotent. Override."""
 
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Stop the node's work and its /diagnostics timer (override to add more)."""
+        self.stop_workers()
+        self.stop_diagnostics()
+        return super().on_deactivate(state)
+
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.stop_workers()
         return TransitionCallbackReturn.SUCCESS

@@ -249,11 +249,6 @@ class ControlNode(KestrelLifecycleNode):
         self.start_diagnostics(self._diagnostic_status)
         return TransitionCallbackReturn.SUCCESS
 
-    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self.stop_workers()
-        self.stop_diagnostics()
-        return TransitionCallbackReturn.SUCCESS
-
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.stop_workers()
         for sub in self._subs:

@@ -153,11 +153,6 @@ class PerceptionNode(KestrelLifecycleNode):
         self.get_logger().info("active")
         return super().on_activate(state)
 
-    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self.stop_workers()
-        self.stop_diagnostics()
-        return super().on_deactivate(state)
-
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.stop_workers()
         for sub in self._subs:

@@ -226,10 +226,6 @@ class PlannerNode(KestrelLifecycleNode):
         self.get_logger().info("active: serving ~/plan_task")
         return TransitionCallbackReturn.SUCCESS
 
-    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self.stop_workers()
-        return TransitionCallbackReturn.SUCCESS
-
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.stop_workers()
         for h in self._handles:

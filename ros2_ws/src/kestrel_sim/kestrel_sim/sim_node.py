@@ -189,11 +189,6 @@ class SimNode(KestrelLifecycleNode):
         self.get_logger().info("active: physics and sensor threads running")
         return TransitionCallbackReturn.SUCCESS
 
-    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self.stop_workers()
-        self.stop_diagnostics()
-        return TransitionCallbackReturn.SUCCESS
-
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.stop_workers()
         for pub in self._pubs.values():
