@@ -239,10 +239,12 @@ class Probe:
         return self.node.get_clock().now().nanoseconds
 
     def close(self) -> None:
+        # Stop spinning before destroying anything: a take on an entity being destroyed leaves
+        # an unretrieved "cannot use Destroyable" exception in an executor task.
         self.executor.shutdown(timeout_sec=2.0)
+        self._thread.join(timeout=5.0)
         self.node.destroy_node()
         self._rclpy.try_shutdown(context=self.context)
-        self._thread.join(timeout=5.0)
 
 
 SHM_DIR = Path("/dev/shm")
