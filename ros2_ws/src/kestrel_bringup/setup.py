@@ -25,6 +25,7 @@ setup(
     entry_points={
         'console_scripts': [
             'run_stack = kestrel_bringup.run_stack:main',
+            'bag = kestrel_bringup.bag_node:main',
         ],
     },
 )
