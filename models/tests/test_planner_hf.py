@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
-from kestrel_models.planner.hf import HFVisionLanguageModel  # noqa: E402
+from kestrel_models.planner.hf import HFVisionLanguageModel, parse_dtype  # noqa: E402
 
 torch.set_num_threads(1)
 IMAGE_ID, EOS = 259, 257
@@ -85,3 +85,15 @@ def test_bad_directory_and_image(tmp_path: Path, model_dir: Path) -> None:
         HFVisionLanguageModel(tmp_path / "nothing_here")
     with pytest.raises(ValueError, match="image must be uint8"):
         HFVisionLanguageModel(model_dir).pixel_values(torch.zeros(3, 8, 8))
+
+
+def test_dtype_and_sizes(model_dir: Path) -> None:
+    assert parse_dtype("auto") is None and parse_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError, match="parameter 'hf_dtype' = 'fp8'"):
+        parse_dtype("fp8")
+    vlm = HFVisionLanguageModel(model_dir, dtype=torch.bfloat16)
+    assert next(vlm.model.parameters()).dtype is torch.bfloat16
+    assert vlm.pixel_values(_image()).dtype is torch.bfloat16
+    assert (vlm.vocab_size, vlm.max_positions) == (260, 256)
+    res = vlm.generate([[1, 2, 3]], EOS, 4, images=[_image(2)])
+    assert len(res.tokens[0]) == 4 or res.stop_reasons == ["eos"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kestrel_models.planner.remote import (
-    RemoteBackend, RemoteConfig, RemoteError, png_bytes,
+    RemoteBackend, RemoteConfig, RemoteError, check_base_url, png_bytes,
 )
 
 PLAN = "pick red_cube\nplace bin\nend"
@@ -148,12 +148,38 @@ def test_connection_refused_is_retried_then_raises() -> None:
     assert time.monotonic() - t0 < 5
 
 
+def test_extra_fields_and_malformed_kind(server: _Server) -> None:
+    """`extra` adds request fields (response_format for server-side structured output) and
+    may not replace base fields; a malformed reply is RemoteError(kind='malformed')."""
+    rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "object"}}}
+    out = _backend(server.url).complete("s", "u", extra={"response_format": rf})
+    assert out.text == PLAN and server.requests[0]["response_format"] == rf
+    with pytest.raises(ValueError, match="would replace a base field"):
+        _backend(server.url).request_body("s", "u", None, {"model": "other"})
+    server.script = [("garbage",)]
+    with pytest.raises(RemoteError) as info:
+        _backend(server.url).complete("s", "u")
+    assert info.value.kind == "malformed"
+    server.script = [("status", 503)]
+    with pytest.raises(RemoteError) as info:
+        _backend(server.url, max_retries=0).complete("s", "u")
+    assert info.value.kind == "unavailable"
+
+
 def test_config_validation() -> None:
-    with pytest.raises(ValueError, match="parameter 'base_url'"):
-        RemoteConfig(base_url="localhost:8000", model="m")
-    with pytest.raises(ValueError, match="parameter 'timeout_s'"):
+    for url in ["localhost:8000", "ftp://x/v1", "http://", "http://x:70000", "http://a b",
+                "http://x/v1#frag"]:
+        with pytest.raises(ValueError, match="parameter 'remote_base_url'"):
+            RemoteConfig(base_url=url, model="m")
+    assert check_base_url("https://host:8443/v1/") == "https://host:8443/v1"
+    with pytest.raises(ValueError, match="parameter 'remote_model'"):
+        RemoteConfig(base_url="http://x", model="")
+    with pytest.raises(ValueError, match="parameter 'remote_timeout_s'"):
         RemoteConfig(base_url="http://x", model="m", timeout_s=0)
-    with pytest.raises(ValueError, match="parameter 'max_retries'"):
+    with pytest.raises(ValueError, match="parameter 'remote_max_retries'"):
         RemoteConfig(base_url="http://x", model="m", max_retries=-1)
+    cfg = RemoteConfig(base_url="http://x", model="m", timeout_s=2.0, max_retries=2,
+                       max_backoff_s=0.5)
+    assert cfg.max_wait_s() == 3 * 2 * 2.0 + 2 * 0.5
     with pytest.raises(ValueError, match="image must be uint8"):
         png_bytes(np.zeros((2, 2), np.uint8))

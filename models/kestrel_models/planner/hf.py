@@ -27,7 +27,18 @@ from torch import Tensor
 
 from kestrel_models.planner.generate import GenerationResult, _per_row, _pick
 
-__all__ = ["HFVisionLanguageModel"]
+__all__ = ["HFVisionLanguageModel", "DTYPES", "parse_dtype"]
+
+# hf_dtype parameter -> torch dtype ('auto': the checkpoint's own, as saved)
+DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32,
+                                         "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype | None:
+    """'bfloat16' -> torch.bfloat16 ('auto' -> None); ValueError naming 'hf_dtype'."""
+    if name not in DTYPES:
+        raise ValueError(f"parameter 'hf_dtype' = {name!r}: must be one of {list(DTYPES)}")
+    return DTYPES[name]
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -67,6 +78,9 @@ class HFVisionLanguageModel:
         else:
             n = getattr(cfg, "image_seq_length", 0)
         self.num_image_tokens = int(n)
+        tc = getattr(cfg, "text_config", cfg)
+        self.vocab_size = int(getattr(tc, "vocab_size", 0) or 0)  # output logits width
+        self.max_positions = int(getattr(tc, "max_position_embeddings", 0) or 0)  # 0: unknown
         mean, std = CLIP_MEAN, CLIP_STD
         pre = p / "preprocessor_config.json"
         if pre.is_file():
@@ -144,9 +158,8 @@ class HFVisionLanguageModel:
                 if len(out[i]) >= max_new_tokens:
                     reasons[i] = "max_new_tokens"
                     break
-                cache = getattr(res, "past_key_values", None)
-                if cache is None:
-                    cache = getattr(res, "cache", None)
+                # Newer outputs name it `cache` (reading `past_key_values` there only warns).
+                cache = res.cache if self._cache_kw == "cache" else res.past_key_values
                 res = self.model(input_ids=torch.tensor([[tok]], device=self.device),
                                  use_cache=True, **{self._cache_kw: cache})
                 steps += 1

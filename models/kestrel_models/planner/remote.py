@@ -1,38 +1,72 @@
-"""A remote planner backend: any server that speaks the OpenAI chat-completions protocol.
+"""A remote planner backend: any server that speaks the OpenAI chat-completions protocol
+(vLLM `vllm serve`, SGLang, TensorRT-LLM `trtllm-serve`, OpenAI itself).
 
 POST {base_url}/chat/completions with
     {"model", "messages": [{"role": "system", "content": str},
                            {"role": "user", "content": [{"type": "text", "text": str},
                                                         {"type": "image_url", "image_url":
                                                          {"url": "data:image/png;base64,..."}}]}],
-     "max_tokens", "temperature"}
-and read choices[0].message.content. Standard library only (urllib, zlib): no client package.
+     "max_tokens", "temperature", **extra}
+and read choices[0].message.content. `extra` carries e.g. `response_format` (json_schema
+structured output, which vLLM, SGLang and TensorRT-LLM enforce server-side with a grammar
+engine). Standard library only (urllib, zlib): no client package.
 
 Every attempt has a timeout (timeout_s, connect + read); timeouts, connection errors, HTTP 429
 and 5xx are retried up to max_retries times with exponential backoff (backoff_s * 2^i, or the
 server's Retry-After when given, capped at max_backoff_s); other 4xx and malformed replies
-fail at once. Failures raise RemoteError (the caller counts it); the reply text is never
-trusted: the planner parses and validates it like its own model's output.
+fail at once. Failures raise RemoteError (kind 'unavailable' or 'malformed'; the caller counts
+it); the reply text is never trusted: the planner parses and validates it like its own
+model's output. Parameter names in errors are the planner node's (`remote_*`).
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import struct
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["RemoteConfig", "RemoteBackend", "RemoteCompletion", "RemoteError", "png_bytes"]
+__all__ = ["RemoteConfig", "RemoteBackend", "RemoteCompletion", "RemoteError", "png_bytes",
+           "check_base_url"]
 
 
 class RemoteError(RuntimeError):
-    """The remote backend gave no usable completion (after retries where retryable)."""
+    """The remote backend gave no usable completion (after retries where retryable).
+    kind: 'unavailable' (no reply: connection, timeout, HTTP error) or 'malformed' (a reply
+    that is not a chat completion)."""
+
+    def __init__(self, message: str, kind: str = "unavailable") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def check_base_url(url: str, name: str = "remote_base_url") -> str:
+    """'http(s)://host[:port][/path]' -> the URL without a trailing '/'; ValueError naming the
+    parameter otherwise."""
+    if not isinstance(url, str) or not url or url != url.strip() or any(c.isspace() for c in url):
+        raise ValueError(f"parameter '{name}' = {url!r}: must be an http(s):// URL without "
+                         "spaces")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # ValueError for a bad port
+    except ValueError as exc:
+        raise ValueError(f"parameter '{name}' = {url!r}: not a valid URL: {exc}") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"parameter '{name}' = {url!r}: must be http(s)://host[:port][/path], "
+                         "e.g. http://127.0.0.1:8000/v1")
+    if parts.query or parts.fragment:
+        raise ValueError(f"parameter '{name}' = {url!r}: no query or fragment allowed")
+    del port
+    return url.rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -48,21 +82,28 @@ class RemoteConfig:
     temperature: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"parameter 'base_url' = {self.base_url!r}: must be http(s)://...")
-        if not self.model:
-            raise ValueError("parameter 'model' = '': must be a model name")
+        check_base_url(self.base_url)
+        if not self.model.strip():
+            raise ValueError(f"parameter 'remote_model' = {self.model!r}: must be the served "
+                             "model name (e.g. the --served-model-name of vllm serve)")
         if not 0 < self.timeout_s <= 600:
-            raise ValueError(f"parameter 'timeout_s' = {self.timeout_s}: must be in (0, 600]")
+            raise ValueError(f"parameter 'remote_timeout_s' = {self.timeout_s}: must be in "
+                             "(0, 600]")
         if not 0 <= self.max_retries <= 10:
-            raise ValueError(f"parameter 'max_retries' = {self.max_retries}: must be in [0, 10]")
+            raise ValueError(f"parameter 'remote_max_retries' = {self.max_retries}: must be in "
+                             "[0, 10]")
         if not 0 <= self.backoff_s <= self.max_backoff_s:
-            raise ValueError(f"parameter 'backoff_s' = {self.backoff_s}: must be in "
+            raise ValueError(f"parameter 'remote_backoff_s' = {self.backoff_s}: must be in "
                              f"[0, max_backoff_s = {self.max_backoff_s}]")
         if self.max_tokens < 1:
-            raise ValueError(f"parameter 'max_tokens' = {self.max_tokens}: must be >= 1")
+            raise ValueError(f"parameter 'max_new_tokens' = {self.max_tokens}: must be >= 1")
         if not 0 <= self.temperature <= 5:
             raise ValueError(f"parameter 'temperature' = {self.temperature}: must be in [0, 5]")
+
+    def max_wait_s(self) -> float:
+        """Upper bound on one complete() call, s: every attempt's timeout (connect and read
+        each up to timeout_s) plus every backoff."""
+        return (self.max_retries + 1) * 2 * self.timeout_s + self.max_retries * self.max_backoff_s
 
 
 @dataclass
@@ -98,22 +139,31 @@ class _Retryable(Exception):
 class RemoteBackend:
     def __init__(self, config: RemoteConfig) -> None:
         self.config = config
-        self.url = config.base_url.rstrip("/") + "/chat/completions"
+        self.url = check_base_url(config.base_url) + "/chat/completions"
 
-    def request_body(self, system: str, user: str, image: np.ndarray | None) -> dict:
+    def request_body(self, system: str, user: str, image: np.ndarray | None,
+                     extra: Mapping[str, object] | None = None) -> dict:
+        """The JSON body; `extra` adds fields (e.g. response_format) and may not replace the
+        model, messages or sampling fields."""
         content: list[dict] = [{"type": "text", "text": user}]
         if image is not None:
             b64 = base64.b64encode(png_bytes(image)).decode("ascii")
             content.append({"type": "image_url",
                             "image_url": {"url": f"data:image/png;base64,{b64}"}})
-        return {"model": self.config.model,
+        body = {"model": self.config.model,
                 "messages": [{"role": "system", "content": system},
                              {"role": "user", "content": content}],
                 "max_tokens": self.config.max_tokens, "temperature": self.config.temperature}
+        for k, v in (extra or {}).items():
+            if k in body:
+                raise ValueError(f"extra request field {k!r} would replace a base field")
+            body[k] = v
+        return body
 
-    def complete(self, system: str, user: str, image: np.ndarray | None = None) -> RemoteCompletion:
+    def complete(self, system: str, user: str, image: np.ndarray | None = None,
+                 extra: Mapping[str, object] | None = None) -> RemoteCompletion:
         """One chat completion; RemoteError when none could be had."""
-        body = json.dumps(self.request_body(system, user, image)).encode()
+        body = json.dumps(self.request_body(system, user, image, extra)).encode()
         c = self.config
         t0 = time.monotonic()
         last = ""
@@ -152,8 +202,8 @@ class RemoteBackend:
             if isinstance(exc.reason, TimeoutError):
                 raise _Retryable(f"timeout after {self.config.timeout_s} s") from exc
             raise _Retryable(f"connection error: {exc.reason}") from exc
-        except ConnectionError as exc:
-            raise _Retryable(f"connection error: {exc}") from exc
+        except (ConnectionError, http.client.HTTPException) as exc:  # reset, incomplete read
+            raise _Retryable(f"connection error: {exc!r}") from exc
         try:
             reply = json.loads(raw)
             choice = reply["choices"][0]
@@ -161,5 +211,5 @@ class RemoteBackend:
             if not isinstance(text, str):
                 raise TypeError("content is not a string")
         except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise RemoteError(f"{self.url}: malformed reply: {raw[:200]!r}") from exc
+            raise RemoteError(f"{self.url}: malformed reply: {raw[:200]!r}", "malformed") from exc
         return text, str(choice.get("finish_reason", "")), dict(reply.get("usage") or {})

@@ -7,17 +7,19 @@ never raises: special ids are dropped and invalid UTF-8 (e.g. a sequence cut in 
 a multi-byte character) is replaced with U+FFFD; `StreamDecoder` decodes token by token for
 streaming and holds back an incomplete multi-byte character until it is complete.
 
-The `Tokenizer` protocol is the interface the planner uses; a Hugging Face tokenizer wrapped in
-a small adapter (encode/decode/vocab_size/special ids) can satisfy it later.
+The `Tokenizer` protocol is the interface the planner uses. `HFTokenizer` adapts a Hugging Face
+tokenizer saved in a local model directory (AutoTokenizer, local_files_only: nothing is
+downloaded) to it, plus the model's chat template when it has one.
 """
 
 from __future__ import annotations
 
 import codecs
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Tokenizer", "ByteTokenizer", "StreamDecoder"]
+__all__ = ["Tokenizer", "ByteTokenizer", "StreamDecoder", "HFTokenizer"]
 
 
 @runtime_checkable
@@ -126,3 +128,72 @@ class StreamDecoder:
         piece = self._dec.decode(b"", final=True)
         self.text += piece
         return piece
+
+
+class HFTokenizer:
+    """A transformers tokenizer behind the `Tokenizer` protocol (+ `token_for_char`, `chat`).
+
+    encode() never adds special tokens unless asked (add_bos); decode() drops them. The EOS is
+    the tokenizer's eos_token (for chat models usually the end-of-turn token); pad falls back
+    to EOS. image_id is the id of `image_token` (e.g. '<image>') or -1 when absent.
+    """
+
+    def __init__(self, tokenizer: object, image_token: str = "<image>") -> None:
+        self.tok = tokenizer
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is None:
+            raise ValueError("parameter 'hf_tokenizer' = 'auto': the tokenizer has no "
+                             "eos_token; the planner needs one to end a plan")
+        self.eos_id = int(eos)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        self.bos_id = -1 if bos is None else int(bos)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id = self.eos_id if pad is None else int(pad)
+        img = tokenizer.convert_tokens_to_ids(image_token)  # type: ignore[attr-defined]
+        unk = getattr(tokenizer, "unk_token_id", None)
+        self.image_id = -1 if img is None or img == unk else int(img)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> HFTokenizer:
+        """AutoTokenizer from a local directory; ValueError naming 'hf_model_path' if none."""
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:
+            raise ValueError("parameter 'hf_tokenizer' = 'auto' needs transformers, which is "
+                             "not installed") from exc
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"parameter 'hf_model_path' = {str(path)!r}: no loadable tokenizer "
+                             f"there ({exc}); save it with the model or set hf_tokenizer: byte"
+                             ) from exc
+        return cls(tok)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)  # type: ignore[arg-type]
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = list(self.tok.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
+        return ([self.bos_id] if add_bos and self.bos_id >= 0 else []) + ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)  # type: ignore[attr-defined]
+
+    def token_for_char(self, ch: str) -> int:
+        """The one id whose text is exactly `ch` (used by the plan grammar); ValueError when
+        the character is not a single token of this vocabulary."""
+        ids = self.encode(ch)
+        if len(ids) == 1 and self.decode(ids) == ch:
+            return ids[0]
+        raise ValueError(f"character {ch!r} is not a single token of this tokenizer "
+                         f"(encodes to {ids})")
+
+    def chat(self, system: str, user: str) -> str | None:
+        """The prompt text through the model's chat template (generation prompt added), or None
+        when the tokenizer has no chat template."""
+        if not getattr(self.tok, "chat_template", None):
+            return None
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return self.tok.apply_chat_template(  # type: ignore[attr-defined]
+            messages, tokenize=False, add_generation_prompt=True)

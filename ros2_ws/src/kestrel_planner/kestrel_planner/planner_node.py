@@ -9,6 +9,43 @@
   ~/output/plan (TaskPlan, LATCHED_QOS), ~/output/control_target (ControlTarget, COMMAND_QOS,
       at execution_rate while a plan runs), ~/output/step_status (StepStatus, COMMAND_QOS)
 A rejected plan sends nothing to control; a new accepted plan preempts the running one.
+
+Decoding backends (`backend`, read-only). Whatever decodes, the text goes through the SAME plan
+parser and validator (skills enum, targets in the current perception result, the numeric
+limits below); a reply that is not a plan or breaks a limit gives VALIDATION_REJECTED with
+reasons, and nothing reaches control.
+  generate | engine  our VLM (model_config, weights_path or demo_plan), decoding constrained to
+                     the plan grammar. engine = static KV-cache slots, CUDA-graph decode.
+  hf       a Hugging Face image-text-to-text checkpoint from a LOCAL directory, through
+           transformers (nothing is downloaded; LLaVA-style configs):
+               backend: hf
+               hf_model_path: /models/my-llava      # save_pretrained output: config.json,
+                                                    # weights, tokenizer, preprocessor_config
+               hf_dtype: bfloat16                   # auto | float32 | bfloat16 | float16
+               device: cuda:0
+               hf_tokenizer: auto                   # the directory's tokenizer + chat template
+               hf_grammar: true                     # plan grammar via single-character tokens;
+                                                    # false = prompt + parser + validator only
+  remote   an OpenAI-compatible chat-completions server serving a large VLM, e.g. vLLM:
+               vllm serve Qwen/Qwen2.5-VL-72B-Instruct --tensor-parallel-size 8 \
+                   --served-model-name planner --api-key "$PLANNER_KEY"
+           then
+               backend: remote
+               remote_base_url: http://gpu-host:8000/v1
+               remote_model: planner
+               remote_api_key_env: PLANNER_KEY      # the variable's NAME; never the key itself
+               remote_timeout_s: 10.0               # per attempt (connect, read)
+               remote_max_retries: 2                # on timeouts, connection errors, 429, 5xx
+               remote_send_image: true              # the frame as a PNG data URL
+               remote_response_format: json_schema  # sends response_format json_schema: vLLM,
+                                                    # SGLang, TensorRT-LLM constrain decoding
+                                                    # server-side; 'text' for servers without
+                                                    # it (they answer HTTP 400 to the field)
+           SGLang (`python -m sglang.launch_server ... --port 30000`, base_url .../v1) and
+           TensorRT-LLM (`trtllm-serve <model>`) work the same way. No reply after the retries
+           -> VALIDATION_ERROR (counted: backend_errors); the node keeps serving.
+The tests use a small stub server speaking the same protocol (tests/planner_openai_stub.py),
+not a real vLLM (vLLM needs its own torch build; not installable on the CPU test machines).
 """
 
 from __future__ import annotations
@@ -35,56 +72,14 @@ from kestrel_common.base_node import (COMMAND_QOS, LATCHED_QOS, SENSOR_QOS, Kest
                                       run_node)
 from kestrel_common.conversions import ConversionError, image_to_numpy, make_header
 from kestrel_common.counters import LatencyWindow
-from kestrel_common.params import ParamSpec
-from kestrel_planner.core import (SKILLS, ExecutorConfig, PlanExecutor, PlanLimits, PlannerConfig,
-                                  PlannerCore, PlannerInputError, PlanRequest, PlanResult,
-                                  SceneObject, Skill, StepEvent)
+from kestrel_planner.core import (SKILLS, ExecutorConfig, PlanExecutor, PlanLimits,
+                                  PlannerConfig, PlannerCore, PlannerInputError, PlanRequest,
+                                  PlanResult, SceneObject, Skill, StepEvent)
 from kestrel_planner.core.skills import NAME_RE
+from kestrel_planner.params import SPECS, remote_config
 from kestrel_models.planner import get_config
 
 R = PlanTask.Result
-
-
-def _positive(v: float) -> str | None:
-    return None if v > 0 else "must be > 0"
-
-
-SPECS = [
-    ParamSpec("model_config", "tiny", "VLM preset.", choices=("tiny", "0.5b"), read_only=True),
-    ParamSpec("weights_path", "", "State dict file; '' = random weights from seed.",
-              read_only=True),
-    ParamSpec("demo_plan", "", "With no weights_path: bigram demo weights of this plan text "
-              "(lines separated by newlines or ';').", read_only=True),
-    ParamSpec("device", "cpu", "torch device.", read_only=True,
-              check=lambda v: None if v == "cpu" or v.startswith("cuda") else "cpu or cuda[:n]"),
-    ParamSpec("seed", 0, "Seed of the random weights.", min=0, read_only=True),
-    ParamSpec("num_threads", 1, "torch CPU threads.", min=1, max=64, read_only=True),
-    ParamSpec("image_size", 0, "Model input size, px; 0 = the preset's.", min=0, max=1024,
-              read_only=True),
-    ParamSpec("max_new_tokens", 160, "Decode budget per plan, tokens.", min=3, max=8192,
-              read_only=True),
-    ParamSpec("max_batch", 4, "Goals decoded together.", min=1, max=16, read_only=True),
-    ParamSpec("backend", "generate", "Decoder: generate (batch per call) or engine "
-              "(DecodeEngine: KV-cache slots, CUDA-graph decode on GPU).",
-              choices=("generate", "engine"), read_only=True),
-    ParamSpec("max_pending_goals", 6, "Goals waiting or decoding; more are rejected.",
-              min=1, max=6, read_only=True),
-    ParamSpec("temperature", 0.0, "0 = greedy.", min=0.0, max=5.0),
-    ParamSpec("max_steps", 8, "Default and maximum plan length.", min=1, max=64),
-    ParamSpec("max_speed", 0.5, "End-effector speed limit, m/s.", check=_positive),
-    ParamSpec("min_height", 0.0, "Minimum clearance above a target, m."),
-    ParamSpec("max_height", 0.4, "Maximum clearance above a target, m."),
-    ParamSpec("workspace_min", [-1.0, -1.0, -0.05], "Workspace box min (x, y, z), m.", length=3),
-    ParamSpec("workspace_max", [1.0, 1.0, 1.0], "Workspace box max (x, y, z), m.", length=3),
-    ParamSpec("step_timeout", 10.0, "A step not done after this FAILS, s.", check=_positive),
-    ParamSpec("position_tolerance", 0.01, "Waypoint reached within, m.", check=_positive),
-    ParamSpec("gripper_time", 0.5, "Wait after a gripper command, s.", min=0.0, max=30.0),
-    ParamSpec("home_joint_positions", [], "HOME target, rad (control joint order).",
-              element_type=float),
-    ParamSpec("execution_rate", 20.0, "Executor tick / target rate, Hz.", min=1.0, max=200.0),
-    ParamSpec("goal_timeout", 30.0, "Bound on one goal's wait for its plan, s.", min=0.1),
-    ParamSpec("feedback_age", 1.0, "Ignore ee/joint feedback older than this, s.", min=0.0),
-]
 
 
 @dataclass
@@ -93,6 +88,7 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     result: PlanResult | None = None
     error: str = ""
+    abandoned: bool = False  # the goal gave up waiting (goal_timeout): stop decoding it
 
 
 def scene_from_perception(msg: PerceptionResult) -> tuple[list[SceneObject], dict[str, int]]:
@@ -176,9 +172,10 @@ class PlannerNode(KestrelLifecycleNode):
             if p["image_size"]:
                 cfg = cfg.with_overrides(image_size=p["image_size"])
             need = cfg.num_image_tokens + p["max_new_tokens"] + 64
-            if need > cfg.max_seq_len:
+            if p["backend"] in ("generate", "engine") and need > cfg.max_seq_len:
                 raise ValueError(f"parameter 'max_new_tokens' = {p['max_new_tokens']}: image "
                                  f"tokens + budget + prompt exceed max_seq_len {cfg.max_seq_len}")
+            remote = remote_config(p) if p["backend"] == "remote" else None
             self.executor_core = PlanExecutor(ExecutorConfig(
                 p["position_tolerance"], p["step_timeout"], p["gripper_time"],
                 tuple(p["home_joint_positions"])))
@@ -187,10 +184,21 @@ class PlannerNode(KestrelLifecycleNode):
                 demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),
                 device=p["device"], seed=p["seed"], max_new_tokens=p["max_new_tokens"],
                 max_batch=p["max_batch"], temperature=p["temperature"], limits=limits,
-                backend=p["backend"]))
+                backend=p["backend"], hf_model_path=p["hf_model_path"], hf_dtype=p["hf_dtype"],
+                hf_tokenizer=p["hf_tokenizer"], hf_grammar=p["hf_grammar"], remote=remote,
+                remote_send_image=p["remote_send_image"],
+                remote_response_format=p["remote_response_format"]))
         except ValueError as exc:
             self.get_logger().error(f"configure failed: {exc}")
             return TransitionCallbackReturn.FAILURE
+        except (OSError, RuntimeError, ImportError) as exc:  # e.g. a broken HF checkpoint
+            self.get_logger().error(f"configure failed: backend {p['backend']!r}: {exc!r}")
+            return TransitionCallbackReturn.FAILURE
+        if remote is not None and remote.max_wait_s() > p["goal_timeout"]:
+            self.get_logger().warning(
+                f"goal_timeout {p['goal_timeout']} s is shorter than the remote worst case "
+                f"{remote.max_wait_s():.1f} s (remote_timeout_s, remote_max_retries): slow "
+                "goals end as 'planning timed out'")
         io = MutuallyExclusiveCallbackGroup()
         best_effort = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT)
         self._plan_pub = self.create_publisher(TaskPlan, "~/output/plan", LATCHED_QOS)
@@ -211,7 +219,9 @@ class PlannerNode(KestrelLifecycleNode):
         self._action = ActionServer(
             self, PlanTask, "~/plan_task", self._execute, callback_group=ReentrantCallbackGroup(),
             goal_callback=self._on_goal, cancel_callback=lambda _g: CancelResponse.ACCEPT)
-        self.get_logger().info(f"configured: {p['model_config']} model, max_batch "
+        model = {"hf": p["hf_model_path"], "remote": f"{p['remote_model']} at "
+                 f"{p['remote_base_url']}"}.get(p["backend"], f"{p['model_config']} model")
+        self.get_logger().info(f"configured: backend {p['backend']}, {model}, max_batch "
                                f"{p['max_batch']}, limits {limits}")
         return TransitionCallbackReturn.SUCCESS
 
@@ -234,6 +244,8 @@ class PlannerNode(KestrelLifecycleNode):
             self.destroy_publisher(pub)
         if self._action is not None:
             self._action.destroy()
+        if self.core is not None:
+            self.core.close()
         self._handles, self._action, self.core = [], None, None
         return TransitionCallbackReturn.SUCCESS
 
@@ -351,21 +363,28 @@ class PlannerNode(KestrelLifecycleNode):
                     progress=min(1.0, n / self.params["max_new_tokens"]), tokens_generated=n,
                     partial_text=text))
 
-        job = _Job(PlanRequest(goal.instruction, image, scene, int(goal.max_steps), feedback,
-                               lambda: handle.is_cancel_requested or self._stop.is_set()))
+        job = _Job(PlanRequest(goal.instruction, image, scene, int(goal.max_steps), feedback))
+        job.request.should_cancel = (lambda: job.abandoned or handle.is_cancel_requested
+                                     or self._stop.is_set())
         with self._cv:
             self._jobs.append(job)
             self._cv.notify()
         if not job.done.wait(self.params["goal_timeout"]):
-            job.request.should_cancel = lambda: True  # if still queued, skip it
+            job.abandoned = True  # queued: skipped; decoding: stops at the next token / poll
             return self._finish(handle, R.VALIDATION_ERROR, ["planning timed out"])
         if job.result is None:
             return self._finish(handle, R.VALIDATION_ERROR, [job.error or "planning failed"])
         res = job.result
         if res.cancelled:
             return self._finish(handle, R.VALIDATION_ERROR, ["cancelled"], res, frame)
+        if res.error:  # no reply from the backend (e.g. the server is unreachable)
+            self.counters.inc("backend_errors")
+            self.get_logger().warning(f"planning failed: {res.error}", throttle_duration_sec=5.0)
+            return self._finish(handle, R.VALIDATION_ERROR, [res.error], res, frame)
         self._ttft.add(res.ttft_s)
         self._total.add(res.total_s)
+        if res.plan is None:
+            self.counters.inc("plans_unparsed")  # the model's text is not a plan
         if not res.report.accepted:
             return self._finish(handle, R.VALIDATION_REJECTED, res.report.reasons, res, frame)
         return self._accept(handle, res, scene, frame)

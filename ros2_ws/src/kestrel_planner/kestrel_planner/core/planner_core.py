@@ -1,14 +1,16 @@
-"""PlannerCore: instruction + image + scene objects -> validated plan, with the VLM in the loop.
+"""PlannerCore: instruction + image + scene objects -> validated plan, whatever model decodes.
 
-prompt = fixed system prompt + the scene's object names + the instruction (data, never rules),
-then constrained greedy decoding (constrained.py: only grammar-valid text, targets only from
-the scene), parse (plan.py), validate (validator.py). Determinism comes from the seed (random
-tiny weights) and greedy decoding. `plan_batch` decodes several requests in one batch (right
-padding, per-sequence positions in the KV cache). Not thread-safe: one caller at a time.
+Per batch: check every request (instruction, image format, scene names, step cap), hand the
+jobs to the decoding backend (backend.py: our VLM 'generate' | 'engine', a local Hugging Face
+VLM 'hf', an OpenAI-compatible server 'remote'), then, for every backend alike, parse the text
+(plan.py) and validate the plan (validator.py: skills enum, targets in the current scene,
+numeric limits). Only an accepted report may reach control. Determinism (local backends) comes
+from the seed and greedy decoding. Not thread-safe: one caller at a time.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,29 +18,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kestrel_models.planner import ByteTokenizer, StreamDecoder, VisionLanguageModel, VLMConfig
-from kestrel_models.planner import generate as generate_tokens
-from kestrel_models.planner import get_config
-from kestrel_models.planner.engine import DecodeEngine
-from kestrel_models.planner.vlm import bigram_state_dict
-from kestrel_planner.core.constrained import PlanGrammar, PlanLogitsProcessor
+from kestrel_models.planner import VLMConfig
+from kestrel_models.planner.hf import DTYPES
+from kestrel_models.planner.remote import RemoteConfig
+from kestrel_planner.core.backend import (BACKENDS, DecodeJob, DecodeOutput, OnToken,
+                                          PlanBackend, PlannerInputError)
+from kestrel_planner.core.backend_local import SYSTEM_PROMPT
 from kestrel_planner.core.plan import Plan, PlanParseError, SceneObject, parse_plan
+from kestrel_planner.core.prompting import OUTPUT_FORMATS
 from kestrel_planner.core.skills import NAME_RE
 from kestrel_planner.core.validator import PlanLimits, PlanValidator, ValidationReport
 
 __all__ = ["PlannerConfig", "PlanRequest", "PlanResult", "PlannerCore", "PlannerInputError",
-           "SYSTEM_PROMPT"]
+           "SYSTEM_PROMPT", "BACKENDS", "make_backend"]
 
-SYSTEM_PROMPT = ("You are a robot task planner. Skills: move_to pick place push open_gripper "
-                 "close_gripper home. One step per line, then end.\n")
-
-BACKENDS = ("generate", "engine")
-OnToken = Callable[[int, str], None]  # (tokens generated so far, partial text)
-
-
-class PlannerInputError(ValueError):
-    """A request the planner cannot serve (bad image, bad instruction); the node reports it as
-    VALIDATION_ERROR."""
+HF_TOKENIZERS = ("auto", "byte")
 
 
 @dataclass(frozen=True)
@@ -57,8 +51,16 @@ class PlannerConfig:
     limits: PlanLimits = field(default_factory=PlanLimits)
     warmup: bool = True
     # 'generate': generate.py (static batch per call); 'engine': DecodeEngine (slots over a
-    # static KV cache, CUDA-graph decode on GPU). Same prompt layout, same outputs.
+    # static KV cache, CUDA-graph decode on GPU); 'hf': a local HF directory; 'remote': an
+    # OpenAI-compatible server. model/weights_path/demo_plan are the local backends' only.
     backend: str = "generate"
+    hf_model_path: str = ""  # directory with config.json + weights (save_pretrained)
+    hf_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    hf_tokenizer: str = "auto"  # auto (the directory's) | byte (Kestrel's byte tokenizer)
+    hf_grammar: bool = True  # constrain decoding to the plan grammar (single-char tokens)
+    remote: RemoteConfig | None = None  # backend 'remote': URL, model, key, timeout, retries
+    remote_send_image: bool = True
+    remote_response_format: str = "json_schema"  # json_schema | text
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 3:
@@ -73,6 +75,32 @@ class PlannerConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"parameter 'backend' = {self.backend!r}: must be one of "
                              f"{list(BACKENDS)}")
+        if self.backend == "hf":
+            self._check_hf()
+        if self.backend == "remote" and self.remote is None:
+            raise ValueError("parameter 'remote_base_url' = '': backend 'remote' needs the "
+                             "server URL, e.g. http://127.0.0.1:8000/v1")
+        if self.remote_response_format not in OUTPUT_FORMATS:
+            raise ValueError(f"parameter 'remote_response_format' = "
+                             f"{self.remote_response_format!r}: must be one of "
+                             f"{list(OUTPUT_FORMATS)}")
+
+    def _check_hf(self) -> None:
+        path = self.hf_model_path
+        if not path:
+            raise ValueError("parameter 'hf_model_path' = '': backend 'hf' needs a local model "
+                             "directory (save_pretrained output with config.json)")
+        if not os.path.isdir(path):
+            raise ValueError(f"parameter 'hf_model_path' = {path!r}: not a directory")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"parameter 'hf_model_path' = {path!r}: no config.json there "
+                             "(a directory saved with save_pretrained is needed)")
+        if self.hf_dtype not in DTYPES:
+            raise ValueError(f"parameter 'hf_dtype' = {self.hf_dtype!r}: must be one of "
+                             f"{list(DTYPES)}")
+        if self.hf_tokenizer not in HF_TOKENIZERS:
+            raise ValueError(f"parameter 'hf_tokenizer' = {self.hf_tokenizer!r}: must be one of "
+                             f"{list(HF_TOKENIZERS)}")
 
 
 @dataclass
@@ -89,8 +117,10 @@ class PlanRequest:
 
 @dataclass
 class PlanResult:
-    """plan None when the text did not parse or the request was cancelled; report.accepted
-    only for a plan that passed validation. Times in s from the start of the call."""
+    """plan None when the text did not parse, the request was cancelled or planning failed;
+    report.accepted only for a plan that passed validation. error: planning failed without a
+    reply (e.g. the server is unreachable): the node answers VALIDATION_ERROR with it.
+    Times in s from the start of the call; text: the backend's raw text."""
 
     plan: Plan | None
     report: ValidationReport
@@ -99,95 +129,73 @@ class PlanResult:
     tokens: int
     text: str = ""
     cancelled: bool = False
+    error: str = ""
+
+
+def make_backend(config: PlannerConfig, model: torch.nn.Module | None = None) -> PlanBackend:
+    """The backend named by config.backend (imports only what it needs)."""
+    if config.backend in ("generate", "engine"):
+        from kestrel_planner.core.backend_local import LocalVLMBackend
+        return LocalVLMBackend(config, model)
+    if model is not None:
+        raise ValueError(f"parameter 'backend' = {config.backend!r}: a model object is only "
+                         "used by the local backends (generate, engine)")
+    if config.backend == "hf":
+        from kestrel_planner.core.backend_hf import HFPlanBackend
+        return HFPlanBackend(config)
+    from kestrel_planner.core.backend_remote import RemotePlanBackend
+    return RemotePlanBackend(config)
+
+
+def check_image(k: int, image: object) -> None:
+    if image is None:
+        return
+    if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 \
+            or image.shape[2] != 3 or image.shape[0] < 1 or image.shape[1] < 1:
+        desc = (f"{image.dtype} {image.shape}" if isinstance(image, np.ndarray)
+                else type(image).__name__)
+        raise PlannerInputError(f"request {k}: image must be uint8 [H, W, 3], got {desc}")
 
 
 class PlannerCore:
-    def __init__(self, config: PlannerConfig, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, config: PlannerConfig, model: torch.nn.Module | None = None,
+                 backend: PlanBackend | None = None) -> None:
         self.config = config
-        self.tokenizer = ByteTokenizer()
         self.validator = PlanValidator(config.limits)
-        cfg = config.model if isinstance(config.model, VLMConfig) else get_config(config.model)
-        if cfg.vocab_size < self.tokenizer.vocab_size:
-            raise ValueError(f"parameter 'model' vocab_size {cfg.vocab_size} < tokenizer "
-                             f"vocab {self.tokenizer.vocab_size}")
-        self.model_config = cfg
-        if model is None:
-            torch.manual_seed(config.seed)
-            model = VisionLanguageModel(cfg)
-            if config.weights_path:
-                self._load(model, config.weights_path)
-            elif config.demo_plan:
-                model.load_state_dict(self._demo_weights(cfg, config.demo_plan))
-        self.model = model.to(config.device).eval()
-        self._n_img = cfg.num_image_tokens
-        self.engine: DecodeEngine | None = None
-        if config.backend == "engine":
-            self.engine = DecodeEngine(self.model, config.max_batch, cfg.max_seq_len,
-                                       self.tokenizer.eos_id)
-        else:
-            self.model.setup_cache(config.max_batch, cfg.max_seq_len)
-        if config.warmup:
-            self.plan("warm up", np.zeros((cfg.image_size, cfg.image_size, 3), np.uint8), [])
+        self.backend = backend if backend is not None else make_backend(config, model)
+        # The local backends' model and tokenizer (None for hf/remote).
+        self.model = getattr(self.backend, "model", None)
+        self.tokenizer = getattr(self.backend, "tokenizer", None)
+        if config.warmup and self.backend.warmup:
+            self.plan("warm up", np.zeros((32, 32, 3), np.uint8), [])
 
-    @staticmethod
-    def _load(model: torch.nn.Module, path: str) -> None:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            model.load_state_dict(state, strict=True)
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise ValueError(f"parameter 'weights_path' = {path!r}: cannot load: {exc}") from exc
+    def close(self) -> None:
+        self.backend.close()
 
-    def _demo_weights(self, cfg: VLMConfig, text: str) -> dict[str, torch.Tensor]:
-        try:
-            parse_plan(text)
-        except PlanParseError as exc:
-            raise ValueError(f"parameter 'demo_plan' = {text!r}: {exc}") from exc
-        alphabet = self.tokenizer.encode("abcdefghijklmnopqrstuvwxyz0123456789_ =-.\n")
-        # The prompt ends with a newline: lead with one so the first line is chosen from it.
-        ids = self.tokenizer.encode("\n" + text)
-        return bigram_state_dict(cfg, ids, self.tokenizer.eos_id, alphabet, self.config.seed)
-
-    # ---- prompt ----------------------------------------------------------------------------
     @staticmethod
     def scene_names(objects: Sequence[SceneObject]) -> list[str]:
-        """Object names the grammar may use: valid identifiers, de-duplicated, in order."""
+        """Object names the grammar/schema may use: valid identifiers, de-duplicated, in order."""
         seen: dict[str, None] = {}
         for o in objects:
             if NAME_RE.match(o.name):
                 seen.setdefault(o.name, None)
         return list(seen)
 
-    def build_prompt(self, instruction: str, names: Sequence[str]) -> list[int]:
-        text = " ".join(instruction.split())[: self.config.max_instruction_chars]
-        prompt = (f"{SYSTEM_PROMPT}objects: {' '.join(names) or 'none'}\n"
-                  f"task: {text}\nplan:\n")
-        ids = self.tokenizer.encode(prompt, add_bos=True)
-        room = self.model_config.max_seq_len - self._n_img - self.config.max_new_tokens
-        if len(ids) > room:
-            raise PlannerInputError(f"prompt of {len(ids)} tokens exceeds the room of {room} "
-                                    "(too many scene objects)")
-        return ids
-
-    def _image_tensor(self, image: np.ndarray) -> torch.Tensor:
-        """uint8 [H, W, 3] -> uint8 [3, S, S] (resized to the model's image size)."""
-        if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 \
-                or image.shape[2] != 3 or image.shape[0] < 1 or image.shape[1] < 1:
-            desc = (f"{image.dtype} {image.shape}" if isinstance(image, np.ndarray)
-                    else type(image).__name__)
-            raise PlannerInputError(f"image must be uint8 [H, W, 3], got {desc}")
-        t = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].float()
-        s = self.model_config.image_size
-        if t.shape[-2:] != (s, s):
-            t = torch.nn.functional.interpolate(t, size=(s, s), mode="bilinear",
-                                                align_corners=False, antialias=True)
-        return t.round().clamp(0, 255).to(torch.uint8)[0]
-
-    # ---- planning --------------------------------------------------------------------------
     def plan(self, instruction: str, image: np.ndarray | None, objects: Sequence[SceneObject],
              max_steps: int = 0, on_token: OnToken | None = None,
              should_cancel: Callable[[], bool] | None = None) -> PlanResult:
         return self.plan_batch([PlanRequest(instruction, image, objects, max_steps, on_token,
                                             should_cancel)])[0]
+
+    def _job(self, k: int, r: PlanRequest) -> DecodeJob:
+        if not isinstance(r.instruction, str) or not r.instruction.strip():
+            raise PlannerInputError(f"request {k}: instruction must be a non-empty string")
+        check_image(k, r.image)
+        cap = self.config.limits.max_steps
+        cap = min(cap, r.max_steps) if r.max_steps and r.max_steps > 0 else cap
+        text = " ".join(r.instruction.split())[: self.config.max_instruction_chars]
+        return DecodeJob(text, self.scene_names(r.objects), cap, r.image, r.on_token,
+                         r.should_cancel)
 
     def plan_batch(self, requests: Sequence[PlanRequest]) -> list[PlanResult]:
         """Serve up to max_batch requests in one batched decode. PlannerInputError (naming the
@@ -195,66 +203,27 @@ class PlannerCore:
         t0 = time.monotonic()
         if not 1 <= len(requests) <= self.config.max_batch:
             raise PlannerInputError(f"{len(requests)} requests: must be 1..{self.config.max_batch}")
-        prompts, procs, images, names_all, caps = [], [], [], [], []
-        for k, r in enumerate(requests):
-            if not isinstance(r.instruction, str) or not r.instruction.strip():
-                raise PlannerInputError(f"request {k}: instruction must be a non-empty string")
-            names = self.scene_names(r.objects)
-            cap = self.config.limits.max_steps
-            cap = min(cap, r.max_steps) if r.max_steps and r.max_steps > 0 else cap
-            prompts.append(self.build_prompt(r.instruction, names))
-            grammar = PlanGrammar(names, cap)
-            procs.append(PlanLogitsProcessor.for_tokenizer(grammar, self.tokenizer,
-                                                           self.config.max_new_tokens))
-            images.append(None if r.image is None else self._image_tensor(r.image))
-            names_all.append(names)
-            caps.append(cap)
-        image, image_mask = None, None
-        if any(im is not None for im in images):
-            s = self.model_config.image_size
-            blank = torch.zeros(3, s, s, dtype=torch.uint8)
-            image = torch.stack([blank if im is None else im for im in images])
-            image = image.to(self.config.device)
-            image_mask = torch.tensor([im is not None for im in images])
-
-        streams = [StreamDecoder(self.tokenizer) for _ in requests]
-        counts = [0] * len(requests)
-
-        def on_token(row: int, tok: int) -> None:
-            counts[row] += 1
-            streams[row].push(tok)
-            cb = requests[row].on_token
-            if cb is not None:
-                cb(counts[row], streams[row].text)
-
-        gen = torch.Generator().manual_seed(self.config.seed)
-        if self.engine is not None:
-            res = self.engine.generate(
-                prompts, self.config.max_new_tokens,
-                images=[None if im is None else im.to(self.config.device) for im in images],
-                temperature=self.config.temperature, logits_processor=procs, generator=gen,
-                on_token=on_token, should_stop=[r.should_cancel for r in requests])
-        else:
-            res = generate_tokens(
-                self.model, prompts, self.tokenizer.eos_id, self.tokenizer.pad_id,
-                self.config.max_new_tokens, image=image, image_mask=image_mask,
-                temperature=self.config.temperature, generator=gen, logits_processor=procs,
-                on_token=on_token, should_stop=[r.should_cancel for r in requests])
+        jobs = [self._job(k, r) for k, r in enumerate(requests)]
+        outputs = self.backend.decode(jobs)
         total = time.monotonic() - t0
-        out = []
-        for k, r in enumerate(requests):
-            text = self.tokenizer.decode(res.tokens[k])
-            ttft = res.ttft_rows[k] if k < len(res.ttft_rows) else res.ttft_s
-            if res.stop_reasons[k] == "cancelled":
-                out.append(PlanResult(None, ValidationReport(False, ["cancelled"]), ttft, total,
-                                      len(res.tokens[k]), text, cancelled=True))
-                continue
-            try:
-                plan = parse_plan(text, r.instruction)
-            except PlanParseError as exc:
-                out.append(PlanResult(None, ValidationReport(False, [f"parse error: {exc}"]),
-                                      ttft, total, len(res.tokens[k]), text))
-                continue
-            report = self.validator.validate(plan, r.objects, caps[k])
-            out.append(PlanResult(plan, report, ttft, total, len(res.tokens[k]), text))
-        return out
+        return [self._result(r, j, o, total)
+                for r, j, o in zip(requests, jobs, outputs, strict=True)]
+
+    def _result(self, r: PlanRequest, job: DecodeJob, o: DecodeOutput, total: float) -> PlanResult:
+        """The same parse + validation for every backend's output."""
+        if o.stop_reason == "cancelled":
+            return PlanResult(None, ValidationReport(False, ["cancelled"]), o.ttft_s, total,
+                              o.tokens, o.text, cancelled=True)
+        if o.error:
+            return PlanResult(None, ValidationReport(False, [o.error]), o.ttft_s, total,
+                              o.tokens, o.text, error=o.error)
+        if o.reject:
+            return PlanResult(None, ValidationReport(False, [o.reject]), o.ttft_s, total,
+                              o.tokens, o.text)
+        try:
+            plan = parse_plan(o.text, r.instruction)
+        except PlanParseError as exc:
+            return PlanResult(None, ValidationReport(False, [f"parse error: {exc}"]), o.ttft_s,
+                              total, o.tokens, o.text)
+        report = self.validator.validate(plan, r.objects, job.cap)
+        return PlanResult(plan, report, o.ttft_s, total, o.tokens, o.text)

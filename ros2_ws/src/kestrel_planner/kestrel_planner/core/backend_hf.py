@@ -1,0 +1,144 @@
+"""Backend 'hf': a Hugging Face image-text-to-text model from a LOCAL directory (transformers,
+local_files_only: nothing is downloaded). See kestrel_models.planner.hf for the supported
+architectures (LLaVA-style: image_token_id + a CLIP-like vision_config).
+
+Tokenizer (hf_tokenizer): 'auto' = the directory's own (AutoTokenizer); its chat template, when
+present, wraps the chat system prompt (prompting.py) and the request; without one the Kestrel
+plain layout is used. 'byte' = Kestrel's byte tokenizer and plain layout (a Kestrel-trained
+model exported to HF format, and the CPU tests).
+Grammar (hf_grammar): true = decoding is constrained to the plan grammar through the single-
+character tokens of the vocabulary (every plan character must be one token; configure fails
+naming 'hf_grammar' otherwise); false = free decoding, the text is held to the schema by the
+prompt plus the parser and validator only.
+Limitation: the image placeholder tokens go before the whole prompt (hf.py), not inside the
+chat template's user turn; models trained with the image inside the turn may plan worse.
+For large checkpoints, serving them with vLLM and using backend 'remote' is the scalable path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kestrel_models.planner import ByteTokenizer
+from kestrel_models.planner.hf import HFVisionLanguageModel, parse_dtype
+from kestrel_models.planner.tokenizer import HFTokenizer
+from kestrel_planner.core.backend import DecodeJob, DecodeOutput, PlannerInputError
+from kestrel_planner.core.backend_local import plain_prompt
+from kestrel_planner.core.constrained import PlanGrammar, PlanLogitsProcessor
+from kestrel_planner.core.plan import PlanParseError
+from kestrel_planner.core.prompting import chat_system_prompt, reply_to_plan_text, user_prompt
+
+if TYPE_CHECKING:
+    from kestrel_planner.core.planner_core import PlannerConfig
+
+__all__ = ["HFPlanBackend", "GRAMMAR_CHARS", "char_token_map"]
+
+GRAMMAR_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_ =-.\n"
+
+
+def char_token_map(tokenizer: ByteTokenizer | HFTokenizer) -> dict[str, int]:
+    """Each plan character -> its single-token id; ValueError naming 'hf_grammar' if one is
+    missing. A candidate must decode to the character alone AND twice in a row (this excludes
+    SentencePiece word-start pieces like '\u2581a', which decode to ' a' mid-text)."""
+    out: dict[str, int] = {}
+    for ch in GRAMMAR_CHARS:
+        cands: list[int] = []
+        try:
+            cands.append(tokenizer.token_for_char(ch))
+        except ValueError:
+            pass
+        if isinstance(tokenizer, HFTokenizer):
+            for piece in (ch, f"<0x{ord(ch):02X}>"):
+                tid = tokenizer.tok.convert_tokens_to_ids(piece)  # type: ignore[attr-defined]
+                if isinstance(tid, int) and tid >= 0:
+                    cands.append(tid)
+        ok = [t for t in cands
+              if tokenizer.decode([t]) == ch and tokenizer.decode([t, t]) == ch * 2]
+        if not ok:
+            raise ValueError(f"parameter 'hf_grammar' = True: the tokenizer has no single token "
+                             f"for {ch!r}; set hf_grammar: false (prompt + parser + validator "
+                             "only)")
+        out[ch] = ok[0]
+    return out
+
+
+class HFPlanBackend:
+    warmup = True
+
+    def __init__(self, config: PlannerConfig) -> None:
+        self.name = "hf"
+        self.config = config
+        dtype = parse_dtype(config.hf_dtype)
+        self.vlm = HFVisionLanguageModel(config.hf_model_path, config.device, dtype)
+        if config.hf_tokenizer == "byte":
+            self.tokenizer: ByteTokenizer | HFTokenizer = ByteTokenizer()
+        else:
+            self.tokenizer = HFTokenizer.from_pretrained(config.hf_model_path)
+        if self.vlm.vocab_size and self.tokenizer.vocab_size > self.vlm.vocab_size:
+            raise ValueError(f"parameter 'hf_tokenizer' = {config.hf_tokenizer!r}: its "
+                             f"{self.tokenizer.vocab_size} tokens exceed the model's vocabulary "
+                             f"of {self.vlm.vocab_size}")
+        self._chars = char_token_map(self.tokenizer) if config.hf_grammar else None
+        self._chat = (isinstance(self.tokenizer, HFTokenizer)
+                      and self.tokenizer.chat("s", "u") is not None)
+        self._system = chat_system_prompt(config.limits, "text")
+
+    def close(self) -> None:
+        pass
+
+    def prompt_ids(self, job: DecodeJob) -> list[int]:
+        if self._chat:
+            text = self.tokenizer.chat(self._system,  # type: ignore[union-attr]
+                                       user_prompt(job.instruction, job.names, job.cap))
+            ids = self.tokenizer.encode(text)  # the template adds its own special tokens
+        else:
+            ids = self.tokenizer.encode(plain_prompt(job.instruction, job.names), add_bos=True)
+        n_img = self.vlm.num_image_tokens if job.image is not None else 0
+        limit = self.vlm.max_positions
+        if limit and len(ids) + n_img + self.config.max_new_tokens > limit:
+            raise PlannerInputError(f"prompt of {len(ids)} tokens + {n_img} image tokens + "
+                                    f"max_new_tokens exceed the model's {limit} positions "
+                                    "(too many scene objects)")
+        return ids
+
+    def decode(self, jobs: Sequence[DecodeJob]) -> list[DecodeOutput]:
+        cfg = self.config
+        prompts = []
+        for k, j in enumerate(jobs):
+            try:
+                prompts.append(self.prompt_ids(j))
+            except PlannerInputError as exc:
+                raise PlannerInputError(f"request {k}: {exc}") from exc
+        procs = [None if self._chars is None else
+                 PlanLogitsProcessor(PlanGrammar(j.names, j.cap), self._chars,
+                                     self.tokenizer.eos_id, cfg.max_new_tokens) for j in jobs]
+        images = [None if j.image is None else
+                  torch.from_numpy(j.image.copy()).permute(2, 0, 1).contiguous() for j in jobs]
+        toks: list[list[int]] = [[] for _ in jobs]
+
+        def on_token(row: int, tok: int) -> None:
+            toks[row].append(tok)
+            cb = jobs[row].on_token
+            if cb is not None:
+                cb(len(toks[row]), self.tokenizer.decode(toks[row]))
+
+        res = self.vlm.generate(prompts, self.tokenizer.eos_id, cfg.max_new_tokens,
+                                images=images, temperature=cfg.temperature,
+                                generator=torch.Generator().manual_seed(cfg.seed),
+                                logits_processor=procs, on_token=on_token,
+                                should_stop=[j.should_cancel for j in jobs])
+        out = []
+        for k in range(len(jobs)):
+            raw = self.tokenizer.decode(res.tokens[k])
+            o = DecodeOutput(raw, res.stop_reasons[k], res.ttft_rows[k], len(res.tokens[k]))
+            if self._chars is None and o.stop_reason != "cancelled":
+                try:
+                    o.text = reply_to_plan_text(raw)
+                except PlanParseError as exc:
+                    o.reject = f"parse error: {exc}"
+            out.append(o)
+        return out
+

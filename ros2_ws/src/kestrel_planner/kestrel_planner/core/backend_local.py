@@ -1,0 +1,151 @@
+"""Backends 'generate' and 'engine': our own VLM (kestrel_models.planner) in this process.
+
+prompt = fixed system prompt + the scene's object names + the instruction, byte tokens; then
+decoding constrained to the plan grammar (constrained.py: only grammar-valid text, targets
+only from the scene). 'generate': generate.py (right-padded batch per call, per-sequence
+positions in the KV cache); 'engine': DecodeEngine (slots over a static KV cache, CUDA-graph
+decode on GPU). Same prompt layout, same outputs. Not thread-safe: one caller at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kestrel_models.planner import ByteTokenizer, StreamDecoder, VisionLanguageModel, VLMConfig
+from kestrel_models.planner import generate as generate_tokens
+from kestrel_models.planner import get_config
+from kestrel_models.planner.engine import DecodeEngine
+from kestrel_models.planner.vlm import bigram_state_dict
+from kestrel_planner.core.backend import DecodeJob, DecodeOutput, PlannerInputError
+from kestrel_planner.core.constrained import PlanGrammar, PlanLogitsProcessor
+from kestrel_planner.core.plan import PlanParseError, parse_plan
+
+if TYPE_CHECKING:
+    from kestrel_planner.core.planner_core import PlannerConfig
+
+__all__ = ["LocalVLMBackend", "SYSTEM_PROMPT", "plain_prompt"]
+
+SYSTEM_PROMPT = ("You are a robot task planner. Skills: move_to pick place push open_gripper "
+                 "close_gripper home. One step per line, then end.\n")
+
+
+def plain_prompt(instruction: str, names: Sequence[str]) -> str:
+    """The prompt text of models trained on the Kestrel layout (no chat template)."""
+    return f"{SYSTEM_PROMPT}objects: {' '.join(names) or 'none'}\ntask: {instruction}\nplan:\n"
+
+
+class LocalVLMBackend:
+    warmup = True
+
+    def __init__(self, config: PlannerConfig, model: torch.nn.Module | None = None) -> None:
+        self.name = config.backend
+        self.config = config
+        self.tokenizer = ByteTokenizer()
+        cfg = config.model if isinstance(config.model, VLMConfig) else get_config(config.model)
+        if cfg.vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(f"parameter 'model' vocab_size {cfg.vocab_size} < tokenizer "
+                             f"vocab {self.tokenizer.vocab_size}")
+        self.model_config = cfg
+        if model is None:
+            torch.manual_seed(config.seed)
+            model = VisionLanguageModel(cfg)
+            if config.weights_path:
+                self._load(model, config.weights_path)
+            elif config.demo_plan:
+                model.load_state_dict(self._demo_weights(cfg, config.demo_plan))
+        self.model = model.to(config.device).eval()
+        self._n_img = cfg.num_image_tokens
+        self.engine: DecodeEngine | None = None
+        if config.backend == "engine":
+            self.engine = DecodeEngine(self.model, config.max_batch, cfg.max_seq_len,
+                                       self.tokenizer.eos_id)
+        else:
+            self.model.setup_cache(config.max_batch, cfg.max_seq_len)
+
+    @staticmethod
+    def _load(model: torch.nn.Module, path: str) -> None:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            model.load_state_dict(state, strict=True)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise ValueError(f"parameter 'weights_path' = {path!r}: cannot load: {exc}") from exc
+
+    def _demo_weights(self, cfg: VLMConfig, text: str) -> dict[str, torch.Tensor]:
+        try:
+            parse_plan(text)
+        except PlanParseError as exc:
+            raise ValueError(f"parameter 'demo_plan' = {text!r}: {exc}") from exc
+        alphabet = self.tokenizer.encode("abcdefghijklmnopqrstuvwxyz0123456789_ =-.\n")
+        # The prompt ends with a newline: lead with one so the first line is chosen from it.
+        ids = self.tokenizer.encode("\n" + text)
+        return bigram_state_dict(cfg, ids, self.tokenizer.eos_id, alphabet, self.config.seed)
+
+    def close(self) -> None:
+        pass
+
+    # ---- prompt ----------------------------------------------------------------------------
+    def build_prompt(self, instruction: str, names: Sequence[str]) -> list[int]:
+        ids = self.tokenizer.encode(plain_prompt(instruction, names), add_bos=True)
+        room = self.model_config.max_seq_len - self._n_img - self.config.max_new_tokens
+        if len(ids) > room:
+            raise PlannerInputError(f"prompt of {len(ids)} tokens exceeds the room of {room} "
+                                    "(too many scene objects)")
+        return ids
+
+    def image_tensor(self, image: np.ndarray) -> torch.Tensor:
+        """uint8 [H, W, 3] (checked by PlannerCore) -> uint8 [3, S, S] (resized)."""
+        t = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].float()
+        s = self.model_config.image_size
+        if t.shape[-2:] != (s, s):
+            t = torch.nn.functional.interpolate(t, size=(s, s), mode="bilinear",
+                                                align_corners=False, antialias=True)
+        return t.round().clamp(0, 255).to(torch.uint8)[0]
+
+    # ---- decoding --------------------------------------------------------------------------
+    def decode(self, jobs: Sequence[DecodeJob]) -> list[DecodeOutput]:
+        cfg = self.config
+        prompts = [self.build_prompt(j.instruction, j.names) for j in jobs]
+        procs = [PlanLogitsProcessor.for_tokenizer(PlanGrammar(j.names, j.cap), self.tokenizer,
+                                                   cfg.max_new_tokens) for j in jobs]
+        images = [None if j.image is None else self.image_tensor(j.image) for j in jobs]
+        streams = [StreamDecoder(self.tokenizer) for _ in jobs]
+        counts = [0] * len(jobs)
+
+        def on_token(row: int, tok: int) -> None:
+            counts[row] += 1
+            streams[row].push(tok)
+            cb = jobs[row].on_token
+            if cb is not None:
+                cb(counts[row], streams[row].text)
+
+        gen = torch.Generator().manual_seed(cfg.seed)
+        stops = [j.should_cancel for j in jobs]
+        if self.engine is not None:
+            res = self.engine.generate(
+                prompts, cfg.max_new_tokens,
+                images=[None if im is None else im.to(cfg.device) for im in images],
+                temperature=cfg.temperature, logits_processor=procs, generator=gen,
+                on_token=on_token, should_stop=stops)
+        else:
+            image, image_mask = None, None
+            if any(im is not None for im in images):
+                s = self.model_config.image_size
+                blank = torch.zeros(3, s, s, dtype=torch.uint8)
+                image = torch.stack([blank if im is None else im for im in images])
+                image = image.to(cfg.device)
+                image_mask = torch.tensor([im is not None for im in images])
+            res = generate_tokens(
+                self.model, prompts, self.tokenizer.eos_id, self.tokenizer.pad_id,
+                cfg.max_new_tokens, image=image, image_mask=image_mask,
+                temperature=cfg.temperature, generator=gen, logits_processor=procs,
+                on_token=on_token, should_stop=stops)
+        out = []
+        for k in range(len(jobs)):
+            ttft = res.ttft_rows[k] if k < len(res.ttft_rows) else res.ttft_s
+            out.append(DecodeOutput(self.tokenizer.decode(res.tokens[k]), res.stop_reasons[k],
+                                    ttft, len(res.tokens[k])))
+        return out

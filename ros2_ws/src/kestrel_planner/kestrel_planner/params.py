@@ -1,0 +1,107 @@
+"""The planner node's parameters (ParamSpec table, no rclpy) and the remote backend's config
+built from them. The key of a remote server is never a parameter: `remote_api_key_env` names the
+environment variable that holds it."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from kestrel_common.params import ParamSpec
+from kestrel_planner.core import BACKENDS
+from kestrel_planner.core.prompting import OUTPUT_FORMATS
+from kestrel_models.planner.hf import DTYPES
+from kestrel_models.planner.remote import RemoteConfig
+
+__all__ = ["SPECS", "remote_config"]
+
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _env_name(v: str) -> str | None:
+    if v == "" or ENV_NAME_RE.match(v):
+        return None
+    return "must be an environment variable NAME (letters, digits, _), or '' for no key"
+
+
+SPECS = [
+    ParamSpec("model_config", "tiny", "VLM preset.", choices=("tiny", "0.5b"), read_only=True),
+    ParamSpec("weights_path", "", "State dict file; '' = random weights from seed.",
+              read_only=True),
+    ParamSpec("demo_plan", "", "With no weights_path: bigram demo weights of this plan text "
+              "(lines separated by newlines or ';').", read_only=True),
+    ParamSpec("device", "cpu", "torch device.", read_only=True,
+              check=lambda v: None if v == "cpu" or v.startswith("cuda") else "cpu or cuda[:n]"),
+    ParamSpec("seed", 0, "Seed of the random weights.", min=0, read_only=True),
+    ParamSpec("num_threads", 1, "torch CPU threads.", min=1, max=64, read_only=True),
+    ParamSpec("image_size", 0, "Model input size, px; 0 = the preset's.", min=0, max=1024,
+              read_only=True),
+    ParamSpec("max_new_tokens", 160, "Decode budget per plan, tokens.", min=3, max=8192,
+              read_only=True),
+    ParamSpec("max_batch", 4, "Goals decoded together.", min=1, max=16, read_only=True),
+    ParamSpec("backend", "generate", "Decoder: generate (our VLM, batch per call), engine "
+              "(our VLM, DecodeEngine: KV-cache slots, CUDA-graph decode on GPU), hf (a local "
+              "Hugging Face VLM directory), remote (an OpenAI-compatible server: vLLM, SGLang, "
+              "TensorRT-LLM).", choices=BACKENDS, read_only=True),
+    ParamSpec("hf_model_path", "", "backend hf: local directory saved with save_pretrained "
+              "(config.json, weights, tokenizer).", read_only=True),
+    ParamSpec("hf_dtype", "auto", "backend hf: weight dtype ('auto' = as saved).",
+              choices=tuple(DTYPES), read_only=True),
+    ParamSpec("hf_tokenizer", "auto", "backend hf: 'auto' = the directory's tokenizer (and "
+              "chat template); 'byte' = Kestrel's byte tokenizer.", choices=("auto", "byte"),
+              read_only=True),
+    ParamSpec("hf_grammar", True, "backend hf: constrain decoding to the plan grammar (needs "
+              "single-character tokens); false = prompt + parser + validator only.",
+              read_only=True),
+    ParamSpec("remote_base_url", "", "backend remote: server URL, e.g. http://127.0.0.1:8000/v1.",
+              read_only=True),
+    ParamSpec("remote_model", "", "backend remote: the served model name.", read_only=True),
+    ParamSpec("remote_api_key_env", "", "backend remote: NAME of the environment variable that "
+              "holds the API key ('' = none). Never the key itself.", read_only=True,
+              check=_env_name),
+    ParamSpec("remote_timeout_s", 10.0, "backend remote: timeout per attempt, s.",
+              read_only=True, check=lambda v: None if 0 < v <= 600 else "must be in (0, 600]"),
+    ParamSpec("remote_max_retries", 2, "backend remote: retries on timeouts, connection "
+              "errors, HTTP 429 and 5xx.", min=0, max=10, read_only=True),
+    ParamSpec("remote_send_image", True, "backend remote: send the frame (PNG data URL).",
+              read_only=True),
+    ParamSpec("remote_response_format", "json_schema", "backend remote: json_schema = ask for "
+              "schema-constrained JSON (response_format); text = the plan text form.",
+              choices=OUTPUT_FORMATS, read_only=True),
+    ParamSpec("max_pending_goals", 6, "Goals waiting or decoding; more are rejected.",
+              min=1, max=6, read_only=True),
+    ParamSpec("temperature", 0.0, "0 = greedy.", min=0.0, max=5.0),
+    ParamSpec("max_steps", 8, "Default and maximum plan length.", min=1, max=64),
+    ParamSpec("max_speed", 0.5, "End-effector speed limit, m/s.", check=_positive),
+    ParamSpec("min_height", 0.0, "Minimum clearance above a target, m."),
+    ParamSpec("max_height", 0.4, "Maximum clearance above a target, m."),
+    ParamSpec("workspace_min", [-1.0, -1.0, -0.05], "Workspace box min (x, y, z), m.", length=3),
+    ParamSpec("workspace_max", [1.0, 1.0, 1.0], "Workspace box max (x, y, z), m.", length=3),
+    ParamSpec("step_timeout", 10.0, "A step not done after this FAILS, s.", check=_positive),
+    ParamSpec("position_tolerance", 0.01, "Waypoint reached within, m.", check=_positive),
+    ParamSpec("gripper_time", 0.5, "Wait after a gripper command, s.", min=0.0, max=30.0),
+    ParamSpec("home_joint_positions", [], "HOME target, rad (control joint order).",
+              element_type=float),
+    ParamSpec("execution_rate", 20.0, "Executor tick / target rate, Hz.", min=1.0, max=200.0),
+    ParamSpec("goal_timeout", 30.0, "Bound on one goal's wait for its plan, s.", min=0.1),
+    ParamSpec("feedback_age", 1.0, "Ignore ee/joint feedback older than this, s.", min=0.0),
+]
+
+
+def remote_config(p: dict) -> RemoteConfig:
+    """The remote backend's config from the node parameters; the API key is read from the
+    environment variable named by remote_api_key_env (ValueError naming it when unset)."""
+    key, name = "", p["remote_api_key_env"]
+    if name:
+        key = os.environ.get(name, "")
+        if not key:
+            raise ValueError(f"parameter 'remote_api_key_env' = {name!r}: the environment "
+                             "variable is not set or empty")
+    return RemoteConfig(base_url=p["remote_base_url"], model=p["remote_model"], api_key=key,
+                        timeout_s=p["remote_timeout_s"], max_retries=p["remote_max_retries"],
+                        max_tokens=p["max_new_tokens"], temperature=p["temperature"])
