@@ -6,24 +6,39 @@ Sections (each isolated: a failure is recorded in the JSON and the run goes on):
               generate() greedy with the default dynamic cache, text-only prompt of the same
               length as ours (image tokens + prompt tokens).
   hf_static   the same with cache_implementation="static" (auto-compiled decode on CUDA).
-  engine_eager / engine_graph   our DecodeEngine (kvmodel.py) without / with the CUDA-graph
-              decode step (on CPU both are eager: no graphs there): one request = one
-              448x448 uint8 image + 64 prompt tokens.
-  engine_graph_c4 / _c16        4 / 16 concurrent requests (continuous batching).
+  engine_eager / engine_graph   our DecodeEngine (kvmodel.py) without / with CUDA graphs
+              (decode step AND batched prefill; on CPU both are eager: no graphs there): one
+              request = one 448x448 uint8 image + 64 prompt tokens.
+  engine_step_compiled        (--compile) the WHOLE decode step (all layers, final norm,
+              lm_head, sampling) compiled as one inductor graph (fullgraph; --cdt: coordinate-
+              descent tuning, batch-1 GEMVs as Triton reductions), captured in a CUDA graph.
+  engine_step_compiled_xN     the same engine, N = --multi decode steps per graph replay.
+  (the compiled sections run last: their compile time cannot starve the baselines)
+  engine_graph_c4 / _c16        4 / 16 concurrent requests (continuous batching; one batched,
+              graphed prefill for the simultaneous joins).
   engine_prefix               TTFT with a 48-token system prefix cached + 16 task tokens.
-  speculative                 SpeculativeDecoder (eager), draft = the target's first
-              --draft-layers layers (shared embeddings/vision: a self-speculative draft).
-  engine_graph_compiled       (--compile) + torch.compile'd layer pieces (kvmodel.py), captured
-              in the CUDA graph; with --compile the c4/c16 runs use it too.
-TTFT: submit -> first token on the host (vision encode, prefill, sampling, sync). TPOT: median
-interval between consecutive tokens of one stream. tok/s: 1 / TPOT for one stream; for N
-streams, tokens decoded after the last first-token / that time span. Greedy, no <eos>.
+  engine_local_global / engine_h2o   decode attention policies (attention_policy.py) in the
+              graphed engine; agree_vs_dense = share of generated tokens equal to the dense
+              engine's (same prompt, greedy), first_diff = index of the first difference.
+  spec_graph_random           SpeculativeDecoder, rounds captured as CUDA graphs, draft = the
+              target's first --draft-layers layers (random weights: acceptance ~0).
+  spec_graph_agree            the mechanism's CEILING, honestly labelled: a target whose layers
+              past --draft-layers are zeroed residual blocks (wo = w_down = 0, same cost per
+              pass), so the first-layers draft agrees on every token (acceptance 1.0).
+TTFT: submit -> first token on the host (vision encode, prefill, sampling, sync). TPOT: mean
+interval between the first and the last token of one stream (median over streams and reps).
+tok/s: 1 / TPOT for one stream; for N streams, tokens decoded after the last first-token /
+that time span. Greedy, no <eos>.
 
-  # H200 (bf16, the 0.5b config):
-  python scripts/bench_planner.py --config 0.5b --device cuda --out docs/benchmarks/planner_h200
-  # CPU (tiny config, fp32):
-  python scripts/bench_planner.py --config tiny --device cpu --new-tokens 48 \
+  # H200 (bf16, the 0.5b config; --compile adds the compiled whole-step sections, last):
+  python scripts/bench_planner.py --config 0.5b --device cuda --new-tokens 128 --reps 2 \
+      --compile --cdt --out docs/benchmarks/planner_h200
+  # CPU (tiny config, fp32, weights scaled so the greedy text varies; tight policy budgets):
+  python scripts/bench_planner.py --config tiny --device cpu --new-tokens 64 --reps 3 \
+      --draft-layers 1 --n-global 16 --window 32 --budget 48 --recent 16 --sharpen 30 \
       --out docs/benchmarks/planner_cpu
+  # Re-render the .md (and headline ratios) from a JSON:
+  python scripts/bench_planner.py --render planner_h200.json --out docs/benchmarks/planner_h200
 """
 
 from __future__ import annotations
@@ -44,10 +59,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "models"))
 
 from kestrel_models.planner import VisionLanguageModel, get_config  # noqa: E402
+from kestrel_models.planner.attention_policy import AttentionPolicy  # noqa: E402
 from kestrel_models.planner.engine import DecodeEngine  # noqa: E402
 from kestrel_models.planner.speculative import SpeculativeDecoder  # noqa: E402
 
 NO_EOS = -1  # never sampled: every request decodes exactly new_tokens tokens
+TOKENS: dict[str, list[int]] = {}
 
 
 def sync(dev: torch.device) -> None:
@@ -132,44 +149,77 @@ def run_streams(eng: DecodeEngine, n: int, prompt: list[int], image: torch.Tenso
     first = max(s[0] for s in stamps)
     last = max(s[-1] for s in stamps)
     after = sum(sum(1 for t in s if t > first) for s in stamps)
-    gaps = [b - a for s in stamps for a, b in zip(s, s[1:], strict=False)]
-    return dict(ttft_ms=[1e3 * r.ttft_s for r in reqs], tpot_ms=1e3 * statistics.median(gaps),
+    # Per stream: mean interval over its whole decode (multi-step replays deliver tokens in
+    # bursts, so the median gap between callbacks would be meaningless).
+    tpot = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps if len(s) > 1]
+    return dict(ttft_ms=[1e3 * r.ttft_s for r in reqs], tpot_ms=1e3 * statistics.median(tpot),
                 agg_tok_s=after / (last - first) if last > first else None)
 
 
 def bench_engine(model, n: int, prompt: list[int], image: torch.Tensor,  # noqa: ANN001
                  new_tokens: int, reps: int, dev: torch.device, graph: bool,
-                 compile: bool = False, prefix: list[int] | None = None) -> dict:
+                 compile: bool = False, prefix: list[int] | None = None,
+                 eng: DecodeEngine | None = None, keep: dict | None = None,
+                 **kw: object) -> dict:
     t0 = time.perf_counter()
-    eng = DecodeEngine(model, max_batch=max(n, 1), max_len=args.max_len, eos_id=NO_EOS,
-                       cuda_graph=graph, compile=compile, system_prefix=prefix or ())
+    if eng is None:
+        eng = DecodeEngine(model, max_batch=max(n, 1), max_len=args.max_len, eos_id=NO_EOS,
+                           cuda_graph=graph, system_prefix=prefix or (), **kw)
+    if keep is not None:
+        keep["eng"] = eng
     run_streams(eng, n, prompt, image, new_tokens)  # warm-up: captures the graphs used
     warm = time.perf_counter() - t0
     reset_peak(dev)
     runs = [run_streams(eng, n, prompt, image, new_tokens) for _ in range(reps)]
+    toks = eng.generate([prompt], new_tokens, images=[image]).tokens[0]
+    if not TOKENS:
+        TOKENS["eager"], TOKENS["prompt"] = toks, prompt  # engine_eager: dense, no graph
+    same = ([a == b for a, b in zip(toks, TOKENS["eager"], strict=False)]
+            if prompt == TOKENS["prompt"] else [])
     tpot = statistics.median(r["tpot_ms"] for r in runs)
     ttfts = sorted(t for r in runs for t in r["ttft_ms"])
     out = dict(streams=n, ttft_ms=statistics.median(ttfts), ttft_ms_max=ttfts[-1],
                tpot_ms=tpot, tok_s=1e3 / tpot, warmup_s=warm, peak_mb=peak_mb(dev),
-               graphs=len(eng._graphs), cuda_graph=eng.cuda_graph, compile=compile)
+               graphs=len(eng._graphs), cuda_graph=eng.cuda_graph, compile=compile,
+               steps_per_replay=eng.steps_per_replay, attention=eng.kv.policy.mode,
+               agree_vs_eager=sum(same) / len(same) if same else None,
+               first_diff=same.index(False) if False in same else None,
+               distinct_tokens=len(set(toks)))
     if n > 1:
         out["agg_tok_s"] = statistics.median(r["agg_tok_s"] for r in runs)
     return out
 
 
-def bench_spec(model, draft_layers: int, k: int, prompt: list[int],  # noqa: ANN001
-               image: torch.Tensor, new_tokens: int, reps: int, dev: torch.device) -> dict:
-    cfg = model.cfg.with_overrides(n_layers=draft_layers)
+def first_layers(model, n_layers: int):  # noqa: ANN001, ANN201
+    """A VisionLanguageModel made of the model's first n_layers (shares its tensors)."""
+    cfg = model.cfg.with_overrides(n_layers=n_layers)
     with torch.device("meta"):
         draft = VisionLanguageModel(cfg)
     state = {k2: v for k2, v in model.state_dict().items()
-             if not k2.startswith("layers.") or int(k2.split(".")[1]) < draft_layers}
+             if not k2.startswith("layers.") or int(k2.split(".")[1]) < n_layers}
     draft.load_state_dict(state, assign=True)  # shares the target's tensors (no copy)
     draft.rope_cos, draft.rope_sin = model.rope_cos, model.rope_sin
     if cfg.tie_embeddings:
         draft.lm_head.weight = draft.tok_emb.weight
-    spec = SpeculativeDecoder(model, draft.eval(), k, 1, args.max_len, NO_EOS)
+    return draft.eval()
+
+
+def bench_spec(model, draft_layers: int, k: int, prompt: list[int],  # noqa: ANN001
+               image: torch.Tensor, new_tokens: int, reps: int, dev: torch.device,
+               agree: bool) -> dict:
+    target = model
+    if agree:  # zero the residual blocks past draft_layers: the target == its first layers
+        import copy
+        target = copy.deepcopy(model)
+        with torch.no_grad():
+            for ly in target.layers[draft_layers:]:
+                ly.attn.wo.weight.zero_()
+                ly.w_down.weight.zero_()
+    t0 = time.perf_counter()
+    spec = SpeculativeDecoder(target, first_layers(target, draft_layers), k, 1, args.max_len,
+                              NO_EOS)
     spec.generate([prompt], new_tokens, images=[image])
+    warm = time.perf_counter() - t0
     reset_peak(dev)
     tps, rates, rounds, ttft = [], [], [], []
     for _ in range(reps):
@@ -182,7 +232,32 @@ def bench_spec(model, draft_layers: int, k: int, prompt: list[int],  # noqa: ANN
     return dict(k=k, draft_layers=draft_layers, tok_s=statistics.median(tps),
                 acceptance_rate=statistics.median(rates),
                 tokens_per_round=new_tokens / statistics.median(rounds),
-                ttft_ms=statistics.median(ttft), peak_mb=peak_mb(dev))
+                ttft_ms=statistics.median(ttft), peak_mb=peak_mb(dev), warmup_s=warm,
+                cuda_graph=spec.cuda_graph, agree_target=agree)
+
+
+def kernel_census(eng: DecodeEngine, prompt: list[int], image: torch.Tensor) -> dict:
+    """torch.profiler over 16 decode steps of a warm engine: kernels and GPU time per step."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    r = eng.submit(prompt, 160, image)
+    eng.step()  # admit + first steps outside the window
+    s0 = eng.steps
+    with profile(activities=acts) as prof:
+        for _ in range(16):
+            eng.step()
+        sync(eng.device)
+    steps = eng.steps - s0
+    eng.run()
+    assert r.stop_reason
+    ev = prof.key_averages()
+    kern = [e for e in ev if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    total_us = sum(e.self_device_time_total for e in kern)
+    top = sorted(kern, key=lambda e: -e.self_device_time_total)[:12]
+    return dict(steps=steps, kernels_per_step=sum(e.count for e in kern) / steps,
+                gpu_us_per_step=total_us / steps,
+                top=[dict(name=e.key[:90], us_per_step=e.self_device_time_total / steps,
+                          calls_per_step=e.count / steps) for e in top])
 
 
 def machine(dev: torch.device) -> dict:
@@ -220,14 +295,30 @@ def table(res: dict) -> str:
             rows.append(f"| {name} | - | - | - | - | - | - | ERROR: {r['error'][:80]} |")
             continue
         note = ""
+        if r.get("distinct_tokens") is not None and name == "engine_eager":
+            note = f"{r['distinct_tokens']} distinct tokens in the greedy text; "
+        if "kernels_per_step" in r:
+            top = r["top"][0]["name"] if r.get("top") else "-"
+            rows.append(f"| {name} | - | - | {r['gpu_us_per_step'] / 1e3:.3f} (GPU) | - | - | - |"
+                        f" {r['kernels_per_step']:.0f} kernels/step; top: {top[:40]} |")
+            continue
         if "acceptance_rate" in r:
             note = (f"accept {r['acceptance_rate']:.2f}, {r['tokens_per_round']:.2f} tok/round,"
-                    f" k={r['k']}, draft {r['draft_layers']} layers")
+                    f" k={r['k']}, draft {r['draft_layers']} layers"
+                    f"{' (agreeing target: ceiling)' if r.get('agree_target') else ''}"
+                    f", graph {'on' if r.get('cuda_graph') else 'off'}")
         elif "warmup_s" in r:
-            note = f"warm-up {r['warmup_s']:.1f} s"
+            note += f"warm-up {r['warmup_s']:.1f} s"
             if "cuda_graph" in r:
                 note += (f", CUDA graph {'on' if r['cuda_graph'] else 'off (eager)'}"
-                         f"{', compiled' if r['compile'] else ''}")
+                         f"{', compiled step' if r['compile'] else ''}")
+                if r.get("steps_per_replay", 1) > 1:
+                    note += f", {r['steps_per_replay']} steps/replay"
+                if r.get("attention", "dense") != "dense":
+                    note += f", {r['attention']}"
+                if r.get("agree_vs_eager") is not None and r["cuda_graph"] is not None:
+                    note += (f", tokens = eager dense: {r['agree_vs_eager']:.2f}"
+                             f" (first diff {r.get('first_diff')})")
         rows.append(f"| {name} | {r.get('streams', 1)} | {f(r.get('ttft_ms'))} | "
                     f"{f(r.get('tpot_ms'), 3)} | {f(r.get('tok_s'), 1)} | "
                     f"{f(r.get('agg_tok_s'), 1)} | {f(r.get('peak_mb'), 0)} | {note} |")
@@ -244,6 +335,11 @@ def main() -> None:
     with torch.device(dev):
         model = VisionLanguageModel(cfg)
     model = model.to(dtype).eval()
+    if args.sharpen != 1.0:  # varied greedy text, so token agreement means something
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim >= 2:
+                    p.mul_(args.sharpen)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 256, (args.prompt_tokens,), generator=g).tolist()
     image = torch.randint(0, 256, (3, args.image_hw, args.image_hw), dtype=torch.uint8,
@@ -251,6 +347,7 @@ def main() -> None:
     seq_len = cfg.num_image_tokens + args.prompt_tokens
     res = dict(command=" ".join(sys.argv), git_commit=git_commit(), machine=machine(dev),
                config=args.config, dtype=args.dtype, params=model.num_params(),
+               sharpen=args.sharpen,
                image_hw=args.image_hw, image_tokens=cfg.num_image_tokens,
                prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                reps=args.reps, results={})
@@ -271,23 +368,28 @@ def main() -> None:
         out.with_suffix(".json").write_text(json.dumps(res, indent=1))
 
     nt, reps = args.new_tokens, args.reps
-    section("engine_eager", lambda: bench_engine(model, 1, prompt, image, nt, reps, dev, False))
     graph = dev.type == "cuda"
+    section("engine_eager", lambda: bench_engine(model, 1, prompt, image, nt, reps, dev, False,
+                                                 prefill_graph=False))
     section("engine_graph", lambda: bench_engine(model, 1, prompt, image, nt, reps, dev, graph))
-    cc = args.compile
-    if cc:
-        torch._dynamo.config.cache_size_limit = 64
-        section("engine_graph_compiled", lambda: bench_engine(model, 1, prompt, image, nt, reps,
-                                                              dev, graph, compile=True))
+    section(f"engine_graph_x{args.multi}", lambda: bench_engine(
+        model, 1, prompt, image, nt, reps, dev, graph, steps_per_replay=args.multi))
     section("engine_graph_c4", lambda: bench_engine(model, 4, prompt, image, nt, reps, dev,
-                                                    graph, compile=cc))
+                                                    graph))
     section("engine_graph_c16", lambda: bench_engine(model, 16, prompt, image, nt, reps, dev,
-                                                     graph, compile=cc))
+                                                     graph))
     sys_prefix = prompt[:48]
     section("engine_prefix", lambda: bench_engine(model, 1, prompt[48:], image, 8, reps, dev,
                                                   graph, prefix=sys_prefix))
-    section("speculative", lambda: bench_spec(model, args.draft_layers, args.k, prompt, image,
-                                              nt, reps, dev))
+    lg = AttentionPolicy("local_global", n_global=args.n_global, window=args.window)
+    section("engine_local_global", lambda: bench_engine(model, 1, prompt, image, nt, reps, dev,
+                                                        graph, attention=lg))
+    h2o = AttentionPolicy("h2o", budget=args.budget, recent=args.recent)
+    section("engine_h2o", lambda: bench_engine(model, 1, prompt, image, nt, reps, dev, graph,
+                                               attention=h2o))
+    for agree in (False, True):
+        section(f"spec_graph_{'agree' if agree else 'random'}", lambda agree=agree: bench_spec(
+            model, args.draft_layers, args.k, prompt, image, nt, reps, dev, agree))
     hf = {}
 
     def hf_section(static: bool) -> dict:
@@ -298,25 +400,60 @@ def main() -> None:
     section("hf_eager", lambda: hf_section(False))
     section("hf_static", lambda: hf_section(True))
     hf.clear()
+    if args.compile:
+        import torch._inductor.config as ic
+        cdt0 = ic.coordinate_descent_tuning
+        keep: dict = {}
+        section("engine_step_compiled", lambda: bench_engine(
+            model, 1, prompt, image, nt, reps, dev, graph, compile=True, keep=keep,
+            compile_step=True, coordinate_descent=args.cdt))
+        if "eng" in keep:
+            def multi() -> dict:
+                keep["eng"].set_steps_per_replay(args.multi)
+                return bench_engine(model, 1, prompt, image, nt, reps, dev, graph, compile=True,
+                                    eng=keep["eng"])
+            section(f"engine_step_compiled_x{args.multi}", multi)
+            if graph:
+                section("kernel_census_compiled", lambda: kernel_census(keep["eng"], prompt,
+                                                                        image))
+            keep.clear()
+        ic.coordinate_descent_tuning = cdt0
+    write(res, out)
+
+
+def summarize(res: dict) -> None:
+    """Adds the headline ratios to res (best single-stream engine row vs HF static, spec)."""
     r = res["results"]
-    ours = max((r.get(n, {}).get("tok_s") or 0) for n in ("engine_graph",
-                                                         "engine_graph_compiled")) or None
+    single = {n: v for n, v in r.items() if n.startswith(("engine_graph", "engine_step"))
+              and v.get("streams") == 1 and v.get("attention", "dense") == "dense"}
+    best = max(single, key=lambda n: single[n].get("tok_s") or 0, default=None)
+    ours = single[best].get("tok_s") if best else None
+    res["best_single_stream"], res["best_single_stream_tok_s"] = best, ours
     hs = r.get("hf_static", {}).get("tok_s")
     if ours and hs:
         res["speedup_vs_hf_static"] = ours / hs
-    spec = r.get("speculative", {}).get("tok_s")
-    if spec and r.get("engine_eager", {}).get("tok_s"):
-        res["spec_speedup_vs_engine_eager"] = spec / r["engine_eager"]["tok_s"]
-        if ours:
-            res["spec_speedup_vs_engine_graph"] = spec / ours
+    for base in ("engine_graph", best):
+        plain = r.get(base, {}).get("tok_s") if base else None
+        for name in ("spec_graph_random", "spec_graph_agree"):
+            spec = r.get(name, {}).get("tok_s")
+            if spec and plain:
+                res[f"{name}_speedup_vs_{base}"] = spec / plain
+
+
+def write(res: dict, out: Path) -> None:
+    """JSON + Markdown table (also used by --render to redo the files from a JSON)."""
+    summarize(res)
     md = table(res)
-    summary = {k: v for k, v in res.items() if k.startswith(("speedup", "spec_speedup"))}
-    text = (f"# Planner decoding benchmark ({args.config}, {args.dtype}, {args.device})\n\n"
+    summary = {k: v for k, v in res.items() if "speedup" in k or k.startswith("best")}
+    hw = res["image_hw"]
+    text = (f"# Planner decoding benchmark ({res['config']}, {res['dtype']}, "
+            f"{res['machine'].get('gpu', 'cpu')})\n\n"
             f"Command: `{res['command']}`  \ncommit {res['git_commit']}, machine "
             f"{json.dumps(res['machine'])}  \nparams {res['params']:,}; one request = "
-            f"{args.image_hw}x{args.image_hw} image ({cfg.num_image_tokens} image tokens) + "
-            f"{args.prompt_tokens} prompt tokens, {nt} new tokens, greedy; HF prompt = "
-            f"{seq_len} text tokens.\n\n{md}\n\n{json.dumps(summary)}\n")
+            f"{hw}x{hw} image ({res['image_tokens']} image tokens) + "
+            f"{res['prompt_tokens']} prompt tokens, {res['new_tokens']} new tokens, greedy; HF "
+            f"prompt = {res['image_tokens'] + res['prompt_tokens']} text tokens.\n\n{md}\n\n"
+            f"{json.dumps(summary)}\n")
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     out.with_suffix(".md").write_text(text)
     print(text)
@@ -335,11 +472,23 @@ if __name__ == "__main__":
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="the compiled whole-step sections")
+    ap.add_argument("--cdt", action="store_true", help="inductor coordinate-descent tuning")
+    ap.add_argument("--multi", type=int, default=8, help="decode steps per graph replay")
+    ap.add_argument("--sharpen", type=float, default=1.0,
+                    help="scale the random weight matrices (CPU tests use 30: varied text)")
+    ap.add_argument("--n-global", type=int, default=64)
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=192)
+    ap.add_argument("--recent", type=int, default=64)
     ap.add_argument("--only", nargs="*", default=None, help="run only these sections")
     ap.add_argument("--git-commit", default="")
     ap.add_argument("--out", default="docs/benchmarks/planner_cpu")
+    ap.add_argument("--render", default="", help="only redo --out's .md/.json from this JSON")
     args = ap.parse_args()
+    if args.render:
+        write(json.loads(Path(args.render).read_text()), Path(args.out))
+        sys.exit(0)
     if args.dtype is None:
         args.dtype = "bf16" if args.device.startswith("cuda") else "fp32"
     main()

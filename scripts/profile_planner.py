@@ -49,9 +49,11 @@ def main() -> None:
     # Label the pieces (module-level names are looked up at call time).
     kv_mod._attn_grouped = labelled("attention", kv_mod._attn_grouped)
     engine_mod.sample_on_device = labelled("sampling", engine_mod.sample_on_device)
+    engine_mod.greedy_pick = labelled("sampling", engine_mod.greedy_pick)
     kv_mod.KVModel.embed_image = labelled("vision_encode", kv_mod.KVModel.embed_image)
-    eng = engine_mod.DecodeEngine(model, 1, 1024, eos_id=-1, cuda_graph=False)
-    eng._admit = labelled("prefill", eng._admit)  # includes vision_encode
+    eng = engine_mod.DecodeEngine(model, 1, 1024, eos_id=-1, cuda_graph=False,
+                                  prefill_graph=False)
+    eng._prefill_body = labelled("prefill", eng._prefill_body)  # includes vision_encode
     body = eng._body
     eng._body = labelled("decode", body)
     g = torch.Generator().manual_seed(1)

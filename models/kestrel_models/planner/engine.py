@@ -1,18 +1,33 @@
 """DecodeEngine: continuous batching over a static KV cache, decode step as a CUDA graph.
 
-Slots: the cache has `max_batch` rows; a request joins a free slot (prefill of its prompt
-into that row, SDPA, one row at a time) and leaves it when it stops, between decode steps,
-without touching the other rows. Sequence layout per slot:
+Slots: the cache has `max_batch` rows; requests join free slots (lowest first) and leave them
+when they stop, between decode steps, without touching the other rows. Joins are prefilled
+together: the queued requests that land in a contiguous block of slots with the same image
+shape run as ONE right-padded batch (prompt padded to a power-of-two bucket >= 16; the pad
+positions' KV entries lie past each row's position, so they are masked and later overwritten).
+On CUDA (`prefill_graph`) that batched prefill (prefix KV copy, vision tower, projector,
+decoder pass, last-token lm_head) is captured as a CUDA graph per (first slot, rows, image
+shape, prompt bucket) and replayed: TTFT without launch overhead. Sequence layout per slot:
     [system prefix (optional, shared)] [image tokens (if the request has an image)] [prompt].
 Prefix caching: with `prefix_cache=True` the system prefix is prefilled once at construction
 and its KV copied into each new slot (positions [0, P)), so only image + prompt are computed.
 
 Decode: one step feeds every active slot's last token at its own position. The step (embed,
 all layers, lm_head, on-device sampling, position update) reads/writes only static buffers,
-so on CUDA it is captured once per (batch bucket, kv-length bucket) as a torch.cuda.CUDAGraph
-and replayed; on CPU the same body runs eagerly. Batch bucket = smallest power of two >= the
-highest busy slot + 1 (slots are allocated lowest-first); kv bucket = smallest power of two
-(>= 128) >= the longest sequence + 1, capped at max_len.
+so on CUDA it is captured once per (batch bucket, kv-length bucket, steps) as a
+torch.cuda.CUDAGraph and replayed; on CPU the same body runs eagerly. `compile_step=True`
+compiles KVModel.decode + sampling as ONE inductor graph (fullgraph; every layer, the final
+norm, lm_head and Gumbel-max sampling fused across layer boundaries, e.g. residual add + the
+next RMSNorm) before capture; `coordinate_descent=True` also turns the batch-1 GEMVs into
+tuned Triton reductions (inductor's mm decomposition, as gpt-fast). `steps_per_replay=N`
+captures N decode steps in one graph when no host decision is needed in between (no
+logits_processor on any active row, every row has >= N tokens left): tokens are kept on
+device ([N, B] buffer, <eos> stops a row's position on device) and the host catches up after
+the replay (should_stop and <eos> are honoured token by token; the tokens decoded past a stop
+are discarded). `attention` selects the decode attention policy (attention_policy.py).
+Batch bucket = smallest power of two >= the highest busy slot + 1 (slots are allocated
+lowest-first); kv bucket = smallest power of two (>= 128) >= the longest sequence + steps,
+capped at max_len.
 
 Sampling per request: greedy (temperature 0) or temperature sampling (Gumbel-max on device),
 and an optional `logits_processor(prefix_tokens, logits[vocab] float cpu) -> logits` (the plan
@@ -26,83 +41,76 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from kestrel_models.planner.attention_policy import AttentionPolicy
+from kestrel_models.planner.engine_request import (EngineRequest, LogitsProcessor,
+                                                   _pow2_at_least, greedy_pick,
+                                                   sample_on_device)
 from kestrel_models.planner.generate import GenerationResult, _pick
+from kestrel_models.planner.graphs import capture
 from kestrel_models.planner.kvmodel import KVModel
 from kestrel_models.planner.vlm import VisionLanguageModel
 
-__all__ = ["DecodeEngine", "EngineRequest", "sample_on_device"]
-
-LogitsProcessor = Callable[[list[int], Tensor], Tensor]
-
-
-def sample_on_device(logits: Tensor, temperature: Tensor) -> Tensor:
-    """logits [B, V] float, temperature [B] float (0 = greedy) -> token ids [B] long.
-    Gumbel-max: argmax(logits / T + G) is a sample of softmax(logits / T)."""
-    t = temperature[:, None]
-    u = torch.rand_like(logits).clamp_(1e-20, 1.0)
-    gumbel = -torch.log(-torch.log(u))
-    scores = torch.where(t > 0, logits / t.clamp_min(1e-6) + gumbel, logits)
-    return torch.argmax(scores, dim=-1)
-
-
-@dataclass
-class EngineRequest:
-    """One sequence. tokens: generated ids (<eos> excluded); stop_reason '' while running."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    image: Tensor | None = None  # [3, H, W] uint8
-    temperature: float = 0.0
-    logits_processor: LogitsProcessor | None = None
-    generator: torch.Generator | None = None
-    on_token: Callable[[int], None] | None = None
-    should_stop: Callable[[], bool] | None = None
-    tokens: list[int] = field(default_factory=list)
-    stop_reason: str = ""
-    slot: int = -1
-    t_submit: float = 0.0
-    ttft_s: float = 0.0
-    t_done: float = 0.0
-
-
-def _pow2_at_least(n: int, lo: int, hi: int) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return min(b, hi)
-
+__all__ = ["DecodeEngine", "EngineRequest", "greedy_pick", "sample_on_device"]
 
 class DecodeEngine:
     def __init__(self, model: VisionLanguageModel, max_batch: int, max_len: int, eos_id: int,
                  system_prefix: Sequence[int] = (), prefix_cache: bool = True,
-                 cuda_graph: bool | None = None, compile: bool = False) -> None:
+                 cuda_graph: bool | None = None, compile: bool = False,
+                 compile_step: bool = False, compile_mode: str = "default",
+                 coordinate_descent: bool = False, steps_per_replay: int = 1,
+                 attention: AttentionPolicy | None = None,
+                 prefill_graph: bool | None = None) -> None:
+        if steps_per_replay < 1:
+            raise ValueError(f"parameter 'steps_per_replay' = {steps_per_replay}: must be >= 1")
+        if compile and compile_step:
+            raise ValueError("parameter 'compile' = True: use either compile (layer pieces) "
+                             "or compile_step (whole step), not both")
         self.model = model.eval()
-        self.kv = KVModel(model, max_batch, max_len, compile=compile)
+        self.kv = KVModel(model, max_batch, max_len, compile=compile, policy=attention)
         self.max_batch, self.max_len, self.eos_id = max_batch, max_len, eos_id
         dev = self.kv.device
         self.device = dev
         self.cuda_graph = (dev.type == "cuda") if cuda_graph is None else bool(cuda_graph)
         if self.cuda_graph and dev.type != "cuda":
             raise ValueError("parameter 'cuda_graph' = True: needs the model on a CUDA device")
+        self.prefill_graph = self.cuda_graph if prefill_graph is None else bool(prefill_graph)
+        if self.prefill_graph and dev.type != "cuda":
+            raise ValueError("parameter 'prefill_graph' = True: needs the model on a CUDA device")
+        self.steps_per_replay = steps_per_replay
         # Static buffers read/written by the (captured) decode step.
         self.tok_buf = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.pos_buf = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.active_buf = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.temp_buf = torch.zeros(max_batch, dtype=torch.float32, device=dev)
-        self.next_buf = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.out_buf = torch.zeros(steps_per_replay, max_batch, dtype=torch.long, device=dev)
+        self.noise_buf = torch.zeros(max_batch, self.kv.cfg.vocab_size, device=dev)
         self._pos = [0] * max_batch  # host mirror of pos_buf
         self.slots: list[EngineRequest | None] = [None] * max_batch
         self.pending: deque[EngineRequest] = deque()
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._pgraphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._pin: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # prefill graph inputs
+        cuda = dev.type == "cuda"
+        self._pool = torch.cuda.graph_pool_handle() if cuda else None
+        self._ppool = torch.cuda.graph_pool_handle() if cuda else None
         self.steps = 0
+        self._step_fn: Callable = self._step_impl
+        if compile_step:
+            import torch._inductor.config as ic
+            torch._dynamo.config.cache_size_limit = max(
+                torch._dynamo.config.cache_size_limit, 64)
+            if coordinate_descent:
+                ic.coordinate_descent_tuning = True
+            self.kv._real_rope = True  # complex RoPE does not lower to inductor
+            self._step_fn = torch.compile(self._step_impl, fullgraph=True, dynamic=False,
+                                          mode=compile_mode)
         self.prefix = [int(t) for t in system_prefix]
         self.prefix_cache = bool(prefix_cache) and len(self.prefix) > 0
+        self._prefix_t = torch.tensor([self.prefix], dtype=torch.long, device=dev)  # [1, P]
         self._prefix_kv: tuple[list[Tensor], list[Tensor]] | None = None
         if self.prefix_cache:
             if len(self.prefix) >= max_len:
@@ -111,6 +119,14 @@ class DecodeEngine:
             self.kv.forward(x, torch.zeros(1, dtype=torch.long, device=dev), slice(0, 1),
                             len(self.prefix), last_only=True)
             self._prefix_kv = self.kv.read_prefix(0, len(self.prefix))
+
+    def set_steps_per_replay(self, n: int) -> None:
+        """Change the decode steps per replay (graphs already captured stay valid)."""
+        if n < 1:
+            raise ValueError(f"parameter 'steps_per_replay' = {n}: must be >= 1")
+        self.steps_per_replay = n
+        if self.out_buf.shape[0] < n:
+            self.out_buf = torch.zeros(n, self.max_batch, dtype=torch.long, device=self.device)
 
     # ---- requests --------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, image: Tensor | None = None,
@@ -140,31 +156,99 @@ class DecodeEngine:
         return not self.pending and all(r is None for r in self.slots)
 
     # ---- prefill ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _admit(self, r: EngineRequest, slot: int) -> None:
-        dev, kv = self.device, self.kv
+    def _admit_pending(self) -> list[EngineRequest]:
+        """Move queued requests into free slots (lowest first); prefill contiguous same-shape
+        runs as one batch. Returns those that already stopped at their first token."""
+        groups: list[list[tuple[int, EngineRequest]]] = []
+        while self.pending and None in self.slots:
+            r = self.pending.popleft()
+            slot = self.slots.index(None)
+            self.slots[slot] = r
+            shape = None if r.image is None else tuple(r.image.shape)
+            last = groups[-1][-1] if groups else None
+            if (last is not None and last[0] == slot - 1 and
+                    (None if last[1].image is None else tuple(last[1].image.shape)) == shape):
+                groups[-1].append((slot, r))
+            else:
+                groups.append([(slot, r)])
+        done = []
+        for grp in groups:
+            self._prefill_group(grp)
+            done += [r for _, r in grp if r.stop_reason]
+        return done
+
+    def _prefill_body(self, s0: int, n: int, img: Tensor | None, tok: Tensor,
+                      last: Tensor) -> Tensor:
+        """Rows [s0, s0+n): img [n, 3, H, W] or None, tok [n, T] right-padded, last [n] the
+        chunk index of each row's last token -> logits [n, V]. Static shapes (graphable)."""
+        kv, dev = self.kv, self.device
+        rows = slice(s0, s0 + n)  # graph-safe: no host->device copies in here
+        kv.reset_slots(rows)
         parts, off = [], 0
         if self.prefix_cache:
             assert self._prefix_kv is not None
-            kv.copy_prefix(*self._prefix_kv, slot)
+            for s in range(s0, s0 + n):
+                kv.copy_prefix(*self._prefix_kv, s)
             off = len(self.prefix)
         elif self.prefix:
-            parts.append(kv.embed_tokens(torch.tensor([self.prefix], device=dev)))
-        if r.image is not None:
-            parts.append(kv.embed_image(r.image[None]))
-        parts.append(kv.embed_tokens(torch.tensor([r.prompt], device=dev)))
+            parts.append(kv.embed_tokens(self._prefix_t).expand(n, -1, -1))
+        if img is not None:
+            parts.append(kv.embed_image(img))
+        parts.append(kv.embed_tokens(tok))
         x = torch.cat(parts, dim=1)
-        end = off + x.shape[1]
-        logits = kv.forward(x, torch.full((1,), off, dtype=torch.long, device=dev),
-                            slice(slot, slot + 1), end, last_only=True)[:, -1]  # [1, V]
-        r.slot = slot
-        self.slots[slot] = r
-        self._pos[slot] = end
-        self.pos_buf[slot] = end
-        self.temp_buf[slot] = float(r.temperature)
-        tok = self._choose(r, logits[0], None)
-        r.ttft_s = time.monotonic() - r.t_submit
-        self._emit(r, tok)
+        pos = torch.full((n,), off, dtype=torch.long, device=dev)
+        return kv.forward(x, pos, rows, off + x.shape[1], last_index=last)[:, 0]
+
+    @torch.inference_mode()
+    def _prefill_group(self, grp: list[tuple[int, EngineRequest]]) -> None:
+        s0, n, dev = grp[0][0], len(grp), self.device
+        first = grp[0][1]
+        n_img = self.kv.cfg.num_image_tokens if first.image is not None else 0
+        off = len(self.prefix)  # cached or recomputed: the prompt starts after it
+        lens = [len(r.prompt) for _, r in grp]
+        t = _pow2_at_least(max(lens), 16, 1 << 30)
+        if off + n_img + t > self.max_len:
+            t = max(lens)
+        img_shape = None if first.image is None else tuple(first.image.shape)
+        key = (s0, n, img_shape, t)
+        if self.prefill_graph and key in self._pin:
+            img_b, tok_b, last_b = self._pin[key]
+        else:
+            img_b = (torch.zeros((n, *img_shape), dtype=first.image.dtype, device=dev)
+                     if img_shape is not None else torch.zeros(0, device=dev))
+            tok_b = torch.zeros(n, t, dtype=torch.long, device=dev)
+            last_b = torch.zeros(n, dtype=torch.long, device=dev)
+            if self.prefill_graph:
+                self._pin[key] = (img_b, tok_b, last_b)
+        toks = torch.zeros(n, t, dtype=torch.long)
+        for i, (_, r) in enumerate(grp):
+            toks[i, :len(r.prompt)] = torch.tensor(r.prompt)
+            if img_shape is not None:
+                img_b[i].copy_(r.image, non_blocking=True)
+        tok_b.copy_(toks, non_blocking=True)
+        pre = 0 if self.prefix_cache else off
+        last_b.copy_(torch.tensor([pre + n_img + m - 1 for m in lens]), non_blocking=True)
+        img_arg = img_b if img_shape is not None else None
+
+        def body() -> Tensor:
+            return self._prefill_body(s0, n, img_arg, tok_b, last_b)
+
+        if self.prefill_graph:
+            if key not in self._pgraphs:
+                self._pgraphs[key] = capture(body, self._ppool)
+            g, logits = self._pgraphs[key]
+            g.replay()
+        else:
+            logits = body()
+        for i, (slot, r) in enumerate(grp):
+            r.slot = slot
+            end = off + n_img + lens[i]
+            self._pos[slot] = end
+            self.pos_buf[slot] = end
+            self.temp_buf[slot] = float(r.temperature)
+            tok = self._choose(r, logits[i], None)
+            r.ttft_s = time.monotonic() - r.t_submit
+            self._emit(r, tok)
 
     def _choose(self, r: EngineRequest, row_logits: Tensor, device_pick: int | None) -> int | None:
         """-> token id, or None when the request stopped (reason set) before picking."""
@@ -208,79 +292,97 @@ class DecodeEngine:
                 self.active_buf[s] = 1
 
     # ---- decode ----------------------------------------------------------------------------
-    def _body(self, b: int, kv_len: int) -> Tensor:
-        """One decode step for slots [0, b): static buffers in, logits [b, V] out."""
-        x = self.kv.embed_tokens(self.tok_buf[:b, None])
-        logits = self.kv.forward(x, self.pos_buf[:b], slice(0, b), kv_len)[:, 0]
-        nxt = sample_on_device(logits, self.temp_buf[:b])
-        self.next_buf[:b].copy_(nxt)
-        self.tok_buf[:b].copy_(nxt)  # fed back next step unless the host overrides a row
-        self.pos_buf[:b].add_(self.active_buf[:b])
-        return logits
+    def _step_impl(self, tok: Tensor, pos: Tensor, temp: Tensor, noise: Tensor | None,
+                   kv_len: int) -> tuple[Tensor, Tensor]:
+        """The compiled unit: tok, pos [B] long, temp [B], noise [B, V] uniform or None
+        (all greedy) -> (logits [B, V] float32, next token [B] long)."""
+        logits = self.kv.decode(tok, pos, kv_len)
+        if noise is None:
+            return logits, greedy_pick(logits)
+        return logits, sample_on_device(logits, temp, noise)
 
-    def _graph(self, b: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        key = (b, kv_len)
+    def _body(self, b: int, kv_len: int, n: int = 1, sampled: bool = True
+              ) -> tuple[Tensor, Tensor]:
+        """n decode steps for slots [0, b): static buffers in -> (logits [b, V] of the last
+        step, tokens out_buf[:n, :b]). With n > 1 a row that samples <eos> stops advancing."""
+        logits = self.noise_buf[:b]
+        for i in range(n):
+            noise = self.noise_buf[:b].uniform_() if sampled else None
+            logits, nxt = self._step_fn(self.tok_buf[:b], self.pos_buf[:b], self.temp_buf[:b],
+                                        noise, kv_len)
+            self.out_buf[i, :b].copy_(nxt)
+            self.tok_buf[:b].copy_(nxt)  # fed back next step unless the host overrides a row
+            self.pos_buf[:b].add_(self.active_buf[:b])
+            if n > 1:
+                self.active_buf[:b].mul_(nxt != self.eos_id)
+        return logits, self.out_buf[:n, :b]
+
+    def _graph(self, b: int, kv_len: int, n: int = 1, sampled: bool = True
+               ) -> tuple[torch.cuda.CUDAGraph, object]:
+        key = (b, kv_len, n, sampled)
         if key not in self._graphs:
-            saved, saved_tok = self.pos_buf.clone(), self.tok_buf.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm-up (and compile) outside the capture
-                    self._body(b, kv_len)
-                    self.pos_buf.copy_(saved)
-                    self.tok_buf.copy_(saved_tok)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
-                out = self._body(b, kv_len)
-            self.pos_buf.copy_(saved)
-            self._graphs[key] = (g, out)
+            state = [self.pos_buf, self.tok_buf, self.active_buf, *self.kv.score,
+                     *self.kv.alive]
+            self._graphs[key] = capture(lambda: self._body(b, kv_len, n, sampled), self._pool,
+                                        state)
         return self._graphs[key]
 
-    def buckets(self) -> tuple[int, int]:
+    def buckets(self, extra: int = 1) -> tuple[int, int]:
         busy = [s for s, r in enumerate(self.slots) if r is not None]
         b = _pow2_at_least(max(busy) + 1, 1, self.max_batch)
-        longest = max(self._pos[s] for s in busy) + 1
+        longest = max(self._pos[s] for s in busy) + extra
         return b, _pow2_at_least(longest, 128, self.max_len)
+
+    def _chunk(self) -> int:
+        """Decode steps for the next replay: steps_per_replay when no host decision is
+        needed in between, else 1."""
+        n = self.steps_per_replay
+        if n == 1:
+            return 1
+        for s, r in enumerate(self.slots):
+            if r is None:
+                continue
+            if (r.logits_processor is not None or r.max_new_tokens - len(r.tokens) < n
+                    or self._pos[s] + n > self.max_len):
+                return 1
+        return n
 
     @torch.inference_mode()
     def warmup(self, batch_sizes: Sequence[int], kv_lens: Sequence[int]) -> None:
-        """Capture the decode graphs for these buckets ahead of time (no-op on CPU)."""
+        """Capture the (greedy, one-step) decode graphs for these buckets (no-op on CPU)."""
         if not self.cuda_graph:
             return
         for b in batch_sizes:
             for n in kv_lens:
                 self._graph(_pow2_at_least(b, 1, self.max_batch),
-                            _pow2_at_least(n, 128, self.max_len))
+                            _pow2_at_least(n, 128, self.max_len), 1, False)
 
     @torch.inference_mode()
     def step(self) -> list[EngineRequest]:
-        """Admit queued requests into free slots, then one decode step for the active ones.
-        Returns the requests that finished during this call."""
-        done: list[EngineRequest] = []
-        while self.pending and None in self.slots:
-            r = self.pending.popleft()
-            self._admit(r, self.slots.index(None))
-            if r.stop_reason:
-                done.append(r)
+        """Admit queued requests into free slots, then one decode replay (1 or
+        steps_per_replay steps) for the active ones. Returns the requests that finished."""
+        done = self._admit_pending()
         if all(r is None for r in self.slots):
             return done
-        b, kv_len = self.buckets()
+        n = self._chunk()
+        b, kv_len = self.buckets(n)
+        sampled = any(r is not None and r.temperature > 0 for r in self.slots[:b])
         if self.cuda_graph:
-            g, logits = self._graph(b, kv_len)
+            g, (logits, toks) = self._graph(b, kv_len, n, sampled)
             g.replay()
         else:
-            logits = self._body(b, kv_len)
-        self.steps += 1
-        picks = self.next_buf[:b].tolist()
-        for s in range(b):
-            r = self.slots[s]
-            if r is None:
-                continue
-            self._pos[s] += 1
-            self._emit(r, self._choose(r, logits[s], picks[s]), fed=picks[s])
-            if r.stop_reason:
-                done.append(r)
+            logits, toks = self._body(b, kv_len, n, sampled)
+        self.steps += n
+        picks = toks.tolist()  # [n, b]
+        for i in range(n):
+            for s in range(b):
+                r = self.slots[s]
+                if r is None:
+                    continue
+                self._pos[s] += 1
+                self._emit(r, self._choose(r, logits[s], picks[i][s]), fed=picks[i][s])
+                if r.stop_reason:
+                    done.append(r)
         return done
 
     def run(self, max_steps: int = 1_000_000) -> None:

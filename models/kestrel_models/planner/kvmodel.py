@@ -13,6 +13,12 @@ so stale entries left behind by a finished or rejected continuation never leak).
 static for a given (B, S, kv_len), which is what lets the engine capture the decode step as a
 CUDA graph. Attention: SDPA (GQA) for long chunks (prefill), an explicit grouped matmul with
 an additive mask for short ones (decode, speculative verification).
+
+`decode(tok, pos, kv_len)` is the single-token step for slots [0, B) written as ONE function
+(embedding, all layers, final norm, lm_head) so that torch.compile(fullgraph=True) sees the
+whole step (the engine compiles it and captures it in a CUDA graph). Its attention follows the
+`policy` (attention_policy.py): dense over the kv_len bucket, or a static-size gathered key set
+(local+global sparse, H2O eviction; per-layer score/alive state lives here for H2O).
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kestrel_models.planner.attention_policy import (AttentionPolicy, attend_gathered,
+                                                     column_mass, h2o_select, h2o_update,
+                                                     local_global_index)
 from kestrel_models.planner.vlm import VisionLanguageModel
 
 __all__ = ["KVModel"]
@@ -93,7 +102,7 @@ class KVModel:
     torch.compile (one compiled graph reused by all layers, since weights are arguments)."""
 
     def __init__(self, model: VisionLanguageModel, max_batch: int, max_len: int,
-                 compile: bool = False) -> None:
+                 compile: bool = False, policy: AttentionPolicy | None = None) -> None:
         cfg = model.cfg
         if max_batch < 1:
             raise ValueError(f"parameter 'max_batch' = {max_batch}: must be >= 1")
@@ -125,6 +134,16 @@ class KVModel:
         self.k = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in model.layers]
         self.v = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in model.layers]
         self._ar = torch.arange(max_len, device=w.device)
+        self.policy = policy or AttentionPolicy()
+        if self.policy.mode == "local_global" and self.policy.n_global >= max_len:
+            raise ValueError(f"parameter 'n_global' = {self.policy.n_global}: must be < "
+                             f"max_len {max_len}")
+        # H2O state per layer: accumulated attention mass and liveness of every position.
+        hshape = (max_batch, cfg.n_kv_heads, max_len)
+        h2o = self.policy.mode == "h2o"
+        self.score = [torch.zeros(hshape, device=w.device) for _ in model.layers] if h2o else []
+        self.alive = ([torch.ones(hshape, dtype=torch.bool, device=w.device)
+                       for _ in model.layers] if h2o else [])
         self._real_rope = compile
         self._pre: Callable = torch.compile(_pre, dynamic=False) if compile else _pre
         self._attn_post: Callable = (torch.compile(_attn_post, dynamic=False) if compile
@@ -149,6 +168,12 @@ class KVModel:
             self.k[i][slot, :, :p].copy_(src_k[i])
             self.v[i][slot, :, :p].copy_(src_v[i])
 
+    def reset_slots(self, rows: slice) -> None:
+        """Fresh policy state for cache rows that a new sequence takes (H2O scores)."""
+        for sc, al in zip(self.score, self.alive, strict=True):
+            sc[rows].zero_()
+            al[rows].fill_(True)
+
     def read_prefix(self, slot: int, length: int) -> tuple[list[Tensor], list[Tensor]]:
         return ([k[slot, :, :length].clone() for k in self.k],
                 [v[slot, :, :length].clone() for v in self.v])
@@ -156,10 +181,13 @@ class KVModel:
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, x: Tensor, pos: Tensor, rows: slice, kv_len: int,
-                last_only: bool = False) -> Tensor:
+                last_only: bool = False, last_index: Tensor | None = None) -> Tensor:
         """x [B, S, D] (embeddings), pos [B] long (first position of each row), rows: the
         B cache slots, kv_len: keys attended (static; >= max(pos) + S, <= max_len).
-        -> logits [B, S or 1, vocab] float32. The caller guarantees pos + S <= kv_len."""
+        -> logits [B, S or 1, vocab] float32 (1: last_only, or last_index [B] long = the
+        chunk index whose logits each row wants: right-padded batched prefill). The caller
+        guarantees pos + S <= kv_len. Attention here is always dense (prefill, verification);
+        with the H2O policy the chunk's attention mass is added to the rows' scores."""
         cfg = self.cfg
         b, s, _ = x.shape
         positions = pos[:, None] + self._ar[:s]  # [B, S]
@@ -179,6 +207,8 @@ class KVModel:
             kc[bi, :, positions] = k  # k [B, S, Hkv, hd]
             vc[bi, :, positions] = v
             kk, vv = kc[:, :, :kv_len], vc[:, :, :kv_len]
+            if self.score:
+                self.score[i][rows, :, :kv_len] += column_mass(q, kk, allowed)
             if use_sdpa:
                 a = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv,
                                                    attn_mask=allowed[:, None], scale=1.0,
@@ -188,7 +218,48 @@ class KVModel:
             else:
                 x = self._attn_post(x, q, kk, vv, mask_add, w["wo"], w["ffn_norm"],
                                     cfg.norm_eps, w["w13"], w["w2"])
-        if last_only:
+        if last_index is not None:
+            x = x[torch.arange(b, device=x.device), last_index][:, None]
+        elif last_only:
             x = x[:, -1:]
         x = F.rms_norm(x, (x.shape[-1],), self.model.norm.weight, cfg.norm_eps)
         return F.linear(x, self.model.lm_head.weight).float()
+
+    def decode(self, tok: Tensor, pos: Tensor, kv_len: int) -> Tensor:
+        """One token per row for cache slots [0, B): tok [B] long at positions pos [B] long
+        (pos < kv_len <= max_len) -> logits [B, vocab] float32. Writes k, v at pos; attends
+        per `policy`. Pure tensor code with static shapes for a given (B, kv_len): the unit
+        that the engine compiles (fullgraph) and captures as a CUDA graph."""
+        cfg, pol = self.cfg, self.policy
+        b = tok.shape[0]
+        x = F.embedding(tok, self.model.tok_emb.weight)[:, None]  # [B, 1, D]
+        cis = torch.stack([self.model.rope_cos[pos], self.model.rope_sin[pos]],
+                          dim=-1).float()[:, None]  # [B, 1, hd/2, 2]
+        bi = torch.arange(b, device=tok.device)
+        mask_add = idx = valid = None
+        if pol.mode == "dense":
+            allowed = self._ar[None, None, :kv_len] <= pos[:, None, None]  # [B, 1, L]
+            mask_add = torch.where(allowed, 0.0, float("-inf"))
+        elif pol.mode == "local_global":
+            idx, valid = local_global_index(pos, pol.n_global, pol.window)
+            idx = idx[:, None].expand(b, cfg.n_kv_heads, -1)
+            valid = valid[:, None].expand(b, cfg.n_kv_heads, -1)
+        for i, w in enumerate(self.layers):
+            q, k, v = self._pre(x, w["attn_norm"], cfg.norm_eps, w["wqkv"], cis, cfg.n_heads,
+                                cfg.n_kv_heads, cfg.head_dim, self._real_rope)
+            kc, vc = self.k[i][:b], self.v[i][:b]
+            kc[bi, :, pos] = k[:, 0]  # [B, Hkv, hd]
+            vc[bi, :, pos] = v[:, 0]
+            if mask_add is not None:
+                x = self._attn_post(x, q, kc[:, :, :kv_len], vc[:, :, :kv_len], mask_add,
+                                    w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"], w["w2"])
+                continue
+            if pol.mode == "h2o":
+                sc, al = self.score[i][:b, :, :kv_len], self.alive[i][:b, :, :kv_len]
+                idx, valid = h2o_select(sc, al, pos, pol.budget, pol.recent)
+            a, mass = attend_gathered(q, kc, vc, idx, valid)
+            if pol.mode == "h2o":
+                h2o_update(sc, al, pos, idx, valid, mass)
+            x = _post(x, a, w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"], w["w2"])
+        x = F.rms_norm(x, (x.shape[-1],), self.model.norm.weight, cfg.norm_eps)
+        return F.linear(x[:, 0], self.model.lm_head.weight).float()

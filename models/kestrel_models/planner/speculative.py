@@ -11,6 +11,12 @@ KV caches (kvmodel.KVModel); stale entries past a row's position are masked, so 
 tail needs no rollback. The emitted tokens are distributed exactly as sampling from the
 target alone; with temperature 0 (p, q one-hot at their argmax) the output equals the
 target's greedy decoding.
+
+A round (k+1 draft passes, the target's verification pass, the acceptance rule, position
+updates) reads and writes only static buffers, so with `cuda_graph` (default on CUDA) it is
+captured once per (batch, draft kv bucket, target kv bucket, temperature) and replayed; the
+host reads the accepted tokens once per round. Graphed rounds draw their randomness from the
+default CUDA generator (a `generator` argument is honoured on the eager path only).
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kestrel_models.planner.graphs import capture
 from kestrel_models.planner.kvmodel import KVModel
 from kestrel_models.planner.vlm import VisionLanguageModel
 
-__all__ = ["SpeculativeDecoder", "SpecResult", "accept_draft", "to_probs"]
+__all__ = ["SpeculativeDecoder", "SpecResult", "accept_draft", "sample_probs", "to_probs"]
 
 
 def to_probs(logits: Tensor, temperature: float) -> Tensor:
@@ -33,6 +40,14 @@ def to_probs(logits: Tensor, temperature: float) -> Tensor:
     if temperature <= 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def sample_probs(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """probs [..., V] -> one index per row, distributed as probs (exponential race:
+    argmax p_i / E_i with E_i ~ Exp(1)). Unlike torch.multinomial it never syncs with the
+    host, so it can be captured in a CUDA graph."""
+    e = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    return torch.argmax(probs.float() / e.clamp_min(torch.finfo(torch.float32).tiny), dim=-1)
 
 
 def accept_draft(p: Tensor, q: Tensor, draft: Tensor,
@@ -50,8 +65,7 @@ def accept_draft(p: Tensor, q: Tensor, draft: Tensor,
     res = (p[rows, n_acc] - q_pad[rows, n_acc]).clamp_min(0.0)  # [B, V]
     mass = res.sum(-1, keepdim=True)
     res = torch.where(mass > 0, res / mass.clamp_min(1e-30), p[rows, n_acc])
-    nxt = torch.multinomial(res, 1, generator=generator)[:, 0]
-    return n_acc, nxt
+    return n_acc, sample_probs(res, generator)
 
 
 @dataclass
@@ -74,7 +88,8 @@ class SpeculativeDecoder:
     own vision tower and image-token count). k: tokens drafted per round."""
 
     def __init__(self, target: VisionLanguageModel, draft: VisionLanguageModel, k: int,
-                 max_batch: int, max_len: int, eos_id: int, compile: bool = False) -> None:
+                 max_batch: int, max_len: int, eos_id: int, compile: bool = False,
+                 cuda_graph: bool | None = None) -> None:
         if k < 1:
             raise ValueError(f"parameter 'k' = {k}: must be >= 1")
         if target.cfg.vocab_size != draft.cfg.vocab_size:
@@ -83,7 +98,18 @@ class SpeculativeDecoder:
         self.k, self.eos_id, self.max_len = k, eos_id, max_len
         self.t = KVModel(target.eval(), max_batch, max_len, compile=compile)
         self.d = KVModel(draft.eval(), max_batch, max_len, compile=compile)
-        self.device = self.t.device
+        self.device = dev = self.t.device
+        self.cuda_graph = (dev.type == "cuda") if cuda_graph is None else bool(cuda_graph)
+        if self.cuda_graph and dev.type != "cuda":
+            raise ValueError("parameter 'cuda_graph' = True: needs the model on a CUDA device")
+        # Static round state [max_batch]: last emitted token, positions, running flag; outputs.
+        z = dict(dtype=torch.long, device=dev)
+        self.last, self.tpos, self.dpos = (torch.zeros(max_batch, **z) for _ in range(3))
+        self.running = torch.zeros(max_batch, dtype=torch.bool, device=dev)
+        self.n_acc, self.nxt = torch.zeros(max_batch, **z), torch.zeros(max_batch, **z)
+        self.xbuf = torch.zeros(max_batch, k, **z)
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
 
     def _prefill(self, kv: KVModel, prompts: Sequence[Sequence[int]],
                  images: Sequence[Tensor | None]) -> tuple[Tensor, Tensor]:
@@ -105,56 +131,87 @@ class SpeculativeDecoder:
             b *= 2
         return min(b, hi)
 
+    def _round(self, b: int, ld: int, lt: int, temperature: float,
+               generator: torch.Generator | None) -> None:
+        """One draft-and-verify round for rows [0, b) on the static buffers (graphable)."""
+        k = self.k
+        last, tpos, dpos = self.last[:b], self.tpos[:b], self.dpos[:b]
+        running = self.running[:b]
+        drafts, qs, cur = [], [], last
+        for i in range(k + 1):  # the (k+1)-th pass only writes x_k into the draft cache
+            lg = self.d.forward(self.d.embed_tokens(cur[:, None]), dpos + i, slice(0, b),
+                                ld)[:, 0]
+            if i == k:
+                break
+            q = to_probs(lg, temperature)
+            cur = lg.argmax(-1) if temperature <= 0 else sample_probs(q, generator)
+            drafts.append(cur)
+            qs.append(q)
+        x = torch.stack(drafts, dim=1)  # [B, k]
+        seq = torch.cat([last[:, None], x], dim=1)  # [B, k+1]
+        p = to_probs(self.t.forward(self.t.embed_tokens(seq), tpos, slice(0, b), lt),
+                     temperature)
+        n_acc, nxt = accept_draft(p, torch.stack(qs, dim=1), x, generator)
+        n_acc = torch.where(running, n_acc, torch.zeros_like(n_acc))
+        self.n_acc[:b].copy_(n_acc)
+        self.nxt[:b].copy_(nxt)
+        self.xbuf[:b].copy_(x)
+        step = torch.where(running, n_acc + 1, torch.zeros_like(n_acc))
+        tpos.add_(step)
+        dpos.add_(step)
+        last.copy_(torch.where(running, nxt, last))
+
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  images: Sequence[Tensor | None] | None = None, temperature: float = 0.0,
                  generator: torch.Generator | None = None) -> SpecResult:
         t0 = time.monotonic()
-        b, k, dev = len(prompts), self.k, self.device
+        b, k = len(prompts), self.k
         if not 1 <= b <= self.t.max_batch:
             raise ValueError(f"{b} prompts: must be 1..{self.t.max_batch}")
         imgs = list(images) if images is not None else [None] * b
         logits, tpos = self._prefill(self.t, prompts, imgs)
         _, dpos = self._prefill(self.d, prompts, imgs)
-        need = int(max(tpos.max(), dpos.max())) + max_new_tokens + k + 1
+        tp, dp = tpos.tolist(), dpos.tolist()  # host mirrors of the positions
+        need = max(max(tp), max(dp)) + max_new_tokens + k + 1
         if need > self.max_len:
             raise ValueError(f"request needs {need} positions > max_len {self.max_len}")
         p0 = to_probs(logits, temperature)
-        last = torch.multinomial(p0, 1, generator=generator)[:, 0]
+        last = sample_probs(p0, generator)
+        self.last[:b].copy_(last)
+        self.tpos[:b].copy_(tpos)
+        self.dpos[:b].copy_(dpos)
         ttft = time.monotonic() - t0
         out: list[list[int]] = [[] for _ in range(b)]
         reasons = [""] * b
         self._emit(out, reasons, [[t] for t in last.tolist()], max_new_tokens)
         rounds = drafted = accepted = 0
         while not all(reasons):
-            running = torch.tensor([not r for r in reasons], device=dev)
-            drafts, qs, cur = [], [], last
-            ld = self._bucket(int(dpos.max()) + k + 1, self.max_len)
-            for i in range(k + 1):  # the (k+1)-th pass only writes x_k into the draft cache
-                lg = self.d.forward(self.d.embed_tokens(cur[:, None]), dpos + i,
-                                    slice(0, b), ld)[:, 0]
-                if i == k:
-                    break
-                q = to_probs(lg, temperature)
-                cur = torch.multinomial(q, 1, generator=generator)[:, 0]
-                drafts.append(cur)
-                qs.append(q)
-            x = torch.stack(drafts, dim=1)  # [B, k]
-            seq = torch.cat([last[:, None], x], dim=1)  # [B, k+1]
-            lt = self._bucket(int(tpos.max()) + k + 1, self.max_len)
-            p = to_probs(self.t.forward(self.t.embed_tokens(seq), tpos, slice(0, b), lt),
-                         temperature)
-            n_acc, nxt = accept_draft(p, torch.stack(qs, dim=1), x, generator)
-            n_acc = torch.where(running, n_acc, torch.zeros_like(n_acc))
+            self.running[:b].copy_(torch.tensor([not r for r in reasons]))
+            ld = self._bucket(max(dp) + k + 1, self.max_len)
+            lt = self._bucket(max(tp) + k + 1, self.max_len)
+            if self.cuda_graph:
+                key = (b, ld, lt, float(temperature))
+                if key not in self._graphs:
+                    state = [self.last, self.tpos, self.dpos]
+                    self._graphs[key] = capture(
+                        lambda ld=ld, lt=lt: self._round(b, ld, lt, temperature, None),
+                        self._pool, state)
+                self._graphs[key][0].replay()
+            else:
+                self._round(b, ld, lt, temperature, generator)
+            na, xs, nx = (self.n_acc[:b].tolist(), self.xbuf[:b].tolist(),
+                          self.nxt[:b].tolist())
+            n_run = sum(1 for r in reasons if not r)
             rounds += 1
-            drafted += k * int(running.sum())
-            accepted += int(n_acc.sum())
-            na, xs, nx = n_acc.tolist(), x.tolist(), nxt.tolist()
+            drafted += k * n_run
+            accepted += sum(na)
             new = [xs[i][:na[i]] + [nx[i]] if not reasons[i] else [] for i in range(b)]
+            for i in range(b):
+                if not reasons[i]:
+                    tp[i] += na[i] + 1
+                    dp[i] += na[i] + 1
             self._emit(out, reasons, new, max_new_tokens)
-            step = torch.where(running, n_acc + 1, torch.zeros_like(n_acc))
-            tpos, dpos = tpos + step, dpos + step
-            last = torch.where(running, nxt, last)
         return SpecResult(out, reasons, rounds, drafted, accepted, ttft, time.monotonic() - t0)
 
     def _emit(self, out: list[list[int]], reasons: list[str], new: list[list[int]],
