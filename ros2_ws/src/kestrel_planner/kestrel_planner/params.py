@@ -48,6 +48,10 @@ SPECS = [
               "(our VLM, DecodeEngine: KV-cache slots, CUDA-graph decode on GPU), hf (a local "
               "Hugging Face VLM directory), remote (an OpenAI-compatible server: vLLM, SGLang, "
               "TensorRT-LLM).", choices=BACKENDS, read_only=True),
+    ParamSpec("engine_compile", False, "backend engine on CUDA: compile the whole decode step "
+              "(inductor, coordinate-descent tuned) under the CUDA graph; ~1 min per batch/length "
+              "bucket at configure, ~1.4x decode speed (docs/benchmarks/planner_h200.md).",
+              read_only=True),
     ParamSpec("hf_model_path", "", "backend hf: local directory saved with save_pretrained "
               "(config.json, weights, tokenizer).", read_only=True),
     ParamSpec("hf_dtype", "auto", "backend hf: weight dtype ('auto' = as saved).",

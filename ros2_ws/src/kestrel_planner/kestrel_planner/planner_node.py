@@ -184,7 +184,8 @@ class PlannerNode(KestrelLifecycleNode):
                 demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),
                 device=p["device"], seed=p["seed"], max_new_tokens=p["max_new_tokens"],
                 max_batch=p["max_batch"], temperature=p["temperature"], limits=limits,
-                backend=p["backend"], hf_model_path=p["hf_model_path"], hf_dtype=p["hf_dtype"],
+                backend=p["backend"], engine_compile=p["engine_compile"],
+                hf_model_path=p["hf_model_path"], hf_dtype=p["hf_dtype"],
                 hf_tokenizer=p["hf_tokenizer"], hf_grammar=p["hf_grammar"], remote=remote,
                 remote_send_image=p["remote_send_image"],
                 remote_response_format=p["remote_response_format"]))

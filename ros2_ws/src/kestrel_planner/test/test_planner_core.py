@@ -215,3 +215,15 @@ def test_engine_backend_matches_generate_backend() -> None:
     assert r.cancelled and r.tokens == 3 and streamed[-1][0] == 3
     with pytest.raises(ValueError, match="parameter 'backend'"):
         PlannerConfig(backend="vllm")
+
+
+def test_engine_compile_is_cuda_only() -> None:
+    """engine_compile asks for the compiled decode step on CUDA; on CPU the same engine runs its
+    eager step (no inductor compile at configure) and plans are unchanged."""
+    a = PlannerCore(PlannerConfig(seed=3, limits=LIMITS, warmup=False, backend="engine"))
+    b = PlannerCore(PlannerConfig(seed=3, limits=LIMITS, warmup=False, backend="engine",
+                                  engine_compile=True))
+    eng = b.backend.engine
+    assert eng._step_fn == eng._step_impl  # not wrapped by torch.compile on CPU
+    req = [PlanRequest("put the red cube in the bin", IMAGE, SCENE)]
+    assert [x.text for x in a.plan_batch(req)] == [x.text for x in b.plan_batch(req)]

@@ -61,8 +61,10 @@ class LocalVLMBackend:
         self._n_img = cfg.num_image_tokens
         self.engine: DecodeEngine | None = None
         if config.backend == "engine":
+            fast = config.engine_compile and str(config.device).startswith("cuda")
             self.engine = DecodeEngine(self.model, config.max_batch, cfg.max_seq_len,
-                                       self.tokenizer.eos_id)
+                                       self.tokenizer.eos_id, compile_step=fast,
+                                       coordinate_descent=fast)
         else:
             self.model.setup_cache(config.max_batch, cfg.max_seq_len)
 

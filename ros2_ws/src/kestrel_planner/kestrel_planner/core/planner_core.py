@@ -54,6 +54,7 @@ class PlannerConfig:
     # static KV cache, CUDA-graph decode on GPU); 'hf': a local HF directory; 'remote': an
     # OpenAI-compatible server. model/weights_path/demo_plan are the local backends' only.
     backend: str = "generate"
+    engine_compile: bool = False  # engine on CUDA: whole decode step compiled (DecodeEngine)
     hf_model_path: str = ""  # directory with config.json + weights (save_pretrained)
     hf_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     hf_tokenizer: str = "auto"  # auto (the directory's) | byte (Kestrel's byte tokenizer)
