@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "models"))
 
 from kestrel_models.perception import MultiTaskPerceptionModel, PerceptionConfig  # noqa: E402
 from kestrel_models.perception.accuracy import compare_outputs  # noqa: E402
+from kestrel_models.perception.flops import count_flops  # noqa: E402
 from kestrel_models.perception.lidar import bucket_points  # noqa: E402
 from kestrel_models.perception.runtime import VARIANTS, PerceptionRuntime  # noqa: E402
 
@@ -119,7 +120,10 @@ def profile_top(rt: PerceptionRuntime, images: torch.Tensor, points: torch.Tenso
 
 
 def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variants: list[str],
-             t_start: float, device: torch.device) -> dict:
+             t_start: float, device: torch.device, budget_s: float | None = None) -> dict:
+    """One (cameras, batch, BEV) case: every variant on the same inputs, eager fp32 first.
+    Compiled variants are skipped once `budget_s` (default --budget-s) of wall time is spent."""
+    budget_s = args.budget_s if budget_s is None else budget_s
     hw = tuple(args.image_hw)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -131,6 +135,8 @@ def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variant
     n_pts = 0 if points is None else points.shape[1]
     case = {"cameras": cams, "batch": batch, "bev": bev, "image_hw": list(hw),
             "lidar_points": args.points, "lidar_bucket": n_pts, "variants": []}
+    flops = count_flops(cfg, cams * batch, hw, n_pts)
+    case["flops"] = flops.as_dict()
     h2d = images.pin_memory() if device.type == "cuda" else images
     images_d = images.to(device)
     points_d = None if points is None else points.to(device)
@@ -148,9 +154,9 @@ def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variant
     for name in variants:
         row: dict = {"variant": name}
         spec = VARIANTS[name]
-        compiled = spec.trunk_compile is not None or spec.heads_compile is not None
-        if compiled and time.perf_counter() - t_start > args.budget_s:
-            row["skipped"] = f"time budget {args.budget_s:.0f} s spent before this variant"
+        compiled = spec.compiled
+        if compiled and time.perf_counter() - t_start > budget_s:
+            row["skipped"] = f"time budget {budget_s:.0f} s spent before this variant"
             case["variants"].append(row)
             print(f"  {name:24s} skipped (budget)", flush=True)
             continue
@@ -177,7 +183,8 @@ def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variant
         acc = compare_outputs(ref, out, hw, class_offset=cfg.det_class_offset)
         p50 = pct(lat, 50)
         row.update(prepare_s=round(rt.prepare_s, 2), compile_s=round(rt.compile_s, 2),
-                   p50_ms=p50, p99_ms=pct(lat, 99), mean_ms=sum(lat) / len(lat),
+                   p50_ms=p50, p99_ms=pct(lat, 99), p999_ms=pct(lat, 99.9),
+                   mean_ms=sum(lat) / len(lat), tflops=flops.total_gflop / p50,
                    images_per_s=cams * batch * 1e3 / p50, accuracy=acc.as_dict())
         if name == "eager_fp32":
             base = p50
@@ -185,7 +192,7 @@ def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variant
         if device.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if args.profile and cams == args.cams[-1] and batch == 1 and not bev and \
-                name == args.profile_variant:
+                args.profile_variant in ("all", name):
             row["profile_top"] = profile_top(rt, images_d, points_d)
         case["variants"].append(row)
         print(f"  {name:24s} p50 {p50:8.3f} ms  p99 {row['p99_ms']:8.3f} ms  "
@@ -199,21 +206,22 @@ def markdown(result: dict) -> str:
     lines = [f"# Perception forward benchmark ({result['machine']['device']})", "",
              f"Command: `{result['command']}`  ", f"git {result['git_commit']}, torch "
              f"{result['torch']}, config {result['config']}, {result['iters']} iterations", "",
-             "| cams | batch | BEV | variant | p50 ms | p99 ms | img/s | x eager fp32 | "
-             "peak GiB | compile s | seg max abs | depth max abs | det agree |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| cams | batch | BEV | variant | p50 ms | p99 ms | img/s | TFLOP/s | "
+             "x eager fp32 | peak GiB | compile s | seg max abs | depth max abs | det agree |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in result["cases"]:
         for r in case["variants"]:
             head = f"| {case['cameras']} | {case['batch']} | {case['bev']} | {r['variant']} |"
             if "p50_ms" not in r:
-                lines.append(head + f" {r.get('skipped') or r.get('error')} |" + " |" * 9)
+                lines.append(head + f" {r.get('skipped') or r.get('error')} |" + " |" * 10)
                 continue
             a = r["accuracy"]
 
             def f(x: float | None, fmt: str = "{:.3g}") -> str:
                 return "-" if x is None else fmt.format(x)
             lines.append(head + f" {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
-                         f"{r['images_per_s']:.0f} | {f(r['speedup_vs_eager_fp32'], '{:.2f}')} | "
+                         f"{r['images_per_s']:.0f} | {f(r.get('tflops'), '{:.3g}')} | "
+                         f"{f(r['speedup_vs_eager_fp32'], '{:.2f}')} | "
                          f"{f(r.get('peak_mem_gib'), '{:.2f}')} | {r['compile_s']:.1f} | "
                          f"{f(a['seg_max_abs'])} | {f(a['depth_max_abs'])} | "
                          f"{f(a['det_agreement'], '{:.3f}')} |")
@@ -233,14 +241,19 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=None,
                     help="variants of the target case (eager_fp32 always first)")
     ap.add_argument("--sweep-variants", nargs="+", default=None,
-                    help="variants of the other cases (default: eager and the best one)")
+                    help="variants of the other cases; 'best' = the fastest compiled variant "
+                         "of the target case (default: eager and compile_bf16w_graph)")
+    ap.add_argument("--target-budget-s", type=float, default=None,
+                    help="skip the target case's compiled variants after this wall time "
+                         "(default --budget-s), leaving time for the other cases")
     ap.add_argument("--bev", action="store_true", help="also the target case with BEV fusion")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="skip compiled variants once this much wall time is spent")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--profile-variant", default="compile_bf16w_graph")
+    ap.add_argument("--profile-variant", default="all",
+                    help="variant profiled in the target case ('all': each one, ~1 s each)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0 = default)")
     ap.add_argument("--allow-tf32", action="store_true",
                     help="let fp32 convs/matmuls use TF32 (default: strict fp32 reference)")
@@ -262,7 +275,7 @@ def main() -> None:
     sweep = args.sweep_variants or (["eager_fp32", "eager_bf16_cl", "compile_bf16w_graph"]
                                     if gpu else ["eager_fp32", "eager_fp32_cl"])
     for v in target + sweep:
-        if v not in VARIANTS:
+        if v not in VARIANTS and v != "best":
             ap.error(f"unknown variant {v!r}; known: {sorted(VARIANTS)}")
     target = ["eager_fp32"] + [v for v in target if v != "eager_fp32"]
     sweep = ["eager_fp32"] + [v for v in sweep if v != "eager_fp32"]
@@ -286,10 +299,18 @@ def main() -> None:
               "note": "working tree may have uncommitted changes on top of git_commit",
               "cases": []}
     t0 = time.perf_counter()
-    for cams, batch, bev, variants in cases:
+    for i, (cams, batch, bev, variants) in enumerate(cases):
         print(f"case: {cams} camera(s) x batch {batch}, BEV {bev}, {args.points} points",
               flush=True)
-        result["cases"].append(run_case(args, cams, batch, bev, variants, t0, device))
+        if "best" in variants:  # the fastest compiled variant of the target case
+            rows = [r for r in result["cases"][0]["variants"]
+                    if "p50_ms" in r and VARIANTS[r["variant"]].compiled]
+            best = min(rows, key=lambda r: r["p50_ms"])["variant"] if rows else None
+            result["sweep_best"] = best
+            variants = [v for v in variants if v != "best"] + ([best] if best else [])
+            variants = list(dict.fromkeys(variants))
+        budget = args.target_budget_s if i == 0 and args.target_budget_s else None
+        result["cases"].append(run_case(args, cams, batch, bev, variants, t0, device, budget))
     result["total_s"] = time.perf_counter() - t0
     md = markdown(result)
     print(md)

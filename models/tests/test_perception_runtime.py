@@ -210,3 +210,60 @@ def test_lidar_projection_stays_fp32_under_autocast() -> None:
         outs.append(rt.run(_images(1), pts))
     assert outs[1]["lidar_uv"].dtype == torch.float32
     torch.testing.assert_close(outs[1]["lidar_uv"], outs[0]["lidar_uv"])
+
+
+def test_whole_forward_is_one_graph_and_keeps_geometry_an_input() -> None:
+    """whole_* variants trace the forward (model + projection) as ONE graph per head set
+    (fullgraph=True fails on any graph break); T/K stay inputs, so set_geometry still counts.
+    The 'eager' backend checks the tracing without a slow inductor compile on CPU."""
+    model = _model(base_width=8, fpn_channels=16)
+    img, pts = _images(2), torch.randn(1, 256, 3) * 5
+    T = torch.eye(4).repeat(2, 1, 1)
+    K = torch.tensor([[50.0, 0, 48], [0, 50, 32], [0, 0, 1]]).repeat(2, 1, 1)
+    sets = [{"detection", "segmentation", "depth"}, {"depth"}]
+    ref = PerceptionRuntime(model, "eager_fp32", HW, cameras=2, lidar_points=256, heads=sets)
+    rt = PerceptionRuntime(model, VariantSpec(whole_compile="default", backend="eager"), HW,
+                           cameras=2, lidar_points=256, heads=sets)
+    assert set(rt._regions) == {frozenset(s) for s in sets}
+    for geom in (T, T.clone().index_fill_(2, torch.tensor([3]), 1.0)):
+        geom[:, 3, 3] = 1.0
+        ref.set_geometry(geom, K)
+        rt.set_geometry(geom, K)
+        want, got = ref.run(img, pts), rt.run(img, pts)
+        torch.testing.assert_close(got["depth"], want["depth"])
+        torch.testing.assert_close(got["lidar_depth"], want["lidar_depth"], equal_nan=True)
+        assert got["lidar_valid"].any()
+    only = rt.run(img, pts, heads={"depth"})
+    assert "seg" not in only and "det_cls" not in only
+    torch.testing.assert_close(only["depth"], ref.run(img, pts)["depth"])
+
+
+def test_whole_variant_table_and_spec_validation() -> None:
+    for name in ("whole_bf16w_graph", "whole_bf16w_fold_graph", "whole_bf16w_freeze_graph",
+                 "whole_fp16w_freeze_graph"):
+        spec = VARIANTS[name]
+        assert spec.whole_compile == "default" and spec.cuda_graph and spec.compiled
+        assert spec.trunk_compile is None and spec.heads_compile is None
+    assert VARIANTS["whole_fp16w_freeze_graph"].dtype == torch.float16
+    assert not VARIANTS["eager_fp32"].compiled
+    with pytest.raises(ValueError, match="'freeze' = True"):
+        VariantSpec(freeze=True)
+    with pytest.raises(ValueError, match="'whole_compile' = 'default'"):
+        VariantSpec(trunk_compile="default", whole_compile="default")
+    with pytest.raises(ValueError, match="'whole_compile' = 'fast'"):
+        VariantSpec(whole_compile="fast")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_whole_freeze_variant_matches_eager_on_gpu() -> None:
+    model = _model(bev=True, bev_grid=16)
+    img, pts = _images(2), torch.randn(1, 256, 3) * 5
+    ref = PerceptionRuntime(model, "eager_fp32", HW, cameras=2, device="cuda", lidar_points=256)
+    ref_out = {k: v.clone() for k, v in ref.run(img, pts).items() if torch.is_tensor(v)}
+    rt = PerceptionRuntime(model, "whole_bf16w_freeze_graph", HW, cameras=2, device="cuda",
+                           lidar_points=256)
+    out = rt.run(img, pts)
+    rep = compare_outputs(ref_out, out, HW, class_offset=1)
+    assert rep.seg_max_abs < 0.2 and rep.depth_max_abs < 0.2 and rep.bev_max_abs < 0.2
+    torch.testing.assert_close(out["lidar_uv"], ref_out["lidar_uv"], equal_nan=True)

@@ -8,12 +8,17 @@ model). No ROS here.
 
 Variants (VARIANTS): eager_fp32, eager_fp32_cl, eager_bf16_cl, eager_fp16_cl, compile_fp32,
 compile_bf16, compile_bf16_graph, compile_bf16w_graph, compile_bf16w_graph_at, eager_bf16w_graph,
-eager_fp32_fold, compile_bf16w_fold_graph.
+eager_fp32_fold, compile_bf16w_fold_graph, whole_bf16w_graph, whole_bf16w_fold_graph,
+whole_bf16w_freeze_graph, whole_fp16w_freeze_graph.
   *_cl: channels_last; bf16/fp16: autocast; bf16w: weights cast to bf16 (no per-call casts);
   compile_*: torch.compile (trunk = backbone + FPN, heads = det/neck/seg/depth/BEV, each
   group with its own mode); *_graph: whole-forward CUDA graph (CUDA only);
   *_at: heads compiled with mode "max-autotune-no-cudagraphs"; *_fold: BatchNorm folded into
-  the convs at configure (eager_fp32_fold, compile_bf16w_fold_graph).
+  the convs at configure (eager_fp32_fold, compile_bf16w_fold_graph);
+  whole_*: ONE torch.compile region per head set over the whole forward (normalisation,
+  backbone, FPN, heads, seg/depth upsampling, LiDAR projection), so inductor sees every
+  pointwise op after each conv; *_freeze: inductor freezing (weights become constants:
+  conv+BN folded, constants pre-computed), compiled under inference mode.
 """
 
 from __future__ import annotations
@@ -51,15 +56,27 @@ class VariantSpec:
     heads_compile: str | None = None  # torch.compile mode of the heads (and BEV)
     cuda_graph: bool = False  # capture the whole forward in one CUDA graph per head set
     fold_bn: bool = False  # fold eval BatchNorm into the preceding convs at configure
+    whole_compile: str | None = None  # torch.compile mode of ONE region over the forward
+    freeze: bool = False  # inductor freezing (only with whole_compile)
+    backend: str = "inductor"  # torch.compile backend ("eager" in CPU tests of the tracing)
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"parameter 'precision' = {self.precision!r}: must be fp32, "
                              "bf16 or fp16")
-        for name in ("trunk_compile", "heads_compile"):
+        for name in ("trunk_compile", "heads_compile", "whole_compile"):
             if getattr(self, name) not in COMPILE_MODES:
                 raise ValueError(f"parameter '{name}' = {getattr(self, name)!r}: must be one "
                                  f"of {COMPILE_MODES}")
+        if self.whole_compile is not None and (self.trunk_compile or self.heads_compile):
+            raise ValueError(f"parameter 'whole_compile' = {self.whole_compile!r}: excludes "
+                             "trunk_compile/heads_compile (one region or per-module regions)")
+        if self.freeze and self.whole_compile is None:
+            raise ValueError("parameter 'freeze' = True: needs whole_compile")
+
+    @property
+    def compiled(self) -> bool:
+        return any((self.trunk_compile, self.heads_compile, self.whole_compile))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -82,6 +99,14 @@ VARIANTS: dict[str, VariantSpec] = {
     "eager_fp32_fold": VariantSpec(fold_bn=True),
     "compile_bf16w_fold_graph": VariantSpec("bf16", True, True, "default", "default", True,
                                             fold_bn=True),
+    "whole_bf16w_graph": VariantSpec("bf16", True, True, cuda_graph=True,
+                                     whole_compile="default"),
+    "whole_bf16w_fold_graph": VariantSpec("bf16", True, True, cuda_graph=True, fold_bn=True,
+                                          whole_compile="default"),
+    "whole_bf16w_freeze_graph": VariantSpec("bf16", True, True, cuda_graph=True,
+                                            whole_compile="default", freeze=True),
+    "whole_fp16w_freeze_graph": VariantSpec("fp16", True, True, cuda_graph=True,
+                                            whole_compile="default", freeze=True),
 }
 
 
@@ -172,6 +197,9 @@ class PerceptionRuntime:
             self._T = torch.eye(4, device=self.device).repeat(cameras, 1, 1)
             self._K = torch.eye(3, device=self.device).repeat(cameras, 1, 1)
         self._graphs: dict[frozenset[str], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
+        # whole_* variants: one compiled callable (images, points) -> Outputs per head set
+        self._regions = {hs: self._compile_region(hs) for hs in self.head_sets} \
+            if self.spec.whole_compile is not None else {}
         self._warmup(max(1, warmup))
         self.prepare_s = time.perf_counter() - t0
 
@@ -203,22 +231,48 @@ class PerceptionRuntime:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.spec.dtype)
 
+    def _region(self, images: torch.Tensor, points: torch.Tensor | None,
+                T: torch.Tensor | None, K: torch.Tensor | None, heads: frozenset[str]
+                ) -> Outputs:
+        """Model + LiDAR projection: images [B*C,3,H,W] uint8, points [B,N,3] m or None,
+        T [C,4,4] camera-from-base, K [C,3,3] px (inputs, never frozen into a compile)."""
+        with self._autocast():
+            out = self.model(images, heads, points=points)
+        if points is not None:  # geometry stays fp32 (outside autocast)
+            uv, z, valid = [], [], []
+            for b in range(self.batch):  # static loop: batch is fixed at configure
+                u, d, v = project_points(points[b], T, K, self.image_hw)
+                uv.append(u)
+                z.append(d)
+                valid.append(v)
+            out["lidar_uv"] = torch.stack(uv)
+            out["lidar_depth"] = torch.stack(z)
+            out["lidar_valid"] = torch.stack(valid)
+        return out
+
+    def _compile_region(self, hs: frozenset[str]):  # noqa: ANN202 (a compiled callable)
+        """One torch.compile region over `_region` for head set `hs` (static shapes)."""
+        spec = self.spec
+
+        def region(images: torch.Tensor, points: torch.Tensor | None,
+                   T: torch.Tensor | None, K: torch.Tensor | None) -> Outputs:
+            return self._region(images, points, T, K, hs)
+
+        if spec.backend != "inductor":
+            return torch.compile(region, backend=spec.backend, dynamic=False, fullgraph=True)
+        import torch._inductor as inductor
+
+        options = dict(inductor.list_mode_options(spec.whole_compile))
+        if spec.freeze:
+            options["freezing"] = True
+        return torch.compile(region, dynamic=False, fullgraph=True, options=options)
+
     def _forward(self, heads: frozenset[str]) -> Outputs:
         """The whole forward on the static buffers (what a CUDA graph captures)."""
         with torch.inference_mode():
-            with self._autocast():
-                out = self.model(self._images, heads, points=self._points)
-            if self._points is not None:  # geometry stays fp32 (outside autocast)
-                uv, z, valid = [], [], []
-                for b in range(self.batch):  # static loop: batch is fixed at configure
-                    u, d, v = project_points(self._points[b], self._T, self._K, self.image_hw)
-                    uv.append(u)
-                    z.append(d)
-                    valid.append(v)
-                out["lidar_uv"] = torch.stack(uv)
-                out["lidar_depth"] = torch.stack(z)
-                out["lidar_valid"] = torch.stack(valid)
-        return out
+            if self._regions:
+                return self._regions[heads](self._images, self._points, self._T, self._K)
+            return self._region(self._images, self._points, self._T, self._K, heads)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The H200 perception runs in ONE device call (device time is scarce): the forward benchmark
+# (scripts/bench_perception.py) and the node end to end with ROS I/O live
+# (scripts/bench_perception_node.py). Run from the repo root on the GPU machine with
+# carry [".whl"]; results go to $OUT (or ./bench_out). Usage:
+#   bash scripts/bench_perception_h200.sh <git commit> [all|forward|node] [forward budget s] \
+#        [node frames]
+# ("node" alone: ~1 min of ROS env build + ~1 min of node compile/warm-up + the frames.)
+# The ROS 2 venv (scripts/device_ros_env.sh, ~1 min of cmake on the CPU) is built in the
+# background while the forward benchmark runs; the node run starts once both are done, so the
+# inductor cache of the forward run (same graphs) serves the node's compile.
+set -o pipefail
+commit="${1:-unknown}"
+mode="${2:-all}"
+budget="${3:-215}"
+frames="${4:-150}"
+out="${OUT:-bench_out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+(source scripts/device_ros_env.sh > "$out/ros_env.log" 2>&1; echo "ros env rc $?" >> "$out/ros_env.log") &
+envpid=$!
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+if [[ "$mode" != node ]]; then
+timeout $((budget + 90)) python3 scripts/bench_perception.py --config r50 --iters 200 --warmup 20 \
+  --profile --cams 1 6 --batches 8 4 2 --points 120000 \
+  --variants eager_fp32 compile_bf16w_graph whole_bf16w_freeze_graph compile_bf16w_fold_graph \
+             whole_bf16w_graph whole_fp16w_freeze_graph \
+  --sweep-variants best --target-budget-s 120 --budget-s "$budget" \
+  --git-commit "$commit" --out "$out/perception_h200" 2>&1 | grep -v USDT > "$out/bench.log"
+echo "forward bench rc $?"
+tail -32 "$out/bench.log"
+fi
+wait "$envpid"
+[[ "$mode" == forward ]] && exit 0
+tail -3 "$out/ros_env.log"
+source scripts/device_ros_env.sh || exit 3
+timeout 150 "$KPY" scripts/bench_perception_node.py --config r50 --device cuda --cams 6 \
+  --image-hw 640 640 --points 120000 --rate 10 --frames "$frames" \
+  --variant compile_bf16w_fold_graph --ready-timeout 110 --git-commit "$commit" \
+  --out "$out/perception_node_h200" > "$out/node.log" 2>&1
+echo "node bench rc $?"
+tail -25 "$out/node.log"

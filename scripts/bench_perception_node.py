@@ -1,0 +1,408 @@
+#!/usr/bin/env python3
+"""End-to-end benchmark of the perception NODE with ROS I/O live (message in -> result out).
+
+Three processes on one machine, one ROS domain (localhost discovery):
+  node       `python -m kestrel_perception.perception_node` (the real node, own process)
+  publisher  this script with `--role publisher`: N cameras (Image rgb8 + CameraInfo) and one
+             PointCloud2 per frame, all stamped with the wall-clock time just before the set
+             is published, at `--rate` Hz for `--frames` frames
+  main       this script: starts both, warms the node up (sets at 2 Hz until a first result:
+             configure, compile and CUDA-graph capture are not timed), subscribes to
+             ~/output/result and /diagnostics, and measures per frame
+             latency = receipt time of the result - its header stamp (= the input stamp; the
+             same wall clock in every process), so it includes serialisation, DDS transport
+             both ways, synchronisation, the model and post-processing.
+Drops = frames published but never answered (newest-wins under overload, or lost by best-
+effort transport); the node's own counters (skipped_stale, out_of_sync, ...) are recorded too.
+
+  # CPU smoke run (tiny model, 1 camera):
+  python scripts/bench_perception_node.py --config tiny --device cpu --cams 1 --image-hw 256 320 \
+      --points 20000 --rate 5 --frames 40 --out docs/benchmarks/perception_node_cpu
+  # H200 (after `source scripts/device_ros_env.sh`, with $KPY; see bench_perception_h200.sh):
+  $KPY scripts/bench_perception_node.py --config r50 --device cuda --cams 6 --rate 10 \
+      --frames 200 --variant compile_bf16w_fold_graph --out $OUT/perception_node_h200
+All three processes use the Fast DDS profile ros2_ws/src/kestrel_perception/config/
+fastdds_large_data.xml by default: with Fast DDS's default 512 KB shared-memory segment most
+camera-sized best-effort samples are lost (see docs/benchmarks/perception_node_h200.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+for sub in ("tests", "models", "ros2_ws/src/kestrel_common", "ros2_ws/src/kestrel_perception"):
+    if str(ROOT / sub) not in sys.path:
+        sys.path.insert(0, str(ROOT / sub))
+
+NODE = "perception"
+# Fast DDS profile with a large shared-memory segment (the default 512 KB segment loses
+# best-effort camera-sized samples); 'none' keeps Fast DDS's defaults
+FASTDDS_PROFILE = ROOT / "ros2_ws/src/kestrel_bringup/config/fastdds_large_data.xml"
+CONFIGS = {  # node parameters of the model size
+    "tiny": {"backbone_depth": 18, "base_width": 16, "fpn_channels": 64, "head_convs": 1},
+    "r50": {"backbone_depth": 50, "base_width": 64, "fpn_channels": 256, "head_convs": 4},
+}
+
+
+def camera_poses(cams: int) -> tuple[list[float], np.ndarray]:
+    """`cams` cameras at the origin, 1 m up, yaw 360/cams apart, looking horizontally.
+    Returns the node's camera_poses parameter (x y z qx qy qz qw per camera, optical frame
+    in world) and the T_world_from_cam [cams,4,4]."""
+    base_to_cam0 = np.array([[0.0, -1.0, 0.0], [0.0, 0.0, -1.0], [1.0, 0.0, 0.0]])
+    flat, mats = [], []
+    for c in range(cams):
+        a = 2 * math.pi * c / cams
+        yaw = np.array([[math.cos(a), math.sin(a), 0.0], [-math.sin(a), math.cos(a), 0.0],
+                        [0.0, 0.0, 1.0]])
+        R = (base_to_cam0 @ yaw).T  # world_from_cam rotation
+        T = np.eye(4)
+        T[:3, :3], T[:3, 3] = R, (0.0, 0.0, 1.0)
+        mats.append(T)
+        flat += [0.0, 0.0, 1.0, *quat_xyzw(R)]
+    return flat, np.stack(mats)
+
+
+def quat_xyzw(R: np.ndarray) -> list[float]:
+    """Rotation matrix [3,3] -> quaternion (x, y, z, w)."""
+    w = math.sqrt(max(0.0, 1 + R[0, 0] + R[1, 1] + R[2, 2])) / 2
+    x = math.copysign(math.sqrt(max(0.0, 1 + R[0, 0] - R[1, 1] - R[2, 2])) / 2, R[2, 1] - R[1, 2])
+    y = math.copysign(math.sqrt(max(0.0, 1 - R[0, 0] + R[1, 1] - R[2, 2])) / 2, R[0, 2] - R[2, 0])
+    z = math.copysign(math.sqrt(max(0.0, 1 - R[0, 0] - R[1, 1] + R[2, 2])) / 2, R[1, 0] - R[0, 1])
+    return [x, y, z, w]
+
+
+class SetPublisher:
+    """Publishers of one frame set: cloud, then camera_infos, then images (same stamp)."""
+
+    def __init__(self, node, cams: int, hw: tuple[int, int], points: int, seed: int) -> None:
+        from kestrel_common.base_node import SENSOR_QOS
+        from kestrel_common.conversions import make_camera_info, make_header, numpy_to_image
+        from kestrel_common.conversions import xyz_to_pointcloud2
+        from sensor_msgs.msg import CameraInfo, Image, PointCloud2
+
+        h, w = hw
+        rng = np.random.default_rng(seed)
+        K = np.array([[w / 2, 0.0, w / 2], [0.0, w / 2, h / 2], [0.0, 0.0, 1.0]])
+        hdr = make_header(0, "world")
+        self.images = [numpy_to_image(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "rgb8",
+                                      make_header(0, f"cam{c}_optical")) for c in range(cams)]
+        self.infos = [make_camera_info(K, w, h, make_header(0, f"cam{c}_optical"))
+                      for c in range(cams)]
+        r = 2 + 28 * rng.random(points)
+        a = 2 * math.pi * rng.random(points)
+        xyz = np.stack([r * np.cos(a), r * np.sin(a), -0.5 + 3 * rng.random(points)], 1)
+        self.cloud = xyz_to_pointcloud2(xyz.astype(np.float32), hdr) if points else None
+        pre = f"/{NODE}/input"
+        self.pub_img = [node.create_publisher(Image, f"{pre}/camera_{c}/image", SENSOR_QOS)
+                        for c in range(cams)]
+        self.pub_info = [node.create_publisher(CameraInfo, f"{pre}/camera_{c}/camera_info",
+                                               SENSOR_QOS) for c in range(cams)]
+        self.pub_cloud = node.create_publisher(PointCloud2, f"{pre}/points", SENSOR_QOS)
+
+    def wait_for_node(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        pubs = [*self.pub_img, *self.pub_info, self.pub_cloud]
+        while time.monotonic() < deadline:
+            if all(p.get_subscription_count() > 0 for p in pubs):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def publish(self) -> tuple[int, float]:
+        """Publish one set stamped now. Returns (stamp ns, seconds spent publishing)."""
+        from kestrel_common.conversions import ns_to_stamp
+
+        t0 = time.perf_counter()
+        stamp_ns = time.time_ns()
+        st = ns_to_stamp(stamp_ns)
+        if self.cloud is not None:
+            self.cloud.header.stamp = st
+            self.pub_cloud.publish(self.cloud)
+        for pub, msg in zip(self.pub_info, self.infos, strict=True):
+            msg.header.stamp = st
+            pub.publish(msg)
+        for pub, msg in zip(self.pub_img, self.images, strict=True):
+            msg.header.stamp = st
+            pub.publish(msg)
+        return stamp_ns, time.perf_counter() - t0
+
+
+def run_publisher(args: argparse.Namespace) -> int:
+    """--role publisher: publish `frames` sets at `rate` Hz, write their stamps to JSON."""
+    import rclpy
+
+    rclpy.init()
+    node = rclpy.create_node("perception_bench_publisher")
+    sp = SetPublisher(node, args.cams, tuple(args.image_hw), args.points, seed=1)
+    if not sp.wait_for_node(30.0):
+        print("publisher: the node's subscriptions did not appear within 30 s", file=sys.stderr)
+        return 2
+    stamps, pub_s = [], []
+    period = 1.0 / args.rate
+    t_next = time.perf_counter()
+    warm = int(round(args.publisher_warmup_s * args.rate))  # untimed: discovery transients
+    for i in range(warm + args.frames):
+        delay = t_next - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)  # rate control, not synchronisation
+        s, dt = sp.publish()
+        if i >= warm:
+            stamps.append(s)
+            pub_s.append(dt)
+        t_next += period
+    Path(args.stamps_out).write_text(json.dumps({"stamps_ns": stamps, "publish_s": pub_s}))
+    time.sleep(1.0)  # let DDS deliver the last set before the writers are destroyed
+    node.destroy_node()
+    rclpy.try_shutdown()
+    return 0
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+class ResultSink:
+    """Result callback: receipt time, stamp and the node's stage timings; drops the payload."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rows: list[dict] = []
+
+    def __call__(self, msg) -> None:
+        recv_ns = time.time_ns()
+        from kestrel_common.conversions import stamp_to_ns
+
+        row = {"stamp_ns": stamp_to_ns(msg.header.stamp), "recv_ns": recv_ns,
+               "node_latency_s": float(msg.latency), "detections": len(msg.detections),
+               "timings": {t.name: float(t.duration) for t in msg.timings}}
+        with self.lock:
+            self.rows.append(row)
+
+    def snapshot(self) -> list[dict]:
+        with self.lock:
+            return list(self.rows)
+
+
+def node_params(args: argparse.Namespace) -> dict:
+    poses, _ = camera_poses(args.cams)
+    h, w = args.image_hw
+    return {**CONFIGS[args.config], "num_cameras": args.cams, "device": args.device,
+            "runtime_variant": args.variant, "warmup_size": [w, h], "camera_poses": poses,
+            "frame_id": "world", "score_threshold": args.score_threshold,
+            "max_detections": args.max_detections, "sync_slop": 0.005,
+            "max_points": max(500_000, args.points), "target_fps": float(args.rate),
+            "torch_threads": args.threads, "diagnostics_period": 0.5, "autostart": True}
+
+
+def summarise(rows: list[dict], stamps: list[int], pub_s: list[float]) -> dict:
+    sent = set(stamps)
+    got = [r for r in rows if r["stamp_ns"] in sent]
+    answered = {r["stamp_ns"] for r in got}
+    by_stamp = {r["stamp_ns"]: (r["recv_ns"] - r["stamp_ns"]) / 1e6 for r in got}
+    node_by_stamp = {r["stamp_ns"]: r["node_latency_s"] * 1e3 for r in got}
+    lat = [(r["recv_ns"] - r["stamp_ns"]) / 1e6 for r in got]
+    stages: dict[str, list[float]] = {}
+    for r in got:
+        for k, v in r["timings"].items():
+            stages.setdefault(k, []).append(v * 1e3)
+    node_lat = [r["node_latency_s"] * 1e3 for r in got]
+    return {
+        "frames_published": len(stamps), "results": len(got),
+        "dropped": len(sent) - len(answered),
+        "dropped_frame_indices": [i for i, s in enumerate(stamps) if s not in answered][:100],
+        "latency_ms": {"p50": pct(lat, 50), "p90": pct(lat, 90), "p99": pct(lat, 99),
+                       "max": max(lat) if lat else float("nan"),
+                       "mean": sum(lat) / len(lat) if lat else float("nan")},
+        "node_latency_ms": {"p50": pct(node_lat, 50), "p99": pct(node_lat, 99)},
+        "stage_ms": {k: {"p50": pct(v, 50), "p99": pct(v, 99)} for k, v in stages.items()},
+        "publish_set_ms": {"p50": pct([x * 1e3 for x in pub_s], 50),
+                           "p99": pct([x * 1e3 for x in pub_s], 99)},
+        "detections_per_result_p50": pct([float(r["detections"]) for r in got], 50),
+        "latency_by_frame_ms": [None if st not in by_stamp else round(by_stamp[st], 3)
+                                for st in stamps],
+        # node-internal part (receipt of the set's last message -> result publish)
+        "node_latency_by_frame_ms": [None if st not in node_by_stamp else
+                                     round(node_by_stamp[st], 3) for st in stamps],
+    }
+
+
+def markdown(res: dict) -> str:
+    s = res["summary"]
+    lat, st = s["latency_ms"], s["stage_ms"]
+    a = res["args"]
+    lines = [f"# Perception node end to end ({res['machine']['device']})", "",
+             f"Command: `{res['command']}`  ",
+             f"git {res['git_commit']}, torch {res['torch']}, config {a['config']}, "
+             f"{a['cams']} camera(s) {a['image_hw'][1]}x{a['image_hw'][0]} rgb8 + "
+             f"{a['points']}-point PointCloud2 per frame at {a['rate']} Hz, runtime variant "
+             f"`{a['variant']}`, {s['frames_published']} timed frames (after the node's "
+             f"warm-up and {a['publisher_warmup_s']} s of untimed frames). Fast DDS "
+             f"profile: `{Path(a['fastdds_profile']).name}`.", "",
+             "Latency = result receipt (subscriber process) - result header stamp (= input "
+             "stamp, wall clock when the set was published): serialisation, DDS both ways, "
+             "sync, model, post-processing, result message.", "",
+             "| frames | results | dropped | p50 ms | p90 ms | p99 ms | max ms | mean ms |",
+             "|---|---|---|---|---|---|---|---|",
+             f"| {s['frames_published']} | {s['results']} | {s['dropped']} | {lat['p50']:.2f} | "
+             f"{lat['p90']:.2f} | {lat['p99']:.2f} | {lat['max']:.2f} | {lat['mean']:.2f} |",
+             "", "Where the time goes (node-reported, p50 / p99 ms): " + ", ".join(
+                 f"{k} {v['p50']:.2f} / {v['p99']:.2f}" for k, v in st.items())
+             + f"; node receipt of the last message -> publish {s['node_latency_ms']['p50']:.2f}"
+             f" / {s['node_latency_ms']['p99']:.2f}; publishing one input set "
+             f"{s['publish_set_ms']['p50']:.2f} / {s['publish_set_ms']['p99']:.2f}.", "",
+             "Node counters during the publisher run (its untimed frames included): "
+             + ", ".join(
+                 f"{k[5:-11]} {v}" for k, v in s.items() if k.endswith("_during_run"))
+             + f"; dropped frame indices: {s['dropped_frame_indices'][:30]}", "",
+             f"Node counters at the end: {res.get('node_counters', {})}", ""]
+    return "\n".join(lines)
+
+
+def run_main(args: argparse.Namespace) -> int:
+    import rclpy
+    from diagnostic_msgs.msg import DiagnosticArray
+    from kestrel_common.base_node import COMMAND_QOS
+    from kestrel_interfaces.msg import PerceptionResult
+    from ros_harness import DomainLease, Probe, diagnostics_values, ros_env, spawn_node
+
+    if args.fastdds_profile != "none":  # before any participant of this process exists
+        os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(Path(args.fastdds_profile).resolve())
+    lease = DomainLease()
+    run_dir = Path(tempfile.mkdtemp(prefix="kestrel_bench_perception_node_"))
+    env = ros_env(lease.domain_id, run_dir)
+    env["OMP_NUM_THREADS"] = str(max(1, args.threads))
+    os.environ["ROS_DOMAIN_ID"] = str(lease.domain_id)
+    node = spawn_node("kestrel_perception.perception_node", NODE, env, run_dir,
+                      params=node_params(args))
+    probe = Probe(lease.domain_id, "perception_bench_sink")
+    sink = ResultSink()
+    probe.node.create_subscription(PerceptionResult, f"/{NODE}/output/result", sink,
+                                   COMMAND_QOS)
+    diag = probe.subscribe(DiagnosticArray, "/diagnostics", 10)
+    pub_proc = None
+    try:
+        warm = SetPublisher(probe.node, args.cams, tuple(args.image_hw), args.points, seed=2)
+        t0 = time.monotonic()
+        while not sink.snapshot():  # configure (+ compile, graph capture) is not timed
+            if time.monotonic() - t0 > args.ready_timeout or not node.alive():
+                print(node.output()[-4000:], file=sys.stderr)
+                raise RuntimeError(f"no result within {args.ready_timeout} s (node alive: "
+                                   f"{node.alive()})")
+            warm.publish()
+            time.sleep(0.5)
+        ready_s = time.monotonic() - t0
+        for _ in range(5):  # a few timed-out-of-band frames through the full path
+            warm.publish()
+            time.sleep(1.0 / args.rate)
+        time.sleep(0.5)
+        print(f"node ready after {ready_s:.1f} s", flush=True)
+        before = diagnostics_values(diag.snapshot(), NODE)
+        stamps_path = run_dir / "stamps.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "publisher",
+               "--cams", str(args.cams), "--image-hw", *map(str, args.image_hw),
+               "--points", str(args.points), "--rate", str(args.rate),
+               "--frames", str(args.frames), "--stamps-out", str(stamps_path),
+               "--publisher-warmup-s", str(args.publisher_warmup_s)]
+        pub_proc = subprocess.run(cmd, env=env, timeout=args.frames / args.rate
+                                  + args.publisher_warmup_s + 60,
+                                  capture_output=True, text=True)
+        if pub_proc.returncode != 0:
+            raise RuntimeError(f"publisher failed: {pub_proc.stderr[-2000:]}")
+        pub = json.loads(stamps_path.read_text())
+        last = pub["stamps_ns"][-1]
+        deadline = time.monotonic() + 5.0  # bounded wait for the last result (may be dropped)
+        while time.monotonic() < deadline and \
+                last not in {r["stamp_ns"] for r in sink.snapshot()}:
+            time.sleep(0.05)
+        diag_deadline = time.monotonic() + 2.0  # one more /diagnostics after the run
+        n_diag = len(diag.snapshot())
+        while time.monotonic() < diag_deadline and len(diag.snapshot()) == n_diag:
+            time.sleep(0.05)
+        counters = diagnostics_values(diag.snapshot(), NODE)
+    finally:
+        probe.close()
+        code = node.stop()
+        lease.release()
+    summary = summarise(sink.snapshot(), pub["stamps_ns"], pub["publish_s"])
+    for key in ("processed", "skipped_stale", "out_of_sync", "processing_error"):
+        try:  # the node's own counts over the timed frames (from /diagnostics)
+            summary[f"node_{key}_during_run"] = int(counters[key]) - int(before.get(key, 0))
+        except (KeyError, ValueError):
+            pass
+    try:
+        import torch
+        tv = torch.__version__
+        dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    except Exception:  # noqa: BLE001 (torch is only reported here)
+        tv, dev = "unknown", args.device
+    commit = args.git_commit or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+        text=True).stdout.strip() or "unknown"
+    res = {"command": "python " + " ".join(sys.argv), "git_commit": commit, "torch": tv,
+           "rclpy_rmw": os.environ.get("RMW_IMPLEMENTATION", "default"),
+           "machine": {"host": platform.node(), "cpus": os.cpu_count(), "device": dev},
+           "args": {k: v for k, v in vars(args).items() if k not in ("role", "stamps_out")},
+           "node_ready_s": ready_s, "node_exit_code": code, "summary": summary,
+           "node_counters": {k: v for k, v in counters.items() if not k.startswith("latency")},
+           "node_diag_latency": {k: v for k, v in counters.items() if k.startswith("latency")},
+           "note": "working tree may have uncommitted changes on top of git_commit"}
+    md = markdown(res)
+    print(md)
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps(res, indent=1))
+        Path(args.out + ".md").write_text(md)
+    rclpy.try_shutdown()
+    return 0 if summary["results"] > 0 else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--role", choices=("main", "publisher"), default="main")
+    ap.add_argument("--config", choices=tuple(CONFIGS), default="tiny")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--variant", default="eager",
+                    help="node parameter runtime_variant ('eager' or a runtime VARIANTS name)")
+    ap.add_argument("--cams", type=int, default=1)
+    ap.add_argument("--image-hw", type=int, nargs=2, default=(640, 640), metavar=("H", "W"))
+    ap.add_argument("--points", type=int, default=120_000)
+    ap.add_argument("--rate", type=float, default=10.0, help="frame sets per second")
+    ap.add_argument("--frames", type=int, default=200)
+    ap.add_argument("--publisher-warmup-s", type=float, default=2.0,
+                    help="untimed frames the publisher process sends first (its discovery)")
+    ap.add_argument("--score-threshold", type=float, default=0.0,
+                    help="0 = every top candidate is decoded (random weights score ~0.01)")
+    ap.add_argument("--max-detections", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=0, help="node torch threads (0 = default)")
+    ap.add_argument("--ready-timeout", type=float, default=300.0)
+    ap.add_argument("--fastdds-profile", default=str(FASTDDS_PROFILE),
+                    help="Fast DDS XML profile for all three processes ('none' = defaults)")
+    ap.add_argument("--git-commit", default=None)
+    ap.add_argument("--stamps-out", default="")
+    ap.add_argument("--out", default=None, help="path stem: writes STEM.json and STEM.md")
+    args = ap.parse_args()
+    for name in ("cams", "frames"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1")
+    if not 0.1 <= args.rate <= 1000:
+        ap.error("--rate must be in [0.1, 1000] Hz")
+    return run_publisher(args) if args.role == "publisher" else run_main(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
