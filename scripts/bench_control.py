@@ -11,11 +11,21 @@ a separate process publishes sensor_msgs/JointState at `--pub-rate` Hz, this pro
 subscription writes them into the runner's double buffer (executor thread), and every tick
 publishes the command (sensor_msgs/JointState) directly from the loop thread, as the node does.
 Reported: wake error, period jitter, step latency percentiles, deadline misses, stale inputs.
+Loop mode per entry (`backend@rate_hz:cycles[:thread|process]`, default `--loop-mode`):
+thread = the loop on a thread of this process, publishing directly (the node's thread mode);
+process = the node's process mode (kestrel_control.core.loop_process): the loop in a child
+interpreter over shared memory, this process's subscription writing the shared buffer and a
+publisher thread, woken by the loop's eventfd, publishing the commands; there the delivery
+latency (tick start -> publish call) is reported too.
+Phase 1 also times a window-form reference (ActorCritic.forward over 8 observations: 8 LSTM
+steps) captured in a CUDA graph, beside the stateful backends (one LSTM cell step per tick).
 The loop here is the node's core + I/O path with standard messages only (kestrel_interfaces is
 not needed, so it runs on machines where only rclpy wheels exist).
 
   python scripts/bench_control.py --out docs/benchmarks/control_cpu.json \
       --loops cpu_eager@1000:20000,onnxruntime@1000:20000,cpu_eager@500:10000
+  python scripts/bench_control.py --loop-mode process --loops cuda_graph@1000:100000 \
+      --loops cuda_graph@1000:30000:thread,cuda_graph@1000:100000:process
 """
 
 from __future__ import annotations
@@ -35,10 +45,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 for sub in ("models", "ros2_ws/src/kestrel_control"):
     sys.path.insert(0, str(ROOT / sub))
+    # the loop process (process mode) imports the same packages
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / sub)] + [p for p in [os.environ.get("PYTHONPATH", "")] if p])
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kestrel_control.core.loop_process import LoopProcess, LoopSettings  # noqa: E402
 from kestrel_control.core.policy_runner import PolicyRunner, RunnerConfig  # noqa: E402
 from kestrel_control.core.rt_loop import RealtimeLoop  # noqa: E402
 from kestrel_control.core.stats import LoopStats  # noqa: E402
@@ -60,10 +74,65 @@ def pct(samples: np.ndarray, scale: float = 1e6) -> dict[str, float]:
             "max": float(samples.max()) * scale, "n": int(samples.size)}
 
 
-def make_runner(backend: str, cache: str, warmup: int = 50) -> PolicyRunner:
-    return PolicyRunner(RunnerConfig(
+def make_config(backend: str, cache: str, warmup: int = 50) -> RunnerConfig:
+    return RunnerConfig(
         joint_lower=LOWER, joint_upper=UPPER, policy=PolicyConfig(), backend=backend,
-        max_obs_age_s=0.02, warmup_steps=warmup, cache_dir=cache, latency_compensation=True))
+        max_obs_age_s=0.02, warmup_steps=warmup, cache_dir=cache, latency_compensation=True)
+
+
+def make_runner(backend: str, cache: str, warmup: int = 50) -> PolicyRunner:
+    return PolicyRunner(make_config(backend, cache, warmup))
+
+
+def bench_window_graph(iters: int) -> dict:
+    """Reference: the window form (8 LSTM steps over a history) in one CUDA graph, batch 1."""
+    if not torch.cuda.is_available():
+        return {"skipped": "CUDA is not available"}
+    from kestrel_models.control.policy import build_policy
+    cfg = PolicyConfig()
+    model = build_policy(cfg).cuda()
+    hist_host = torch.zeros(1, cfg.history, cfg.obs_dim, pin_memory=True)
+    act_host = torch.zeros(1, cfg.num_actions, pin_memory=True)
+    hist = hist_host.cuda()
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                model(hist)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            hist.copy_(hist_host, non_blocking=True)
+            act_host.copy_(model(hist)[0], non_blocking=True)
+    stream = torch.cuda.current_stream()
+    times = np.empty(iters)
+    clock = time.perf_counter_ns
+    for i in range(iters + 100):
+        a = clock()
+        graph.replay()
+        while not stream.query():
+            pass
+        if i >= 100:
+            times[i - 100] = (clock() - a) * 1e-9
+    return {"backend_step_us": pct(times), "history": cfg.history}
+
+
+def bench_eventfd(iters: int = 20000) -> dict:
+    """Cost of the loop's notification (os.eventfd_write), us."""
+    efd = os.eventfd(0, os.EFD_NONBLOCK)
+    times = np.empty(iters)
+    clock = time.perf_counter_ns
+    try:
+        for i in range(iters):
+            a = clock()
+            os.eventfd_write(efd, 1)
+            times[i] = (clock() - a) * 1e-9
+            if i % 1000 == 999:
+                os.eventfd_read(efd)
+    finally:
+        os.close(efd)
+    return pct(times)
 
 
 # ---- phase 1 -----------------------------------------------------------------------------------
@@ -145,7 +214,7 @@ def publisher_main(rate: float, cpus: str) -> None:
 class RosIo:
     """In-process node: subscription -> runner buffer; command publisher for the loop."""
 
-    def __init__(self, runner: PolicyRunner) -> None:
+    def __init__(self, runner: PolicyRunner | None, js_buffer=None) -> None:
         import rclpy
         from rclpy.executors import SingleThreadedExecutor
         from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
@@ -159,7 +228,10 @@ class RosIo:
         command = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10,
                              reliability=ReliabilityPolicy.RELIABLE)
         self.runner = runner
+        self.js_buffer = js_buffer if js_buffer is not None else runner.joint_states
         self.received = 0
+        self.delivery = np.zeros(400_000)  # process mode: s from tick start to publish call
+        self.n_delivery = 0
         self.node.create_subscription(JointState, TOPIC_IN, self._on_js, sensor)
         self.pub = self.node.create_publisher(JointState, TOPIC_OUT, command)
         import array
@@ -181,7 +253,18 @@ class RosIo:
             slot[0] = pos
             slot[1] = 0.0
 
-        self.runner.joint_states.write_with(fill, stamp)
+        self.js_buffer.write_with(fill, stamp)
+
+    def publish_from_thread(self, r: int, command: np.ndarray, stamp_ns: int) -> None:
+        """Process mode: the LoopProcess publisher thread hands over the newest command."""
+        np.copyto(self.view, command)
+        stamp = self.msg.header.stamp
+        stamp.sec, stamp.nanosec = divmod(stamp_ns, 1_000_000_000)
+        self.pub.publish(self.msg)
+        self.published += 1
+        if self.n_delivery < self.delivery.shape[0]:
+            self.delivery[self.n_delivery] = (time.time_ns() - stamp_ns) * 1e-9
+            self.n_delivery += 1
 
     def tick(self, deadline_ns: int) -> None:
         now = time.time_ns()
@@ -199,57 +282,87 @@ class RosIo:
         self.rclpy.try_shutdown()
 
 
-def bench_loop(backend: str, rate: float, cycles: int, args, cache: str) -> dict:
+def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: str) -> dict:
+    """The loop with ROS I/O live, in `mode` 'thread' or 'process' (see the module docstring)."""
+    proc = runner = None
     try:
-        runner = make_runner(backend, cache)
+        if mode == "process":
+            cpus = tuple(int(c) for c in args.loop_cpus.split(",")) if args.loop_cpus else ()
+            proc = LoopProcess(make_config(backend, cache), LoopSettings(
+                period_s=1.0 / rate, spin_s=args.spin_us * 1e-6, rt_priority=args.rt_priority,
+                cpu_affinity=cpus, lock_memory=args.lock_memory, manage_gc=True,
+                switch_interval_s=args.gil_switch_us * 1e-6), start_timeout_s=300.0,
+                stats_capacity=cycles + 1000)
+            info = proc.start()
+        else:
+            runner = make_runner(backend, cache)
     except ValueError as exc:
+        if proc is not None:
+            proc.close()
         return {"skipped": str(exc)}
     pub = subprocess.Popen([sys.executable, __file__, "--publisher", str(args.pub_rate),
                             "--publisher-cpus", args.publisher_cpus], stdin=subprocess.PIPE)
-    io = RosIo(runner)
+    io = RosIo(runner, proc.joint_states[0] if proc is not None else None)
     try:
         deadline = time.monotonic() + 30.0
         while io.received < 10 and time.monotonic() < deadline:
             time.sleep(0.05)  # bounded wait for the publisher's discovery
         if io.received < 10:
             return {"skipped": "no joint states from the publisher process within 30 s"}
-        stats = LoopStats(1.0 / rate, capacity=cycles + 1000)
-        cpus = [int(c) for c in args.loop_cpus.split(",")] if args.loop_cpus else None
-        loop = RealtimeLoop(1.0 / rate, io.tick, stats, spin_s=args.spin_us * 1e-6,
-                            rt_priority=args.rt_priority, cpu_affinity=cpus,
-                            lock_memory=args.lock_memory, manage_gc=True,
-                            switch_interval_s=args.gil_switch_us * 1e-6,
-                            name=f"bench-{backend}")
         received0 = io.received
-        applied = loop.start(timeout_s=30.0)  # mlockall of a CUDA process can take seconds
+        if proc is not None:
+            stats = proc.stats
+            applied = proc.activate(io.publish_from_thread, timeout_s=60.0)
+            loop = None
+        else:
+            stats = LoopStats(1.0 / rate, capacity=cycles + 1000)
+            cpus = [int(c) for c in args.loop_cpus.split(",")] if args.loop_cpus else None
+            loop = RealtimeLoop(1.0 / rate, io.tick, stats, spin_s=args.spin_us * 1e-6,
+                                rt_priority=args.rt_priority, cpu_affinity=cpus,
+                                lock_memory=args.lock_memory, manage_gc=True,
+                                switch_interval_s=args.gil_switch_us * 1e-6,
+                                name=f"bench-{backend}")
+            applied = loop.start(timeout_s=30.0)  # mlockall of a CUDA process can take s
         t_start = time.monotonic()
         limit = t_start + cycles / rate * 3 + 30
         while stats.cycles + stats.deadline_misses < cycles and time.monotonic() < limit:
-            time.sleep(0.2)
-        loop.stop(2.0)
+            time.sleep(0.2)  # progress poll of a bounded wait
+        if proc is not None:
+            proc.deactivate()
+        else:
+            loop.stop(2.0)
         wall = time.monotonic() - t_start
         period = stats.period.since(0)
         wake = stats.wake_error.since(0)
         lat = stats.step_latency.since(0)
         out = {
-            "backend": backend, "rate_hz": rate, "cycles": stats.cycles, "wall_s": wall,
-            "deadline_misses": stats.deadline_misses, "stale_inputs": stats.stale_inputs,
-            "step_errors": stats.step_errors, "last_error": loop.last_error,
+            "backend": backend, "rate_hz": rate, "loop_mode": mode, "cycles": stats.cycles,
+            "wall_s": wall, "deadline_misses": stats.deadline_misses,
+            "stale_inputs": stats.stale_inputs, "step_errors": stats.step_errors,
+            "last_error": loop.last_error if loop is not None else "",
             "commands_published": io.published,
             "joint_states_received": io.received - received0,
             "wake_error_us": pct(wake), "step_latency_us": pct(lat),
             "period_jitter_us": pct(np.abs(period - 1.0 / rate)),
-            "compute_latency_ema_us": runner.compute_latency_s * 1e6, "rt_settings": applied,
-            "gil_switch_interval_us": args.gil_switch_us,
-            "cuda_graph_sync": getattr(runner.backend, "sync", None),
+            "compute_latency_ema_us": (proc or runner).compute_latency_s * 1e6,
+            "rt_settings": applied, "gil_switch_interval_us": args.gil_switch_us,
         }
-        print(f"  {backend}@{rate:g}Hz: {stats.cycles} cycles, misses {stats.deadline_misses}, "
-              f"stale {stats.stale_inputs}, step p50 {out['step_latency_us']['p50']:.1f} p99.9 "
-              f"{out['step_latency_us']['p999']:.1f} max {out['step_latency_us']['max']:.1f} us, "
-              f"wake p99.9 {out['wake_error_us']['p999']:.1f} us", flush=True)
+        if proc is not None:
+            out["child_pid"] = info["pid"]
+            out["commands_coalesced"] = proc.coalesced
+            out["delivery_us"] = pct(io.delivery[:io.n_delivery])  # tick start -> publish()
+        else:
+            out["cuda_graph_sync"] = getattr(runner.backend, "sync", None)
+        print(f"  {backend}@{rate:g}Hz [{mode}]: {stats.cycles} cycles, misses "
+              f"{stats.deadline_misses}, stale {stats.stale_inputs}, step p50 "
+              f"{out['step_latency_us']['p50']:.1f} p99.9 {out['step_latency_us']['p999']:.1f} "
+              f"max {out['step_latency_us']['max']:.1f} us, wake p99.9 "
+              f"{out['wake_error_us']['p999']:.1f} us", flush=True)
         return out
     finally:
         io.close()
+        if proc is not None:
+            proc.close()
         pub.stdin.close()
         try:
             pub.wait(10)
@@ -295,20 +408,33 @@ def markdown(report: dict) -> str:
         t, b = r["tick_us"], r["backend_step_us"]
         lines.append(f"| {name} | {t['p50']:.1f} | {t['p99']:.1f} | {t['p999']:.1f} | "
                      f"{t['max']:.1f} | {b['p50']:.1f} | {r['build_s']:.1f} |")
+    win = report.get("window_form_graph", {})
+    if "backend_step_us" in win:
+        b = win["backend_step_us"]
+        lines.append(f"| window form, {win['history']} LSTM steps, CUDA graph (reference) | | | "
+                     f"| | {b['p50']:.1f} (p99.9 {b['p999']:.1f}) | |")
+    if report.get("eventfd_write_us"):
+        e = report["eventfd_write_us"]
+        lines += ["", f"os.eventfd_write (the process-mode loop's notification): p50 "
+                  f"{e['p50']:.2f} us, p99.9 {e['p999']:.2f} us, max {e['max']:.1f} us."]
     lines += ["", "## Loop with ROS I/O live (JointState in from another process, commands "
               "out), us", "",
-              "| backend | rate Hz | cycles | deadline misses | stale | step p50 | step p99 | "
-              "step p99.9 | step max | wake p50 | wake p99.9 | wake max | period jitter p99.9 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| backend | mode | rate Hz | cycles | deadline misses | stale | step p50 | "
+              "step p99 | step p99.9 | step max | wake p50 | wake p99.9 | wake max | "
+              "period jitter p99.9 | delivery p50 / p99.9 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["loops"]:
         if "skipped" in r:
-            lines.append(f"| {r.get('spec')} | skipped: {r['skipped']} |" + " |" * 11)
+            lines.append(f"| {r.get('spec')} | skipped: {r['skipped']} |" + " |" * 13)
             continue
         s, w, p = r["step_latency_us"], r["wake_error_us"], r["period_jitter_us"]
-        lines.append(f"| {r['backend']} | {r['rate_hz']:g} | {r['cycles']} | "
-                     f"{r['deadline_misses']} | {r['stale_inputs']} | {s['p50']:.1f} | "
-                     f"{s['p99']:.1f} | {s['p999']:.1f} | {s['max']:.1f} | {w['p50']:.1f} | "
-                     f"{w['p999']:.1f} | {w['max']:.1f} | {p['p999']:.1f} |")
+        d = r.get("delivery_us") or {}
+        dcol = f"{d['p50']:.1f} / {d['p999']:.1f}" if d else ""
+        lines.append(f"| {r['backend']} | {r.get('loop_mode', 'thread')} | {r['rate_hz']:g} | "
+                     f"{r['cycles']} | {r['deadline_misses']} | {r['stale_inputs']} | "
+                     f"{s['p50']:.1f} | {s['p99']:.1f} | {s['p999']:.1f} | {s['max']:.1f} | "
+                     f"{w['p50']:.1f} | {w['p999']:.1f} | {w['max']:.1f} | {p['p999']:.1f} | "
+                     f"{dcol} |")
     return "\n".join(lines) + "\n"
 
 
@@ -319,7 +445,12 @@ def main() -> int:
     ap.add_argument("--backends", default="all", help="comma list or 'all'")
     ap.add_argument("--step-iters", type=int, default=5000)
     ap.add_argument("--loops", default="cpu_eager@1000:10000",
-                    help="comma list of backend@rate_hz:cycles ('' = none)")
+                    help="comma list of backend@rate_hz:cycles[:thread|process] ('' = none)")
+    ap.add_argument("--loop-mode", choices=("thread", "process"), default="thread",
+                    help="loop mode of --loops entries without their own ':mode'")
+    ap.add_argument("--node-cpus", default="",
+                    help="CPUs of this process (its ROS executor and publisher threads; the "
+                         "loop thread / process then moves to --loop-cpus)")
     ap.add_argument("--pub-rate", type=float, default=1000.0)
     ap.add_argument("--spin-us", type=float, default=200.0)
     ap.add_argument("--rt-priority", type=int, default=0)
@@ -338,6 +469,8 @@ def main() -> int:
         publisher_main(args.publisher, args.publisher_cpus)
         return 0
     torch.set_num_threads(1)
+    if args.node_cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.node_cpus.split(",")})
     commit = args.commit
     if not commit:
         try:
@@ -363,14 +496,19 @@ def main() -> int:
     def phase1() -> None:
         print("phase 1: step latency", flush=True)
         report["steps"] = bench_steps(backends, args.step_iters, cache)
+        report["window_form_graph"] = bench_window_graph(args.step_iters)
+        report["eventfd_write_us"] = bench_eventfd()
         save()
 
     def phase2() -> None:
         print("phase 2: loops with ROS I/O", flush=True)
         for spec in [s for s in args.loops.split(",") if s]:
             backend, rest = spec.split("@")
-            rate, cycles = rest.split(":")
-            result = bench_loop(backend, float(rate), int(cycles), args, cache)
+            rate, cycles, *mode = rest.split(":")
+            mode = mode[0] if mode else args.loop_mode
+            if mode not in ("thread", "process"):
+                raise SystemExit(f"--loops {spec!r}: mode {mode!r} must be thread or process")
+            result = bench_loop(backend, float(rate), int(cycles), mode, args, cache)
             result["spec"] = spec
             report["loops"].append(result)
             save()

@@ -19,6 +19,10 @@ fi
 # Never multicast on the host's network; tests and the demo also set their own ROS_DOMAIN_ID.
 export ROS_AUTOMATIC_DISCOVERY_RANGE="${ROS_AUTOMATIC_DISCOVERY_RANGE:-LOCALHOST}"
 export RMW_IMPLEMENTATION="${RMW_IMPLEMENTATION:-rmw_fastrtps_cpp}"
+# Camera-sized samples: Fast DDS's default 512 KB SHM segment loses best-effort 1.2 MB images
+# (kestrel_bringup/config/fastdds_large_data.xml); the stack's runner and launch files set the
+# same profile for every node.
+export FASTDDS_DEFAULT_PROFILES_FILE="${FASTDDS_DEFAULT_PROFILES_FILE:-$_kestrel_root/ros2_ws/src/kestrel_bringup/config/fastdds_large_data.xml}"
 # Offscreen rendering on machines without a GPU (set MUJOCO_GL=egl on a GPU machine).
 export MUJOCO_GL="${MUJOCO_GL:-osmesa}"
 export PYOPENGL_PLATFORM="${PYOPENGL_PLATFORM:-$MUJOCO_GL}"

@@ -50,3 +50,21 @@ def test_installed_console_scripts_match_the_table():
     for e in STACK:
         setup_py = (BRINGUP.parent / e.package / "setup.py").read_text()
         assert f"'{e.executable} = {e.module}:main'" in setup_py, e.package
+
+
+def test_stack_processes_get_the_large_data_dds_profile():
+    """Every node of the stack runs with the Fast DDS large-data profile unless the user names
+    one; the profile is a valid Fast DDS XML whose SHM segment holds a 640x640 rgb8 image."""
+    import xml.etree.ElementTree as ET
+
+    from kestrel_bringup.stack import dds_environment
+    env = dds_environment({"RMW_IMPLEMENTATION": "rmw_fastrtps_cpp"})
+    path = Path(env["FASTDDS_DEFAULT_PROFILES_FILE"])
+    assert path.is_file()
+    ns = {"d": "http://www.eprosima.com"}
+    seg = ET.parse(path).getroot().find(".//d:transport_descriptor/d:segment_size", ns)
+    assert seg is not None and int(seg.text) > 640 * 640 * 3 * 6  # six cameras in flight
+    assert dds_environment({"FASTDDS_DEFAULT_PROFILES_FILE": "/mine.xml"}) == {}
+    assert dds_environment({"RMW_IMPLEMENTATION": "rmw_cyclonedds_cpp"}) == {}
+    from kestrel_bringup.run_stack import StackRunner
+    assert StackRunner(env={"PATH": "/usr/bin"}).env["FASTDDS_DEFAULT_PROFILES_FILE"] == str(path)

@@ -29,8 +29,9 @@ PARAMS = {"rate_hz": 250.0, "stats_period": 0.1, "diagnostics_period": 0.2,
           "max_obs_age": 0.05, "action_scale": SCALE, "robots": ["left", "right"]}
 
 
-def test_two_robots_own_topics_and_cartesian_target_held(launch_node, probe):
-    node = launch_node(MODULE, "control", params=PARAMS)
+@pytest.mark.parametrize("loop_mode", ["thread", "process"])
+def test_two_robots_own_topics_and_cartesian_target_held(launch_node, probe, loop_mode):
+    node = launch_node(MODULE, "control", params=dict(PARAMS, loop_mode=loop_mode))
     pubs = {ns: probe.publisher(JointState, f"/control/{ns}/input/joint_states", SENSOR_QOS)
             for ns in QS}
     cmds = {ns: probe.subscribe(JointState, f"/control/{ns}/output/joint_command", COMMAND_QOS)

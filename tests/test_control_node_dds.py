@@ -1,8 +1,10 @@
 """The control node as its own process over DDS: commands from joint states, loop statistics,
-counted bad inputs, hold on stale input, sim time (/clock), and configure failures."""
+counted bad inputs, hold on stale input, sim time (/clock), and configure failures; the loop
+tests run in both loop modes (a thread of the node; a child process over shared memory)."""
 
 from __future__ import annotations
 
+import glob
 import math
 import threading
 import time
@@ -92,8 +94,12 @@ def _check_command(msg: JointState) -> np.ndarray:
     return q
 
 
-def test_commands_stats_bad_inputs_and_stale_hold(launch_node, probe):
-    node = launch_node(MODULE, "control", params=PARAMS)
+LOOP_MODES = pytest.mark.parametrize("loop_mode", ["thread", "process"])
+
+
+@LOOP_MODES
+def test_commands_stats_bad_inputs_and_stale_hold(launch_node, probe, loop_mode):
+    node = launch_node(MODULE, "control", params=dict(PARAMS, loop_mode=loop_mode))
     commands = probe.subscribe(JointState, "/control/output/joint_command", COMMAND_QOS)
     stats = probe.subscribe(LoopStatistics, "/control/output/loop_stats", COMMAND_QOS)
     diag = probe.subscribe(DiagnosticArray, "/diagnostics")
@@ -152,6 +158,7 @@ def test_commands_stats_bad_inputs_and_stale_hold(launch_node, probe):
         values = diagnostics_values(diag.snapshot(), "control")
         assert int(values["loop_rejected_nonfinite"]) > 0 and int(values["loop_cycles"]) > 0
         assert "loop_step_latency_p999" in values and "rt_gc" in values
+        assert values["loop_mode"] == loop_mode
 
         # ---- stale input: counted, the last command is held ---------------------------------
         stale_before = _latest(stats).stale_inputs
@@ -172,11 +179,14 @@ def test_commands_stats_bad_inputs_and_stale_hold(launch_node, probe):
         source.close()
     assert node.stop() == 0, node.output()
     assert "Traceback" not in node.output()
+    assert not glob.glob(f"/dev/shm/kestrel_control_{node.proc.pid}_*")  # segment unlinked
 
 
-def test_sim_time_observation_age_uses_clock_topic(launch_node, probe):
+@LOOP_MODES
+def test_sim_time_observation_age_uses_clock_topic(launch_node, probe, loop_mode):
     """use_sim_time: stamps in sim time (far from wall time) are fresh against /clock."""
-    node = launch_node(MODULE, "control", params=dict(PARAMS, use_sim_time=True))
+    node = launch_node(MODULE, "control", params=dict(PARAMS, use_sim_time=True,
+                                                      loop_mode=loop_mode))
     sim_ns = [1000 * 10**9]  # sim time starts at 1000 s
     clock_pub = probe.publisher(Clock, "/clock", 10)
     commands = probe.subscribe(JointState, "/control/output/joint_command", COMMAND_QOS)
@@ -217,3 +227,14 @@ def test_bad_parameters_fail_configure(launch_node, params, fragment):
     assert fragment in node.output()
     assert node.proc.wait(10) == 2
     assert "Traceback" not in node.output()
+
+
+def test_loop_process_start_failure_fails_configure_with_its_message(launch_node):
+    """loop_mode process: the child's error (here: no weights file) fails configure, named."""
+    node = launch_node(MODULE, "control", params=dict(
+        PARAMS, loop_mode="process", weights_path="/nonexistent/policy_weights.pt"))
+    assert node.wait_for_output("autostart: configure failed", timeout=60.0), node.output()
+    assert ("loop process failed to start: ValueError: parameter 'weights_path' = "
+            "'/nonexistent/policy_weights.pt'") in node.output()
+    assert node.proc.wait(10) == 2
+    assert not glob.glob(f"/dev/shm/kestrel_control_{node.proc.pid}_*")

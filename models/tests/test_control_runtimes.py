@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kestrel_models.control.policy import PolicyConfig, build_policy
-from kestrel_models.control.runtimes import (BACKENDS, BackendUnavailable, check_backend,
-                                             create_backend, policy_from_actor_critic)
+from kestrel_models.control.runtimes import (BACKENDS, BackendUnavailable, PostSpec,
+                                             check_backend, create_backend,
+                                             policy_from_actor_critic)
 
 torch.set_num_threads(1)
 CFG = PolicyConfig.tiny(obs_dim=48, num_actions=6)
@@ -19,10 +20,11 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 # order / fused kernels; TF32 is off by default for matmuls). INT8 dynamic quantization: weights
 # and activations rounded to 8 bits, ~1e-2 on actions of magnitude ~0.5.
 TOLERANCE = {"cpu_eager": 1e-6, "cpu_int8": 3e-2, "cpu_compile": 1e-5, "onnxruntime": 1e-5,
-             "cuda_eager": 1e-4, "cuda_graph": 1e-4, "cuda_compile": 1e-4,
-             "cuda_compile_graphs": 1e-4}
+             "cuda_eager": 1e-4, "cuda_graph": 1e-4, "cuda_graph_compiled": 1e-4,
+             "cuda_compile": 1e-4, "cuda_compile_graphs": 1e-4}
 CPU_BACKENDS = ["cpu_eager", "cpu_int8", "cpu_compile", "onnxruntime"]
-CUDA_BACKENDS = ["cuda_eager", "cuda_graph", "cuda_compile", "cuda_compile_graphs"]
+CUDA_BACKENDS = ["cuda_eager", "cuda_graph", "cuda_graph_compiled", "cuda_compile",
+                 "cuda_compile_graphs"]
 PARAMS = [pytest.param(b, id=b) for b in CPU_BACKENDS] + [
     pytest.param(b, id=b, marks=[pytest.mark.gpu, GPU]) for b in CUDA_BACKENDS]
 
@@ -119,3 +121,33 @@ def test_reference_sizes_on_onnxruntime(tmp_path) -> None:
     backend.step()
     torch.testing.assert_close(backend.act_host, reference_run(model, [x])[0], atol=1e-5,
                                rtol=0)
+
+
+@pytest.mark.gpu
+@GPU
+def test_in_graph_post_processing_matches_the_host_formula() -> None:
+    """cuda_graph_compiled with a PostSpec: command = clamp(q + scale * tanh(a[:n])) and the
+    finite / clamped flags, per row, as computed on the host from the same step's outputs."""
+    n, scale = 4, 0.5
+    lower, upper = (-1.0, -1.0, -1.0, -0.05), (1.0, 1.0, 1.0, 0.05)
+    backend = create_backend("cuda_graph_compiled", policy_from_actor_critic(build_policy(CFG)),
+                             batch=4, post=PostSpec(n, lower, upper, scale))
+    gen = torch.Generator().manual_seed(5)
+    for k in range(5):
+        x = torch.randn(4, CFG.obs_dim, generator=gen) * 0.5
+        if k == 3:
+            x[2, 7] = float("nan")  # row 2: non-finite actions
+        backend.obs_host.copy_(x)
+        backend.step()
+        act = torch.from_numpy(backend.act_np.copy())
+        raw = x[:, :n] + scale * torch.tanh(act[:, :n])
+        want = torch.clamp(raw, torch.tensor(lower), torch.tensor(upper))
+        post = torch.from_numpy(backend.post_np.copy())
+        finite = torch.isfinite(act).all(dim=1)
+        assert torch.equal(post[:, n] != 0, finite)
+        ok = finite.nonzero().flatten()
+        torch.testing.assert_close(post[ok, :n], want[ok], atol=1e-6, rtol=0)
+        assert torch.equal(post[ok, n + 1] != 0, (want[ok] != raw[ok]).any(dim=1))
+        if k == 3:
+            assert not bool(finite[2]) and bool(finite[0])
+    assert (backend.post_np[:, n + 1] != 0).any()  # the clamp was exercised

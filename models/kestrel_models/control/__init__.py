@@ -4,11 +4,11 @@ its inference backends (`runtimes`) and loaders for users' policy files (`extern
 from kestrel_models.control.external import ModelSpec, load_policy
 from kestrel_models.control.policy import ActorCritic, PolicyConfig, build_policy
 from kestrel_models.control.runtimes import (BACKENDS, BackendUnavailable, PolicyBackend,
-                                             StepModule, StepPolicy, check_backend,
+                                             PostSpec, StepModule, StepPolicy, check_backend,
                                              create_backend, policy_from_actor_critic)
 
 __all__ = [
     "BACKENDS", "ActorCritic", "BackendUnavailable", "ModelSpec", "PolicyBackend",
-    "PolicyConfig", "StepModule", "StepPolicy", "build_policy", "check_backend",
+    "PolicyConfig", "PostSpec", "StepModule", "StepPolicy", "build_policy", "check_backend",
     "create_backend", "load_policy", "policy_from_actor_critic",
 ]

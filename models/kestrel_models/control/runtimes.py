@@ -16,6 +16,16 @@ Backends (`BACKENDS`; `create_backend(name, policy, batch)`):
   cuda_eager           fp32 eager on the GPU: pinned H2D copy, kernels, D2H copy (sync)
   cuda_graph           one CUDA graph captured over static buffers: H2D copy, the step, state
                        update and D2H copy are all inside; a tick = replay + one stream sync
+  cuda_graph_compiled  the step compiled by inductor (default mode: fused Triton kernels for the
+                       LayerNorm/ELU/LSTM-gate elementwise work, no cudagraph trees), then the
+                       compiled function captured in one raw torch.cuda.CUDAGraph like
+                       cuda_graph; with a `PostSpec` the command post-processing runs inside the
+                       graph too: command = clamp(positions + scale * tanh(actions[:, :n]),
+                       limits) and per row flags (all actions finite, clamped), copied back with
+                       the actions (`post_np` [B, n + 2]); the host only decides from the flags
+                       (H200, docs/benchmarks/control_h200.md: step p50 73 us vs 47 us for
+                       cuda_graph; the post ops are captured as separate eager kernels: not
+                       the default, kept as a measured variant)
   cuda_compile         torch.compile default mode on the GPU
   cuda_compile_graphs  torch.compile mode="reduce-overhead" (inductor + CUDA graph trees)
   onnxruntime          the step exported to ONNX (states as extra I/O), CPU execution provider,
@@ -36,9 +46,12 @@ from torch import nn
 
 from kestrel_models.control.policy import ActorCritic
 
-BACKENDS = ("cpu_eager", "cpu_int8", "cpu_compile", "cuda_eager", "cuda_graph", "cuda_compile",
-            "cuda_compile_graphs", "onnxruntime", "tensorrt")
-CUDA_BACKENDS = ("cuda_eager", "cuda_graph", "cuda_compile", "cuda_compile_graphs")
+BACKENDS = ("cpu_eager", "cpu_int8", "cpu_compile", "cuda_eager", "cuda_graph",
+            "cuda_graph_compiled", "cuda_compile", "cuda_compile_graphs", "onnxruntime",
+            "tensorrt")
+CUDA_BACKENDS = ("cuda_eager", "cuda_graph", "cuda_graph_compiled", "cuda_compile",
+                 "cuda_compile_graphs")
+POST_BACKENDS = ("cuda_graph_compiled",)  # run the command post-processing in the graph
 
 
 class BackendUnavailable(ValueError):
@@ -83,6 +96,17 @@ class StepModule(nn.Module):
             c2 = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
             h2 = torch.sigmoid(o) * torch.tanh(c2)
         return self.policy_head(h2), h2, c2
+
+
+@dataclass
+class PostSpec:
+    """In-graph command post-processing (POST_BACKENDS): the first `num_joints` observation
+    columns are the joint positions (rad) the command is relative to."""
+
+    num_joints: int
+    lower: tuple[float, ...]  # [n] rad
+    upper: tuple[float, ...]  # [n] rad
+    action_scale: float  # rad per unit tanh(action)
 
 
 @dataclass
@@ -207,26 +231,50 @@ class CudaGraphBackend(TorchBackend):
     sync='block' uses `Stream.synchronize()` (releases the GIL while waiting).
     """
 
-    def __init__(self, policy: StepPolicy, batch: int, sync: str = "poll") -> None:
+    def __init__(self, policy: StepPolicy, batch: int, sync: str = "poll", fn=None,
+                 post: PostSpec | None = None, name: str = "cuda_graph") -> None:
         if sync not in ("poll", "block"):
             raise ValueError(f"parameter 'sync' = {sync!r}: must be 'poll' or 'block'")
         self.sync = sync
-        super().__init__("cuda_graph", policy, batch, device="cuda")
+        super().__init__(name, policy, batch, fn=fn, device="cuda")
+        self.post = post
+        self.post_np = None  # [B, n + 2] float32: command rad | all-finite flag | clamped flag
+        if post is not None:
+            n = post.num_joints
+            if not 1 <= n <= min(policy.num_actions, policy.obs_dim):
+                raise ValueError(f"parameter 'num_joints' = {n}: must be in [1, "
+                                 f"{min(policy.num_actions, policy.obs_dim)}]")
+            self._lower = torch.tensor(post.lower, dtype=torch.float32, device="cuda")  # [n]
+            self._upper = torch.tensor(post.upper, dtype=torch.float32, device="cuda")  # [n]
+            self.post_host = torch.zeros(self.batch, n + 2, pin_memory=True)
+            self.post_np = self.post_host.numpy()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(3):  # warm-up outside capture (cuBLAS handles, workspaces)
-                self.obs_dev.copy_(self.obs_host, non_blocking=True)
-                self.act_host.copy_(self._forward(), non_blocking=True)
+            for _ in range(3):  # warm-up outside capture (cuBLAS handles, workspaces, compile)
+                self._tick_ops()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.no_grad():
-            self.obs_dev.copy_(self.obs_host, non_blocking=True)  # pinned -> device
-            self.act_host.copy_(self._forward(), non_blocking=True)  # device -> pinned
+            self._tick_ops()
         self._stream = torch.cuda.current_stream()
         self.reset_state()
         torch.cuda.synchronize()
+
+    def _tick_ops(self) -> None:
+        """What the graph holds: H2D obs, the step, [post-processing], D2H copies."""
+        self.obs_dev.copy_(self.obs_host, non_blocking=True)  # pinned -> device
+        act = self._forward()  # [B, A]
+        self.act_host.copy_(act, non_blocking=True)  # device -> pinned
+        if self.post is not None:
+            n = self.post.num_joints
+            raw = self.obs_dev[:, :n] + self.post.action_scale * torch.tanh(act[:, :n])
+            cmd = torch.minimum(torch.maximum(raw, self._lower), self._upper)  # [B, n] rad
+            finite = torch.isfinite(act).all(dim=1, keepdim=True)  # [B, 1]
+            clamped = (cmd != raw).any(dim=1, keepdim=True)  # [B, 1]
+            post = torch.cat([cmd, finite.float(), clamped.float()], dim=1)  # [B, n + 2]
+            self.post_host.copy_(post, non_blocking=True)
 
     def step(self) -> None:
         self.graph.replay()
@@ -338,8 +386,10 @@ def check_backend(name: str) -> None:
 
 
 def create_backend(name: str, policy: StepPolicy, batch: int = 1, *, cache_dir: str = "",
-                   warmup_steps: int = 10) -> PolicyBackend:
-    """Build, warm up and return backend `name` for `policy` at a fixed `batch`."""
+                   warmup_steps: int = 10, post: PostSpec | None = None) -> PolicyBackend:
+    """Build, warm up and return backend `name` for `policy` at a fixed `batch`. `post`: the
+    in-graph command post-processing (used by POST_BACKENDS only; `backend.post_np` is None
+    for the others)."""
     check_backend(name)
     if name == "onnxruntime":
         backend: PolicyBackend = OrtBackend(policy, batch, cache_dir)
@@ -357,6 +407,10 @@ def create_backend(name: str, policy: StepPolicy, batch: int = 1, *, cache_dir: 
         if policy.fused_module is not None:
             policy.fused_module.cuda()
         backend = CudaGraphBackend(policy, batch)
+    elif name == "cuda_graph_compiled":
+        policy.module.cuda()
+        fn = torch.compile(policy.module, dynamic=False)  # inductor; graphs: ours, below
+        backend = CudaGraphBackend(policy, batch, fn=fn, post=post, name=name)
     else:  # cuda_eager, cuda_compile, cuda_compile_graphs
         policy.module.cuda()
         if policy.fused_module is not None:

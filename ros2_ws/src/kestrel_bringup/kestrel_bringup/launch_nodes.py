@@ -11,7 +11,7 @@ from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import Node
 from launch_ros.parameter_descriptions import ParameterValue
 
-from kestrel_bringup.stack import NodeEntry, entry, params_path
+from kestrel_bringup.stack import NodeEntry, dds_environment, entry, params_path
 
 
 def declare_common_arguments() -> list[DeclareLaunchArgument]:
@@ -37,4 +37,5 @@ def node_action(e: NodeEntry | str) -> Node:
         parameters=[str(params_path(e)), {"use_sim_time": sim_time}],
         remappings=list(e.remappings),
         arguments=["--ros-args", "--log-level", LaunchConfiguration("log_level")],
+        additional_env=dds_environment(),  # the large-data Fast DDS profile (stack.py)
     )

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from kestrel_bringup.stack import NODE_NAMES, STACK, NodeEntry, entry, ros_args
+from kestrel_bringup.stack import NODE_NAMES, STACK, NodeEntry, dds_environment, entry, ros_args
 
 
 class StackProcess:
@@ -41,6 +41,7 @@ class StackRunner:
                  log_dir: Path | None = None, echo: bool = True) -> None:
         self.entries = [entry(n) for n in nodes] if nodes else list(STACK)
         self.env = dict(env if env is not None else os.environ)
+        self.env.update(dds_environment(self.env))
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.env.setdefault("RCUTILS_COLORIZED_OUTPUT", "0")
         self.extra_params = extra_params or {}

@@ -18,11 +18,20 @@ in the loop statistics. Observation age = node clock now - header stamp, so it w
 and on /clock (use_sim_time; the node clock stands still while the sim is paused, so a paused
 sim is not "stale"). A zero header stamp is replaced by the node clock at receipt.
 
-Publishing: directly from the loop thread. Measured here (rclpy 9.1, Fast DDS, 6 joints, one
-preallocated message, stamp + positions updated in place): publish p50 10 us, p99 20 us, and the
-clock read 3 us, i.e. ~2 % of a 1 ms period. A separate publisher thread would add a wake-up and
-a GIL hand-off per cycle (another thread contending with the loop for the GIL) to save that, so
-the direct publish is the cheaper and more predictable choice; its cost is inside step latency.
+loop_mode (read-only): 'thread' runs PolicyRunner + RealtimeLoop on a thread of this process;
+'process' runs them in a child interpreter (kestrel_control.core.loop_process / loop_child, no
+rclpy there) that shares the input, command and statistics buffers with this node through
+shared memory: the callbacks write there, a publisher thread woken by the loop (eventfd)
+publishes the commands, and the executor no longer competes with the loop for one GIL. 'auto'
+(default): 'process' for the cuda_* backends (the GIL contention is what kept the H200 loop off
+its targets), 'thread' for the CPU backends (a second interpreter + torch import per node is
+not worth it on small CPU machines, and CPU CI keeps the single-process path).
+
+Publishing (thread mode): directly from the loop thread. Measured here (rclpy 9.1, Fast DDS,
+6 joints, one preallocated message, stamp + positions updated in place): publish p50 10 us,
+p99 20 us, clock read 3 us (~2 % of a 1 ms period); a publisher thread in the same interpreter
+would add a wake-up and one more GIL contender per cycle. In process mode the publisher thread
+is outside the loop's interpreter, so there it costs the loop only an eventfd write.
 """
 
 from __future__ import annotations
@@ -38,85 +47,18 @@ from kestrel_interfaces.msg import ControlTarget, LoopStatistics
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.clock import Clock, ClockType
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
+from rosgraph_msgs.msg import Clock as ClockMsg
 from sensor_msgs.msg import JointState
 
 from kestrel_common.base_node import COMMAND_QOS, SENSOR_QOS, KestrelLifecycleNode, run_node
 from kestrel_common.conversions import stamp_to_ns
-from kestrel_common.params import ParamError, ParamSpec
-from kestrel_control.core import (BACKENDS, LoopStats, PolicyRunner, RealtimeLoop, RunnerConfig)
-from kestrel_models.control.external import FORMATS, ModelSpec
+from kestrel_common.params import ParamError
+from kestrel_control.control_params import SPECS
+from kestrel_control.core import LoopStats, PolicyRunner, RealtimeLoop, RunnerConfig
+from kestrel_control.core.loop_process import LoopProcess, LoopSettings
+from kestrel_models.control.external import ModelSpec
 from kestrel_models.control.policy import PolicyConfig
 
-# The sim arm (kestrel_sim.core.scene.JOINT_NAMES and the joint ranges of tabletop.xml).
-SIM_JOINTS = ["shoulder_pan", "shoulder_lift", "elbow", "wrist_1", "wrist_2", "wrist_3"]
-SIM_LOWER = [-3.14159, -2.0, -2.6, -2.6, -2.6, -3.14159]
-SIM_UPPER = [3.14159, 2.0, 2.6, 2.6, 2.6, 3.14159]
-
-
-def _unique_names(names: list[str]) -> str | None:
-    if not names:
-        return "must not be empty"
-    if len(set(names)) != len(names) or any(not n for n in names):
-        return "names must be unique and non-empty"
-    return None
-
-
-SPECS = [
-    ParamSpec("joint_names", SIM_JOINTS, "Joints in command order.", read_only=True,
-              check=_unique_names),
-    ParamSpec("joint_lower", SIM_LOWER, "Lower joint limits, rad.", read_only=True),
-    ParamSpec("joint_upper", SIM_UPPER, "Upper joint limits, rad.", read_only=True),
-    ParamSpec("rate_hz", 1000.0, "Control loop rate, Hz.", min=10.0, max=2000.0, read_only=True),
-    ParamSpec("max_obs_age", 0.02, "Older joint states -> hold, s.", min=1e-4, max=10.0),
-    ParamSpec("action_scale", 0.05, "Command offset per unit tanh(action), rad.",
-              min=1e-6, max=10.0, read_only=True),
-    ParamSpec("obs_dim", 256, "Policy observation size.", min=1, max=65536, read_only=True),
-    ParamSpec("hidden_dims", [512, 256], "Policy encoder widths.", min=1, max=65536,
-              read_only=True),
-    ParamSpec("num_actions", 12, "Policy action size (>= number of joints).", min=1,
-              max=4096, read_only=True),
-    ParamSpec("lstm_hidden", 256, "Policy LSTM state size.", min=1, max=65536, read_only=True),
-    ParamSpec("history", 8, "Policy window length (window form; the loop steps the LSTM).",
-              min=1, max=4096, read_only=True),
-    ParamSpec("backend", "cpu_eager", "Inference backend.", choices=BACKENDS, read_only=True),
-    ParamSpec("weights_path", "", "Policy state_dict file; empty = seeded random weights.",
-              read_only=True),
-    ParamSpec("model_path", "", "A user's policy file (TorchScript .pt or ONNX .onnx, Isaac Lab "
-              "export style); overrides the reference policy and weights_path.", read_only=True),
-    ParamSpec("model_format", "auto", "Format of model_path.", choices=FORMATS, read_only=True),
-    ParamSpec("model_input", "obs", "Observation input name (ONNX).", read_only=True),
-    ParamSpec("model_output", "actions", "Action output name (ONNX).", read_only=True),
-    ParamSpec("model_state_inputs", [], "Recurrent state input names, e.g. [h_in, c_in].",
-              element_type=str, read_only=True),
-    ParamSpec("model_state_outputs", [], "Recurrent state output names, e.g. [h_out, c_out].",
-              element_type=str, read_only=True),
-    ParamSpec("model_state_shape", [], "Batch-1 shape of every recurrent state, e.g. [1, 1, "
-              "256] (empty = from the ONNX file).", min=1, max=65536, element_type=int,
-              read_only=True),
-    ParamSpec("latency_compensation", True, "Predict joint positions forward by observation "
-              "age + compute latency (linear).", read_only=True),
-    ParamSpec("robots", [], "Robot namespaces batched into one inference (empty = one robot on "
-              "~/input/..., ~/output/...; else ~/<ns>/input/joint_states, ~/<ns>/input/target, "
-              "~/<ns>/output/joint_command).", element_type=str, read_only=True),
-    ParamSpec("seed", 0, "Seed of the random weights.", min=0, max=2**31 - 1, read_only=True),
-    ParamSpec("stats_period", 0.1, "Period of ~/output/loop_stats, s.", min=0.01, max=60.0,
-              read_only=True),
-    ParamSpec("rt_priority", 0, "SCHED_FIFO priority of the loop thread (0 = none).", min=0,
-              max=99, read_only=True),
-    ParamSpec("cpu_affinity", [], "CPUs for the loop thread (empty = any).", min=0,
-              max=4095, element_type=int, read_only=True),
-    ParamSpec("lock_memory", False, "mlockall the process at activation.", read_only=True),
-    ParamSpec("spin_us", 200.0, "Busy-wait before each deadline, us.", min=0.0, max=5000.0,
-              read_only=True),
-    # 50 us: measured with ROS I/O live (scripts/bench_control.py, docs/benchmarks/control_*):
-    # H200 cuda_graph loop p50 425 -> 121 us together with poll sync; 2-core CPU onnxruntime
-    # loop p99.9 778 -> 385 us vs 200 us.
-    ParamSpec("gil_switch_interval_us", 50.0, "sys.setswitchinterval while the loop runs, us "
-              "(bounds how long another thread can keep the GIL from the loop; 0 = unchanged).",
-              min=0.0, max=100000.0, read_only=True),
-    ParamSpec("disable_gc", True, "gc.freeze + gc.disable (process-wide) while the loop runs.",
-              read_only=True),
-]
 LOOP_COUNTERS = ("cycles", "deadline_misses", "stale_inputs", "rejected_nonfinite",
                  "clamped_actions", "step_errors")
 
@@ -129,6 +71,11 @@ class ControlNode(KestrelLifecycleNode):
         self._runner: PolicyRunner | None = None
         self._stats: LoopStats | None = None
         self._loop: RealtimeLoop | None = None
+        self._proc: LoopProcess | None = None  # loop_mode 'process'
+        self.loop_mode = "thread"
+        self._applied: dict[str, str] = {}  # real-time settings the loop applied
+        self._js_bufs: list[Any] = []  # per robot: joint-state buffer [2, n] (callbacks write)
+        self._tgt_bufs: list[Any] = []  # per robot: target buffer [n] rad
         self._active = False
         self._pubs: list[Any] = []
         self._subs: list[Any] = []
@@ -180,15 +127,31 @@ class ControlNode(KestrelLifecycleNode):
                     state_out_names=tuple(p["model_state_outputs"]),
                     state_shapes=(shape,) * len(states) if shape else (),
                     obs_dim=p["obs_dim"], num_actions=0)
-            self._runner = PolicyRunner(RunnerConfig(
+            config = RunnerConfig(
                 joint_lower=p["joint_lower"], joint_upper=p["joint_upper"], policy=policy,
                 action_scale=p["action_scale"], max_obs_age_s=p["max_obs_age"],
                 backend=p["backend"], weights_path=p["weights_path"], seed=p["seed"],
                 model=model, num_robots=max(1, len(p["robots"])),
-                latency_compensation=p["latency_compensation"]),
-                counters=self._stats)
+                latency_compensation=p["latency_compensation"])
+            self.loop_mode = p["loop_mode"] if p["loop_mode"] != "auto" else (
+                "process" if p["backend"].startswith("cuda") else "thread")
+            if self.loop_mode == "process":
+                self._proc = LoopProcess(
+                    config, self._loop_settings(p), start_timeout_s=p["loop_start_timeout"],
+                    sim_time=bool(self.get_parameter("use_sim_time").value),
+                    log=self.get_logger().info)
+                info = self._proc.start()  # LoopProcessError (a ValueError): child's message
+                self._stats = self._proc.stats
+                self._js_bufs, self._tgt_bufs = self._proc.joint_states, self._proc.targets
+                batch, source = info["batch"], info["source"]
+            else:
+                self._runner = PolicyRunner(config, counters=self._stats)
+                self._js_bufs = [r.joint_states for r in self._runner.robots]
+                self._tgt_bufs = [r.target for r in self._runner.robots]
+                batch, source = self._runner.batch, self._runner.policy.source
         except ValueError as exc:  # names the parameter and value
             self.get_logger().error(f"configure failed: {exc}")
+            self._close_process()
             self._runner = self._stats = None
             return TransitionCallbackReturn.FAILURE
         names = list(p["joint_names"])
@@ -218,29 +181,49 @@ class ControlNode(KestrelLifecycleNode):
         self._stats_pub = self.create_publisher(LoopStatistics, "~/output/loop_stats",
                                                 COMMAND_QOS)
         self._pubs = [*self._cmd_pubs, self._stats_pub]
+        if self._proc is not None and self._proc.sim_time:  # the child's clock: /clock via shm
+            self._subs.append(self.create_subscription(
+                ClockMsg, "/clock", lambda m: self._proc.set_sim_time(stamp_to_ns(m.clock)),
+                SENSOR_QOS, callback_group=group))
         self._clock = self.get_clock()
         self.get_logger().info(
             f"configured: {len(names)} joints {names}, {len(prefixes)} robot(s) (batch "
-            f"{self._runner.batch}), {p['rate_hz']:g} Hz, backend {p['backend']}, policy "
-            f"{self._runner.policy.source if p['model_path'] else policy}, latency "
+            f"{batch}), {p['rate_hz']:g} Hz, backend {p['backend']}, loop in a "
+            f"{self.loop_mode}, policy {source if p['model_path'] else policy}, latency "
             f"compensation {'on' if p['latency_compensation'] else 'off'}")
         return TransitionCallbackReturn.SUCCESS
 
+    @staticmethod
+    def _loop_settings(p: dict[str, Any]) -> LoopSettings:
+        return LoopSettings(
+            period_s=1.0 / p["rate_hz"], spin_s=p["spin_us"] * 1e-6,
+            rt_priority=p["rt_priority"], cpu_affinity=tuple(p["cpu_affinity"]),
+            lock_memory=p["lock_memory"], manage_gc=p["disable_gc"],
+            switch_interval_s=(p["gil_switch_interval_us"] * 1e-6) or None)
+
+    def _close_process(self) -> None:
+        if self._proc is not None:
+            self._proc.close()
+            self._proc = None
+
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        p, runner, stats = self.params, self._runner, self._stats
-        runner.reset()
-        stats.reset()
+        p, stats = self.params, self._stats
         self._last_diag = dict.fromkeys(LOOP_COUNTERS, 0)
-        self._loop = RealtimeLoop(
-            1.0 / p["rate_hz"], self._tick, stats, spin_s=p["spin_us"] * 1e-6,
-            rt_priority=p["rt_priority"], cpu_affinity=p["cpu_affinity"],
-            lock_memory=p["lock_memory"], manage_gc=p["disable_gc"], name="kestrel-control",
-            switch_interval_s=(p["gil_switch_interval_us"] * 1e-6) or None,
-            log=self.get_logger().info)
         self._active = True
         try:
-            self._loop.start()
-        except RuntimeError as exc:
+            if self._proc is not None:  # the child resets the policy and the statistics
+                self._applied = self._proc.activate(self._publish_command)
+            else:
+                self._runner.reset()
+                stats.reset()
+                s = self._loop_settings(p)
+                self._loop = RealtimeLoop(
+                    s.period_s, self._tick, stats, spin_s=s.spin_s, rt_priority=s.rt_priority,
+                    cpu_affinity=s.cpu_affinity, lock_memory=s.lock_memory,
+                    manage_gc=s.manage_gc, switch_interval_s=s.switch_interval_s,
+                    name="kestrel-control", log=self.get_logger().info)
+                self._applied = self._loop.start()
+        except (RuntimeError, ValueError) as exc:
             self._active = False
             self.get_logger().error(f"activate failed: {exc}")
             return TransitionCallbackReturn.FAILURE
@@ -256,7 +239,9 @@ class ControlNode(KestrelLifecycleNode):
         for pub in self._pubs:
             self.destroy_publisher(pub)
         self._subs, self._pubs = [], []
+        self._close_process()
         self._runner = self._stats = None
+        self._js_bufs, self._tgt_bufs = [], []
         return TransitionCallbackReturn.SUCCESS
 
     def stop_workers(self) -> None:
@@ -264,6 +249,8 @@ class ControlNode(KestrelLifecycleNode):
         if self._loop is not None:
             self._loop.stop(timeout_s=1.0)
             self._loop = None
+        if self._proc is not None:
+            self._proc.deactivate()
         if self._stats_timer is not None:
             self.destroy_timer(self._stats_timer)
             self._stats_timer = None
@@ -301,7 +288,7 @@ class ControlNode(KestrelLifecycleNode):
             else:
                 slot[1] = 0.0
 
-        self._runner.robots[robot].joint_states.write_with(fill, stamp)
+        self._js_bufs[robot].write_with(fill, stamp)
 
     def _on_target(self, robot: int, msg: ControlTarget) -> None:
         if not self._active:
@@ -317,8 +304,8 @@ class ControlNode(KestrelLifecycleNode):
             return
         n, q = len(self._index), msg.joint_positions
         if len(q) == n:
-            self._runner.robots[robot].target.write(np.asarray(q, dtype=np.float64),
-                                                    stamp_to_ns(msg.header.stamp))
+            self._tgt_bufs[robot].write(np.asarray(q, dtype=np.float64),
+                                        stamp_to_ns(msg.header.stamp))
         else:
             self.drop("target_bad_length",
                       f"target has {len(q)} joint positions, the node has {n} joints")
@@ -341,6 +328,13 @@ class ControlNode(KestrelLifecycleNode):
             self._cmd_pubs[r].publish(msg)
             self.published += 1
 
+    def _publish_command(self, r: int, command: np.ndarray, stamp_ns: int) -> None:
+        """loop_mode 'process': the publisher thread hands over robot r's newest command."""
+        msg = self._cmd_msgs[r]
+        np.copyto(self._cmd_views[r], command)
+        msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp_ns, 1_000_000_000)
+        self._cmd_pubs[r].publish(msg)
+
     # ---- reporting (executor threads) --------------------------------------------------------
     def _publish_stats(self) -> None:
         if self._stats is None:
@@ -360,19 +354,26 @@ class ControlNode(KestrelLifecycleNode):
         values: dict[str, Any] = {f"loop_{k}": v for k, v in counters.items()}
         window = max(1, int(self.params["diagnostics_period"] * self.params["rate_hz"]))
         values.update({f"loop_{k}": v for k, v in stats.percentiles(window).items()})
-        values["commands_published"] = self.published
-        values["no_clock_cycles"] = self.no_clock_cycles
-        values["buffer_locked_reads"] = sum(r.joint_states.locked_reads
-                                            for r in self._runner.robots)
-        values["compute_latency_ema_s"] = self._runner.compute_latency_s
+        proc = self._proc
+        values["loop_mode"] = self.loop_mode
+        values["commands_published"] = proc.published if proc else self.published
+        values["no_clock_cycles"] = proc.no_clock_cycles if proc else self.no_clock_cycles
+        values["buffer_locked_reads"] = sum(b.locked_reads for b in self._js_bufs)
+        values["compute_latency_ema_s"] = (proc or self._runner).compute_latency_s
+        values.update({f"rt_{k}": v for k, v in self._applied.items()})
+        if proc is not None:
+            values["commands_coalesced"] = proc.coalesced
+            values["publish_errors"] = proc.publish_errors
         if self._loop is not None:
-            values.update({f"rt_{k}": v for k, v in self._loop.applied.items()})
             if self._loop.last_error:
                 values["last_step_error"] = self._loop.last_error
         new = {k: counters[k] - self._last_diag.get(k, 0) for k in counters}
         self._last_diag = counters
         problems = [k for k in ("step_errors", "deadline_misses", "stale_inputs",
                                 "rejected_nonfinite") if new[k] > 0]
+        if proc is not None and proc.proc.poll() is not None:
+            return DiagnosticStatus.ERROR, (f"loop process exited (code {proc.proc.returncode}):"
+                                            " no commands"), values
         if new["step_errors"]:
             return DiagnosticStatus.ERROR, "policy step raised (see last_step_error)", values
         if problems:

@@ -33,7 +33,8 @@ from kestrel_control.core.double_buffer import LatestValueBuffer
 from kestrel_control.core.safety import SafetyCounters, SafetyFilter, SafetyStatus, validate_limits
 from kestrel_models.control.external import ModelSpec, load_policy
 from kestrel_models.control.policy import ActorCritic, PolicyConfig
-from kestrel_models.control.runtimes import BACKENDS, PolicyBackend, check_backend, create_backend
+from kestrel_models.control.runtimes import (BACKENDS, POST_BACKENDS, PolicyBackend, PostSpec,
+                                             check_backend, create_backend)
 
 
 def padded_batch(num_robots: int) -> int:
@@ -114,11 +115,17 @@ class _Robot:
     """Per-robot buffers, preallocated."""
 
     def __init__(self, cfg: RunnerConfig, counters: Any, obs_row: np.ndarray,
-                 act_row: np.ndarray) -> None:
+                 act_row: np.ndarray, buffers: tuple[Any, Any] | None = None) -> None:
         n = cfg.num_joints
         self.safety = SafetyFilter(cfg.joint_lower, cfg.joint_upper, cfg.max_obs_age_s, counters)
-        self.joint_states = LatestValueBuffer((2, n))  # [positions rad; velocities rad/s]
-        self.target = LatestValueBuffer((n,))  # joint position target, rad
+        if buffers is None:
+            buffers = (LatestValueBuffer((2, n)), LatestValueBuffer((n,)))
+        for buf, shape in zip(buffers, ((2, n), (n,)), strict=True):
+            if tuple(buf.shape) != shape:
+                raise ValueError(f"parameter 'buffers' = shape {tuple(buf.shape)}: expected "
+                                 f"{shape}")
+        self.joint_states = buffers[0]  # [positions rad; velocities rad/s]
+        self.target = buffers[1]  # joint position target, rad
         self.js = np.zeros((2, n))
         self.pos, self.vel = self.js[0], self.js[1]  # views, [n]
         self.target_now = np.zeros(n)
@@ -131,8 +138,15 @@ class _Robot:
 class PolicyRunner:
     """Policy backend + per-robot safety filters and input buffers (see module docstring)."""
 
-    def __init__(self, config: RunnerConfig, counters: Any = None) -> None:
+    def __init__(self, config: RunnerConfig, counters: Any = None,
+                 buffers: list[tuple[Any, Any]] | None = None) -> None:
+        """buffers: per robot (joint states [2, n], target [n]) with LatestValueBuffer's
+        read_into/write API (e.g. shared-memory ones of the loop process); default: new
+        LatestValueBuffers."""
         self.config = config
+        if buffers is not None and len(buffers) != config.num_robots:
+            raise ValueError(f"parameter 'buffers' = {len(buffers)} pairs: expected one per "
+                             f"robot ({config.num_robots})")
         torch.set_num_threads(1)  # process-wide: one intra-op thread, no pool wake-ups
         self.policy = load_policy(config.model)
         n = config.num_joints
@@ -140,14 +154,19 @@ class PolicyRunner:
         self.num_joints, self.num_actions = n, self.policy.num_actions
         self.num_robots = config.num_robots
         self.batch = padded_batch(config.num_robots)
+        post = PostSpec(n, tuple(config.joint_lower), tuple(config.joint_upper),
+                        float(config.action_scale)) if config.backend in POST_BACKENDS else None
         self.backend: PolicyBackend = create_backend(
             config.backend, self.policy, self.batch, cache_dir=config.cache_dir,
-            warmup_steps=0)
+            warmup_steps=0, post=post)
+        # [B, n + 2] float32 (command | finite | clamped) from the graph, or None (host path)
+        self._post = getattr(self.backend, "post_np", None)
         self.model: ActorCritic | None = self.policy.extra.get("model")
         self.device = self.backend.device
         self.counters = counters if counters is not None else SafetyCounters()
         obs, act = self.backend.obs_np, self.backend.act_np  # [B, obs_dim], [B, A] float32
-        self.robots = [_Robot(config, self.counters, obs[r], act[r])
+        self.robots = [_Robot(config, self.counters, obs[r], act[r],
+                              None if buffers is None else buffers[r])
                        for r in range(self.num_robots)]
         first = self.robots[0]
         self.joint_states, self.target, self.safety = first.joint_states, first.target, \
@@ -227,6 +246,9 @@ class PolicyRunner:
 
     def _finish(self, index: int) -> None:
         robot = self.robots[index]
+        if self._post is not None:  # command, clamp and finite check computed in the graph
+            self._finish_post(index, robot)
+            return
         np.tanh(robot.act_n, out=robot.proposed)
         robot.proposed *= self.config.action_scale
         robot.proposed += robot.pos
@@ -238,6 +260,22 @@ class PolicyRunner:
             robot.obs[self._o_act:self._o_act + self.num_actions] = robot.act
             robot.info.valid = True
         else:  # non-finite policy output: drop the recurrent state, it may be poisoned
+            self.reset_recurrent(index)
+            robot.info.valid = robot.safety.hold(command, robot.pos)
+        robot.info.status = status
+
+    def _finish_post(self, index: int, robot: _Robot) -> None:
+        row, n = self._post[index], self.num_joints
+        command = self.commands[index]
+        if row[n] != 0.0:  # every action finite
+            status = robot.safety.accept_clamped(command, row[:n], row[n + 1] != 0.0)
+        else:
+            robot.proposed.fill(math.nan)
+            status = robot.safety.filter_command(command, robot.proposed, robot.pos)
+        if status is SafetyStatus.OK:
+            robot.obs[self._o_act:self._o_act + self.num_actions] = robot.act
+            robot.info.valid = True
+        else:
             self.reset_recurrent(index)
             robot.info.valid = robot.safety.hold(command, robot.pos)
         robot.info.status = status

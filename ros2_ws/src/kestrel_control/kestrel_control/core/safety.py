@@ -121,6 +121,24 @@ class SafetyFilter:
             self.internal_errors += 1
             return False
 
+    def accept_clamped(self, out: np.ndarray, command: np.ndarray,
+                       clamped: bool) -> SafetyStatus:
+        """A command the backend already clamped (float32, in its CUDA graph) and found finite:
+        clipped again here in float64 (float32 limits can round just outside the float64 ones),
+        counted when `clamped`, remembered as the last safe command."""
+        try:
+            np.clip(command, self.lower, self.upper, out=out)
+            if clamped:
+                self.counters.clamped_actions += 1
+            np.copyto(self._last_safe, out)
+            self.has_last_safe = True
+            return SafetyStatus.OK
+        except Exception:
+            self.internal_errors += 1
+            self.counters.rejected_nonfinite += 1
+            self.hold(out)
+            return SafetyStatus.NONFINITE_ACTION
+
     def filter_command(self, out: np.ndarray, proposed: np.ndarray,
                        position: np.ndarray | None = None) -> SafetyStatus:
         """`proposed` [n] rad -> `out` [n] rad: non-finite -> hold (counted, NONFINITE_ACTION);

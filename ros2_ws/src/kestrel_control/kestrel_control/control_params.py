@@ -1,0 +1,85 @@
+"""The control node's parameters (ParamSpec list, no rclpy): see control_node.py for what they
+drive. Every one is declared once by the node and validated at configure."""
+
+from __future__ import annotations
+
+from kestrel_common.params import ParamSpec
+from kestrel_control.core import BACKENDS
+from kestrel_models.control.external import FORMATS
+
+# The sim arm (kestrel_sim.core.scene.JOINT_NAMES and the joint ranges of tabletop.xml).
+SIM_JOINTS = ["shoulder_pan", "shoulder_lift", "elbow", "wrist_1", "wrist_2", "wrist_3"]
+SIM_LOWER = [-3.14159, -2.0, -2.6, -2.6, -2.6, -3.14159]
+SIM_UPPER = [3.14159, 2.0, 2.6, 2.6, 2.6, 3.14159]
+
+
+def _unique_names(names: list[str]) -> str | None:
+    if not names:
+        return "must not be empty"
+    if len(set(names)) != len(names) or any(not n for n in names):
+        return "names must be unique and non-empty"
+    return None
+
+
+SPECS = [
+    ParamSpec("joint_names", SIM_JOINTS, "Joints in command order.", read_only=True,
+              check=_unique_names),
+    ParamSpec("joint_lower", SIM_LOWER, "Lower joint limits, rad.", read_only=True),
+    ParamSpec("joint_upper", SIM_UPPER, "Upper joint limits, rad.", read_only=True),
+    ParamSpec("rate_hz", 1000.0, "Control loop rate, Hz.", min=10.0, max=2000.0, read_only=True),
+    ParamSpec("max_obs_age", 0.02, "Older joint states -> hold, s.", min=1e-4, max=10.0),
+    ParamSpec("action_scale", 0.05, "Command offset per unit tanh(action), rad.",
+              min=1e-6, max=10.0, read_only=True),
+    ParamSpec("obs_dim", 256, "Policy observation size.", min=1, max=65536, read_only=True),
+    ParamSpec("hidden_dims", [512, 256], "Policy encoder widths.", min=1, max=65536,
+              read_only=True),
+    ParamSpec("num_actions", 12, "Policy action size (>= number of joints).", min=1,
+              max=4096, read_only=True),
+    ParamSpec("lstm_hidden", 256, "Policy LSTM state size.", min=1, max=65536, read_only=True),
+    ParamSpec("history", 8, "Policy window length (window form; the loop steps the LSTM).",
+              min=1, max=4096, read_only=True),
+    ParamSpec("backend", "cpu_eager", "Inference backend.", choices=BACKENDS, read_only=True),
+    ParamSpec("weights_path", "", "Policy state_dict file; empty = seeded random weights.",
+              read_only=True),
+    ParamSpec("model_path", "", "A user's policy file (TorchScript .pt or ONNX .onnx, Isaac Lab "
+              "export style); overrides the reference policy and weights_path.", read_only=True),
+    ParamSpec("model_format", "auto", "Format of model_path.", choices=FORMATS, read_only=True),
+    ParamSpec("model_input", "obs", "Observation input name (ONNX).", read_only=True),
+    ParamSpec("model_output", "actions", "Action output name (ONNX).", read_only=True),
+    ParamSpec("model_state_inputs", [], "Recurrent state input names, e.g. [h_in, c_in].",
+              element_type=str, read_only=True),
+    ParamSpec("model_state_outputs", [], "Recurrent state output names, e.g. [h_out, c_out].",
+              element_type=str, read_only=True),
+    ParamSpec("model_state_shape", [], "Batch-1 shape of every recurrent state, e.g. [1, 1, "
+              "256] (empty = from the ONNX file).", min=1, max=65536, element_type=int,
+              read_only=True),
+    ParamSpec("latency_compensation", True, "Predict joint positions forward by observation "
+              "age + compute latency (linear).", read_only=True),
+    ParamSpec("robots", [], "Robot namespaces batched into one inference (empty = one robot on "
+              "~/input/..., ~/output/...; else ~/<ns>/input/joint_states, ~/<ns>/input/target, "
+              "~/<ns>/output/joint_command).", element_type=str, read_only=True),
+    ParamSpec("seed", 0, "Seed of the random weights.", min=0, max=2**31 - 1, read_only=True),
+    ParamSpec("stats_period", 0.1, "Period of ~/output/loop_stats, s.", min=0.01, max=60.0,
+              read_only=True),
+    ParamSpec("rt_priority", 0, "SCHED_FIFO priority of the loop thread (0 = none).", min=0,
+              max=99, read_only=True),
+    ParamSpec("cpu_affinity", [], "CPUs for the loop thread (empty = any).", min=0,
+              max=4095, element_type=int, read_only=True),
+    ParamSpec("lock_memory", False, "mlockall the process at activation.", read_only=True),
+    ParamSpec("spin_us", 200.0, "Busy-wait before each deadline, us.", min=0.0, max=5000.0,
+              read_only=True),
+    # 50 us: measured with ROS I/O live (scripts/bench_control.py, docs/benchmarks/control_*):
+    # H200 cuda_graph loop p50 425 -> 121 us together with poll sync; 2-core CPU onnxruntime
+    # loop p99.9 778 -> 385 us vs 200 us.
+    ParamSpec("gil_switch_interval_us", 50.0, "sys.setswitchinterval while the loop runs, us "
+              "(bounds how long another thread can keep the GIL from the loop; 0 = unchanged).",
+              min=0.0, max=100000.0, read_only=True),
+    ParamSpec("loop_mode", "auto", "Where the real-time loop runs: 'thread' (this process), "
+              "'process' (a child process sharing memory with the node) or 'auto' (process for "
+              "the cuda_* backends, thread otherwise).", choices=("auto", "thread", "process"),
+              read_only=True),
+    ParamSpec("loop_start_timeout", 120.0, "Bound on the loop process start (policy load, "
+              "warm-up, graph capture / compile), s.", min=1.0, max=3600.0, read_only=True),
+    ParamSpec("disable_gc", True, "gc.freeze + gc.disable (process-wide) while the loop runs.",
+              read_only=True),
+]

@@ -1,0 +1,156 @@
+"""The loop process of `loop_mode: process` (see loop_process.py): `python -m` this module.
+
+No rclpy here. Protocol on stdin/stdout (loop_process.Channel): the node sends
+{config: RunnerConfig, settings: LoopSettings, layout: ShmLayout}; this process attaches the
+segment (shm_control.ShmSegment: no resource tracker), builds
+the PolicyRunner on the shared buffers (policy load, backend warm-up / graph capture) and
+answers ('ready', info) or ('error', message). Then commands: 'activate' (reset the policy state
+and statistics, start the RealtimeLoop; answer ('active', applied settings)), 'deactivate'
+(stop it; ('inactive', {})), 'exit'. It exits when stdin closes or the parent pid changes;
+it ignores SIGINT (sent to the whole process group by Ctrl-C: the node decides).
+
+Per tick (the loop thread): now = node clock (time.time_ns(), or the /clock value the node
+writes into the segment under use_sim_time; 0 -> no command, counted), PolicyRunner.step_all,
+each valid robot's command into its shared command buffer (stamp = now), then one eventfd
+write to wake the node's publisher thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+import traceback
+
+from kestrel_control.core.loop_process import Channel
+from kestrel_control.core.shm_control import (AUX_COMPUTE_LATENCY, CLOCK_SIM, CTRL_CLOCK_MODE,
+                                              CTRL_COMMANDS, CTRL_NO_CLOCK, CTRL_SIM_TIME_NS,
+                                              CTRL_STATE, STATE_READY, STATE_RUNNING,
+                                              ShmSegment, ShmViews)
+
+
+def _log(message: str) -> None:
+    print(f"[control loop process {os.getpid()}] {message}", file=sys.stderr, flush=True)
+
+
+class _Tick:
+    """The loop's step function (preallocated state; no allocation per call)."""
+
+    def __init__(self, runner, views: ShmViews, event_fd: int) -> None:
+        self.runner, self.views, self.efd = runner, views, event_fd
+        self.ctrl, self.aux = views.control, views.aux
+        self.commands = views.commands
+        self.sim = int(views.control[CTRL_CLOCK_MODE]) == CLOCK_SIM
+        self.first_error = True
+
+    def __call__(self, deadline_ns: int) -> None:
+        ctrl = self.ctrl
+        now = int(ctrl[CTRL_SIM_TIME_NS]) if self.sim else time.time_ns()
+        if now <= 0:  # use_sim_time and no /clock yet
+            ctrl[CTRL_NO_CLOCK] += 1
+            return
+        runner = self.runner
+        commands, infos = runner.step_all(now)
+        wrote = False
+        for r, info in enumerate(infos):
+            if info.valid:
+                self.commands[r].write(commands[r], now)
+                wrote = True
+        self.aux[AUX_COMPUTE_LATENCY] = runner.compute_latency_s
+        if wrote:
+            ctrl[CTRL_COMMANDS] += 1
+            os.eventfd_write(self.efd, 1)
+
+
+def _unlink_orphan(name: str) -> None:
+    """The node died without its cleanup: remove the segment's name (idempotent)."""
+    try:
+        os.unlink(f"/dev/shm/{name}")
+    except FileNotFoundError:
+        pass
+
+
+def serve(chan: Channel, shm_name: str, event_fd: int, parent_pid: int) -> int:
+    setup = chan.recv(30.0)
+    try:
+        from kestrel_control.core.policy_runner import PolicyRunner
+        from kestrel_control.core.rt_loop import RealtimeLoop
+
+        config, settings, layout = setup["config"], setup["settings"], setup["layout"]
+        views = ShmViews(ShmSegment(shm_name, layout.size, create=False).buf, layout)
+        runner = PolicyRunner(config, counters=views.stats,
+                              buffers=list(zip(views.joint_states, views.targets, strict=True)))
+        tick = _Tick(runner, views, event_fd)
+        loop = RealtimeLoop(settings.period_s, tick, views.stats, spin_s=settings.spin_s,
+                            rt_priority=settings.rt_priority,
+                            cpu_affinity=list(settings.cpu_affinity),
+                            lock_memory=settings.lock_memory, manage_gc=settings.manage_gc,
+                            switch_interval_s=settings.switch_interval_s,
+                            name="kestrel-control-loop", log=_log)
+    except Exception as exc:  # reported to the node, which fails configure with it
+        _log("start failed:\n" + traceback.format_exc())
+        chan.send(("error", f"{type(exc).__name__}: {exc}"))
+        return 1
+    views.control[CTRL_STATE] = STATE_READY
+    chan.send(("ready", {"pid": os.getpid(), "batch": runner.batch,
+                         "source": runner.policy.source, "backend": runner.backend.name,
+                         "compute_latency_s": runner.compute_latency_s}))
+    try:
+        while True:
+            try:
+                kind, _ = chan.recv(1.0)
+            except TimeoutError:
+                if os.getppid() != parent_pid:
+                    _log("parent process is gone: exiting")
+                    _unlink_orphan(shm_name)
+                    return 0
+                continue
+            except EOFError:  # the node closed the pipe: it died, or it is exiting
+                _unlink_orphan(shm_name)
+                return 0
+            if kind == "activate":
+                try:
+                    runner.reset()
+                    views.stats.reset()
+                    applied = loop.start(timeout_s=30.0)
+                    views.control[CTRL_STATE] = STATE_RUNNING
+                    chan.send(("active", applied))
+                except Exception as exc:
+                    chan.send(("error", f"{type(exc).__name__}: {exc}"))
+            elif kind == "deactivate":
+                loop.stop(timeout_s=2.0)
+                views.control[CTRL_STATE] = STATE_READY
+                if loop.last_error:
+                    _log(f"last step error: {loop.last_error}")
+                chan.send(("inactive", {}))
+            elif kind == "exit":
+                return 0
+    finally:
+        loop.stop(timeout_s=2.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Kestrel control loop process (started by the node)")
+    ap.add_argument("--shm", required=True)
+    ap.add_argument("--event-fd", type=int, required=True)
+    ap.add_argument("--parent-pid", type=int, required=True)
+    args = ap.parse_args(argv)
+    # Ctrl-C / SIGINT to the process group is the node's to handle: it stops this process
+    # through the pipe (or this process sees the pipe close when the node exits).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The protocol owns fds 0/1: anything printed goes to stderr (the node's log).
+    chan = Channel(os.dup(0), os.dup(1))
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    if os.getppid() != args.parent_pid:
+        return 0
+    try:
+        return serve(chan, args.shm, args.event_fd, args.parent_pid)
+    except (EOFError, BrokenPipeError):
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,331 @@
+"""Shared-memory regions between the control node and its loop process (`loop_mode: process`).
+
+One POSIX shared-memory segment holds, at offsets that both sides compute with `ShmLayout`:
+  control  int64 [8]   control words (CTRL_*): loop state, clock mode, sim time ns, ...
+  aux      float64 [4] compute latency EMA s (child writes, node reads)
+  per robot r: joint states [2, n] (positions rad; velocities rad/s), target [n] rad (node
+             writes, loop reads) and command [n] rad (loop writes, node's publisher reads), each
+             a `SharedLatestValue`;
+  stats    the loop's `LoopStats` counters + timing rings (`SharedLoopStats`; loop writes, the
+           node's 10 Hz reporter reads).
+
+`SharedLatestValue` is `LatestValueBuffer`'s seqlock across processes: per slot a sequence number
+(odd while written), a stamp and a version, plus the published slot index, all int64 in the
+segment. One writer process per buffer (threads of that process serialise on a local lock);
+the reader retries a read whose slot sequence was odd or changed during the copy, and after
+`max_retries` failed tries returns its own last complete value (counted in `failed_reads`):
+never a torn value, never a lock shared with the other process. The ordering argument needs
+stores seen in program order by the other core (x86-64 TSO, where this runs; numpy element
+stores are plain stores); weakly ordered CPUs (ARM) would need fences, not provided here.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kestrel_control.core.stats import LoopStats, Ring
+
+# control words (int64)
+CTRL_STATE, CTRL_CLOCK_MODE, CTRL_SIM_TIME_NS, CTRL_NO_CLOCK = 0, 1, 2, 3
+CTRL_COMMANDS, CTRL_PARENT_PID = 4, 5
+STATE_STARTING, STATE_READY, STATE_RUNNING = 0, 1, 2
+CLOCK_SYSTEM, CLOCK_SIM = 0, 1  # node clock: time.time_ns() or the last /clock value (shm)
+AUX_COMPUTE_LATENCY = 0
+
+# SharedLatestValue header (int64)
+_H_PUB, _H_VER, _H_SEQ, _H_STAMP, _H_SLOTVER, _H_RETRIES, _H_FAILED = 0, 1, 2, 4, 6, 8, 9
+_HEADER = 10
+_ALIGN = 64
+
+
+class _Arena:
+    """Carves aligned numpy views out of a buffer (None: only computes the total size)."""
+
+    def __init__(self, buf=None) -> None:
+        self.buf, self.offset = buf, 0
+
+    def take(self, shape: int | tuple[int, ...], dtype) -> np.ndarray | None:
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        start = self.offset
+        self.offset = start + (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        if self.buf is None:
+            return None
+        return np.ndarray(shape, dtype=dtype, buffer=self.buf, offset=start)
+
+
+SHM_DIR = "/dev/shm"
+
+
+class ShmSegment:
+    """A named POSIX shared-memory segment (a file in /dev/shm), mapped read-write.
+
+    Not multiprocessing.shared_memory: there every process that opens a segment (3.11/3.12)
+    registers it with a resource-tracker process of its own, which then lingers in the node's
+    process group and unlinks the segment when *that* process exits. Here the creator unlinks
+    (`unlink()`, idempotent) and the loop process unlinks when it sees its node die.
+    """
+
+    def __init__(self, name: str, size: int, create: bool) -> None:
+        if "/" in name or not name:
+            raise ValueError(f"parameter 'name' = {name!r}: a plain file name")
+        self.name, self.size = name, int(size)
+        self.path = os.path.join(SHM_DIR, name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, self.size)
+            self.buf = mmap.mmap(fd, self.size)
+        except BaseException:
+            os.close(fd)
+            if create:
+                self.unlink()
+            raise
+        os.close(fd)
+
+    def close(self) -> None:
+        """Unmap (BufferError is swallowed while views are alive: the mapping goes with them)."""
+        try:
+            self.buf.close()
+        except BufferError:
+            pass
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class SharedLatestValue:
+    """Newest-value double buffer in shared memory, float64 of a fixed shape, with a stamp."""
+
+    def __init__(self, header: np.ndarray, slots: np.ndarray, *, max_retries: int = 64) -> None:
+        if max_retries < 1:
+            raise ValueError(f"parameter 'max_retries' = {max_retries!r}: must be >= 1")
+        self._h = header  # int64 [_HEADER], in the segment
+        self._slots = (slots[0], slots[1])  # float64 [*shape] each, in the segment
+        self._max_retries = int(max_retries)
+        self._good = np.zeros_like(slots[0])  # this reader's last complete value (private)
+        self._good_version = 0
+        self._good_stamp = 0
+        import threading
+        self._write_lock = threading.Lock()  # writer threads of ONE process
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._slots[0].shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._slots[0].dtype
+
+    @property
+    def version(self) -> int:
+        return int(self._h[_H_VER])
+
+    @property
+    def read_retries(self) -> int:
+        return int(self._h[_H_RETRIES])
+
+    @property
+    def locked_reads(self) -> int:
+        """Reads that gave up and returned the reader's previous value (name as in
+        LatestValueBuffer's diagnostics)."""
+        return int(self._h[_H_FAILED])
+
+    def clear(self) -> None:
+        """Zero everything (before any reader or writer runs)."""
+        self._h[:] = 0
+        self._slots[0][...] = 0.0
+        self._slots[1][...] = 0.0
+
+    # ---- writer ------------------------------------------------------------------------------
+    def write(self, value: np.ndarray, stamp_ns: int = 0) -> int:
+        with self._write_lock:
+            h = self._h
+            idx = 1 - int(h[_H_PUB])
+            h[_H_SEQ + idx] += 1  # odd: being written
+            np.copyto(self._slots[idx], value, casting="unsafe")
+            return self._finish(idx, stamp_ns)
+
+    def write_with(self, fill, stamp_ns: int = 0) -> int:
+        """`fill(slot)` writes the value in place; if it raises nothing is published."""
+        with self._write_lock:
+            h = self._h
+            idx = 1 - int(h[_H_PUB])
+            h[_H_SEQ + idx] += 1
+            try:
+                fill(self._slots[idx])
+            except BaseException:
+                h[_H_SEQ + idx] += 1
+                raise
+            return self._finish(idx, stamp_ns)
+
+    def _finish(self, idx: int, stamp_ns: int) -> int:
+        h = self._h
+        version = int(h[_H_VER]) + 1
+        h[_H_STAMP + idx] = int(stamp_ns)
+        h[_H_SLOTVER + idx] = version
+        h[_H_SEQ + idx] += 1  # even: complete
+        h[_H_PUB] = idx
+        h[_H_VER] = version
+        return version
+
+    # ---- reader ------------------------------------------------------------------------------
+    def read_into(self, out: np.ndarray) -> tuple[int, int]:
+        """Copy the newest complete value into `out`; (version, stamp_ns). No lock, no
+        allocation; version 0 = never written."""
+        h, slots = self._h, self._slots
+        for _ in range(self._max_retries):
+            idx = int(h[_H_PUB])
+            s1 = int(h[_H_SEQ + idx])
+            if s1 & 1:
+                h[_H_RETRIES] += 1
+                continue
+            np.copyto(out, slots[idx])
+            version = int(h[_H_SLOTVER + idx])
+            stamp = int(h[_H_STAMP + idx])
+            if int(h[_H_SEQ + idx]) == s1:
+                np.copyto(self._good, out)
+                self._good_version, self._good_stamp = version, stamp
+                return version, stamp
+            h[_H_RETRIES] += 1
+        h[_H_FAILED] += 1  # the writer outpaced every try: the previous complete value
+        np.copyto(out, self._good)
+        return self._good_version, self._good_stamp
+
+    def read(self) -> tuple[np.ndarray, int, int]:
+        out = np.empty_like(self._slots[0])
+        version, stamp = self.read_into(out)
+        return out, version, stamp
+
+
+class _SharedRing(Ring):
+    """Ring whose samples and count live in the segment."""
+
+    def __init__(self, buf: np.ndarray, counts: np.ndarray, index: int) -> None:
+        self.buf, self.capacity = buf, int(buf.shape[0])
+        self._counts, self._index = counts, index
+
+    @property
+    def count(self) -> int:  # type: ignore[override]
+        return int(self._counts[self._index])
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self._counts[self._index] = value
+
+
+def _counter(i: int) -> property:
+    def get(self) -> int:
+        return int(self._ints[i])
+
+    def set_(self, value: int) -> None:
+        self._ints[i] = value
+
+    return property(get, set_)
+
+
+class SharedLoopStats(LoopStats):
+    """LoopStats whose counters and rings live in the segment: the loop process records, the
+    node's reporter takes windows and percentiles (its window marks are its own)."""
+
+    _N_INTS = len(LoopStats.COUNTERS) + 3  # counters, then the three ring counts
+
+    def __init__(self, period_target_s: float, ints: np.ndarray, rings: np.ndarray) -> None:
+        if not period_target_s > 0:
+            raise ValueError(f"parameter 'period_target_s' = {period_target_s!r}: must be > 0")
+        self.period_target = float(period_target_s)
+        self._ints = ints
+        k = len(LoopStats.COUNTERS)
+        self.period = _SharedRing(rings[0], ints, k)
+        self.wake_error = _SharedRing(rings[1], ints, k + 1)
+        self.step_latency = _SharedRing(rings[2], ints, k + 2)
+        self._win_cycles = self._win_period = self._win_wake = self._win_latency = 0
+
+    def _window(self, advance: bool) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        # The writer is another process (no GIL between us): a snapshot can fall between its
+        # ring pushes and `cycles += 1`. Count the window's cycles by its step-latency samples
+        # (one per cycle) so a window never reports cycles without samples.
+        n_window, period, wake, latency = super()._window(advance)
+        return latency.shape[0], period, wake, latency
+
+    def reset_window(self) -> None:
+        """Reader side: start windows from the current (just reset) counts."""
+        self._win_cycles = self.cycles
+        self._win_period, self._win_wake, self._win_latency = (
+            self.period.count, self.wake_error.count, self.step_latency.count)
+
+
+for _i, _name in enumerate(LoopStats.COUNTERS):
+    setattr(SharedLoopStats, _name, _counter(_i))
+
+
+@dataclass(frozen=True)
+class ShmLayout:
+    """Sizes that fix the segment's layout (both processes build the same views)."""
+
+    num_robots: int
+    num_joints: int
+    period_s: float
+    stats_capacity: int = 16384
+
+    def __post_init__(self) -> None:
+        for name in ("num_robots", "num_joints", "stats_capacity"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parameter '{name}' = {getattr(self, name)!r}: must be >= 1")
+        if not (math.isfinite(self.period_s) and self.period_s > 0):
+            raise ValueError(f"parameter 'period_s' = {self.period_s!r}: must be > 0")
+
+    def _build(self, arena: _Arena) -> dict:
+        n = self.num_joints
+        views: dict = {"control": arena.take(8, np.int64), "aux": arena.take(4, np.float64),
+                       "js": [], "target": [], "command": []}
+        for _ in range(self.num_robots):
+            for key, shape in (("js", (2, n)), ("target", (n,)), ("command", (n,))):
+                views[key].append((arena.take(_HEADER, np.int64),
+                                   arena.take((2, *shape), np.float64)))
+        views["stats_ints"] = arena.take(SharedLoopStats._N_INTS, np.int64)
+        views["stats_rings"] = arena.take((3, self.stats_capacity), np.float64)
+        return views
+
+    @property
+    def size(self) -> int:
+        arena = _Arena()
+        self._build(arena)
+        return arena.offset
+
+
+class ShmViews:
+    """The typed views of one segment (`buf`: a writable buffer of at least `layout.size`)."""
+
+    def __init__(self, buf, layout: ShmLayout) -> None:
+        self.layout = layout
+        v = layout._build(_Arena(buf))
+        self.control: np.ndarray = v["control"]  # int64 [8], CTRL_*
+        self.aux: np.ndarray = v["aux"]  # float64 [4], AUX_*
+        self.joint_states = [SharedLatestValue(h, s) for h, s in v["js"]]  # [2, n] each
+        self.targets = [SharedLatestValue(h, s) for h, s in v["target"]]  # [n] rad each
+        self.commands = [SharedLatestValue(h, s) for h, s in v["command"]]  # [n] rad each
+        self.stats = SharedLoopStats(layout.period_s, v["stats_ints"], v["stats_rings"])
+        self._arrays = [self.control, self.aux, v["stats_ints"], v["stats_rings"]]
+
+    def clear(self) -> None:
+        for arr in self._arrays:
+            arr[...] = 0
+        for buf in (*self.joint_states, *self.targets, *self.commands):
+            buf.clear()
+
+    def release(self) -> None:
+        """Drop every view (needed before the segment's mmap can be closed)."""
+        for name in ("control", "aux", "joint_states", "targets", "commands", "stats",
+                     "_arrays"):
+            setattr(self, name, None)

@@ -1,0 +1,258 @@
+"""loop_mode 'process': shared-memory seqlock buffers across processes, the loop child (same
+commands as the in-process runner, statistics visible to the node), start failures, and no
+/dev/shm segment or child left behind (after close, and after the node is killed)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kestrel_control.core.loop_process import LoopProcess, LoopProcessError, LoopSettings
+from kestrel_control.core.policy_runner import PolicyRunner, RunnerConfig
+from kestrel_control.core.shm_control import ShmLayout, ShmSegment, ShmViews
+from kestrel_models.control.policy import PolicyConfig
+
+torch.set_num_threads(1)
+N = 6
+
+
+def _segments(pid: int) -> list[str]:
+    return glob.glob(f"/dev/shm/kestrel_control_{pid}_*")
+
+
+def _wait(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)  # polling interval of a bounded wait
+    return pred()
+
+
+@pytest.fixture
+def segment():
+    layout = ShmLayout(num_robots=2, num_joints=N, period_s=1e-3, stats_capacity=64)
+    seg = ShmSegment(f"kestrel_control_{os.getpid()}_test", layout.size, create=True)
+    views = ShmViews(seg.buf, layout)
+    views.clear()
+    yield seg, layout, views
+    views.release()
+    seg.unlink()
+    seg.close()
+    assert not os.path.exists(seg.path)
+
+
+def test_shared_buffer_newest_value_stamp_and_failed_fill(segment) -> None:
+    _, _, views = segment
+    buf = views.joint_states[1]
+    out = np.full((2, N), 7.0)
+    assert buf.read_into(out) == (0, 0) and np.all(out == 0.0)
+    for k in range(1, 4):
+        assert buf.write(np.full((2, N), float(k)), stamp_ns=100 * k) == k
+    assert buf.read_into(out) == (3, 300) and np.all(out == 3.0)
+
+    def bad_fill(slot: np.ndarray) -> None:
+        slot[...] = 99.0
+        raise KeyError("unknown joint")
+
+    with pytest.raises(KeyError):
+        buf.write_with(bad_fill, 400)
+    assert buf.read_into(out) == (3, 300) and np.all(out == 3.0)
+    assert views.joint_states[0].version == 0  # robots do not share buffers
+
+
+def test_shared_stats_written_by_one_view_read_by_another(segment) -> None:
+    seg, layout, views = segment
+    other = ShmViews(ShmSegment(seg.name, layout.size, create=False).buf, layout)
+    for i in range(10):
+        views.stats.record(1e-6 * i, 1e-4, 1e-3 if i else None)
+    views.stats.stale_inputs += 3
+    assert other.stats.counters()["cycles"] == 10 and other.stats.stale_inputs == 3
+    snap = other.stats.snapshot()
+    assert snap.cycles_window == 10 and snap.step_latency_p50 == pytest.approx(1e-4)
+    assert other.stats.snapshot().cycles_window == 0  # the reader's own window marks
+    other.release()
+
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from kestrel_control.core.shm_control import ShmLayout, ShmSegment, ShmViews
+    name, size, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    layout = ShmLayout(num_robots=2, num_joints={n}, period_s=1e-3, stats_capacity=64)
+    views = ShmViews(ShmSegment(name, layout.size, create=False).buf, layout)
+    buf = views.joint_states[0]
+    k = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        k += 1
+        def fill(slot, k=k):
+            slot[0] = k
+            slot[1] = -k
+        buf.write_with(fill, k)
+    print(k, flush=True)
+""").format(n=N)
+
+
+def test_no_torn_reads_with_a_concurrent_writer_process(segment) -> None:
+    """A writer process publishes [k, -k] rows as fast as it can; every read in this process
+    is one complete write: one value throughout, the stamp matching it, versions never back."""
+    seg, layout, views = segment
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, seg.name, str(layout.size), "1.0"],
+                              stdout=subprocess.PIPE, text=True)
+    buf = views.joint_states[0]
+    out = np.zeros((2, N))
+    reads, last_version, distinct = 0, 0, set()
+    try:
+        deadline = time.monotonic() + 10.0
+        while writer.poll() is None and time.monotonic() < deadline:
+            version, stamp = buf.read_into(out)
+            if version == 0:
+                continue
+            k = out[0, 0]
+            assert np.all(out[0] == k) and np.all(out[1] == -k), out  # not torn
+            assert stamp == k and version >= last_version
+            last_version = version
+            distinct.add(k)
+            reads += 1
+        written = int(writer.communicate(timeout=10.0)[0])
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait(5)
+    assert written > 1000 and reads > 1000 and len(distinct) > 100, (written, reads)
+    assert buf.version == written
+
+
+def _config(**kw) -> RunnerConfig:
+    kw.setdefault("policy", PolicyConfig.tiny())
+    return RunnerConfig(joint_lower=[-3.0] * N, joint_upper=[3.0] * N, max_obs_age_s=30.0,
+                        latency_compensation=False, warmup_steps=2, **kw)
+
+
+def test_loop_process_commands_equal_the_in_process_runner() -> None:
+    """Same observation every tick: the command after v ticks in the child equals the in-process
+    runner's after v steps (same seeded weights); statistics and publisher reach the node side."""
+    proc = LoopProcess(_config(), LoopSettings(period_s=2e-3), start_timeout_s=60.0)
+    js = np.array([[0.3, -0.2, 0.1, 0.0, 0.5, -0.4], [0.0] * N])
+    published: list[tuple[int, np.ndarray, int]] = []
+    try:
+        info = proc.start()
+        assert info["batch"] == 1 and info["backend"] == "cpu_eager"
+        assert len(_segments(os.getpid())) == 1
+        proc.joint_states[0].write(js, time.time_ns())
+        applied = proc.activate(lambda r, c, s: published.append((r, c.copy(), s)))
+        assert "gc" in applied
+        assert _wait(lambda: len(published) >= 20, 20.0), "no commands published"
+        proc.deactivate()
+        cmd, version, stamp = proc.views.commands[0].read()
+        stats = proc.stats.counters()
+    finally:
+        proc.close()
+    assert not _segments(os.getpid())
+    assert proc.proc.returncode == 0
+    assert stats["cycles"] >= version >= 20 and proc.published >= 20
+    assert published[-1][0] == 0 and np.array_equal(published[-1][1], cmd)
+    runner = PolicyRunner(_config())
+    runner.joint_states.write(js, 1)
+    for _ in range(version):
+        expected, _info = runner.step(2)
+    np.testing.assert_allclose(cmd, expected, rtol=0, atol=1e-12)
+    assert np.max(np.abs(cmd - js[0])) <= 0.05 + 1e-12  # action_scale bound
+
+
+def test_child_error_fails_start_with_its_message_and_leaves_nothing() -> None:
+    proc = LoopProcess(_config(weights_path="/nonexistent/w.pt"), LoopSettings())
+    with pytest.raises(LoopProcessError, match=r"loop process failed to start: ValueError: "
+                       r"parameter 'weights_path' = '/nonexistent/w.pt': no such file"):
+        proc.start()
+    assert not _segments(os.getpid()) and proc.proc.returncode == 1
+
+
+PARENT = textwrap.dedent("""
+    import os, sys, time
+    from kestrel_control.core.loop_process import LoopProcess, LoopSettings
+    from kestrel_control.core.policy_runner import RunnerConfig
+    from kestrel_models.control.policy import PolicyConfig
+    cfg = RunnerConfig(joint_lower=[-1.0] * 6, joint_upper=[1.0] * 6, warmup_steps=1,
+                       policy=PolicyConfig.tiny())
+    proc = LoopProcess(cfg, LoopSettings(period_s=5e-3))
+    proc.start()
+    proc.activate(lambda r, c, s: None)
+    print(proc.proc.pid, flush=True)
+    time.sleep(60)
+""")
+
+
+def test_killed_node_child_exits_and_unlinks_the_segment() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([parent.stdout], [], [], 60.0)
+        assert ready, "the parent process did not start its loop process within 60 s"
+        child_pid = int(parent.stdout.readline())
+        assert _segments(parent.pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+
+        def child_gone() -> bool:
+            try:
+                os.kill(child_pid, 0)
+            except ProcessLookupError:
+                return True
+            try:
+                with open(f"/proc/{child_pid}/stat") as f:  # exited, not yet reaped by init
+                    return f.read().split(") ")[1][0] == "Z"
+            except FileNotFoundError:
+                return True
+
+        assert _wait(child_gone, 10.0), "loop process outlived its node"
+        assert _wait(lambda: not _segments(parent.pid), 5.0), _segments(parent.pid)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(5)
+
+
+def test_child_tick_on_shared_buffers_does_not_allocate(segment) -> None:
+    """The loop process's tick (runner on shared buffers, command write, eventfd) retains no
+    memory in steady state; the shared stats record into the segment."""
+    import tracemalloc
+
+    from kestrel_control.core.loop_child import _Tick
+
+    _, _, views = segment
+    runner = PolicyRunner(_config(num_robots=2), counters=views.stats,
+                          buffers=list(zip(views.joint_states, views.targets, strict=True)))
+    efd = os.eventfd(0, os.EFD_NONBLOCK)
+    tick = _Tick(runner, views, efd)
+    js = np.zeros((2, N))
+    try:
+        for r in range(2):
+            views.joint_states[r].write(js, time.time_ns())
+        for _ in range(100):
+            tick(0)
+            views.stats.record(0.0, 1e-4, 1e-3)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in range(1000):
+                tick(0)
+                views.stats.record(0.0, 1e-4, 1e-3)
+            after = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        assert os.eventfd_read(efd) == 1100  # one notification per tick with commands
+    finally:
+        os.close(efd)
+    assert after - before < 2048, f"{after - before} bytes retained over 1000 ticks"
+    assert views.commands[1].version == 1100 and views.stats.cycles == 1100

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# GPU machine (the `run` tool, carry .whl): rclpy venv from the carried cp312 wheels (standard
+# messages only), then the control benchmark (loops first), then the control GPU tests.
+#   bash scripts/device_bench_control.sh   (writes into $OUT)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+t0=$(date +%s)
+python3 -m venv /tmp/kv && /tmp/kv/bin/pip install -q --no-index --no-deps --no-compile .whl/*.whl \
+  || { echo "wheel install failed"; exit 1; }
+python3 -c "import sysconfig;print(sysconfig.get_paths()['purelib'])" \
+  > /tmp/kv/lib/python3.12/site-packages/zz_torch.pth
+export AMENT_PREFIX_PATH=/tmp/kv ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST ROS_DOMAIN_ID=42
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/models:$PWD/ros2_ws/src/kestrel_control"
+KPY=/tmp/kv/bin/python
+echo "setup $(( $(date +%s) - t0 )) s"; nproc; nvidia-smi --query-gpu=name,clocks.sm --format=csv
+COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown) + uncommitted issue-3 control changes"
+timeout "${BENCH_TIMEOUT:-330}" $KPY scripts/bench_control.py --loops-first --step-iters 2000 \
+  --backends cpu_eager,onnxruntime,cuda_eager,cuda_graph,cuda_graph_compiled,tensorrt \
+  --loops "${LOOPS:-cuda_graph@1000:100000:process,cuda_graph@1000:15000:thread,cuda_graph_compiled@1000:15000:process,cuda_eager@1000:3000:thread,cpu_eager@1000:3000:process}" \
+  --loop-cpus 2 --publisher-cpus 4,5 --node-cpus 6,7 --rt-priority 80 --label "H200" \
+  --commit "$COMMIT" --out "$OUT/control_h200.json" \
+  --note "one H200; loop thread (thread mode) / loop process's loop thread (process mode) on CPU 2, this process (ROS executor + publisher thread) on CPUs 6,7, publisher process on CPUs 4,5; SCHED_FIFO as reported in rt_settings; no mlockall" \
+  2>&1 | tee "$OUT/bench_log.txt"
+echo "bench done at $(( $(date +%s) - t0 )) s"
+if $KPY -c "import pytest" 2>/dev/null; then
+  timeout "${TEST_TIMEOUT:-90}" $KPY -m pytest -q -x -p no:cacheprovider \
+    models/tests/test_control_runtimes.py ros2_ws/src/kestrel_control/test/test_graph_post_control.py \
+    -k "cuda_graph or in_graph" 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+else
+  echo "pytest not installed on the GPU machine: GPU tests not run" | tee "$OUT/gpu_tests.txt"
+fi
+echo "all done at $(( $(date +%s) - t0 )) s"
