@@ -13,6 +13,11 @@ Sections (each isolated: a failure is recorded in the JSON and the run goes on):
               lm_head, sampling) compiled as one inductor graph (fullgraph; --cdt: coordinate-
               descent tuning, batch-1 GEMVs as Triton reductions), captured in a CUDA graph.
   engine_step_compiled_xN     the same engine, N = --multi decode steps per graph replay.
+  engine_step_compiled_<v>(_xN)  the compiled step with decode-kernel options (--variants):
+              cublas = gemv='cublas' (all linears stay cuBLAS calls through the opaque custom
+              op, so coordinate descent tunes only the norms/RoPE/softmax/SiLU kernels),
+              cublas_w2 = 'cublas:w2,lm_head', sdpa = + decode_attention='sdpa',
+              argmax2 = + greedy='two_stage', fast = all three; each with its kernel census.
   (the compiled sections run last: their compile time cannot starve the baselines)
   engine_graph_c4 / _c16        4 / 16 concurrent requests (continuous batching; one batched,
               graphed prefill for the simultaneous joins).
@@ -37,6 +42,13 @@ that time span. Greedy, no <eos>.
   python scripts/bench_planner.py --config tiny --device cpu --new-tokens 64 --reps 3 \
       --draft-layers 1 --n-global 16 --window 32 --budget 48 --recent 16 --sharpen 30 \
       --out docs/benchmarks/planner_cpu
+  # One short device call: HF static + graph + every compiled variant, under a time budget
+  # (a section whose estimated cost would pass --budget-s is recorded as skipped):
+  python scripts/bench_planner.py --config 0.5b --device cuda --new-tokens 128 --reps 2 \
+      --compile --cdt --only engine_graph hf_static --variants cublas fast "" --budget-s 130 \
+      --compile-cost-s 40 --out $OUT/planner_h200_call2
+  # Merge such a call's rows into an earlier run's JSON (rows tagged by call, then rendered):
+  python scripts/bench_planner.py --merge NEW.json --render OLD.json --out docs/...
   # Re-render the .md (and headline ratios) from a JSON:
   python scripts/bench_planner.py --render planner_h200.json --out docs/benchmarks/planner_h200
 """
@@ -65,6 +77,16 @@ from kestrel_models.planner.speculative import SpeculativeDecoder  # noqa: E402
 
 NO_EOS = -1  # never sampled: every request decodes exactly new_tokens tokens
 TOKENS: dict[str, list[int]] = {}
+T_START = time.perf_counter()
+# Compiled-step variants: name suffix -> DecodeEngine options ("" = the default compiled step).
+VARIANTS: dict[str, dict] = {
+    "": {},
+    "cublas": dict(gemv="cublas"),
+    "cublas_w2": dict(gemv="cublas:w2,lm_head"),
+    "sdpa": dict(gemv="cublas", decode_attention="sdpa"),
+    "argmax2": dict(gemv="cublas", greedy="two_stage"),
+    "fast": dict(gemv="cublas", decode_attention="sdpa", greedy="two_stage"),
+}
 
 
 def sync(dev: torch.device) -> None:
@@ -172,8 +194,10 @@ def bench_engine(model, n: int, prompt: list[int], image: torch.Tensor,  # noqa:
     reset_peak(dev)
     runs = [run_streams(eng, n, prompt, image, new_tokens) for _ in range(reps)]
     toks = eng.generate([prompt], new_tokens, images=[image]).tokens[0]
-    if not TOKENS:
-        TOKENS["eager"], TOKENS["prompt"] = toks, prompt  # engine_eager: dense, no graph
+    if not TOKENS:  # the first engine row run (engine_eager unless --only skips it)
+        TOKENS["eager"], TOKENS["prompt"] = toks, prompt
+        TOKENS["ref"] = ("eager dense" if not eng.cuda_graph and not compile
+                         else "first row's")
     same = ([a == b for a, b in zip(toks, TOKENS["eager"], strict=False)]
             if prompt == TOKENS["prompt"] else [])
     tpot = statistics.median(r["tpot_ms"] for r in runs)
@@ -184,7 +208,7 @@ def bench_engine(model, n: int, prompt: list[int], image: torch.Tensor,  # noqa:
                steps_per_replay=eng.steps_per_replay, attention=eng.kv.policy.mode,
                agree_vs_eager=sum(same) / len(same) if same else None,
                first_diff=same.index(False) if False in same else None,
-               distinct_tokens=len(set(toks)))
+               distinct_tokens=len(set(toks)), agree_ref=TOKENS["ref"])
     if n > 1:
         out["agg_tok_s"] = statistics.median(r["agg_tok_s"] for r in runs)
     return out
@@ -253,7 +277,7 @@ def kernel_census(eng: DecodeEngine, prompt: list[int], image: torch.Tensor) -> 
     ev = prof.key_averages()
     kern = [e for e in ev if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     total_us = sum(e.self_device_time_total for e in kern)
-    top = sorted(kern, key=lambda e: -e.self_device_time_total)[:12]
+    top = sorted(kern, key=lambda e: -e.self_device_time_total)[:16]
     return dict(steps=steps, kernels_per_step=sum(e.count for e in kern) / steps,
                 gpu_us_per_step=total_us / steps,
                 top=[dict(name=e.key[:90], us_per_step=e.self_device_time_total / steps,
@@ -294,13 +318,17 @@ def table(res: dict) -> str:
         if "error" in r:
             rows.append(f"| {name} | - | - | - | - | - | - | ERROR: {r['error'][:80]} |")
             continue
+        tag = f"[call {r['call']}] " if "call" in r else ""
+        if "skipped" in r:
+            rows.append(f"| {name} | - | - | - | - | - | - | {tag}not run: {r['skipped']} |")
+            continue
         note = ""
         if r.get("distinct_tokens") is not None and name == "engine_eager":
             note = f"{r['distinct_tokens']} distinct tokens in the greedy text; "
         if "kernels_per_step" in r:
             top = r["top"][0]["name"] if r.get("top") else "-"
             rows.append(f"| {name} | - | - | {r['gpu_us_per_step'] / 1e3:.3f} (GPU) | - | - | - |"
-                        f" {r['kernels_per_step']:.0f} kernels/step; top: {top[:40]} |")
+                        f" {tag}{r['kernels_per_step']:.0f} kernels/step; top: {top[:40]} |")
             continue
         if "acceptance_rate" in r:
             note = (f"accept {r['acceptance_rate']:.2f}, {r['tokens_per_round']:.2f} tok/round,"
@@ -316,12 +344,15 @@ def table(res: dict) -> str:
                     note += f", {r['steps_per_replay']} steps/replay"
                 if r.get("attention", "dense") != "dense":
                     note += f", {r['attention']}"
+                if r.get("options"):
+                    note += ", " + " ".join(f"{k}={o}" for k, o in r["options"].items())
                 if r.get("agree_vs_eager") is not None and r["cuda_graph"] is not None:
-                    note += (f", tokens = eager dense: {r['agree_vs_eager']:.2f}"
+                    note += (f", tokens = {r.get('agree_ref', 'eager dense')}: "
+                             f"{r['agree_vs_eager']:.2f}"
                              f" (first diff {r.get('first_diff')})")
         rows.append(f"| {name} | {r.get('streams', 1)} | {f(r.get('ttft_ms'))} | "
                     f"{f(r.get('tpot_ms'), 3)} | {f(r.get('tok_s'), 1)} | "
-                    f"{f(r.get('agg_tok_s'), 1)} | {f(r.get('peak_mb'), 0)} | {note} |")
+                    f"{f(r.get('agg_tok_s'), 1)} | {f(r.get('peak_mb'), 0)} | {tag}{note} |")
     return "\n".join(rows)
 
 
@@ -354,8 +385,16 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    def section(name: str, fn) -> None:  # noqa: ANN001
-        if args.only and name not in args.only:
+    def section(name: str, fn, cost_s: float = 5.0) -> None:  # noqa: ANN001
+        if args.only and name not in args.only and not (
+                name.startswith(("engine_step_compiled", "kernel_census")) and args.compile):
+            return
+        spent = time.perf_counter() - T_START
+        if args.budget_s and spent + cost_s > args.budget_s:
+            res["results"][name] = dict(skipped=f"budget: {spent:.0f} s spent + ~{cost_s:.0f} s"
+                                        f" > --budget-s {args.budget_s:.0f}")
+            print(f"[bench] {name}: {res['results'][name]}", flush=True)
+            out.with_suffix(".json").write_text(json.dumps(res, indent=1))
             return
         t0 = time.perf_counter()
         try:
@@ -397,32 +436,58 @@ def main() -> None:
             hf["m"] = hf_model(cfg, dev, dtype)
         return bench_hf(hf["m"], seq_len, nt, static, reps, dev)
 
-    section("hf_eager", lambda: hf_section(False))
-    section("hf_static", lambda: hf_section(True))
+    section("hf_eager", lambda: hf_section(False), 30.0)
+    section("hf_static", lambda: hf_section(True), 45.0)
     hf.clear()
     if args.compile:
         import torch._inductor.config as ic
         cdt0 = ic.coordinate_descent_tuning
-        keep: dict = {}
-        section("engine_step_compiled", lambda: bench_engine(
-            model, 1, prompt, image, nt, reps, dev, graph, compile=True, keep=keep,
-            compile_step=True, coordinate_descent=args.cdt))
-        if "eng" in keep:
-            def multi() -> dict:
-                keep["eng"].set_steps_per_replay(args.multi)
-                return bench_engine(model, 1, prompt, image, nt, reps, dev, graph, compile=True,
-                                    eng=keep["eng"])
-            section(f"engine_step_compiled_x{args.multi}", multi)
-            if graph:
-                section("kernel_census_compiled", lambda: kernel_census(keep["eng"], prompt,
-                                                                        image))
-            keep.clear()
+        for v in args.variants:
+            compiled_sections(section, v, model, prompt, image, dev, graph)
         ic.coordinate_descent_tuning = cdt0
     write(res, out)
 
 
-def summarize(res: dict) -> None:
-    """Adds the headline ratios to res (best single-stream engine row vs HF static, spec)."""
+def compiled_sections(section, v: str, model, prompt: list[int],  # noqa: ANN001
+                      image: torch.Tensor, dev: torch.device, graph: bool) -> None:
+    """engine_step_compiled[_v], its _x{multi} row (same engine: no new compile) and its
+    kernel census (CUDA)."""
+    if v not in VARIANTS:
+        raise SystemExit(f"--variants: {v!r} is not one of {sorted(VARIANTS)}")
+    name = "engine_step_compiled" + (f"_{v}" if v else "")
+    keep: dict = {}
+    nt, reps = args.new_tokens, args.reps
+    section(name, lambda: dict(bench_engine(
+        model, 1, prompt, image, nt, reps, dev, graph, compile=True, keep=keep,
+        compile_step=True, coordinate_descent=args.cdt, **VARIANTS[v]), options=VARIANTS[v]),
+        args.compile_cost_s)
+    if "eng" not in keep:
+        return
+
+    def multi() -> dict:
+        keep["eng"].set_steps_per_replay(args.multi)
+        return dict(bench_engine(model, 1, prompt, image, nt, reps, dev, graph, compile=True,
+                                 eng=keep["eng"]), options=VARIANTS[v])
+    section(f"{name}_x{args.multi}", multi, 3.0)
+    if graph:
+        section(f"kernel_census_{v or 'compiled'}",
+                lambda: kernel_census(keep["eng"], prompt, image), 3.0)
+    keep.clear()
+
+
+def summarize(res: dict, per_call: bool = True) -> None:
+    """Adds the headline ratios to res (best single-stream engine row vs HF static, spec);
+    for a merged JSON also per call (each call's engine rows against its own HF static)."""
+    calls = sorted({v["call"] for v in res["results"].values() if "call" in v})
+    for c in calls if per_call else ():
+        sub = {n.split("@")[0]: v for n, v in res["results"].items() if v.get("call") == c}
+        part: dict = {"results": sub}
+        summarize(part, per_call=False)
+        res[f"call{c}"] = {k: part[k] for k in part if k != "results"}
+    if calls and per_call:  # merged: ratios only within a call (no cross-call ratios)
+        for k in [k for k in res if "speedup" in k or k.startswith("best")]:
+            del res[k]
+        return
     r = res["results"]
     single = {n: v for n, v in r.items() if n.startswith(("engine_graph", "engine_step"))
               and v.get("streams") == 1 and v.get("attention", "dense") == "dense"}
@@ -444,19 +509,41 @@ def write(res: dict, out: Path) -> None:
     """JSON + Markdown table (also used by --render to redo the files from a JSON)."""
     summarize(res)
     md = table(res)
-    summary = {k: v for k, v in res.items() if "speedup" in k or k.startswith("best")}
+    summary = {k: v for k, v in res.items()
+               if "speedup" in k or k.startswith("best") or k[4:].isdigit() and k[:4] == "call"}
     hw = res["image_hw"]
     text = (f"# Planner decoding benchmark ({res['config']}, {res['dtype']}, "
             f"{res['machine'].get('gpu', 'cpu')})\n\n"
-            f"Command: `{res['command']}`  \ncommit {res['git_commit']}, machine "
-            f"{json.dumps(res['machine'])}  \nparams {res['params']:,}; one request = "
+            + (f"Rows of {len(res['calls'])} device calls, tagged [call N] (commands below).  \n"
+               if res.get("calls") else
+               f"Command: `{res['command']}`  \ncommit {res['git_commit']}, machine "
+               f"{json.dumps(res['machine'])}  \n")
+            + f"params {res['params']:,}; one request = "
             f"{hw}x{hw} image ({res['image_tokens']} image tokens) + "
             f"{res['prompt_tokens']} prompt tokens, {res['new_tokens']} new tokens, greedy; HF "
             f"prompt = {res['image_tokens'] + res['prompt_tokens']} text tokens.\n\n{md}\n\n"
             f"{json.dumps(summary)}\n")
+    for c, meta in res.get("calls", {}).items():
+        text += (f"\nCall {c}: `{meta['command']}`  \ncommit {meta['git_commit']}, machine "
+                 f"{json.dumps(meta['machine'])}\n")
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     out.with_suffix(".md").write_text(text)
     print(text)
+
+
+def merge(base: dict, new: dict) -> None:
+    """In place: base's rows are tagged call 1 (if untagged), new's rows call N+1; a new row
+    whose name exists already is stored as 'name@callN'. Both calls' metadata kept."""
+    calls = base.setdefault("calls", {})
+    if not calls:
+        calls["1"] = {k: base[k] for k in ("command", "git_commit", "machine")}
+        for v in base["results"].values():
+            v.setdefault("call", 1)
+    c = max(int(k) for k in calls) + 1
+    calls[str(c)] = {k: new[k] for k in ("command", "git_commit", "machine")}
+    for name, v in new["results"].items():
+        v["call"] = c
+        base["results"][name if name not in base["results"] else f"{name}@call{c}"] = v
 
 
 if __name__ == "__main__":
@@ -484,10 +571,23 @@ if __name__ == "__main__":
     ap.add_argument("--only", nargs="*", default=None, help="run only these sections")
     ap.add_argument("--git-commit", default="")
     ap.add_argument("--out", default="docs/benchmarks/planner_cpu")
+    ap.add_argument("--variants", nargs="*", default=["", "cublas"],
+                    help=f"compiled-step variants with --compile ('' = default), in order; "
+                         f"from {sorted(VARIANTS)}")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="skip a section whose estimated cost would pass this many seconds "
+                         "since the start (0: no budget)")
+    ap.add_argument("--compile-cost-s", type=float, default=60.0,
+                    help="estimated seconds of one compiled-step section (budget guard)")
     ap.add_argument("--render", default="", help="only redo --out's .md/.json from this JSON")
+    ap.add_argument("--merge", default="",
+                    help="with --render: add this JSON's rows (tagged as a new call) first")
     args = ap.parse_args()
     if args.render:
-        write(json.loads(Path(args.render).read_text()), Path(args.out))
+        base = json.loads(Path(args.render).read_text())
+        if args.merge:
+            merge(base, json.loads(Path(args.merge).read_text()))
+        write(base, Path(args.out))
         sys.exit(0)
     if args.dtype is None:
         args.dtype = "bf16" if args.device.startswith("cuda") else "fp32"

@@ -34,6 +34,10 @@ and an optional `logits_processor(prefix_tokens, logits[vocab] float cpu) -> log
 grammar) which moves that row's pick to the host (the generate.py rule, seeded generator).
 Stops: <eos> (not emitted), max_new_tokens, should_stop() -> 'cancelled', all tokens masked
 -> 'no_allowed_token' -- the same as generate.py.
+
+Decode-step kernel options (defaults = the behaviour above): `gemv` ('inductor' | 'cublas' |
+'cublas:<linears>') and `decode_attention` ('grouped' | 'sdpa'), see kvmodel.py; `greedy`
+('argmax' | 'two_stage': block maxima then their argmax, the same ids) for all-greedy steps.
 """
 
 from __future__ import annotations
@@ -46,9 +50,9 @@ import torch
 from torch import Tensor
 
 from kestrel_models.planner.attention_policy import AttentionPolicy
-from kestrel_models.planner.engine_request import (EngineRequest, LogitsProcessor,
+from kestrel_models.planner.engine_request import (GREEDY, EngineRequest, LogitsProcessor,
                                                    _pow2_at_least, greedy_pick,
-                                                   sample_on_device)
+                                                   sample_on_device, two_stage_argmax)
 from kestrel_models.planner.generate import GenerationResult, _pick
 from kestrel_models.planner.graphs import capture
 from kestrel_models.planner.kvmodel import KVModel
@@ -63,14 +67,19 @@ class DecodeEngine:
                  compile_step: bool = False, compile_mode: str = "default",
                  coordinate_descent: bool = False, steps_per_replay: int = 1,
                  attention: AttentionPolicy | None = None,
-                 prefill_graph: bool | None = None) -> None:
+                 prefill_graph: bool | None = None, gemv: str = "inductor",
+                 decode_attention: str = "grouped", greedy: str = "argmax") -> None:
+        if greedy not in GREEDY:
+            raise ValueError(f"parameter 'greedy' = {greedy!r}: must be one of {GREEDY}")
+        self._greedy = two_stage_argmax if greedy == "two_stage" else greedy_pick
         if steps_per_replay < 1:
             raise ValueError(f"parameter 'steps_per_replay' = {steps_per_replay}: must be >= 1")
         if compile and compile_step:
             raise ValueError("parameter 'compile' = True: use either compile (layer pieces) "
                              "or compile_step (whole step), not both")
         self.model = model.eval()
-        self.kv = KVModel(model, max_batch, max_len, compile=compile, policy=attention)
+        self.kv = KVModel(model, max_batch, max_len, compile=compile, policy=attention,
+                          gemv=gemv, decode_attention=decode_attention)
         self.max_batch, self.max_len, self.eos_id = max_batch, max_len, eos_id
         dev = self.kv.device
         self.device = dev
@@ -298,7 +307,7 @@ class DecodeEngine:
         (all greedy) -> (logits [B, V] float32, next token [B] long)."""
         logits = self.kv.decode(tok, pos, kv_len)
         if noise is None:
-            return logits, greedy_pick(logits)
+            return logits, self._greedy(logits)
         return logits, sample_on_device(logits, temp, noise)
 
     def _body(self, b: int, kv_len: int, n: int = 1, sampled: bool = True

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["EngineRequest", "LogitsProcessor", "greedy_pick", "sample_on_device"]
+__all__ = ["EngineRequest", "LogitsProcessor", "greedy_pick", "sample_on_device",
+           "two_stage_argmax", "GREEDY"]
+
+GREEDY = ("argmax", "two_stage")  # DecodeEngine(greedy=...): the all-greedy step's pick
 
 LogitsProcessor = Callable[[list[int], Tensor], Tensor]
 
@@ -27,6 +30,27 @@ def sample_on_device(logits: Tensor, temperature: Tensor, noise: Tensor | None =
 def greedy_pick(logits: Tensor) -> Tensor:
     """logits [B, V] -> argmax ids [B] (the all-greedy decode step's sampling)."""
     return torch.argmax(logits, dim=-1)
+
+
+def _block(v: int) -> int:
+    """The divisor of v closest to sqrt(v) (block length of the two-stage argmax)."""
+    r = int(v ** 0.5)
+    for d in range(0, r + 1):
+        for c in (r - d, r + d):
+            if 1 <= c <= v and v % c == 0:
+                return c
+    return v
+
+
+def two_stage_argmax(logits: Tensor) -> Tensor:
+    """logits [B, V] -> argmax ids [B] long, as torch.argmax (first index among equal
+    maxima): a max over [B, V / n, n] blocks (many parallel reductions), then the argmax of
+    the B x V / n block maxima; n = the divisor of V closest to sqrt(V) (151,936 -> 1,187)."""
+    b, v = logits.shape
+    n = _block(v)
+    m, i = logits.view(b, v // n, n).max(dim=-1)  # [B, V / n]: block max, its first index
+    j = torch.argmax(m, dim=-1, keepdim=True)  # [B, 1]: the first block holding the max
+    return (j * n + i.gather(1, j))[:, 0]
 
 
 @dataclass

@@ -19,6 +19,17 @@ an additive mask for short ones (decode, speculative verification).
 whole step (the engine compiles it and captures it in a CUDA graph). Its attention follows the
 `policy` (attention_policy.py): dense over the kv_len bucket, or a static-size gathered key set
 (local+global sparse, H2O eviction; per-layer score/alive state lives here for H2O).
+
+Decode-step kernel choices (only what `decode` runs; prefill is unchanged):
+- `gemv`: 'inductor' (default) lets torch.compile lower the linear layers itself (with
+  coordinate-descent tuning inductor decomposes every M = 1 matmul into a multiply + reduction
+  Triton kernel); 'cublas' routes all of them (qkv, o, w13, w2, lm_head) through the opaque
+  custom op `kestrel::linear` (= F.linear), which inductor keeps as an extern cuBLAS call;
+  'cublas:w2,lm_head' (any subset of LINEARS) does so for the named ones only.
+- `decode_attention`: 'grouped' (default: explicit grouped matmuls + additive mask) or 'sdpa'
+  (F.scaled_dot_product_attention with the bucket's boolean mask, K/V expanded to the query
+  heads, so the fused memory-efficient kernel is eligible on CUDA: PyTorch's GQA path is
+  Flash/math only and Flash takes no mask).
 """
 
 from __future__ import annotations
@@ -35,9 +46,55 @@ from kestrel_models.planner.attention_policy import (AttentionPolicy, attend_gat
                                                      local_global_index)
 from kestrel_models.planner.vlm import VisionLanguageModel
 
-__all__ = ["KVModel"]
+__all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "cublas_linear", "parse_gemv"]
 
 SDPA_MIN_CHUNK = 32  # chunks with S >= this use F.scaled_dot_product_attention
+LINEARS = ("qkv", "o", "w13", "w2", "lm_head")  # the decode step's linear layers
+DECODE_ATTENTION = ("grouped", "sdpa")
+
+
+@torch.library.custom_op("kestrel::linear", mutates_args=())
+def cublas_linear(x: Tensor, w: Tensor) -> Tensor:
+    """F.linear(x, w) as an opaque op: x [..., K], w [N, K] -> [..., N]. torch.compile cannot
+    look inside, so inductor emits an extern call (cuBLAS on CUDA, its split-K GEMV for M = 1)
+    instead of decomposing it; on CPU it is the same F.linear."""
+    return F.linear(x, w)
+
+
+@cublas_linear.register_fake
+def _cublas_linear_fake(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _cublas_linear_setup(ctx, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:  # noqa: ANN001
+    ctx.save_for_backward(*inputs)
+
+
+def _cublas_linear_backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # noqa: ANN001
+    """Gradients of x [..., K] and w [N, K] from grad [..., N] (so traced graphs with
+    requires_grad parameters work too; the engine itself runs under inference_mode)."""
+    x, w = ctx.saved_tensors
+    gx = grad @ w if ctx.needs_input_grad[0] else None
+    gw = (grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+          if ctx.needs_input_grad[1] else None)
+    return gx, gw
+
+
+cublas_linear.register_autograd(_cublas_linear_backward, setup_context=_cublas_linear_setup)
+
+
+def parse_gemv(gemv: str) -> frozenset[str]:
+    """'inductor' -> {}, 'cublas' -> all LINEARS, 'cublas:w2,lm_head' -> those; else
+    ValueError naming the parameter."""
+    if gemv == "inductor":
+        return frozenset()
+    if gemv == "cublas":
+        return frozenset(LINEARS)
+    names = gemv.split(":", 1)[1].split(",") if gemv.startswith("cublas:") else []
+    if not names or any(n not in LINEARS for n in names):
+        raise ValueError(f"parameter 'gemv' = {gemv!r}: must be 'inductor', 'cublas' or "
+                         f"'cublas:<names>' with names from {LINEARS}")
+    return frozenset(names)
 
 
 def _rope_complex(x: Tensor, cis: Tensor) -> Tensor:
@@ -58,11 +115,12 @@ def _rope_real(x: Tensor, cis: Tensor) -> Tensor:
 
 
 def _pre(x: Tensor, norm_w: Tensor, eps: float, wqkv: Tensor, cis: Tensor, n_heads: int,
-         n_kv: int, hd: int, real_rope: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+         n_kv: int, hd: int, real_rope: bool = False, lin_qkv: Callable = F.linear
+         ) -> tuple[Tensor, Tensor, Tensor]:
     """x [B, S, D] -> q [B, S, H, hd] (pre-scaled by 1/sqrt(hd)), k, v [B, S, Hkv, hd]."""
     b, s, _ = x.shape
     h = F.rms_norm(x, (x.shape[-1],), norm_w, eps)
-    qkv = F.linear(h, wqkv).view(b, s, n_heads + 2 * n_kv, hd)
+    qkv = lin_qkv(h, wqkv).view(b, s, n_heads + 2 * n_kv, hd)
     rope = _rope_real if real_rope else _rope_complex
     qk = rope(qkv[:, :, : n_heads + n_kv], cis)
     return qk[:, :, :n_heads], qk[:, :, n_heads:], qkv[:, :, n_heads + n_kv:]
@@ -83,18 +141,33 @@ def _attn_grouped(q: Tensor, k: Tensor, v: Tensor, mask_add: Tensor) -> Tensor:
     return out.permute(0, 3, 1, 2, 4).reshape(b, s, h * hd)
 
 
+def _attn_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+    """q [B, S, H, hd] (pre-scaled), k, v [B, Hkv, L, hd], allowed [B, S, L] bool ->
+    [B, S, H * hd]. K/V are expanded to the H query heads (head h reads kv head h // G)."""
+    b, s, h, hd = q.shape
+    hkv, L = k.shape[1], k.shape[2]
+    g = h // hkv
+    ke = k[:, :, None].expand(b, hkv, g, L, hd).reshape(b, h, L, hd)
+    ve = v[:, :, None].expand(b, hkv, g, L, hd).reshape(b, h, L, hd)
+    a = F.scaled_dot_product_attention(q.transpose(1, 2), ke, ve, attn_mask=allowed[:, None],
+                                       scale=1.0)  # [B, H, S, hd]
+    return a.transpose(1, 2).reshape(b, s, h * hd)
+
+
 def _post(x: Tensor, a: Tensor, wo: Tensor, norm_w: Tensor, eps: float, w13: Tensor,
-          w2: Tensor) -> Tensor:
+          w2: Tensor, lin_o: Callable = F.linear, lin_w13: Callable = F.linear,
+          lin_w2: Callable = F.linear) -> Tensor:
     """Residual + output projection, then the SwiGLU MLP block. x, a: [B, S, D]/[B, S, H*hd]."""
-    x = x + F.linear(a, wo)
+    x = x + lin_o(a, wo)
     h = F.rms_norm(x, (x.shape[-1],), norm_w, eps)
-    gate, up = F.linear(h, w13).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w2)
+    gate, up = lin_w13(h, w13).chunk(2, dim=-1)
+    return x + lin_w2(F.silu(gate) * up, w2)
 
 
 def _attn_post(x: Tensor, q: Tensor, k: Tensor, v: Tensor, mask_add: Tensor, wo: Tensor,
-               norm_w: Tensor, eps: float, w13: Tensor, w2: Tensor) -> Tensor:
-    return _post(x, _attn_grouped(q, k, v, mask_add), wo, norm_w, eps, w13, w2)
+               norm_w: Tensor, eps: float, w13: Tensor, w2: Tensor,
+               **lin: Callable) -> Tensor:
+    return _post(x, _attn_grouped(q, k, v, mask_add), wo, norm_w, eps, w13, w2, **lin)
 
 
 class KVModel:
@@ -102,8 +175,13 @@ class KVModel:
     torch.compile (one compiled graph reused by all layers, since weights are arguments)."""
 
     def __init__(self, model: VisionLanguageModel, max_batch: int, max_len: int,
-                 compile: bool = False, policy: AttentionPolicy | None = None) -> None:
+                 compile: bool = False, policy: AttentionPolicy | None = None,
+                 gemv: str = "inductor", decode_attention: str = "grouped") -> None:
         cfg = model.cfg
+        cub = parse_gemv(gemv)
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"parameter 'decode_attention' = {decode_attention!r}: must be "
+                             f"one of {DECODE_ATTENTION}")
         if max_batch < 1:
             raise ValueError(f"parameter 'max_batch' = {max_batch}: must be >= 1")
         if not 0 < max_len <= cfg.max_seq_len:
@@ -145,6 +223,15 @@ class KVModel:
         self.alive = ([torch.ones(hshape, dtype=torch.bool, device=w.device)
                        for _ in model.layers] if h2o else [])
         self._real_rope = compile
+        self.gemv, self.decode_attention = gemv, decode_attention
+
+        def lin(name: str) -> Callable:
+            return cublas_linear if name in cub else F.linear
+
+        # Keyword arguments of the decode step's pieces (empty by default: unchanged calls).
+        self._pre_kw = {"lin_qkv": lin("qkv")} if "qkv" in cub else {}
+        self._post_kw = {f"lin_{n}": lin(n) for n in ("o", "w13", "w2") if n in cub}
+        self._lin_head = lin("lm_head")
         self._pre: Callable = torch.compile(_pre, dynamic=False) if compile else _pre
         self._attn_post: Callable = (torch.compile(_attn_post, dynamic=False) if compile
                                      else _attn_post)
@@ -236,7 +323,7 @@ class KVModel:
         cis = torch.stack([self.model.rope_cos[pos], self.model.rope_sin[pos]],
                           dim=-1).float()[:, None]  # [B, 1, hd/2, 2]
         bi = torch.arange(b, device=tok.device)
-        mask_add = idx = valid = None
+        mask_add = idx = valid = allowed = None
         if pol.mode == "dense":
             allowed = self._ar[None, None, :kv_len] <= pos[:, None, None]  # [B, 1, L]
             mask_add = torch.where(allowed, 0.0, float("-inf"))
@@ -244,15 +331,22 @@ class KVModel:
             idx, valid = local_global_index(pos, pol.n_global, pol.window)
             idx = idx[:, None].expand(b, cfg.n_kv_heads, -1)
             valid = valid[:, None].expand(b, cfg.n_kv_heads, -1)
+        post_kw = self._post_kw
         for i, w in enumerate(self.layers):
             q, k, v = self._pre(x, w["attn_norm"], cfg.norm_eps, w["wqkv"], cis, cfg.n_heads,
-                                cfg.n_kv_heads, cfg.head_dim, self._real_rope)
+                                cfg.n_kv_heads, cfg.head_dim, self._real_rope, **self._pre_kw)
             kc, vc = self.k[i][:b], self.v[i][:b]
             kc[bi, :, pos] = k[:, 0]  # [B, Hkv, hd]
             vc[bi, :, pos] = v[:, 0]
+            if mask_add is not None and self.decode_attention == "sdpa":
+                a = _attn_sdpa(q, kc[:, :, :kv_len], vc[:, :, :kv_len], allowed)
+                x = _post(x, a, w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"], w["w2"],
+                          **post_kw)
+                continue
             if mask_add is not None:
                 x = self._attn_post(x, q, kc[:, :, :kv_len], vc[:, :, :kv_len], mask_add,
-                                    w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"], w["w2"])
+                                    w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"], w["w2"],
+                                    **post_kw)
                 continue
             if pol.mode == "h2o":
                 sc, al = self.score[i][:b, :, :kv_len], self.alive[i][:b, :, :kv_len]
@@ -260,6 +354,7 @@ class KVModel:
             a, mass = attend_gathered(q, kc, vc, idx, valid)
             if pol.mode == "h2o":
                 h2o_update(sc, al, pos, idx, valid, mass)
-            x = _post(x, a, w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"], w["w2"])
+            x = _post(x, a, w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"], w["w2"],
+                      **post_kw)
         x = F.rms_norm(x, (x.shape[-1],), self.model.norm.weight, cfg.norm_eps)
-        return F.linear(x[:, 0], self.model.lm_head.weight).float()
+        return self._lin_head(x[:, 0], self.model.lm_head.weight).float()
