@@ -74,7 +74,10 @@ class StackMonitor(Node):
                 self.report.on_latency("perception: total", msg.latency)
                 for st in msg.timings:
                     self.report.on_latency(f"perception: {st.name}", st.duration)
-            elif isinstance(msg, LoopStatistics):
+            elif isinstance(msg, LoopStatistics) and (msg.cycles_window > 0
+                                                      or self.report.loop_stats is None):
+                # a window without cycles (loop stopping, or every deadline of it missed) has
+                # NaN percentiles: keep the latest window that measured something
                 self.report.loop_stats = msg
         return cb
 
