@@ -49,6 +49,7 @@ for sub in ("models", "ros2_ws/src/kestrel_control"):
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / sub)] + [p for p in [os.environ.get("PYTHONPATH", "")] if p])
 
+import bench_common  # noqa: E402 (scripts/ is on sys.path: this file's folder)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -372,19 +373,7 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
 
 # ---- report ------------------------------------------------------------------------------------
 def machine_info() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "cpus": os.cpu_count(),
-            "cpu_affinity": sorted(os.sched_getaffinity(0))}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["cuda"] = torch.version.cuda
+    info = bench_common.machine_info()
     try:
         import onnxruntime
         info["onnxruntime"] = onnxruntime.__version__
@@ -471,13 +460,7 @@ def main() -> int:
     torch.set_num_threads(1)
     if args.node_cpus:
         os.sched_setaffinity(0, {int(c) for c in args.node_cpus.split(",")})
-    commit = args.commit
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            commit = "unknown"
+    commit = bench_common.git_commit(args.commit)
     backends = list(BACKENDS) if args.backends == "all" else args.backends.split(",")
     cache = tempfile.mkdtemp(prefix="kestrel_bench_")
 

@@ -19,7 +19,6 @@ import gc
 import json
 import math
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "models"))
 
+import bench_common  # noqa: E402 (scripts/ is on sys.path: this file's folder)
 from kestrel_models.perception import MultiTaskPerceptionModel, PerceptionConfig  # noqa: E402
 from kestrel_models.perception.accuracy import compare_outputs  # noqa: E402
 from kestrel_models.perception.flops import count_flops  # noqa: E402
@@ -284,18 +284,13 @@ def main() -> None:
         cases.append((args.cams[-1], 1, True, target if not gpu else
                       ["eager_fp32", "eager_bf16_cl", "compile_bf16w_graph"]))
     cases += [(args.cams[0], b, False, sweep) for b in args.batches]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    commit = args.git_commit or commit or "unknown"
+    commit = bench_common.git_commit(args.git_commit)
     result = {"command": "python " + " ".join(sys.argv), "git_commit": commit,
               "allow_tf32": bool(args.allow_tf32),
               "torch": torch.__version__, "config": args.config, "iters": args.iters,
-              "machine": {"host": platform.node(), "cpu": platform.processor(),
-                          "device": torch.cuda.get_device_name(device) if gpu else "cpu",
-                          "threads": torch.get_num_threads()},
+              "machine": bench_common.machine_info(
+                  torch.cuda.get_device_name(device) if gpu else None, cpu=platform.processor(),
+                  device=torch.cuda.get_device_name(device) if gpu else "cpu"),
               "note": "working tree may have uncommitted changes on top of git_commit",
               "cases": []}
     t0 = time.perf_counter()

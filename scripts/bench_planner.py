@@ -59,7 +59,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -70,6 +69,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "models"))
 
+import bench_common  # noqa: E402 (scripts/ is on sys.path: this file's folder)
 from kestrel_models.planner import VisionLanguageModel, get_config  # noqa: E402
 from kestrel_models.planner.attention_policy import AttentionPolicy  # noqa: E402
 from kestrel_models.planner.engine import DecodeEngine  # noqa: E402
@@ -285,26 +285,18 @@ def kernel_census(eng: DecodeEngine, prompt: list[int], image: torch.Tensor) -> 
 
 
 def machine(dev: torch.device) -> dict:
-    info = dict(python=platform.python_version(), torch=torch.__version__,
-                cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
     try:
         import transformers
-        info["transformers"] = transformers.__version__
+        tf = transformers.__version__
     except ImportError:
-        info["transformers"] = None
-    if dev.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
+        tf = None
+    return bench_common.machine_info(
+        torch.cuda.get_device_name() if dev.type == "cuda" else None,
+        cpu=platform.processor() or platform.machine(), transformers=tf)
 
 
 def git_commit() -> str:
-    if args.git_commit:
-        return args.git_commit
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT,
-                                       text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return bench_common.git_commit(args.git_commit)
 
 
 def table(res: dict) -> str:

@@ -1,0 +1,69 @@
+"""What every benchmark records beside its figures: the machine and the code it measured.
+
+Used by scripts/bench_control.py, bench_perception.py and bench_planner.py (import with
+`sys.path` including scripts/, as they do). No torch import at module level: the callers pass
+what they know (device name), so this also works in processes without torch.
+
+Commit: an explicit value (the script's --commit/--git-commit) wins, then $KESTREL_COMMIT, then
+`git rev-parse --short HEAD` with `+dirty` when tracked files differ from HEAD. On the GPU
+machine the repository copy's git metadata is not guaranteed to match the working tree it
+received (seen: HEAD reported as an older commit), so device scripts pass KESTREL_COMMIT from
+the dev machine.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit(explicit: str = "") -> str:
+    if explicit:
+        return explicit
+    env = os.environ.get("KESTREL_COMMIT", "")
+    if env:
+        return env
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if not head:
+        return "unknown"
+    return head + ("+dirty" if dirty.strip() else "")
+
+
+def machine_info(gpu_name: str | None = None, **extra: object) -> dict:
+    """Platform, Python, CPU model and count, affinity, torch/CUDA (if importable), GPU name."""
+    info: dict = {"host": platform.node(), "platform": platform.platform(),
+                  "python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        info["cpu_affinity"] = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        info["threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["gpu"] = gpu_name or torch.cuda.get_device_name(0)
+            info["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    if gpu_name and "gpu" not in info:
+        info["gpu"] = gpu_name
+    info.update(extra)
+    return info
