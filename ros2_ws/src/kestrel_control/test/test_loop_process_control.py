@@ -256,3 +256,32 @@ def test_child_tick_on_shared_buffers_does_not_allocate(segment) -> None:
         os.close(efd)
     assert after - before < 2048, f"{after - before} bytes retained over 1000 ticks"
     assert views.commands[1].version == 1100 and views.stats.cycles == 1100
+
+
+def _thread_cpus(pid: int) -> dict[int, str]:
+    out = {}
+    for status in glob.glob(f"/proc/{pid}/task/*/status"):
+        fields = dict(line.split(":", 1) for line in open(status).read().splitlines()
+                      if ":" in line)
+        out[int(status.split("/")[4])] = fields["Cpus_allowed_list"].strip()
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_only_the_loop_thread_runs_on_the_loop_cpu() -> None:
+    """cpu_affinity [c]: the child's loop thread is pinned to c and every other thread of the
+    child (main, torch/CUDA helpers) is kept off c, so nothing of ours preempts the loop."""
+    loop_cpu = min(os.sched_getaffinity(0))
+    proc = LoopProcess(_config(), LoopSettings(period_s=5e-3, cpu_affinity=(loop_cpu,)),
+                       start_timeout_s=60.0)
+    try:
+        proc.start()
+        proc.activate(lambda r, c, s: None)
+        cpus = _thread_cpus(proc.proc.pid)
+    finally:
+        proc.close()
+    on_loop = [tid for tid, c in cpus.items() if c == str(loop_cpu)]
+    assert len(on_loop) == 1, cpus  # the loop thread alone
+    for tid, c in cpus.items():
+        if tid not in on_loop:
+            assert str(loop_cpu) not in c.replace("-", ",").split(","), cpus

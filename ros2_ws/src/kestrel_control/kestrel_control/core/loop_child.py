@@ -72,9 +72,23 @@ def _unlink_orphan(name: str) -> None:
         pass
 
 
+def keep_off_loop_cpus(loop_cpus) -> str:
+    """Move this (main) thread off the loop's CPUs before anything else starts threads: the CUDA
+    driver's helper threads and torch's pools inherit the mask, so only the loop thread (which
+    pins itself to `loop_cpus` at start) runs there. No-op when no CPU would be left."""
+    if not loop_cpus:
+        return "not requested"
+    rest = set(os.sched_getaffinity(0)) - {int(c) for c in loop_cpus}
+    if not rest:
+        return f"kept (no CPU besides {sorted(loop_cpus)})"
+    os.sched_setaffinity(0, rest)
+    return f"applied (other threads on cpus {sorted(rest)})"
+
+
 def serve(chan: Channel, shm_name: str, event_fd: int, parent_pid: int) -> int:
     setup = chan.recv(30.0)
     try:
+        off_loop = keep_off_loop_cpus(setup["settings"].cpu_affinity)
         from kestrel_control.core.policy_runner import PolicyRunner
         from kestrel_control.core.rt_loop import RealtimeLoop
 
@@ -83,6 +97,7 @@ def serve(chan: Channel, shm_name: str, event_fd: int, parent_pid: int) -> int:
         runner = PolicyRunner(config, counters=views.stats,
                               buffers=list(zip(views.joint_states, views.targets, strict=True)))
         tick = _Tick(runner, views, event_fd)
+        _log(f"threads other than the loop kept off its cpus: {off_loop}")
         loop = RealtimeLoop(settings.period_s, tick, views.stats, spin_s=settings.spin_s,
                             rt_priority=settings.rt_priority,
                             cpu_affinity=list(settings.cpu_affinity),

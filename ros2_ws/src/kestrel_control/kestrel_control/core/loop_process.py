@@ -172,7 +172,10 @@ class LoopProcess:
                 [self._python, "-m", CHILD_MODULE, "--shm", name, "--event-fd", str(self._efd),
                  "--parent-pid", str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self._efd,),
-                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                # one BLAS/OpenMP thread: the policy runs single-threaded (torch.set_num_threads
+                # (1)), and idle pool threads would only be more threads to keep off the loop CPU
+                env=dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1",
+                         OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
             self._chan = Channel(self.proc.stdout.fileno(), self.proc.stdin.fileno())
             self._chan.send({"config": self.config, "settings": self.settings,
                              "layout": self.layout})
