@@ -207,7 +207,8 @@ def node_params(args: argparse.Namespace) -> dict:
             "frame_id": "world", "score_threshold": args.score_threshold,
             "max_detections": args.max_detections, "sync_slop": 0.005,
             "max_points": max(500_000, args.points), "target_fps": float(args.rate),
-            "torch_threads": args.threads, "diagnostics_period": 0.5, "autostart": True}
+            "torch_threads": args.threads, "diagnostics_period": 0.5, "autostart": True,
+            "depth_encoding": args.depth_encoding, "output_stride": args.output_stride}
 
 
 def summarise(rows: list[dict], stamps: list[int], pub_s: list[float]) -> dict:
@@ -251,7 +252,8 @@ def markdown(res: dict) -> str:
              f"git {res['git_commit']}, torch {res['torch']}, config {a['config']}, "
              f"{a['cams']} camera(s) {a['image_hw'][1]}x{a['image_hw'][0]} rgb8 + "
              f"{a['points']}-point PointCloud2 per frame at {a['rate']} Hz, runtime variant "
-             f"`{a['variant']}`, {s['frames_published']} timed frames (after the node's "
+             f"`{a['variant']}`, depth {a.get('depth_encoding', '32FC1')} at output stride "
+             f"{a.get('output_stride', 1)}, {s['frames_published']} timed frames (after the node's "
              f"warm-up and {a['publisher_warmup_s']} s of untimed frames). Fast DDS "
              f"profile: `{Path(a['fastdds_profile']).name}`.", "",
              "Latency = result receipt (subscriber process) - result header stamp (= input "
@@ -388,6 +390,10 @@ def main() -> int:
     ap.add_argument("--score-threshold", type=float, default=0.0,
                     help="0 = every top candidate is decoded (random weights score ~0.01)")
     ap.add_argument("--max-detections", type=int, default=20)
+    ap.add_argument("--depth-encoding", choices=("16UC1", "32FC1"), default="16UC1",
+                    help="node parameter depth_encoding (16UC1 = uint16 mm)")
+    ap.add_argument("--output-stride", type=int, choices=(1, 2, 4), default=2,
+                    help="node parameter output_stride of the published masks/depth maps")
     ap.add_argument("--threads", type=int, default=0, help="node torch threads (0 = default)")
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--fastdds-profile", default=str(FASTDDS_PROFILE),

@@ -42,6 +42,7 @@ PARAMS = {
     "max_detections": 5, "max_points": 10_000, "sync_slop": 0.01, "torch_threads": 1,
     "warmup_size": [W, H], "camera_poses": POSES, "publish_debug_image": True,
     "diagnostics_period": 0.1, "frame_id": "world",
+    "depth_encoding": "32FC1", "output_stride": 1,  # full-size float maps (defaults: 16UC1, 2)
 }
 
 
@@ -254,7 +255,35 @@ def test_results_bad_inputs_and_runtime_heads(launch_node, probe):
     assert node.alive() and "Traceback" not in node.output()
 
 
+def test_depth_16uc1_strided_output(launch_node, probe):
+    """The node's defaults: 16UC1 depth (mm, 0 = none) and masks/depths at stride 2, with
+    the same detections and LiDAR positions."""
+    params = {k: v for k, v in PARAMS.items() if k not in ("depth_encoding", "output_stride")}
+    node = launch_node("kestrel_perception.perception_node", NODE,
+                       params={**params, "publish_debug_image": False})
+    results = probe.subscribe(PerceptionResult, f"/{NODE}/output/result", 50)
+    rig = Rig(probe)
+    assert probe.wait_for_subscribers(rig.img[0], timeout=30.0), node.output()
+    assert probe.wait_for_subscribers(rig.cloud, timeout=10.0), node.output()
+    r = produce(rig, results, wall_points(), timeout=30.0,
+                check=lambda r: len(r.detections) == 10 and all(
+                    d.position_source == Detection2D.POSITION_LIDAR for d in r.detections))
+    check_lidar_positions(r)
+    hs, ws = (H + 1) // 2, (W + 1) // 2
+    assert len(r.masks) == 2 and len(r.depths) == 2
+    for m, d in zip(r.masks, r.depths, strict=True):
+        assert (m.encoding, m.width, m.height, m.step) == ("mono8", ws, hs, ws)
+        assert int(np.frombuffer(bytes(m.data), np.uint8).max()) < len(CLASSES)
+        assert (d.encoding, d.width, d.height, d.step) == ("16UC1", ws, hs, 2 * ws)
+        mm = np.frombuffer(bytes(d.data), np.uint16)
+        # the depth head is bounded by max_depth (20 m): every pixel has a value in mm
+        assert mm.size == ws * hs and (mm > 0).all() and (mm <= 20_000).all()
+    assert node.alive() and "Traceback" not in node.output()
+
+
 @pytest.mark.parametrize("params,fragment", [
+    ({"depth_encoding": "16UC2"}, "parameter 'depth_encoding' = '16UC2'"),
+    ({"output_stride": 3}, "parameter 'output_stride' = 3"),
     ({"score_threshold": 1.5}, "parameter 'score_threshold' = 1.5: must be <= 1.0"),
     ({"backbone_depth": 101}, "parameter 'backbone_depth' = 101"),
     ({"num_cameras": 2, "camera_poses": [0.0] * 7}, "parameter 'camera_poses'"),

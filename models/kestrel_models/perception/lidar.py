@@ -154,3 +154,122 @@ def box_position(box_xyxy: torch.Tensor, uv: torch.Tensor, depth: torch.Tensor,
                              T_cam_from_base, min_points)
     source = PositionSource(int(src[0]))
     return (None if source == PositionSource.NONE else pos[0]), source
+
+
+def _lower_median_in_boxes(z: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
+                           ok: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                           chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower median of the values z inside boxes, for C groups at once, no host sync.
+
+    z, u, v [C,N] float32 (value, x, y), ok [C,N] bool (usable), lo/hi [C,D,2] float32: the
+    inclusive box lo <= (u, v) <= hi. Returns (median [C,D] float32, count [C,D] int64);
+    the median is meaningless where count == 0. Values are sorted once per group; per box the
+    lower median is where the running count of inside values reaches ceil(count / 2).
+    Static chunks over D bound the [C, d, N] masks to about `chunk_elems` entries.
+    """
+    c, n = z.shape
+    d = lo.shape[1]
+    zs, order = torch.where(ok, z, torch.full_like(z, float("inf"))).sort(dim=1)  # [C,N]
+    us, vs, oks = u.gather(1, order), v.gather(1, order), ok.gather(1, order)
+    med = torch.empty((c, d), dtype=z.dtype, device=z.device)
+    cnt = torch.empty((c, d), dtype=torch.long, device=z.device)
+    step = max(1, chunk_elems // max(1, c * n))
+    for s in range(0, d, step):
+        lo_c, hi_c = lo[:, s:s + step], hi[:, s:s + step]  # [C,d,2]
+        inside = (oks[:, None] & (us[:, None] >= lo_c[..., 0:1]) & (us[:, None] <= hi_c[..., 0:1])
+                  & (vs[:, None] >= lo_c[..., 1:2]) & (vs[:, None] <= hi_c[..., 1:2]))  # [C,d,N]
+        count = inside.sum(dim=2)  # [C,d]
+        rank = inside.cumsum(dim=2, dtype=torch.int32)
+        first = (rank >= ((count + 1) // 2)[..., None]).to(torch.uint8).argmax(dim=2)
+        med[:, s:s + step] = zs.gather(1, first)
+        cnt[:, s:s + step] = count
+    return med, cnt
+
+
+def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torch.Tensor,
+                          depth: torch.Tensor, valid: torch.Tensor,
+                          depth_map: torch.Tensor | None, K_inv: torch.Tensor,
+                          T_base_from_cam: torch.Tensor, min_points: int = 5,
+                          chunk_elems: int = 1 << 24, static: bool = True
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`box_positions` for all C cameras x D detection slots at once, no host sync.
+
+    boxes [C,D,4] xyxy px, box_valid [C,D] bool (unused slots get NONE); uv [C,N,2] px,
+    depth [C,N] m, valid [C,N] bool (`project_points` output, N may be 0); depth_map [C,H,W] m
+    or None; K_inv [C,3,3] (inverse intrinsics), T_base_from_cam [C,4,4] m.
+    Same rule as `box_positions`: lower median LiDAR depth of the valid projections inside the
+    box (inclusive edges) when >= min_points of them, else the lower nan-median of the
+    predicted depth over the box's pixel rectangle [floor(x1), ceil(x2)) x [floor(y1), ceil(y2)),
+    if finite and > 0; the box centre back-projected at that depth into the base frame.
+    Returns positions [C,D,3] float64 m (NaN where none), sources [C,D] int64 PositionSource.
+    static=False (for the CPU, where reading a value is no device sync): the LiDAR medians run
+    per camera over its valid projections only and the predicted-depth medians only for the
+    boxes that need them, each over its own pixel rectangle (host loops, data-dependent
+    shapes); static=True costs O(C * D * (N + H * W)) but reads nothing on the host.
+    """
+    dt = torch.float64
+    c, d = boxes.shape[:2]
+    dev = boxes.device
+    z = torch.full((c, d), float("nan"), dtype=dt, device=dev)
+    src = torch.zeros((c, d), dtype=torch.long, device=dev)
+    bf = boxes.float()
+    if d > 0 and uv.shape[1] > 0 and static:
+        med, count = _lower_median_in_boxes(depth.float(), uv[..., 0].float(), uv[..., 1].float(),
+                                            valid, bf[..., 0:2], bf[..., 2:4], chunk_elems)
+    elif d > 0 and uv.shape[1] > 0:  # per camera over its valid projections only
+        med = torch.zeros((c, d), dtype=torch.float32, device=dev)
+        count = torch.zeros((c, d), dtype=torch.long, device=dev)
+        for cam in range(c):
+            idx = valid[cam].nonzero().flatten()
+            if idx.numel():
+                q = uv[cam, idx].float()
+                ok = torch.ones((1, idx.numel()), dtype=torch.bool, device=dev)
+                mc, cc = _lower_median_in_boxes(depth[cam, idx].float()[None], q[None, :, 0],
+                                                q[None, :, 1], ok, bf[cam:cam + 1, :, 0:2],
+                                                bf[cam:cam + 1, :, 2:4], chunk_elems)
+                med[cam], count[cam] = mc[0], cc[0]
+    if d > 0 and uv.shape[1] > 0:
+        use = box_valid & (count >= max(1, min_points))
+        z = torch.where(use, med.to(dt), z)
+        src = torch.where(use, int(PositionSource.LIDAR), src)
+    if d > 0 and depth_map is not None:
+        h, w = depth_map.shape[-2:]
+        b64 = boxes.to(dt)
+        c0 = b64[..., 0].floor().clamp(min=0)
+        c1 = b64[..., 2].ceil().clamp(max=w)
+        r0 = b64[..., 1].floor().clamp(min=0)
+        r1 = b64[..., 3].ceil().clamp(max=h)
+        if static:  # every pixel is a "point" (x, y, depth); one [C, d, H*W] pass per chunk
+            lo = torch.stack([c0, r0], dim=2).float()
+            hi = torch.stack([c1 - 1, r1 - 1], dim=2).float()  # integer px: < c1 <=> <= c1-1
+            rows = torch.arange(h, device=dev, dtype=torch.float32)
+            cols = torch.arange(w, device=dev, dtype=torch.float32)
+            pu = cols.repeat(h)[None].expand(c, -1)  # [C,HW] pixel x
+            pv = rows.repeat_interleave(w)[None].expand(c, -1)  # [C,HW] pixel y
+            dm = depth_map.reshape(c, h * w).float()
+            med, count = _lower_median_in_boxes(dm, pu, pv, ~dm.isnan(), lo, hi, chunk_elems)
+        else:  # host loop over the boxes without a LiDAR position (the previous CPU path):
+            # nan-median over each box's own pixel rectangle, O(box area) instead of O(H*W)
+            med = torch.full((c, d), float("nan"), dtype=torch.float32, device=dev)
+            count = torch.zeros((c, d), dtype=torch.long, device=dev)
+            need = box_valid & (src == int(PositionSource.NONE))
+            for cam, k in need.nonzero().tolist():
+                x0, y0, x1, y1 = (int(t) for t in (c0[cam, k], r0[cam, k], c1[cam, k],
+                                                   r1[cam, k]))
+                if x1 > x0 and y1 > y0:
+                    med[cam, k] = torch.nanmedian(depth_map[cam, y0:y1, x0:x1].reshape(-1))
+                    count[cam, k] = 1
+        med = med.to(dt)
+        use = box_valid & (src == int(PositionSource.NONE)) & (count > 0) & \
+            med.isfinite() & (med > 0)
+        z = torch.where(use, med, z)
+        src = torch.where(use, int(PositionSource.PREDICTED_DEPTH), src)
+    b64 = boxes.to(dt)
+    cu = (b64[..., 0] + b64[..., 2]) * 0.5
+    cv = (b64[..., 1] + b64[..., 3]) * 0.5
+    pix = torch.stack([cu, cv, torch.ones_like(cu)], dim=2)  # [C,D,3]
+    rays = torch.einsum("cij,cdj->cdi", K_inv.to(dt), pix)
+    p_cam = rays * z[..., None]
+    T = T_base_from_cam.to(dt)
+    pos = torch.einsum("cij,cdj->cdi", T[:, :3, :3], p_cam) + T[:, None, :3, 3]
+    return pos, src

@@ -126,3 +126,169 @@ def decode_detections(raw: dict, image_size: tuple[int, int], score_thr: float,
         keep = batched_nms(boxes, scores, classes, iou_thr)[:max_det]
         results.append(ImageDetections(boxes[keep], scores[keep], classes[keep] + class_offset))
     return results
+
+
+@dataclass
+class BatchedDetections:
+    """Detections of B images in static-shape tensors (M = max_det slots per image).
+
+    Slots are sorted by descending score; slot m of image b is a detection iff valid[b, m]
+    (the valid slots come first). Produced without any host sync.
+    """
+
+    boxes: torch.Tensor  # [B, M, 4] float32, xyxy px, clipped to the image
+    scores: torch.Tensor  # [B, M] float32 in [0, 1] (0 in invalid slots)
+    classes: torch.Tensor  # [B, M] int64 (logit channel + class_offset; 0 in invalid slots)
+    valid: torch.Tensor  # [B, M] bool
+    nms_converged: torch.Tensor  # [] bool: False -> `nms_rounds` did not reach the fixed point
+
+    def to_list(self) -> list[ImageDetections]:
+        """Per-image `ImageDetections` (host sync: for tests and the slow path only)."""
+        return [ImageDetections(self.boxes[b][v], self.scores[b][v], self.classes[b][v])
+                for b, v in enumerate(self.valid)]
+
+
+def batched_nms_dense(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor,
+                      valid: torch.Tensor, iou_thr: float, rounds: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Class-wise greedy NMS of B images at once, without a host sync.
+
+    boxes [B,N,4] xyxy, scores [B,N], classes [B,N], valid [B,N] bool; the N candidates of
+    each image must already be sorted by descending score. Runs `rounds` fixed-point rounds
+    of `nms` (matrix form) plus one check round; returns keep [B,N] bool and converged []
+    bool (False: a suppression chain was longer than `rounds`, keep is then not final and
+    the caller must iterate further, see `finish_nms`).
+    """
+    b = _offset_by_class(boxes, classes, valid)  # [B,N,4], classes never overlap
+    iou = _box_iou_batched(b, b)  # [B,N,N]
+    suppress = (iou > iou_thr).triu_(diagonal=1) & valid[:, :, None]  # [B,i,j]
+    keep = valid.clone()
+    for _ in range(max(1, rounds)):
+        keep = valid & ~(suppress & keep[:, :, None]).any(dim=1)
+    nxt = valid & ~(suppress & keep[:, :, None]).any(dim=1)
+    converged = (nxt == keep).all()  # [] bool, stays on the device
+    return nxt, converged
+
+
+def finish_nms(boxes: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor,
+               keep: torch.Tensor, iou_thr: float) -> torch.Tensor:
+    """Iterate `batched_nms_dense` to the exact fixed point (host-synced; rare slow path)."""
+    b = _offset_by_class(boxes, classes, valid)
+    suppress = (_box_iou_batched(b, b) > iou_thr).triu_(diagonal=1) & valid[:, :, None]
+    for _ in range(boxes.shape[1] + 1):
+        nxt = valid & ~(suppress & keep[:, :, None]).any(dim=1)
+        if torch.equal(nxt, keep):
+            break
+        keep = nxt
+    return keep
+
+
+def _offset_by_class(boxes: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor
+                     ) -> torch.Tensor:
+    """The offset trick of `batched_nms` per image: shift by class * (max valid coord + 1)."""
+    top = torch.where(valid[..., None], boxes, torch.zeros_like(boxes)).amax(dim=(1, 2))  # [B]
+    return boxes + (classes.to(boxes.dtype) * (top[:, None] + 1.0))[..., None]
+
+
+def _box_iou_batched(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """IoU of xyxy boxes a [B,N,4] and b [B,M,4] -> [B,N,M] (same formula as `box_iou`)."""
+    ax1, ay1, ax2, ay2 = (c[:, :, None] for c in a.unbind(dim=2))  # each [B,N,1]
+    bx1, by1, bx2, by2 = (c[:, None, :] for c in b.unbind(dim=2))  # each [B,1,M]
+    area_a = (ax2 - ax1).clamp(min=0) * (ay2 - ay1).clamp(min=0)
+    area_b = (bx2 - bx1).clamp(min=0) * (by2 - by1).clamp(min=0)
+    iw = (torch.minimum(ax2, bx2) - torch.maximum(ax1, bx1)).clamp_(min=0)  # [B,N,M]
+    ih = (torch.minimum(ay2, by2) - torch.maximum(ay1, by1)).clamp_(min=0)
+    inter = iw.mul_(ih)
+    return inter / (area_a + area_b - inter).clamp_(min=1e-9)
+
+
+def decode_detections_batched(raw: dict, image_size: tuple[int, int], score_thr: float,
+                              iou_thr: float, max_det: int, *, pre_nms_top_k: int = 1000,
+                              class_offset: int = 0, strides: tuple[int, ...] = DET_STRIDES,
+                              nms_rounds: int = 8, points: list[torch.Tensor] | None = None,
+                              static: bool = True, exact: bool = False) -> BatchedDetections:
+    """`decode_detections` for all B images at once, static shapes, no host sync.
+
+    Same candidates, scores, boxes and class-wise NMS as `decode_detections` (ties in the
+    scores aside): per level the top `pre_nms_top_k` (location, class) pairs, those <=
+    `score_thr` or with an empty box masked out, the best `pre_nms_top_k` over all levels,
+    greedy class-wise NMS (`nms_rounds` rounds + a convergence flag, see
+    `batched_nms_dense`), the best `max_det` kept into static slots.
+    points: optional per-level [HW, 2] px locations (precomputed at configure).
+    static=False (CPU, where a host read is no device sync): the NMS matrix is trimmed to the
+    candidates above the threshold and NMS runs per image to its fixed point with a
+    convergence check per round (same result and cost as the per-image path).
+    exact=True: NMS iterated to its fixed point with host-synced convergence checks
+    (`finish_nms`; the slow path after a False `nms_converged`).
+    """
+    h_img, w_img = image_size
+    cls_l, ltrb_l, ctr_l = raw["det_cls"], raw["det_ltrb"], raw["det_ctr"]
+    device = cls_l[0].device
+    all_s, all_b, all_c = [], [], []
+    for lvl, (cls, ltrb, ctr, stride) in enumerate(zip(cls_l, ltrb_l, ctr_l, strides,
+                                                       strict=True)):
+        bsz, nc, h, w = cls.shape
+        pts = points[lvl] if points is not None else level_points(h, w, stride, device)
+        inside = (pts[:, 0] < w_img) & (pts[:, 1] < h_img)  # [HW]
+        score = torch.sqrt(torch.sigmoid(cls.float()) * torch.sigmoid(ctr.float()))
+        score = score.flatten(2).transpose(1, 2) * inside[None, :, None]  # [B,HW,C]
+        dist = ltrb.float().flatten(2).transpose(1, 2)  # [B,HW,4] px
+        k = min(pre_nms_top_k, h * w * nc)
+        top_s, top_i = score.reshape(bsz, -1).topk(k, dim=1)  # [B,k]
+        loc, c = top_i // nc, top_i % nc
+        p = pts[loc]  # [B,k,2]
+        d = torch.gather(dist, 1, loc[..., None].expand(-1, -1, 4))  # [B,k,4]
+        boxes = torch.cat([p - d[..., :2], p + d[..., 2:]], dim=2)
+        boxes[..., 0::2] = boxes[..., 0::2].clamp(0, w_img)
+        boxes[..., 1::2] = boxes[..., 1::2].clamp(0, h_img)
+        ok = (top_s > score_thr) & (boxes[..., 2] > boxes[..., 0]) & \
+            (boxes[..., 3] > boxes[..., 1])
+        all_s.append(torch.where(ok, top_s, torch.full_like(top_s, -1.0)))
+        all_b.append(boxes)
+        all_c.append(c)
+    scores, boxes, classes = torch.cat(all_s, 1), torch.cat(all_b, 1), torch.cat(all_c, 1)
+    k2 = min(pre_nms_top_k, scores.shape[1])
+    scores, idx = scores.topk(k2, dim=1)  # [B,k2], descending
+    boxes = torch.gather(boxes, 1, idx[..., None].expand(-1, -1, 4))
+    classes = torch.gather(classes, 1, idx)
+    valid = scores >= 0.0
+    if not static:  # valid candidates come first (sorted by score, invalid = -1)
+        n = max(1, int(valid.sum(dim=1).max()))
+        scores, boxes, classes, valid = scores[:, :n], boxes[:, :n], classes[:, :n], valid[:, :n]
+    if static:
+        keep, converged = batched_nms_dense(boxes, scores, classes, valid, iou_thr, nms_rounds)
+        if exact:
+            keep = finish_nms(boxes, classes, valid, keep, iou_thr)
+            converged = torch.ones((), dtype=torch.bool, device=device)
+    else:  # per image, rounds until its own fixed point (host-checked, as `nms` does)
+        keep = torch.zeros_like(valid)
+        for b in range(valid.shape[0]):
+            nb = int(valid[b].sum())  # valid candidates come first
+            if nb == 0:
+                continue
+            keep[b, :nb] = finish_nms(boxes[b:b + 1, :nb], classes[b:b + 1, :nb],
+                                      valid[b:b + 1, :nb], valid[b:b + 1, :nb], iou_thr)[0]
+        converged = torch.ones((), dtype=torch.bool, device=device)
+    return _select_slots(boxes, scores, classes, keep, converged, max_det, class_offset)
+
+
+def _select_slots(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor,
+                  keep: torch.Tensor, converged: torch.Tensor, max_det: int,
+                  class_offset: int) -> BatchedDetections:
+    """First `max_det` kept candidates (in score order) of each image -> static slots."""
+    n = keep.shape[1]
+    ar = torch.arange(n, device=keep.device)
+    key = torch.where(keep, ar, ar + n)  # kept first, in score order
+    m = min(max_det, n)
+    sel = key.topk(m, dim=1, largest=False).indices  # [B,m] (sorted ascending key)
+    valid = torch.gather(keep, 1, sel)
+    out_b = torch.gather(boxes, 1, sel[..., None].expand(-1, -1, 4))
+    out_s = torch.gather(scores, 1, sel).clamp(min=0.0) * valid
+    out_c = (torch.gather(classes, 1, sel) + class_offset) * valid
+    if m < max_det:  # pad to the static slot count
+        pad = max_det - m
+        out_b = torch.nn.functional.pad(out_b, (0, 0, 0, pad))
+        out_s = torch.nn.functional.pad(out_s, (0, pad))
+        out_c = torch.nn.functional.pad(out_c, (0, pad))
+        valid = torch.nn.functional.pad(valid, (0, pad))
+    return BatchedDetections(out_b, out_s, out_c, valid, converged)

@@ -22,6 +22,7 @@ IMAGE_ENCODINGS: dict[str, tuple[int, np.dtype]] = {
     "bgr8": (3, np.dtype(np.uint8)),
     "mono8": (1, np.dtype(np.uint8)),
     "32FC1": (1, np.dtype(np.float32)),
+    "16UC1": (1, np.dtype(np.uint16)),  # depth in mm, 0 = no value (REP 118)
 }
 
 _POINTFIELD_DTYPES = {

@@ -29,6 +29,10 @@ def test_rgb_bgr_mono_float_round_trip():
     depth = np.linspace(0, 3, 20, dtype=np.float32).reshape(4, 5)
     dmsg = numpy_to_image(depth, "32FC1", make_header(1, "c"))
     np.testing.assert_array_equal(image_to_numpy(dmsg, accept=("32FC1",)), depth)
+    mm = (np.arange(12, dtype=np.uint16) * 1000).reshape(3, 4)  # 16UC1: depth in mm
+    mmsg = numpy_to_image(mm, "16UC1", make_header(1, "c"))
+    assert mmsg.step == 8
+    np.testing.assert_array_equal(image_to_numpy(mmsg, accept=("16UC1",)), mm)
 
 
 def test_image_padding_in_step_is_skipped():

@@ -12,12 +12,17 @@ Topics (i = 0 .. num_cameras-1):
                                   OPTICAL frame (x right, y down, z forward) in `frame_id`;
                                   overrides the `camera_poses` parameter once received
   ~/input/points                  sensor_msgs/PointCloud2 (x, y, z) in `frame_id`
-  ~/output/result                 kestrel_interfaces/PerceptionResult
+  ~/output/result                 kestrel_interfaces/PerceptionResult; masks (mono8) and
+                                  depths (`depth_encoding`: 16UC1 mm with 0 = no value, or
+                                  32FC1 m) subsampled by `output_stride` s: ceil(H/s) x
+                                  ceil(W/s), pixel (i, j) = input pixel (s*i, s*j), so the
+                                  matching intrinsics are K with fx, fy, cx, cy divided by s
   ~/output/debug_image            sensor_msgs/Image rgb8, cameras side by side with boxes
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import threading
 import time
@@ -66,7 +71,7 @@ from kestrel_perception.core.params import (
 COUNTERS = ("processed", "dropped_bad_encoding", "dropped_bad_image", "dropped_size_mismatch",
             "dropped_bad_camera_info", "dropped_bad_pose", "dropped_bad_cloud",
             "dropped_too_many_points", "out_of_sync", "skipped_stale", "processing_error",
-            "nan_points", "truncated_points", "runtime_shape_fallbacks")
+            "nan_points", "truncated_points", "runtime_shape_fallbacks", "nms_slow_path")
 # core InputError reason code -> counter
 REASON_COUNTER = {"bad_image": "dropped_bad_image", "size_mismatch": "dropped_size_mismatch",
                   "mixed_sizes": "dropped_size_mismatch", "bad_camera": "dropped_bad_camera_info",
@@ -76,6 +81,23 @@ REASON_COUNTER = {"bad_image": "dropped_bad_image", "size_mismatch": "dropped_si
 POSITION_STD_LIDAR = 0.05
 POSITION_STD_DEPTH_REL = 0.1  # fraction of the range for predicted-depth positions
 HISTORY = 8  # messages kept per input stream for stamp matching
+
+
+def map_image(arr: np.ndarray, encoding: str, header: Any) -> Image:
+    """[H,W] mono8 / 16UC1 / 32FC1 map (e.g. a view into the core's pinned buffer) -> Image
+    with ONE memcpy into an array('B') (assigning bytes would make the generated setter check
+    every byte in Python)."""
+    a = np.ascontiguousarray(arr)
+    msg = Image()
+    msg.header = header
+    msg.height, msg.width = int(a.shape[0]), int(a.shape[1])
+    msg.encoding = encoding
+    msg.is_bigendian = 0
+    msg.step = int(a.shape[1] * a.itemsize)
+    data = array.array("B")
+    data.frombytes(memoryview(a).cast("B"))
+    msg.data = data
+    return msg
 
 
 class PerceptionNode(KestrelLifecycleNode):
@@ -304,6 +326,8 @@ class PerceptionNode(KestrelLifecycleNode):
             self.counters.inc("truncated_points", out.truncated_points)
         if out.runtime_fallback:
             self.counters.inc("runtime_shape_fallbacks")
+        if out.nms_fallback:
+            self.counters.inc("nms_slow_path")
         msg = self._result_msg(s, cams, out)
         msg.timings.append(StageTiming(name="wait", duration=t_start - s.newest_recv_s))
         msg.latency = time.monotonic() - s.newest_recv_s
@@ -353,8 +377,9 @@ class PerceptionNode(KestrelLifecycleNode):
             d.position_source = int(det.position_source)
             d.position_frame_id = frame
             res.detections.append(d)
-        res.masks = [numpy_to_image(m, "mono8", headers[i]) for i, m in enumerate(out.masks)]
-        res.depths = [numpy_to_image(d, "32FC1", headers[i]) for i, d in enumerate(out.depths)]
+        res.masks = [map_image(m, "mono8", headers[i]) for i, m in enumerate(out.masks)]
+        res.depths = [map_image(d, out.depth_encoding, headers[i])
+                      for i, d in enumerate(out.depths)]
         res.timings = [StageTiming(name=k, duration=float(v)) for k, v in out.timings.items()]
         return res
 

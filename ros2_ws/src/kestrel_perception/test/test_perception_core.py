@@ -9,6 +9,7 @@ import pytest
 import torch
 from kestrel_models.perception import PerceptionConfig, PositionSource
 from kestrel_perception.core import (
+    STAGES,
     DEFAULT_CLASS_NAMES,
     CameraModel,
     FrameSet,
@@ -75,7 +76,7 @@ def test_happy_path_shapes_values_and_stamp(core: PerceptionCore) -> None:
         assert int(m.max()) < len(DEFAULT_CLASS_NAMES)
         assert d.shape == (H, W) and d.dtype == np.float32
         assert np.isfinite(d).all() and (d > 0).all()
-    assert set(out.timings) == {"preprocess", "model", "postprocess", "lidar_fusion"}
+    assert set(out.timings) == set(STAGES)
     assert all(v >= 0.0 for v in out.timings.values()) and out.timings["model"] > 0.0
     assert {d.camera_index for d in out.detections} == {0, 1}
     assert len(out.detections) == 24  # score_threshold 0: max_detections (12) per camera

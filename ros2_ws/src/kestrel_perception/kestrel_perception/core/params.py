@@ -13,6 +13,7 @@ from kestrel_common.params import ParamError, ParamSpec
 from kestrel_models.perception import PerceptionConfig
 from kestrel_models.perception.runtime import VARIANTS
 
+from .device_region import DEPTH_ENCODINGS, OUTPUT_STRIDES
 from .perception_core import PerceptionCoreConfig
 from .types import DEFAULT_CLASS_NAMES
 
@@ -63,6 +64,16 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("camera_poses", [], "Per camera x y z qx qy qz qw (m): pose of its optical "
               "frame in frame_id ([] = identity for all; ~/input/camera_<i>/pose overrides)."
               + _CONF, element_type=float),
+    ParamSpec("depth_encoding", "16UC1", "Encoding of the published depth maps: '16UC1' "
+              "(uint16 mm, 0 = no value, REP 118; half the bytes) or '32FC1' (float32 m)."
+              + _CONF, choices=DEPTH_ENCODINGS),
+    ParamSpec("output_stride", 2, "Masks and depth maps are published subsampled [::s, ::s]: "
+              "size ceil(H/s) x ceil(W/s), pixel (i, j) = input pixel (s*i, s*j), i.e. the "
+              "camera's K with fx, fy, cx, cy divided by s (1 = full resolution)." + _CONF,
+              choices=OUTPUT_STRIDES),
+    ParamSpec("nms_rounds", 8, "Fixed-point NMS rounds run without a host sync; longer "
+              "suppression chains take the exact slow path (counted: nms_slow_path)." + _CONF,
+              min=1, max=10000),
     ParamSpec("publish_debug_image", False, "Publish ~/output/debug_image." + _CONF),
     ParamSpec("target_fps", 10.0, "Diagnostics warn when p99 latency > 1/target_fps, Hz.",
               min=0.1, max=1000.0),
@@ -126,4 +137,6 @@ def core_config(values: dict[str, Any]) -> PerceptionCoreConfig:
         weights_path=values["weights_path"], seed=values["seed"],
         max_points=values["max_points"], min_lidar_points=values["min_lidar_points"],
         amp=values["amp"], warmup_image_hw=(h, w), warmup_cameras=values["num_cameras"],
-        num_threads=values["torch_threads"], runtime_variant=values["runtime_variant"])
+        num_threads=values["torch_threads"], runtime_variant=values["runtime_variant"],
+        depth_encoding=values["depth_encoding"], output_stride=values["output_stride"],
+        nms_rounds=values["nms_rounds"], zero_copy_maps=True)

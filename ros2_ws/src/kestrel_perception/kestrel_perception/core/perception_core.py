@@ -16,11 +16,10 @@ from kestrel_models.perception import (
     MultiTaskPerceptionModel,
     PerceptionConfig,
     PositionSource,
-    box_positions,
     bucket_points,
-    decode_detections,
-    project_points,
 )
+
+from .device_region import DeviceRegion, _Clock, validate_output_params
 
 from .types import (
     DEFAULT_CLASS_NAMES,
@@ -31,7 +30,11 @@ from .types import (
     validate_frames,
 )
 
-STAGES: tuple[str, ...] = ("preprocess", "model", "postprocess", "lidar_fusion")
+# preprocess: images + cloud to the device; model: forward; postprocess: decode + NMS, seg
+# argmax, depth encoding (device); lidar_fusion: projection + box positions (device);
+# download: the one device->host copy + sync wait; unpack: host Detection objects
+STAGES: tuple[str, ...] = ("preprocess", "model", "postprocess", "lidar_fusion", "download",
+                           "unpack")
 
 
 def _fail(name: str, value: object, why: str) -> ValueError:
@@ -93,6 +96,13 @@ class PerceptionCoreConfig:
     # warm-up for (warmup_cameras, warmup_image_hw) with every head subset; other shapes
     # fall back to the plain model (PerceptionOutput.runtime_fallback)
     runtime_variant: str = "eager"
+    depth_encoding: str = "32FC1"  # "32FC1" (m) or "16UC1" (mm, 0 = no value, REP 118)
+    output_stride: int = 1  # masks/depths subsampled [::s, ::s] (1, 2 or 4)
+    nms_rounds: int = 8  # fixed-point NMS rounds in the device region before the slow path
+    # True: PerceptionOutput.masks/depths are views into the (double-buffered) host buffers,
+    # valid until the process() call after the next one (the node publishes before that);
+    # False: private copies
+    zero_copy_maps: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "class_names", tuple(self.class_names))
@@ -118,6 +128,9 @@ class PerceptionCoreConfig:
             raise _fail("warmup_image_hw", self.warmup_image_hw, "must be positive")
         if not 1 <= self.warmup_cameras <= 16:
             raise _fail("warmup_cameras", self.warmup_cameras, "must be in [1, 16]")
+        validate_output_params(self.depth_encoding, self.output_stride)
+        if not 1 <= self.nms_rounds <= 10000:
+            raise _fail("nms_rounds", self.nms_rounds, "must be in [1, 10000]")
         if self.num_threads < 0:
             raise _fail("num_threads", self.num_threads, "must be >= 0")
         if self.runtime_variant != "eager":
@@ -148,7 +161,10 @@ class PerceptionCore:
         self.device = torch.device(config.device)
         self.model = self._build_model()
         self.heads = config.model.heads
-        self._in_buf = np.zeros((0, 0, 0, 3), dtype=np.uint8)  # [C,H,W,3] reused input
+        self._in_buf = torch.zeros((0, 0, 0, 3), dtype=torch.uint8)  # [C,H,W,3] reused input
+        self._in_np = self._in_buf.numpy()
+        self.region = DeviceRegion(self.device, config.depth_encoding, config.output_stride,
+                                   config.nms_rounds)
         self.runtime: PerceptionRuntime | None = None
         if config.warmup_image_hw is not None:
             self.warmup(config.warmup_image_hw, config.warmup_cameras)
@@ -175,6 +191,7 @@ class PerceptionCore:
     def warmup(self, image_hw: tuple[int, int], cameras: int, iterations: int = 2) -> None:
         """Run `iterations` full process() calls on synthetic input (allocations, kernels)."""
         h, w = image_hw
+        self.region.configure(cameras, (h, w), self.config.model.max_detections)
         if self.config.runtime_variant != "eager":
             built = sorted(self.config.model.heads)
             subsets = [frozenset(h for i, h in enumerate(built) if mask >> i & 1)
@@ -188,39 +205,66 @@ class PerceptionCore:
         for _ in range(iterations):
             self.process(FrameSet(0, imgs, cams, pts))
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def _input_tensor(self, images: list[np.ndarray]) -> torch.Tensor:
-        """Copy the images into the reused [C,H,W,3] buffer -> [C,3,H,W] uint8 on device."""
+        """Copy the images into the reused [C,H,W,3] buffer (pinned on CUDA) -> [C,3,H,W]
+        uint8 on the device (non_blocking host->device copy, no sync)."""
         shape = (len(images), *images[0].shape)
-        if self._in_buf.shape != shape:
-            self._in_buf = np.empty(shape, dtype=np.uint8)
+        if tuple(self._in_buf.shape) != shape:
+            self._in_buf = torch.empty(shape, dtype=torch.uint8,
+                                       pin_memory=self.device.type == "cuda")
+            self._in_np = self._in_buf.numpy()
         for i, img in enumerate(images):
-            self._in_buf[i] = img
+            self._in_np[i] = img
         # NHWC memory viewed as NCHW = channels_last; one host->device copy of uint8
-        return torch.from_numpy(self._in_buf).permute(0, 3, 1, 2).to(self.device)
+        return self._in_buf.permute(0, 3, 1, 2).to(self.device, non_blocking=True)
+
+    def _lidar_inputs(self, frames: FrameSet, out: PerceptionOutput
+                      ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Host side: finite filter + bucketing of the cloud, camera matrices -> device
+        tensors (points [Nb,3] m or None; T_cam_from_base, K, K_inv, T_base_from_cam [C,..])."""
+        T_base = np.stack([np.asarray(c.T_base_from_cam, np.float64) for c in frames.cameras])
+        Ks = np.stack([np.asarray(c.K, np.float64) for c in frames.cameras])
+        mats = {"T_cam_from_base": np.linalg.inv(T_base), "K": Ks, "K_inv": np.linalg.inv(Ks),
+                "T_base_from_cam": T_base}
+        cams = {k: torch.from_numpy(v).to(self.device, non_blocking=True)
+                for k, v in mats.items()}
+        pts = frames.points
+        if pts is None or pts.shape[0] == 0:
+            return None, cams
+        finite = np.isfinite(pts).all(axis=1)
+        good = pts[finite].astype(np.float32, copy=False)  # [M,3] m, base frame
+        out.dropped_points = int(pts.shape[0] - good.shape[0])
+        out.used_points = min(good.shape[0], max(self.config.point_buckets))
+        out.truncated_points = good.shape[0] - out.used_points
+        if good.shape[0] == 0:
+            return None, cams
+        padded, _, _ = bucket_points(good, self.config.point_buckets)  # [Nb,3], NaN padded
+        return torch.from_numpy(padded).to(self.device, non_blocking=True), cams
 
     def process(self, frames: FrameSet, heads: frozenset[str] | None = None
                 ) -> PerceptionOutput:
         """Run the enabled (or the given subset of) heads on one FrameSet.
 
+        One device region after the forward and ONE sync per frame (`DeviceRegion`); stage
+        timings come from CUDA events on CUDA (no extra syncs), from the clock on the CPU.
         Raises InputError for bad input (nothing else is expected at runtime).
         """
         cfg = self.config
         heads = self.heads if heads is None else frozenset(heads)
-        timings = dict.fromkeys(STAGES, 0.0)
-        t0 = time.monotonic()
         hw = validate_frames(frames, cfg.max_points)
+        out = PerceptionOutput(frames.stamp_ns, [], [], [], {},
+                               depth_encoding=cfg.depth_encoding,
+                               output_stride=cfg.output_stride)
+        clock = _Clock(self.device)
+        clock.mark("start")
         x = self._input_tensor(frames.images)
-        self._sync()
-        t1 = time.monotonic()
-        timings["preprocess"] = t1 - t0
+        points, cams = self._lidar_inputs(frames, out)
+        clock.mark("preprocess")
 
         rt = self.runtime
         fallback = rt is not None and (tuple(x.shape) != rt.input_shape
                                        or heads not in rt.head_sets)
+        out.runtime_fallback = fallback
         if rt is not None and not fallback:
             raw = rt.run(x, heads=heads)  # static buffers: consumed before the next call
         else:
@@ -228,76 +272,40 @@ class PerceptionCore:
                     self.device.type, dtype=torch.bfloat16,
                     enabled=cfg.amp and self.device.type == "cuda"):
                 raw = self.model(x, heads)
-        self._sync()
-        t2 = time.monotonic()
-        timings["model"] = t2 - t1
+        clock.mark("model")
 
         m = cfg.model
-        with torch.inference_mode():
-            dets = (decode_detections(raw, hw, m.score_threshold, m.nms_iou, m.max_detections,
-                                      pre_nms_top_k=m.pre_nms_top_k,
-                                      class_offset=m.det_class_offset)
-                    if "det_cls" in raw else [])
-            masks_t = raw["seg"].argmax(dim=1).to(torch.uint8) if "seg" in raw else None
-            depth_t = raw["depth"][:, 0].float() if "depth" in raw else None
-            masks = list(masks_t.cpu().numpy()) if masks_t is not None else []
-            depths = list(depth_t.cpu().numpy()) if depth_t is not None else []
-            det_np = [(d.boxes.cpu().numpy(), d.scores.cpu().numpy(), d.classes.cpu().numpy())
-                      for d in dets]
-        t3 = time.monotonic()
-        timings["postprocess"] = t3 - t2
-
-        out = PerceptionOutput(frames.stamp_ns, [], masks, depths, timings,
-                               runtime_fallback=fallback)
-        positions = self._fuse(frames, hw, dets, out)
-        for cam, (boxes, scores, classes) in enumerate(det_np):
-            pos, src = positions[cam]
-            for k in range(boxes.shape[0]):
-                source = PositionSource(int(src[k]))
+        det = {"score_thr": m.score_threshold, "iou_thr": m.nms_iou,
+               "max_det": m.max_detections, "pre_nms_top_k": m.pre_nms_top_k,
+               "class_offset": m.det_class_offset, "min_points": cfg.min_lidar_points}
+        res = self.region.run(raw, hw, det, points, cams, clock)
+        if not res.nms_converged:  # exact slow path (rare, counted): NMS to its fixed point
+            out.nms_fallback = True
+            first = res.stage_s
+            res = self.region.run(raw, hw, det, points, cams, _Clock(self.device),
+                                  exact_nms=True)
+            res.stage_s = {k: first.get(k, 0.0) + res.stage_s.get(k, 0.0)
+                           for k in {*first, *res.stage_s}}
+        t_unpack = time.monotonic()
+        own = (lambda a: a) if cfg.zero_copy_maps else np.copy
+        out.masks = [own(a) for a in res.masks] if res.masks is not None else []
+        out.depths = [own(a) for a in res.depths] if res.depths is not None else []
+        names = cfg.class_names
+        for cam in range(res.valid.shape[0]):
+            n = int(res.valid[cam].sum())  # valid slots come first
+            for k in range(n):
+                source = PositionSource(int(res.src[cam, k]))
+                cls = int(res.classes[cam, k])
                 out.detections.append(Detection(
-                    camera_index=cam, class_index=int(classes[k]),
-                    class_name=cfg.class_names[int(classes[k])], score=float(scores[k]),
-                    box_xyxy=boxes[k], position=None if source == PositionSource.NONE
-                    else pos[k], position_source=source))
-        timings["lidar_fusion"] = time.monotonic() - t3
+                    camera_index=cam, class_index=cls, class_name=names[cls],
+                    score=float(res.scores[cam, k]), box_xyxy=res.boxes[cam, k].copy(),
+                    position=None if source == PositionSource.NONE else res.pos[cam, k].copy(),
+                    position_source=source))
+        stages = res.stage_s
+        out.timings = {"preprocess": stages.get("preprocess", 0.0),
+                       "model": stages.get("model", 0.0),
+                       "postprocess": stages.get("postprocess", 0.0),
+                       "lidar_fusion": stages.get("lidar_fusion", 0.0),
+                       "download": stages.get("download", 0.0),
+                       "unpack": time.monotonic() - t_unpack}
         return out
-
-    def _fuse(self, frames: FrameSet, hw: tuple[int, int], dets: list, out: PerceptionOutput
-              ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per camera (positions [K,3] m base frame, sources [K]) for the decoded boxes.
-
-        LiDAR medians run on the model's device; the predicted-depth fallback reads the
-        depth maps already copied to the host (out.depths), so it costs no device syncs."""
-        pts = frames.points
-        proj = None
-        if pts is not None and pts.shape[0] > 0:
-            finite = np.isfinite(pts).all(axis=1)
-            good = pts[finite].astype(np.float32, copy=False)  # [M,3] m, base frame
-            out.dropped_points = int(pts.shape[0] - good.shape[0])
-            out.used_points = min(good.shape[0], max(self.config.point_buckets))
-            out.truncated_points = good.shape[0] - out.used_points
-            if good.shape[0] > 0 and any(d.boxes.shape[0] for d in dets):
-                padded, _, _ = bucket_points(good, self.config.point_buckets)  # [Nb,3]
-                T_base = np.stack([c.T_base_from_cam for c in frames.cameras])
-                T_cam = torch.from_numpy(np.linalg.inv(T_base)).to(self.device)
-                Ks = torch.from_numpy(np.stack([np.asarray(c.K, np.float64)
-                                                for c in frames.cameras])).to(self.device)
-                p = torch.from_numpy(padded).to(self.device)
-                proj = project_points(p, T_cam, Ks, hw)  # uv [C,Nb,2], z [C,Nb], valid [C,Nb]
-        result = []
-        with torch.inference_mode():
-            for cam, d in enumerate(dets):
-                if d.boxes.shape[0] == 0:
-                    result.append((np.zeros((0, 3)), np.zeros(0, dtype=np.int64)))
-                    continue
-                c = frames.cameras[cam]
-                K = torch.as_tensor(np.asarray(c.K, np.float64), device=self.device)
-                T = torch.as_tensor(np.linalg.inv(c.T_base_from_cam), device=self.device)
-                empty = torch.zeros((0, 2), device=self.device)
-                uv, z, valid = ((proj[0][cam], proj[1][cam], proj[2][cam]) if proj is not None
-                                else (empty, empty[:, 0], empty[:, 0].bool()))
-                dmap = torch.from_numpy(out.depths[cam]) if out.depths else None
-                pos, src = box_positions(d.boxes, uv, z, valid, dmap, K, T,
-                                         self.config.min_lidar_points)
-                result.append((pos.cpu().numpy(), src.cpu().numpy()))
-        return result

@@ -89,13 +89,21 @@ class PerceptionOutput:
 
     stamp_ns: int  # = FrameSet.stamp_ns
     detections: list[Detection]
-    masks: list[np.ndarray]  # per camera [H,W] uint8 class index; [] without segmentation
-    depths: list[np.ndarray]  # per camera [H,W] float32 m; [] without the depth head
-    timings: dict[str, float]  # stage -> s: preprocess, model, postprocess, lidar_fusion
+    # masks/depths are subsampled by output_stride: [ceil(H/s), ceil(W/s)], pixel (i, j) =
+    # input pixel (s*i, s*j), i.e. K scaled by 1/s (fx, fy, cx, cy). With the core's
+    # zero_copy_maps they are views into its host buffers (valid for one more process()).
+    masks: list[np.ndarray]  # per camera [Hs,Ws] uint8 class index; [] without segmentation
+    depths: list[np.ndarray]  # per camera [Hs,Ws] float32 m (32FC1) or uint16 mm (16UC1,
+    # 0 = no value); [] without the depth head
+    timings: dict[str, float]  # stage -> s: preprocess, model, postprocess, lidar_fusion,
+    # download, unpack (see perception_core.STAGES)
     dropped_points: int = 0  # non-finite cloud points filtered out
     truncated_points: int = 0  # finite points beyond the largest bucket (not used)
     used_points: int = 0  # finite points projected into the cameras
     runtime_fallback: bool = False  # the prepared runtime did not fit: ran the eager model
+    depth_encoding: str = "32FC1"  # encoding of `depths`
+    output_stride: int = 1  # subsampling of masks and depths
+    nms_fallback: bool = False  # NMS needed more than nms_rounds rounds: exact slow path ran
 
 
 def validate_frames(frames: FrameSet, max_points: int) -> tuple[int, int]:

@@ -1,0 +1,250 @@
+"""The per-frame device region after the forward: decode + NMS, seg argmax, depth encoding,
+LiDAR fusion for all cameras at once, packed into ONE staging buffer, ONE device->host copy
+into preallocated (pinned on CUDA) host memory, ONE sync. Pure Python + torch, no ROS.
+
+In static mode (the default on CUDA) nothing inside `DeviceRegion.run` reads device values on
+the host (no .item()/.cpu()/.tolist()/nonzero/boolean indexing); only `_download` copies and
+synchronises. On the CPU (no device) the default is the data-dependent "CPU mode", which does
+the same work as the previous per-camera path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from kestrel_models.perception.lidar import box_positions_batched, project_points
+from kestrel_models.perception.postprocess import decode_detections_batched
+
+DEPTH_ENCODINGS: tuple[str, ...] = ("32FC1", "16UC1")
+OUTPUT_STRIDES: tuple[int, ...] = (1, 2, 4)
+_ALIGN = 64  # bytes, alignment of every field in the packed buffer
+
+
+def _fail(name: str, value: object, why: str) -> ValueError:
+    return ValueError(f"parameter '{name}' = {value!r}: {why}")
+
+
+def validate_output_params(depth_encoding: str, output_stride: int) -> None:
+    """Raise ValueError naming the parameter for an unsupported value."""
+    if depth_encoding not in DEPTH_ENCODINGS:
+        raise _fail("depth_encoding", depth_encoding, f"must be one of {DEPTH_ENCODINGS}")
+    if output_stride not in OUTPUT_STRIDES:
+        raise _fail("output_stride", output_stride, f"must be one of {OUTPUT_STRIDES}")
+
+
+def strided_hw(hw: tuple[int, int], stride: int) -> tuple[int, int]:
+    """(H, W) of a map subsampled as map[::stride, ::stride] -> (ceil(H/s), ceil(W/s))."""
+    return (-(-hw[0] // stride), -(-hw[1] // stride))
+
+
+def encode_depth(depth: torch.Tensor, encoding: str) -> torch.Tensor:
+    """depth [..] float32 m -> 32FC1 (unchanged) or 16UC1 mm (REP 118: 0 = no return; NaN,
+    <= 0 and > 65.535 m become 0). Device op, no sync."""
+    if encoding == "32FC1":
+        return depth
+    mm = torch.round(depth * 1000.0)
+    ok = torch.isfinite(mm) & (mm > 0) & (mm <= 65535)
+    # int32 first: float -> uint16 casts are not defined for all values on every backend
+    return torch.where(ok, mm, torch.zeros_like(mm)).to(torch.int32).to(torch.uint16)
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    """Static sizes of one frame's outputs (sized at configure)."""
+
+    cameras: int
+    image_hw: tuple[int, int]  # (H, W) px of the input images
+    max_det: int  # detection slots per camera
+    stride: int  # output_stride of masks / depth maps
+    depth_encoding: str  # "32FC1" or "16UC1"
+
+    def fields(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        c, m = self.cameras, self.max_det
+        hs, ws = strided_hw(self.image_hw, self.stride)
+        ddt = torch.float32 if self.depth_encoding == "32FC1" else torch.uint16
+        return {"boxes": ((c, m, 4), torch.float32), "scores": ((c, m), torch.float32),
+                "classes": ((c, m), torch.int64), "valid": ((c, m), torch.bool),
+                "pos": ((c, m, 3), torch.float64), "src": ((c, m), torch.int64),
+                "mask": ((c, hs, ws), torch.uint8), "depth": ((c, hs, ws), ddt),
+                "flags": ((1,), torch.bool)}  # flags[0]: NMS converged
+
+
+class PackedBuffer:
+    """One flat uint8 buffer with typed views per field (64-byte aligned)."""
+
+    def __init__(self, layout: RegionLayout, device: torch.device, pin: bool) -> None:
+        offsets, total = {}, 0
+        for name, (shape, dtype) in layout.fields().items():
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            offsets[name] = (total, nbytes, shape, dtype)
+            total += -(-nbytes // _ALIGN) * _ALIGN
+        self.raw = torch.zeros(max(total, _ALIGN), dtype=torch.uint8, device=device,
+                               pin_memory=pin)
+        self.views = {n: self.raw[o:o + nb].view(dt).view(shape)
+                      for n, (o, nb, shape, dt) in offsets.items()}
+        self.nbytes = total
+
+
+@dataclass
+class RegionResult:
+    """Host (numpy) views of one frame's packed outputs; valid until the frame after next
+    (two host buffers alternate)."""
+
+    boxes: np.ndarray  # [C,M,4] float32 px
+    scores: np.ndarray  # [C,M] float32
+    classes: np.ndarray  # [C,M] int64
+    valid: np.ndarray  # [C,M] bool, slot holds a detection
+    pos: np.ndarray  # [C,M,3] float64 m, base frame (NaN: none)
+    src: np.ndarray  # [C,M] int64 PositionSource
+    masks: np.ndarray | None  # [C,Hs,Ws] uint8 class index, None without segmentation
+    depths: np.ndarray | None  # [C,Hs,Ws] float32 m or uint16 mm, None without depth
+    nms_converged: bool
+    stage_s: dict[str, float]  # postprocess, lidar_fusion, download (s)
+
+
+def n_used(valid: torch.Tensor) -> int:
+    """Largest number of used slots over the cameras (host read: CPU / static=False only)."""
+    return int(valid.sum(dim=1).max()) if valid.numel() else 0
+
+
+class _Clock:
+    """Stage boundaries: CUDA events on CUDA (read after the frame's one sync, no extra sync),
+    time.monotonic on the CPU (ops are synchronous there)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append((name, ev))
+        else:
+            self.marks.append((name, time.monotonic()))
+
+    def durations(self) -> dict[str, float]:
+        """Seconds from each mark to the next, keyed by the later mark's name."""
+        out = {}
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:], strict=False):
+            out[name] = (a.elapsed_time(b) / 1e3) if self.cuda else (b - a)  # type: ignore
+        return out
+
+
+class DeviceRegion:
+    """Preallocated buffers + the one-sync post-processing of a frame (not thread-safe)."""
+
+    def __init__(self, device: torch.device, depth_encoding: str = "16UC1",
+                 output_stride: int = 2, nms_rounds: int = 8,
+                 fusion_chunk_elems: int = 1 << 24, static: bool | None = None) -> None:
+        validate_output_params(depth_encoding, output_stride)
+        if not 1 <= nms_rounds <= 10000:
+            raise _fail("nms_rounds", nms_rounds, "must be in [1, 10000]")
+        self.device = device
+        self.depth_encoding = depth_encoding
+        self.stride = output_stride
+        self.nms_rounds = nms_rounds
+        self.chunk = fusion_chunk_elems
+        # static shapes and no host reads in the region: always on CUDA; on the CPU (no
+        # device to sync with) the default trims the work to the data: NMS over the candidates
+        # above the threshold, per image; LiDAR medians over the used detection slots and each
+        # camera's valid projections; predicted-depth medians for the boxes that need them
+        self.static = device.type == "cuda" if static is None else static
+        self.layout: RegionLayout | None = None
+        self._stage: PackedBuffer | None = None  # on the device (CUDA) or None on the CPU
+        self._host: list[PackedBuffer] = []
+        self._flip = 0
+
+    def configure(self, cameras: int, image_hw: tuple[int, int], max_det: int) -> None:
+        """Allocate for this shape (at configure / warm-up; again only if the shape changes)."""
+        layout = RegionLayout(cameras, tuple(image_hw), max_det, self.stride,
+                              self.depth_encoding)
+        if layout == self.layout:
+            return
+        cuda = self.device.type == "cuda"
+        self._host = [PackedBuffer(layout, torch.device("cpu"), pin=cuda) for _ in range(2)]
+        self._stage = PackedBuffer(layout, self.device, pin=False) if cuda else None
+        self.layout = layout
+
+    @property
+    def host_bytes(self) -> int:
+        return self._host[0].nbytes if self._host else 0
+
+    def run(self, raw: dict, image_hw: tuple[int, int], det: dict, points: torch.Tensor | None,
+            cams: dict[str, torch.Tensor], clock: _Clock | None = None,
+            exact_nms: bool = False) -> RegionResult:
+        """raw: the model's outputs ([C,..] on the device); det: decode settings
+        (score_thr, iou_thr, max_det, pre_nms_top_k, class_offset); points [Nb,3] m base
+        frame on the device (NaN padded) or None; cams: T_cam_from_base, K, K_inv,
+        T_base_from_cam [C,..] float64 on the device. exact_nms: the slow path after a
+        frame whose NMS did not converge in `nms_rounds` (host-synced iterations)."""
+        c = (raw.get("det_cls") or [raw.get("seg", raw.get("depth"))])[0].shape[0]
+        self.configure(c, image_hw, det["max_det"])
+        clock = clock or _Clock(self.device)
+        if not clock.marks:
+            clock.mark("start")
+        buf = self._stage if self._stage is not None else self._host[self._flip]
+        v = buf.views
+        with torch.inference_mode():
+            m = self.layout.max_det
+            if "det_cls" in raw:
+                dets = decode_detections_batched(
+                    raw, image_hw, det["score_thr"], det["iou_thr"], m,
+                    pre_nms_top_k=det["pre_nms_top_k"], class_offset=det["class_offset"],
+                    nms_rounds=self.nms_rounds, static=self.static, exact=exact_nms)
+                v["boxes"].copy_(dets.boxes)
+                v["scores"].copy_(dets.scores)
+                v["classes"].copy_(dets.classes)
+                v["valid"].copy_(dets.valid)
+                v["flags"].copy_(dets.nms_converged.reshape(1))
+            else:
+                dets = None
+                v["valid"].zero_()
+                v["flags"].fill_(True)
+            s = self.stride
+            if "seg" in raw:
+                v["mask"].copy_(raw["seg"][:, :, ::s, ::s].argmax(dim=1))
+            depth_full = raw["depth"][:, 0].float() if "depth" in raw else None
+            if depth_full is not None:
+                v["depth"].copy_(encode_depth(depth_full[:, ::s, ::s], self.depth_encoding))
+            clock.mark("postprocess")
+            if dets is not None:
+                if points is not None:
+                    uv, z, ok = project_points(points, cams["T_cam_from_base"], cams["K"],
+                                               image_hw)
+                else:
+                    uv = torch.zeros((c, 0, 2), device=self.device)
+                    z, ok = uv[..., 0], uv[..., 0].bool()
+                boxes, bvalid = dets.boxes, dets.valid
+                if not self.static:  # valid slots come first: drop the unused tail
+                    boxes, bvalid = boxes[:, :n_used(bvalid)], bvalid[:, :n_used(bvalid)]
+                pos, src = box_positions_batched(
+                    boxes, bvalid, uv, z, ok, depth_full, cams["K_inv"],
+                    cams["T_base_from_cam"], det["min_points"], self.chunk, self.static)
+                d = pos.shape[1]
+                v["pos"][:, :d].copy_(pos)
+                v["src"][:, :d].copy_(src)
+                if d < m:
+                    v["pos"][:, d:].fill_(float("nan"))
+                    v["src"][:, d:].zero_()
+            clock.mark("lidar_fusion")
+        return self._download(raw, clock)
+
+    def _download(self, raw: dict, clock: _Clock) -> RegionResult:
+        """The ONE device->host copy (non_blocking, into pinned memory) and the ONE sync."""
+        host = self._host[self._flip]
+        self._flip ^= 1
+        if self._stage is not None:
+            host.raw.copy_(self._stage.raw, non_blocking=True)
+            clock.mark("download")
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            clock.mark("download")
+        h = {k: t.numpy() for k, t in host.views.items()}
+        return RegionResult(h["boxes"], h["scores"], h["classes"], h["valid"], h["pos"],
+                            h["src"], h["mask"] if "seg" in raw else None,
+                            h["depth"] if "depth" in raw else None, bool(h["flags"][0]),
+                            clock.durations())
