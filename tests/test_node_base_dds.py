@@ -39,6 +39,7 @@ def test_autostart_processes_and_counts_drops(launch_node, probe):
     assert counted() >= 2, node.output()
     assert all(math.isfinite(m.data) for m in out.snapshot())
     assert "dropped input (nonfinite_input" in node.output()
+    assert "then froze" in node.output()  # the heap is frozen after configure (gc_freeze)
     assert node.alive()
 
 

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+import lifecycle_msgs.msg
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
@@ -30,6 +31,7 @@ from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityP
 
 from kestrel_common.conversions import diagnostic_status
 from kestrel_common.counters import Counters
+from kestrel_common.heap import freeze_heap, thaw_heap
 from kestrel_common.params import ParamError, ParamSpec, check_unique_names, validate_value
 
 # Sensor streams (camera, LiDAR, joint states): best effort, keep only the newest sample.
@@ -56,6 +58,10 @@ _ARRAY_TYPE_OF = {
 }
 
 BASE_SPECS = (
+    ParamSpec("gc_freeze", True, "After a successful configure: gc.collect() once, then "
+              "gc.freeze() (models and compiled graphs leave the collector's view, so no later "
+              "full collection pauses the node for 100s of ms; kestrel_common.heap).",
+              read_only=True),
     ParamSpec("autostart", True, "Configure and activate at start-up (no lifecycle manager).",
               read_only=True),
     ParamSpec("diagnostics_period", 1.0, "Period of /diagnostics publication, s.",
@@ -91,6 +97,39 @@ class KestrelLifecycleNode(LifecycleNode):
         self._drop_logged: dict[str, float] = {}
         self._drop_log_lock = threading.Lock()
         self.add_on_set_parameters_callback(self._on_set_parameters)
+        # Freeze the heap after every successful configure and thaw it before cleanup/shutdown
+        # (kestrel_common.heap: the frozen objects are never collected, so what cleanup drops
+        # must be collectable again, and so must the node's own DDS objects at exit). rclpy
+        # keeps the transition callbacks in `_callbacks` (its registration helper is private),
+        # so the subclass's bound callbacks are wrapped there, once, for every node alike.
+        callbacks = getattr(self, "_callbacks", None)
+        states = lifecycle_msgs.msg.State
+        if isinstance(callbacks, dict) and states.TRANSITION_STATE_CONFIGURING in callbacks:
+            callbacks[states.TRANSITION_STATE_CONFIGURING] = self._configure_then_freeze(
+                callbacks[states.TRANSITION_STATE_CONFIGURING])
+            for state in (states.TRANSITION_STATE_CLEANINGUP,
+                          states.TRANSITION_STATE_SHUTTINGDOWN):
+                if state in callbacks:
+                    callbacks[state] = self._thaw_then(callbacks[state])
+
+    def _configure_then_freeze(self, configure: Callable[[LifecycleState], Any]
+                               ) -> Callable[[LifecycleState], Any]:
+        def wrapped(state: LifecycleState) -> Any:
+            result = configure(state)
+            if result == TransitionCallbackReturn.SUCCESS and self.params.get("gc_freeze"):
+                frozen, ms = freeze_heap()
+                self.get_logger().info(f"gc: collected in {ms:.0f} ms, then froze {frozen} "
+                                       "objects (parameter gc_freeze)")
+            return result
+        return wrapped
+
+    @staticmethod
+    def _thaw_then(transition: Callable[[LifecycleState], Any]
+                   ) -> Callable[[LifecycleState], Any]:
+        def wrapped(state: LifecycleState) -> Any:
+            thaw_heap()
+            return transition(state)
+        return wrapped
 
     # ---- parameters ---------------------------------------------------------------------
     def _descriptor(self, spec: ParamSpec) -> ParameterDescriptor:
@@ -262,6 +301,7 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
         except Exception as exc:  # noqa: BLE001 - the rest of the shutdown must still run
             node.get_logger().error(f"stop_workers failed at exit: {exc!r}")
             code = code or 1
+        thaw_heap()  # the DDS objects made at configure must be finalised normally at exit
         executor.shutdown(timeout_sec=2.0)
         node.destroy_node()
         rclpy.try_shutdown()
