@@ -281,12 +281,57 @@ def test_depth_16uc1_strided_output(launch_node, probe):
     assert node.alive() and "Traceback" not in node.output()
 
 
+def _user_model(path) -> str:
+    """A user's TorchScript model: per camera one 'red_cube' box over the image centre."""
+    import torch
+
+    class UserModel(torch.nn.Module):
+        def forward(self, images: torch.Tensor):
+            b = images.shape[0]
+            z = images.float().mean() * 0
+            boxes = torch.tensor([[[44.0, 28.0, 84.0, 68.0]]]).expand(b, 1, 4) + z
+            return boxes, torch.full((b, 1), 0.9) + z, torch.full((b, 1), 2, dtype=torch.long)
+
+    torch.jit.save(torch.jit.trace(UserModel(), torch.zeros((2, 3, H, W), dtype=torch.uint8)),
+                   str(path))
+    return str(path)
+
+
+def test_user_model_through_the_node(launch_node, probe, run_dir):
+    """model_path + model_outputs: the node runs a user's TorchScript model (detections only),
+    fuses LiDAR into its boxes and publishes them like the reference model's."""
+    params = {**PARAMS, "publish_debug_image": False,
+              "model_path": _user_model(run_dir / "user_model.pt"),
+              "model_outputs": ["boxes:output0", "scores:output1", "labels:output2"]}
+    node = launch_node("kestrel_perception.perception_node", NODE, params=params)
+    results = probe.subscribe(PerceptionResult, f"/{NODE}/output/result", 50)
+    rig = Rig(probe)
+    assert probe.wait_for_subscribers(rig.img[0], timeout=30.0), node.output()
+    assert probe.wait_for_subscribers(rig.cloud, timeout=10.0), node.output()
+    # a set whose cloud missed the sync window has no positions (no depth head): wait for one
+    # with LiDAR positions
+    r = produce(rig, results, wall_points(), timeout=30.0,
+                check=lambda r: len(r.detections) == 2 and all(
+                    d.position_source == Detection2D.POSITION_LIDAR for d in r.detections))
+    for d in r.detections:
+        assert CLASSES[d.class_index] == "red_cube"
+        assert d.results[0].hypothesis.score == pytest.approx(0.9, abs=1e-6)
+        assert (d.bbox.center.x, d.bbox.center.y) == pytest.approx((64.0, 48.0))
+    check_lidar_positions(r)
+    assert len(r.masks) == 0 and len(r.depths) == 0  # no seg/depth in this contract
+    assert node.alive() and "Traceback" not in node.output()
+
+
 @pytest.mark.parametrize("params,fragment", [
     ({"depth_encoding": "16UC2"}, "parameter 'depth_encoding' = '16UC2'"),
     ({"output_stride": 3}, "parameter 'output_stride' = 3"),
     ({"score_threshold": 1.5}, "parameter 'score_threshold' = 1.5: must be <= 1.0"),
     ({"backbone_depth": 101}, "parameter 'backbone_depth' = 101"),
     ({"num_cameras": 2, "camera_poses": [0.0] * 7}, "parameter 'camera_poses'"),
+    ({"model_path": "/nonexistent/user.onnx", "model_outputs": ["seg:logits"]},
+     "parameter 'model_path' = '/nonexistent/user.onnx': file not found"),
+    ({"model_path": "/nonexistent/user.onnx", "model_outputs": ["boxes:b"]},
+     "parameter 'model_outputs'"),
 ])
 def test_bad_parameter_fails_configure(launch_node, params, fragment):
     node = launch_node("kestrel_perception.perception_node", NODE,

@@ -10,6 +10,7 @@ No ROS inside. Typical use:
 
 from .backbone import ResNetBackbone
 from .config import HEAD_NAMES, PerceptionConfig
+from .external import ExternalPerceptionModel, OutputContract
 from .fpn import FPN
 from .lidar import (
     DEFAULT_BUCKETS,
@@ -25,10 +26,12 @@ from .postprocess import ImageDetections, batched_nms, box_iou, decode_detection
 __all__ = [
     "DEFAULT_BUCKETS",
     "DET_STRIDES",
+    "ExternalPerceptionModel",
     "FPN",
     "HEAD_NAMES",
     "ImageDetections",
     "MultiTaskPerceptionModel",
+    "OutputContract",
     "PerceptionConfig",
     "PositionSource",
     "ResNetBackbone",

@@ -247,6 +247,41 @@ def decode_detections_batched(raw: dict, image_size: tuple[int, int], score_thr:
         all_b.append(boxes)
         all_c.append(c)
     scores, boxes, classes = torch.cat(all_s, 1), torch.cat(all_b, 1), torch.cat(all_c, 1)
+    return _nms_select(scores, boxes, classes, iou_thr, max_det, pre_nms_top_k, class_offset,
+                       nms_rounds, static, exact)
+
+
+def detections_from_decoded(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
+                            image_size: tuple[int, int], num_classes: int, score_thr: float,
+                            iou_thr: float, max_det: int, *, pre_nms_top_k: int = 1000,
+                            class_offset: int = 0, nms_rounds: int = 8, static: bool = True,
+                            exact: bool = False) -> BatchedDetections:
+    """A user model's decoded detections (boxes [B,N,4] xyxy px, scores [B,N], labels [B,N])
+    through the same threshold, class-wise NMS and static slots as our own head's.
+
+    Candidates with a score <= score_thr, a non-finite value, an empty box (after clipping to
+    the image) or a label outside [0, num_classes) are dropped (never silently kept)."""
+    h_img, w_img = image_size
+    boxes = boxes.float().clone()
+    boxes[..., 0::2] = boxes[..., 0::2].clamp(0, w_img)
+    boxes[..., 1::2] = boxes[..., 1::2].clamp(0, h_img)
+    scores = scores.float()
+    labels = labels.long()
+    ok = (scores > score_thr) & torch.isfinite(scores) & torch.isfinite(boxes).all(-1) & \
+        (boxes[..., 2] > boxes[..., 0]) & (boxes[..., 3] > boxes[..., 1]) & \
+        (labels >= 0) & (labels < num_classes)
+    scores = torch.where(ok, scores, torch.full_like(scores, -1.0))
+    boxes = torch.where(ok[..., None], boxes, torch.zeros_like(boxes))
+    labels = torch.where(ok, labels, torch.zeros_like(labels))
+    return _nms_select(scores, boxes, labels, iou_thr, max_det, pre_nms_top_k, class_offset,
+                       nms_rounds, static, exact)
+
+
+def _nms_select(scores: torch.Tensor, boxes: torch.Tensor, classes: torch.Tensor, iou_thr: float,
+                max_det: int, pre_nms_top_k: int, class_offset: int, nms_rounds: int,
+                static: bool, exact: bool) -> BatchedDetections:
+    """Candidates (score -1 = invalid) -> the best `pre_nms_top_k`, class-wise NMS, slots."""
+    device = scores.device
     k2 = min(pre_nms_top_k, scores.shape[1])
     scores, idx = scores.topk(k2, dim=1)  # [B,k2], descending
     boxes = torch.gather(boxes, 1, idx[..., None].expand(-1, -1, 4))

@@ -1,6 +1,8 @@
 """perception node: camera image(s) + CameraInfo + LiDAR cloud -> PerceptionResult.
 
-Thin ROS shell around `core.PerceptionCore`. Inputs (SENSOR_QOS) land in fixed-size
+Thin ROS shell around `core.PerceptionCore` (the reference model, or a user's TorchScript /
+ExportedProgram / ONNX model behind an output contract: parameters model_path, model_outputs,
+see kestrel_models.perception.external). Inputs (SENSOR_QOS) land in fixed-size
 histories (`core.sync.FrameSynchronizer`); a worker thread always takes the NEWEST
 synchronised set, runs the model and publishes `~/output/result` (COMMAND_QOS). Bad input is
 dropped and counted by name on /diagnostics, never crashes the node.

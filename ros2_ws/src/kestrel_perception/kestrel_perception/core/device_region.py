@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from kestrel_models.perception.lidar import box_positions_batched, project_points
-from kestrel_models.perception.postprocess import decode_detections_batched
+from kestrel_models.perception.postprocess import (decode_detections_batched,
+                                                   detections_from_decoded)
 
 DEPTH_ENCODINGS: tuple[str, ...] = ("32FC1", "16UC1")
 OUTPUT_STRIDES: tuple[int, ...] = (1, 2, 4)
@@ -181,7 +182,9 @@ class DeviceRegion:
         frame on the device (NaN padded) or None; cams: T_cam_from_base, K, K_inv,
         T_base_from_cam [C,..] float64 on the device. exact_nms: the slow path after a
         frame whose NMS did not converge in `nms_rounds` (host-synced iterations)."""
-        c = (raw.get("det_cls") or [raw.get("seg", raw.get("depth"))])[0].shape[0]
+        first = raw["det_cls"][0] if "det_cls" in raw else next(
+            raw[k] for k in ("det_boxes", "seg", "depth") if k in raw)
+        c = first.shape[0]
         self.configure(c, image_hw, det["max_det"])
         clock = clock or _Clock(self.device)
         if not clock.marks:
@@ -190,11 +193,18 @@ class DeviceRegion:
         v = buf.views
         with torch.inference_mode():
             m = self.layout.max_det
-            if "det_cls" in raw:
-                dets = decode_detections_batched(
-                    raw, image_hw, det["score_thr"], det["iou_thr"], m,
-                    pre_nms_top_k=det["pre_nms_top_k"], class_offset=det["class_offset"],
-                    nms_rounds=self.nms_rounds, static=self.static, exact=exact_nms)
+            if "det_cls" in raw or "det_boxes" in raw:
+                if "det_cls" in raw:  # our head's raw maps
+                    dets = decode_detections_batched(
+                        raw, image_hw, det["score_thr"], det["iou_thr"], m,
+                        pre_nms_top_k=det["pre_nms_top_k"], class_offset=det["class_offset"],
+                        nms_rounds=self.nms_rounds, static=self.static, exact=exact_nms)
+                else:  # a user model's decoded boxes (kestrel_models.perception.external)
+                    dets = detections_from_decoded(
+                        raw["det_boxes"], raw["det_scores"], raw["det_labels"], image_hw,
+                        det["num_classes"], det["score_thr"], det["iou_thr"], m,
+                        pre_nms_top_k=det["pre_nms_top_k"], nms_rounds=self.nms_rounds,
+                        static=self.static, exact=exact_nms)
                 v["boxes"].copy_(dets.boxes)
                 v["scores"].copy_(dets.scores)
                 v["classes"].copy_(dets.classes)

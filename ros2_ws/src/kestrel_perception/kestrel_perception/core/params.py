@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from kestrel_common.params import ParamError, ParamSpec
 from kestrel_models.perception import PerceptionConfig
+from kestrel_models.perception.external import FORMATS, INPUT_FORMATS
 from kestrel_models.perception.runtime import VARIANTS
 
 from .device_region import DEPTH_ENCODINGS, OUTPUT_STRIDES
@@ -55,6 +56,18 @@ SPECS: tuple[ParamSpec, ...] = (
               "num_cameras x warmup_size; other sizes run eager (counted)." + _CONF,
               choices=("eager", *VARIANTS)),
     ParamSpec("weights_path", "", "state_dict file; '' = random init from 'seed'." + _CONF),
+    ParamSpec("model_path", "", "A user's own multi-task model instead of the reference "
+              "architecture: TorchScript, ExportedProgram (.pt2) or ONNX file; '' = the "
+              "reference model. Its outputs are declared in model_outputs." + _CONF),
+    ParamSpec("model_format", "auto", "Format of model_path (auto = by extension)." + _CONF,
+              choices=FORMATS),
+    ParamSpec("model_outputs", [], "Output contract of model_path: 'role:output name' for "
+              "roles boxes [B,N,4] xyxy px, scores [B,N], labels [B,N] (together), seg "
+              "[B,K,h,w] logits, depth [B,1,h,w] m; torch models returning a tuple name their "
+              "outputs output0, output1, ..." + _CONF, element_type=str),
+    ParamSpec("model_input_name", "images", "Input name of an ONNX model_path." + _CONF),
+    ParamSpec("model_input_format", "uint8", "Input of model_path: uint8 0..255, float01, or "
+              "imagenet (normalised float)." + _CONF, choices=INPUT_FORMATS),
     ParamSpec("seed", 0, "Seed of the random initialisation." + _CONF, min=0, max=2**31 - 1),
     ParamSpec("torch_threads", 0, "Torch intra-op threads (0 = torch's default).",
               min=0, max=256, read_only=True),
@@ -135,6 +148,10 @@ def core_config(values: dict[str, Any]) -> PerceptionCoreConfig:
     return PerceptionCoreConfig(
         model=model, class_names=tuple(values["class_names"]), device=values["device"],
         weights_path=values["weights_path"], seed=values["seed"],
+        model_path=values["model_path"], model_format=values["model_format"],
+        model_outputs=tuple(values["model_outputs"]),
+        model_input_name=values["model_input_name"],
+        model_input_format=values["model_input_format"],
         max_points=values["max_points"], min_lidar_points=values["min_lidar_points"],
         amp=values["amp"], warmup_image_hw=(h, w), warmup_cameras=values["num_cameras"],
         num_threads=values["torch_threads"], runtime_variant=values["runtime_variant"],

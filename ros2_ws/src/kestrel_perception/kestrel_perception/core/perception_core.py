@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from kestrel_models.perception.external import (ExternalPerceptionModel, OutputContract,
+                                                parse_outputs)
 from kestrel_models.perception.runtime import VARIANTS, PerceptionRuntime
 from kestrel_models.perception import (
     DEFAULT_BUCKETS,
@@ -83,6 +85,14 @@ class PerceptionCoreConfig:
     class_names: tuple[str, ...] = DEFAULT_CLASS_NAMES
     device: str = "cpu"  # "cpu" or "cuda" (or "cuda:N")
     weights_path: str = ""  # "" = random init from `seed`; else a state_dict file
+    # A user's own model instead of the reference architecture (kestrel_models.perception.
+    # external): file, format (auto|torchscript|exported_program|onnx), the output contract
+    # ('role:name' for boxes/scores/labels/seg/depth), input name (ONNX) and input format.
+    model_path: str = ""
+    model_format: str = "auto"
+    model_outputs: tuple[str, ...] = ()
+    model_input_name: str = "images"
+    model_input_format: str = "uint8"
     seed: int = 0
     max_points: int = 500_000  # larger clouds are rejected (InputError too_many_points)
     point_buckets: tuple[int, ...] = DEFAULT_BUCKETS  # static cloud sizes (NaN padded)
@@ -118,6 +128,15 @@ class PerceptionCoreConfig:
             raise _fail("device", self.device, "must be 'cpu' or 'cuda'")
         if self.weights_path:  # package:// URIs become file paths here
             object.__setattr__(self, "weights_path", resolve_weights_path(self.weights_path))
+        object.__setattr__(self, "model_outputs", tuple(self.model_outputs))
+        if self.model_path:
+            if self.weights_path:
+                raise _fail("model_path", self.model_path, "set model_path (a whole model) or "
+                            "weights_path (reference-architecture weights), not both")
+            if self.runtime_variant != "eager":
+                raise _fail("runtime_variant", self.runtime_variant, "a user model (model_path)"
+                            " runs as exported: use 'eager'")
+            parse_outputs(self.model_outputs)  # raises naming model_outputs
         if not 1 <= self.max_points <= 50_000_000:
             raise _fail("max_points", self.max_points, "must be in [1, 50000000]")
         if not self.point_buckets or min(self.point_buckets) < 1:
@@ -159,8 +178,14 @@ class PerceptionCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
-        self.model = self._build_model()
-        self.heads = config.model.heads
+        self.external: ExternalPerceptionModel | None = None
+        if config.model_path:
+            self.external = self._load_external()
+            self.model = self.external
+            self.heads = self.external.heads
+        else:
+            self.model = self._build_model()
+            self.heads = config.model.heads
         self._in_buf = torch.zeros((0, 0, 0, 3), dtype=torch.uint8)  # [C,H,W,3] reused input
         self._in_np = self._in_buf.numpy()
         self.region = DeviceRegion(self.device, config.depth_encoding, config.output_stride,
@@ -168,6 +193,15 @@ class PerceptionCore:
         self.runtime: PerceptionRuntime | None = None
         if config.warmup_image_hw is not None:
             self.warmup(config.warmup_image_hw, config.warmup_cameras)
+
+    def _load_external(self) -> ExternalPerceptionModel:
+        cfg = self.config
+        contract = OutputContract(parse_outputs(cfg.model_outputs), cfg.model_input_name,
+                                  cfg.model_input_format)
+        ext = ExternalPerceptionModel(cfg.model_path, cfg.model_format, contract, self.device)
+        hw = cfg.warmup_image_hw or (256, 320)
+        ext.check(cfg.warmup_cameras, hw, len(cfg.class_names))  # fails configure if wrong
+        return ext
 
     def _build_model(self) -> MultiTaskPerceptionModel:
         cfg = self.config
@@ -277,7 +311,8 @@ class PerceptionCore:
         m = cfg.model
         det = {"score_thr": m.score_threshold, "iou_thr": m.nms_iou,
                "max_det": m.max_detections, "pre_nms_top_k": m.pre_nms_top_k,
-               "class_offset": m.det_class_offset, "min_points": cfg.min_lidar_points}
+               "class_offset": m.det_class_offset, "min_points": cfg.min_lidar_points,
+               "num_classes": len(cfg.class_names)}
         res = self.region.run(raw, hw, det, points, cams, clock)
         if not res.nms_converged:  # exact slow path (rare, counted): NMS to its fixed point
             out.nms_fallback = True

@@ -1,0 +1,88 @@
+"""PerceptionCore with a user's own model (model_path + output contract): its decoded boxes go
+through the same threshold, class-wise NMS and LiDAR / depth fusion as the reference model's,
+and contract errors fail at construction (= the node's configure) naming the parameter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kestrel_models.perception import PerceptionConfig, PositionSource
+from kestrel_perception.core import CameraModel, FrameSet, PerceptionCore, PerceptionCoreConfig
+from torch import nn
+
+torch.set_num_threads(1)
+H, W = 96, 128
+K = np.array([[100.0, 0.0, 64.0], [0.0, 100.0, 48.0], [0.0, 0.0, 1.0]])
+NAMES = ("background", "cube", "cup", "table")
+ROLES = ("boxes:output0", "scores:output1", "labels:output2", "seg:output3", "depth:output4")
+
+
+class UserModel(nn.Module):
+    """Two overlapping 'cube' boxes (0.9, 0.8), one 'cup' box (0.7); depth 2 m; seg = table."""
+
+    def forward(self, images: torch.Tensor):
+        b = images.shape[0]
+        z = images.float().mean() * 0
+        boxes = torch.tensor([[10.0, 10, 50, 50], [12, 12, 52, 52], [80, 20, 110, 60]])
+        seg = torch.zeros((b, 4, H // 2, W // 2)) + z
+        seg[:, 3] = 1.0
+        return (boxes.expand(b, 3, 4) + z, torch.tensor([0.9, 0.8, 0.7]).expand(b, 3) + z,
+                torch.tensor([1, 1, 2]).expand(b, 3), seg, torch.full((b, 1, H, W), 2.0) + z)
+
+
+def extrinsic() -> np.ndarray:
+    T = np.eye(4)  # camera at base (0, 0, 1) looking along base +x
+    T[:3, :3] = np.array([[0.0, 0, 1], [-1, 0, 0], [0, -1, 0]])
+    T[:3, 3] = (0.0, 0.0, 1.0)
+    return T
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("m") / "user.pt"
+    torch.jit.save(torch.jit.trace(UserModel(), torch.zeros((1, 3, H, W), dtype=torch.uint8)),
+                   str(path))
+    return str(path)
+
+
+def config(model_file: str, **kw: object) -> PerceptionCoreConfig:
+    base: dict = dict(model=PerceptionConfig.tiny(num_classes=4, score_threshold=0.3,
+                                                  max_detections=12),
+                      class_names=NAMES, model_path=model_file, model_outputs=ROLES,
+                      warmup_image_hw=(H, W), warmup_cameras=1)
+    base.update(kw)
+    return PerceptionCoreConfig(**base)
+
+
+def test_user_model_detections_fused_like_the_reference(model_file) -> None:
+    core = PerceptionCore(config(model_file))
+    assert core.heads == {"detection", "segmentation", "depth"}
+    # LiDAR points 3 m in front, inside the cube box (pixels 20..40): base (3, y, z)
+    u, v = np.meshgrid(np.linspace(22, 38, 5), np.linspace(22, 38, 5))
+    xc, yc = (u.ravel() - 64) / 100 * 3.0, (v.ravel() - 48) / 100 * 3.0
+    pts = np.stack([np.full_like(xc, 3.0), -xc, 1.0 - yc], 1).astype(np.float32)
+    img = np.zeros((H, W, 3), np.uint8)
+    out = core.process(FrameSet(7, [img], [CameraModel(K, W, H, "cam0", extrinsic())], pts))
+    dets = sorted(out.detections, key=lambda d: -d.score)
+    assert [(d.class_name, round(d.score, 3)) for d in dets] == [("cube", 0.9), ("cup", 0.7)]
+    cube, cup = dets
+    assert cube.position_source == PositionSource.LIDAR
+    np.testing.assert_allclose(cube.position, [3.0, 0.34 * 3, 1 + 0.18 * 3], atol=0.05)
+    assert cup.position_source == PositionSource.PREDICTED_DEPTH  # no LiDAR point in it
+    assert cup.position[0] == pytest.approx(2.0, abs=0.05)  # 2 m predicted depth, along +x
+    assert np.all(out.masks[0] == 3) and np.allclose(out.depths[0], 2.0)
+
+
+def test_contract_errors_fail_at_construction(model_file) -> None:
+    with pytest.raises(ValueError, match=r"parameter 'model_outputs'.*'logits' \(seg\) not "
+                                         "found"):
+        PerceptionCore(config(model_file, model_outputs=("seg:logits",)))
+    with pytest.raises(ValueError, match=r"parameter 'model_outputs'.*seg has shape"):
+        PerceptionCore(config(model_file, class_names=NAMES[:3],
+                              model=PerceptionConfig.tiny(num_classes=3),
+                              model_outputs=("seg:output3",)))
+    with pytest.raises(ValueError, match="parameter 'runtime_variant'.*use 'eager'"):
+        config(model_file, runtime_variant="compile_bf16")
+    with pytest.raises(ValueError, match="parameter 'model_path'.*not both"):
+        config(model_file, weights_path=model_file)
