@@ -50,6 +50,7 @@ for sub in ("models", "ros2_ws/src/kestrel_control"):
         [str(ROOT / sub)] + [p for p in [os.environ.get("PYTHONPATH", "")] if p])
 
 import bench_common  # noqa: E402 (scripts/ is on sys.path: this file's folder)
+from bench_control_report import markdown  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -380,51 +381,6 @@ def machine_info() -> dict:
     except ImportError:
         pass
     return info
-
-
-def markdown(report: dict) -> str:
-    lines = [f"# Control benchmark: {report['label']}", "",
-             f"- machine: {json.dumps(report['machine'])}",
-             f"- commit: {report['commit']}", f"- command: `{report['command']}`",
-             f"- note: {report['note']}", "",
-             "## Step latency (reference policy, batch 1, 6 joints), us", "",
-             "| backend | tick p50 | tick p99 | tick p99.9 | tick max | backend-step p50 | "
-             "build s |", "|---|---|---|---|---|---|---|"]
-    for name, r in report["steps"].items():
-        if "skipped" in r:
-            lines.append(f"| {name} | skipped: {r['skipped']} | | | | | |")
-            continue
-        t, b = r["tick_us"], r["backend_step_us"]
-        lines.append(f"| {name} | {t['p50']:.1f} | {t['p99']:.1f} | {t['p999']:.1f} | "
-                     f"{t['max']:.1f} | {b['p50']:.1f} | {r['build_s']:.1f} |")
-    win = report.get("window_form_graph", {})
-    if "backend_step_us" in win:
-        b = win["backend_step_us"]
-        lines.append(f"| window form, {win['history']} LSTM steps, CUDA graph (reference) | | | "
-                     f"| | {b['p50']:.1f} (p99.9 {b['p999']:.1f}) | |")
-    if report.get("eventfd_write_us"):
-        e = report["eventfd_write_us"]
-        lines += ["", f"os.eventfd_write (the process-mode loop's notification): p50 "
-                  f"{e['p50']:.2f} us, p99.9 {e['p999']:.2f} us, max {e['max']:.1f} us."]
-    lines += ["", "## Loop with ROS I/O live (JointState in from another process, commands "
-              "out), us", "",
-              "| backend | mode | rate Hz | cycles | deadline misses | stale | step p50 | "
-              "step p99 | step p99.9 | step max | wake p50 | wake p99.9 | wake max | "
-              "period jitter p99.9 | delivery p50 / p99.9 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in report["loops"]:
-        if "skipped" in r:
-            lines.append(f"| {r.get('spec')} | skipped: {r['skipped']} |" + " |" * 13)
-            continue
-        s, w, p = r["step_latency_us"], r["wake_error_us"], r["period_jitter_us"]
-        d = r.get("delivery_us") or {}
-        dcol = f"{d['p50']:.1f} / {d['p999']:.1f}" if d else ""
-        lines.append(f"| {r['backend']} | {r.get('loop_mode', 'thread')} | {r['rate_hz']:g} | "
-                     f"{r['cycles']} | {r['deadline_misses']} | {r['stale_inputs']} | "
-                     f"{s['p50']:.1f} | {s['p99']:.1f} | {s['p999']:.1f} | {s['max']:.1f} | "
-                     f"{w['p50']:.1f} | {w['p999']:.1f} | {w['max']:.1f} | {p['p999']:.1f} | "
-                     f"{dcol} |")
-    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
