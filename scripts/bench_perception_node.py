@@ -255,7 +255,8 @@ def markdown(res: dict) -> str:
              f"`{a['variant']}`, depth {a.get('depth_encoding', '32FC1')} at output stride "
              f"{a.get('output_stride', 1)}, {s['frames_published']} timed frames (after the node's "
              f"warm-up and {a['publisher_warmup_s']} s of untimed frames). Fast DDS "
-             f"profile: `{Path(a['fastdds_profile']).name}`.", "",
+             f"profile: `{Path(a['fastdds_profile']).name}`; result subscription "
+             f"{a.get('result_qos', 'reliable')}.", "",
              "Latency = result receipt (subscriber process) - result header stamp (= input "
              "stamp, wall clock when the set was published): serialisation, DDS both ways, "
              "sync, model, post-processing, result message.", "",
@@ -281,6 +282,7 @@ def run_main(args: argparse.Namespace) -> int:
     from diagnostic_msgs.msg import DiagnosticArray
     from kestrel_common.base_node import COMMAND_QOS
     from kestrel_interfaces.msg import PerceptionResult
+    from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
     from ros_harness import DomainLease, Probe, diagnostics_values, ros_env, spawn_node
 
     if args.fastdds_profile != "none":  # before any participant of this process exists
@@ -294,8 +296,12 @@ def run_main(args: argparse.Namespace) -> int:
                       params=node_params(args))
     probe = Probe(lease.domain_id, "perception_bench_sink")
     sink = ResultSink()
+    # best effort (depth 10: a burst is not dropped by our own queue) = what the planner and
+    # the monitor do; a lost result is then counted as dropped instead of stalling later ones
+    result_qos = COMMAND_QOS if args.result_qos == "reliable" else QoSProfile(
+        depth=10, reliability=ReliabilityPolicy.BEST_EFFORT, history=HistoryPolicy.KEEP_LAST)
     probe.node.create_subscription(PerceptionResult, f"/{NODE}/output/result", sink,
-                                   COMMAND_QOS)
+                                   result_qos)
     diag = probe.subscribe(DiagnosticArray, "/diagnostics", 10)
     pub_proc = None
     try:
@@ -398,6 +404,11 @@ def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--fastdds-profile", default=str(FASTDDS_PROFILE),
                     help="Fast DDS XML profile for all three processes ('none' = defaults)")
+    ap.add_argument("--result-qos", choices=("best_effort", "reliable"), default="best_effort",
+                    help="the measuring subscriber's QoS: best_effort = as the stack's consumers "
+                         "(planner, monitor) read results; reliable = in-order delivery, where "
+                         "one lost sample stalls the ones after it until repaired "
+                         "(docs/benchmarks/perception_node_cpu.md)")
     ap.add_argument("--git-commit", default=None)
     ap.add_argument("--stamps-out", default="")
     ap.add_argument("--out", default=None, help="path stem: writes STEM.json and STEM.md")
