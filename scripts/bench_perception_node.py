@@ -170,6 +170,39 @@ def run_publisher(args: argparse.Namespace) -> int:
     return 0
 
 
+def result_qos(name: str):
+    """best_effort (depth 10: a burst is not dropped by our own queue) = what the planner and
+    the monitor do: a lost result is counted as dropped; reliable = in-order delivery."""
+    from kestrel_common.base_node import COMMAND_QOS
+    from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
+    return COMMAND_QOS if name == "reliable" else QoSProfile(
+        depth=10, reliability=ReliabilityPolicy.BEST_EFFORT, history=HistoryPolicy.KEEP_LAST)
+
+
+def run_sink(args: argparse.Namespace) -> int:
+    """--role sink: the measuring subscriber, alone in its own process with a single-threaded
+    spin loop (in the main bench process, next to the harness's executor, results were seen
+    1-2 s late in bursts that a separate subscriber process did not see: perception_node_cpu.md).
+    Records every result until stdin closes, then writes the rows to --stamps-out."""
+    import rclpy
+    from kestrel_interfaces.msg import PerceptionResult
+
+    rclpy.init()
+    node = rclpy.create_node("perception_bench_sink")
+    sink = ResultSink()
+    node.create_subscription(PerceptionResult, f"/{NODE}/output/result", sink,
+                             result_qos(args.result_qos))
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    print("sink ready", flush=True)
+    while not stop.is_set():
+        rclpy.spin_once(node, timeout_sec=0.05)
+    Path(args.stamps_out).write_text(json.dumps(sink.snapshot()))
+    node.destroy_node()
+    rclpy.try_shutdown()
+    return 0
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -280,9 +313,7 @@ def markdown(res: dict) -> str:
 def run_main(args: argparse.Namespace) -> int:
     import rclpy
     from diagnostic_msgs.msg import DiagnosticArray
-    from kestrel_common.base_node import COMMAND_QOS
     from kestrel_interfaces.msg import PerceptionResult
-    from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
     from ros_harness import DomainLease, Probe, diagnostics_values, ros_env, spawn_node
 
     if args.fastdds_profile != "none":  # before any participant of this process exists
@@ -296,12 +327,9 @@ def run_main(args: argparse.Namespace) -> int:
                       params=node_params(args))
     probe = Probe(lease.domain_id, "perception_bench_sink")
     sink = ResultSink()
-    # best effort (depth 10: a burst is not dropped by our own queue) = what the planner and
-    # the monitor do; a lost result is then counted as dropped instead of stalling later ones
-    result_qos = COMMAND_QOS if args.result_qos == "reliable" else QoSProfile(
-        depth=10, reliability=ReliabilityPolicy.BEST_EFFORT, history=HistoryPolicy.KEEP_LAST)
+    # readiness only (the first result); the timed results are recorded by the sink process
     probe.node.create_subscription(PerceptionResult, f"/{NODE}/output/result", sink,
-                                   result_qos)
+                                   result_qos(args.result_qos))
     diag = probe.subscribe(DiagnosticArray, "/diagnostics", 10)
     pub_proc = None
     try:
@@ -322,6 +350,13 @@ def run_main(args: argparse.Namespace) -> int:
         print(f"node ready after {ready_s:.1f} s", flush=True)
         before = diagnostics_values(diag.snapshot(), NODE)
         stamps_path = run_dir / "stamps.json"
+        rows_path = run_dir / "rows.json"
+        sink_proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--role", "sink",
+             "--result-qos", args.result_qos, "--stamps-out", str(rows_path)],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if sink_proc.stdout.readline().strip() != "sink ready":
+            raise RuntimeError("the sink process did not start")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "publisher",
                "--cams", str(args.cams), "--image-hw", *map(str, args.image_hw),
                "--points", str(args.points), "--rate", str(args.rate),
@@ -333,11 +368,10 @@ def run_main(args: argparse.Namespace) -> int:
         if pub_proc.returncode != 0:
             raise RuntimeError(f"publisher failed: {pub_proc.stderr[-2000:]}")
         pub = json.loads(stamps_path.read_text())
-        last = pub["stamps_ns"][-1]
-        deadline = time.monotonic() + 5.0  # bounded wait for the last result (may be dropped)
-        while time.monotonic() < deadline and \
-                last not in {r["stamp_ns"] for r in sink.snapshot()}:
-            time.sleep(0.05)
+        time.sleep(2.0)  # results still in flight after the last set (bounded, not a sync)
+        sink_proc.stdin.close()  # the sink writes its rows and exits
+        sink_proc.wait(30)
+        rows = json.loads(rows_path.read_text())
         diag_deadline = time.monotonic() + 2.0  # one more /diagnostics after the run
         n_diag = len(diag.snapshot())
         while time.monotonic() < diag_deadline and len(diag.snapshot()) == n_diag:
@@ -347,7 +381,7 @@ def run_main(args: argparse.Namespace) -> int:
         probe.close()
         code = node.stop()
         lease.release()
-    summary = summarise(sink.snapshot(), pub["stamps_ns"], pub["publish_s"])
+    summary = summarise(rows, pub["stamps_ns"], pub["publish_s"])
     for key in ("processed", "skipped_stale", "out_of_sync", "processing_error"):
         try:  # the node's own counts over the timed frames (from /diagnostics)
             summary[f"node_{key}_during_run"] = int(counters[key]) - int(before.get(key, 0))
@@ -381,7 +415,7 @@ def run_main(args: argparse.Namespace) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--role", choices=("main", "publisher"), default="main")
+    ap.add_argument("--role", choices=("main", "publisher", "sink"), default="main")
     ap.add_argument("--config", choices=tuple(CONFIGS), default="tiny")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--variant", default="eager",
@@ -418,6 +452,8 @@ def main() -> int:
             ap.error(f"--{name} must be >= 1")
     if not 0.1 <= args.rate <= 1000:
         ap.error("--rate must be in [0.1, 1000] Hz")
+    if args.role == "sink":
+        return run_sink(args)
     return run_publisher(args) if args.role == "publisher" else run_main(args)
 
 
