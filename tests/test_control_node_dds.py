@@ -128,8 +128,14 @@ def test_commands_stats_bad_inputs_and_stale_hold(launch_node, probe, loop_mode)
         _wait_stats(stats, lambda s: s.cycles_total > 1000 and s.clamped_actions > 0)
         window = stats.snapshot()[-10:]
         assert all(s.period_target == pytest.approx(1.0 / RATE) for s in window)
-        rates = [s.cycles_window / 0.1 for s in window]
-        assert 0.5 * RATE <= np.median(rates) <= 1.15 * RATE, rates
+        # rate from the cycle counter over the windows' own stamps (node clock), not from the
+        # nominal 0.1 s stats period: a stats publication delayed on the loaded CI cores makes
+        # one window longer, not the loop faster
+        first, last = window[0], window[-1]
+        span_s = (stamp_to_ns(last.header.stamp) - stamp_to_ns(first.header.stamp)) * 1e-9
+        assert span_s > 0, [stamp_to_ns(s.header.stamp) for s in window]
+        rate = (last.cycles_total - first.cycles_total) / span_s
+        assert 0.5 * RATE <= rate <= 1.15 * RATE, (rate, [s.cycles_window for s in window])
         assert 0.8 / RATE <= np.median([s.period_p50 for s in window]) <= 1.2 / RATE
         assert all(s.step_latency_max >= s.step_latency_p99 >= s.step_latency_p50 > 0
                    for s in window if s.cycles_window)
