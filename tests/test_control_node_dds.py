@@ -191,8 +191,11 @@ def test_commands_stats_bad_inputs_and_stale_hold(launch_node, probe, loop_mode)
 @LOOP_MODES
 def test_sim_time_observation_age_uses_clock_topic(launch_node, probe, loop_mode):
     """use_sim_time: stamps in sim time (far from wall time) are fresh against /clock."""
+    # max_obs_age 0.5 s of sim time (100 joint states): loose enough that a loaded CI machine
+    # delaying /clock against joint states does not matter, while ages taken against wall time
+    # (sim stamps start at 1000 s) would make every cycle stale
     node = launch_node(MODULE, "control", params=dict(PARAMS, use_sim_time=True,
-                                                      loop_mode=loop_mode))
+                                                      max_obs_age=0.5, loop_mode=loop_mode))
     sim_ns = [1000 * 10**9]  # sim time starts at 1000 s
     clock_pub = probe.publisher(Clock, "/clock", 10)
     commands = probe.subscribe(JointState, "/control/output/joint_command", COMMAND_QOS)
