@@ -10,32 +10,15 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 from kestrel_models.planner.hf import HFVisionLanguageModel, parse_dtype  # noqa: E402
+from tiny_llava import save_tiny_llava  # noqa: E402
 
 torch.set_num_threads(1)
-IMAGE_ID, EOS = 259, 257
+EOS = 257
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-    from transformers import LlavaForConditionalGeneration
-    vc = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, image_size=32, patch_size=8,
-                          projection_dim=32)
-    tc = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, vocab_size=260,
-                     max_position_embeddings=256)
-    cfg = LlavaConfig(vision_config=vc, text_config=tc, image_token_id=IMAGE_ID,
-                      vision_feature_layer=-1, vision_feature_select_strategy="default")
-    torch.manual_seed(0)
-    m = LlavaForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # sharper random weights: greedy text varies token to token
-        for p in m.parameters():
-            if p.ndim >= 2:
-                p.mul_(20.0)
-    d = tmp_path_factory.mktemp("llava_tiny")
-    m.save_pretrained(str(d))
-    return d
+    return save_tiny_llava(tmp_path_factory.mktemp("llava_tiny"))
 
 
 def _image(seed: int = 0) -> torch.Tensor:

@@ -17,6 +17,7 @@ from kestrel_models.planner.generate import GenerationResult  # noqa: E402
 from kestrel_planner.core import (PlanLimits, PlannerConfig, PlannerCore,  # noqa: E402
                                   SceneObject)
 from kestrel_planner.core.backend_hf import HFPlanBackend  # noqa: E402
+from tiny_llava import save_tiny_llava  # noqa: E402
 
 torch.set_num_threads(1)
 SCENE = [SceneObject("red_cube", "red_cube", (0.4, 0.0, 0.02)),
@@ -28,24 +29,7 @@ CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_ =-.\n:,;()'\"!?ABCDEFGHIJKLMNOPQR
 
 @pytest.fixture(scope="module")
 def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration)
-    vc = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32)
-    tc = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, vocab_size=260,
-                     max_position_embeddings=2048)
-    cfg = LlavaConfig(vision_config=vc, text_config=tc, image_token_id=259,
-                      vision_feature_layer=-1, vision_feature_select_strategy="default")
-    torch.manual_seed(0)
-    m = LlavaForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # sharper random weights: varied greedy text
-        for p in m.parameters():
-            if p.ndim >= 2:
-                p.mul_(20.0)
-    d = tmp_path_factory.mktemp("llava_tiny")
-    m.save_pretrained(str(d))
-    return d
+    return save_tiny_llava(tmp_path_factory.mktemp("llava_tiny"), max_positions=2048)
 
 
 def char_tokenizer(without: str = ""):
