@@ -121,6 +121,14 @@ class SafetyFilter:
             self.internal_errors += 1
             return False
 
+    def _accept(self, out: np.ndarray, clamped: bool) -> SafetyStatus:
+        """`out` (finite, within the limits) is the command: count a clamp, remember it."""
+        if clamped:
+            self.counters.clamped_actions += 1
+        np.copyto(self._last_safe, out)
+        self.has_last_safe = True
+        return SafetyStatus.OK
+
     def accept_clamped(self, out: np.ndarray, command: np.ndarray,
                        clamped: bool) -> SafetyStatus:
         """A command the backend already clamped (float32, in its CUDA graph) and found finite:
@@ -128,11 +136,7 @@ class SafetyFilter:
         counted when `clamped`, remembered as the last safe command."""
         try:
             np.clip(command, self.lower, self.upper, out=out)
-            if clamped:
-                self.counters.clamped_actions += 1
-            np.copyto(self._last_safe, out)
-            self.has_last_safe = True
-            return SafetyStatus.OK
+            return self._accept(out, clamped)
         except Exception:
             self.internal_errors += 1
             self.counters.rejected_nonfinite += 1
@@ -151,11 +155,7 @@ class SafetyFilter:
                 return SafetyStatus.NONFINITE_ACTION
             np.clip(proposed, self.lower, self.upper, out=out)
             np.not_equal(out, proposed, out=self._neq)
-            if self._neq.any():
-                self.counters.clamped_actions += 1
-            np.copyto(self._last_safe, out)
-            self.has_last_safe = True
-            return SafetyStatus.OK
+            return self._accept(out, bool(self._neq.any()))
         except Exception:
             self.internal_errors += 1
             self.counters.rejected_nonfinite += 1

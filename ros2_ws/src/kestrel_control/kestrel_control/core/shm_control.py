@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,7 +117,6 @@ class SharedLatestValue:
         self._good = np.zeros_like(slots[0])  # this reader's last complete value (private)
         self._good_version = 0
         self._good_stamp = 0
-        import threading
         self._write_lock = threading.Lock()  # writer threads of ONE process
 
     @property
