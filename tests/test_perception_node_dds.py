@@ -178,14 +178,21 @@ def set_bool(probe, name: str, value: bool):
     return fut.result().results[0]
 
 
-def test_results_bad_inputs_and_runtime_heads(launch_node, probe):
-    node = launch_node("kestrel_perception.perception_node", NODE, params=PARAMS)
+def start_node(launch_node, probe, params: dict):
+    """The node as its own process, a result subscription and the input Rig, once the node's
+    image and cloud subscriptions are matched. Returns (node, results, rig)."""
+    node = launch_node("kestrel_perception.perception_node", NODE, params=params)
     results = probe.subscribe(PerceptionResult, f"/{NODE}/output/result", 50)
-    debug = probe.subscribe(Image, f"/{NODE}/output/debug_image", SENSOR_QOS)
-    diag = probe.subscribe(DiagnosticArray, "/diagnostics", 50)
     rig = Rig(probe)
     assert probe.wait_for_subscribers(rig.img[0], timeout=30.0), node.output()
     assert probe.wait_for_subscribers(rig.cloud, timeout=10.0), node.output()
+    return node, results, rig
+
+
+def test_results_bad_inputs_and_runtime_heads(launch_node, probe):
+    debug = probe.subscribe(Image, f"/{NODE}/output/debug_image", SENSOR_QOS)
+    diag = probe.subscribe(DiagnosticArray, "/diagnostics", 50)
+    node, results, rig = start_node(launch_node, probe, PARAMS)
 
     # 1. good input with a LiDAR cloud -> content, stamps, 3D positions from the LiDAR
     r = produce(rig, results, wall_points(), timeout=30.0,
@@ -259,12 +266,7 @@ def test_depth_16uc1_strided_output(launch_node, probe):
     """The node's defaults: 16UC1 depth (mm, 0 = none) and masks/depths at stride 2, with
     the same detections and LiDAR positions."""
     params = {k: v for k, v in PARAMS.items() if k not in ("depth_encoding", "output_stride")}
-    node = launch_node("kestrel_perception.perception_node", NODE,
-                       params={**params, "publish_debug_image": False})
-    results = probe.subscribe(PerceptionResult, f"/{NODE}/output/result", 50)
-    rig = Rig(probe)
-    assert probe.wait_for_subscribers(rig.img[0], timeout=30.0), node.output()
-    assert probe.wait_for_subscribers(rig.cloud, timeout=10.0), node.output()
+    node, results, rig = start_node(launch_node, probe, {**params, "publish_debug_image": False})
     r = produce(rig, results, wall_points(), timeout=30.0,
                 check=lambda r: len(r.detections) == 10 and all(
                     d.position_source == Detection2D.POSITION_LIDAR for d in r.detections))
@@ -303,11 +305,7 @@ def test_user_model_through_the_node(launch_node, probe, run_dir):
     params = {**PARAMS, "publish_debug_image": False,
               "model_path": _user_model(run_dir / "user_model.pt"),
               "model_outputs": ["boxes:output0", "scores:output1", "labels:output2"]}
-    node = launch_node("kestrel_perception.perception_node", NODE, params=params)
-    results = probe.subscribe(PerceptionResult, f"/{NODE}/output/result", 50)
-    rig = Rig(probe)
-    assert probe.wait_for_subscribers(rig.img[0], timeout=30.0), node.output()
-    assert probe.wait_for_subscribers(rig.cloud, timeout=10.0), node.output()
+    node, results, rig = start_node(launch_node, probe, params)
     # a set whose cloud missed the sync window has no positions (no depth head): wait for one
     # with LiDAR positions
     r = produce(rig, results, wall_points(), timeout=30.0,
