@@ -301,8 +301,10 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
         except Exception as exc:  # noqa: BLE001 - the rest of the shutdown must still run
             node.get_logger().error(f"stop_workers failed at exit: {exc!r}")
             code = code or 1
-        thaw_heap()  # the DDS objects made at configure must be finalised normally at exit
         executor.shutdown(timeout_sec=2.0)
         node.destroy_node()
         rclpy.try_shutdown()
+        # after the executor's threads are gone: the objects frozen at configure (DDS entities
+        # among them) must be finalised normally at interpreter exit
+        thaw_heap()
     return code
