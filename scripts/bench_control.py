@@ -180,6 +180,28 @@ def bench_steps(backends: list[str], iters: int, cache: str) -> dict:
     return results
 
 
+def tail_pattern(lat: np.ndarray, wake: np.ndarray, rate: float) -> dict:
+    """When the slow cycles happen: for steps above the run's p99 and wake-ups later than 200 us,
+    how many, and the most common spacings between them in cycles (a periodic disturbance, e.g.
+    a 10 Hz timer, shows up as a spacing of rate/10), plus the cycle indices of the 10 latest
+    wake-ups (the deadline misses)."""
+    out: dict = {}
+    if lat.size == 0:
+        return out
+    for name, idx in (("slow_steps", np.flatnonzero(lat > np.percentile(lat, 99))),
+                      ("late_wakes", np.flatnonzero(wake > 200e-6))):
+        gaps = np.diff(idx)
+        vals, counts = np.unique(gaps, return_counts=True) if gaps.size else ([], [])
+        top = sorted(zip(counts, vals, strict=True), reverse=True)[:5]
+        out[name] = {"count": int(idx.size),
+                     "common_spacing_cycles": [[int(v), int(c)] for c, v in top],
+                     "median_spacing_ms": float(np.median(gaps)) * 1e3 / rate if gaps.size
+                     else None}
+    worst = np.argsort(wake)[-10:][::-1]
+    out["latest_wakes"] = [[int(i), float(wake[i]) * 1e6] for i in worst]
+    return out
+
+
 # ---- phase 2 -----------------------------------------------------------------------------------
 def publisher_main(rate: float, cpus: str) -> None:
     """Separate process: JointState at `rate` Hz on absolute deadlines until stdin closes."""
@@ -348,6 +370,7 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
             "period_jitter_us": pct(np.abs(period - 1.0 / rate)),
             "compute_latency_ema_us": (proc or runner).compute_latency_s * 1e6,
             "rt_settings": applied, "gil_switch_interval_us": args.gil_switch_us,
+            "tail": tail_pattern(lat, wake, rate),
         }
         if proc is not None:
             out["child_pid"] = info["pid"]

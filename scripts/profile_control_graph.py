@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Where the CUDA-graph policy step's time goes (a profile, not a test): for each backend, the
+kernels and copies inside one replay (torch.profiler over `--iters` steps: count and GPU us per
+step) and the host-timed backend step (replay + poll) percentiles. GPU only.
+
+  python scripts/profile_control_graph.py --backends cuda_graph,cuda_graph_compiled \
+      --out docs/benchmarks/control_graph_profile_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common  # noqa: E402
+import bench_control as bc  # noqa: E402 (puts models/ and kestrel_control on sys.path)
+
+
+def profile_backend(name: str, iters: int, cache: str) -> dict:
+    runner = bc.make_runner(name, cache)
+    step = runner.backend.step
+    for _ in range(200):
+        step()
+    times = np.empty(iters)
+    clock = time.perf_counter_ns
+    for i in range(iters):
+        a = clock()
+        step()
+        times[i] = (clock() - a) * 1e-9
+    n_prof = 100
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(n_prof):
+            step()
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name][0] += 1
+            per[ev.name][1] += ev.device_time_total
+    rows = sorted(((k, c / n_prof, us / n_prof) for k, (c, us) in per.items()),
+                  key=lambda r: -r[2])
+    total = sum(r[2] for r in rows)
+    count = sum(r[1] for r in rows)
+    return {"backend_step_us": bc.pct(times), "gpu_us_per_step": total,
+            "gpu_ops_per_step": count,
+            "ops": [{"name": k[:90], "per_step": c, "us_per_step": us} for k, c, us in rows]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backends", default="cuda_graph,cuda_graph_compiled")
+    ap.add_argument("--iters", type=int, default=5000)
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("skipped: needs a CUDA GPU")
+        return 0
+    torch.set_num_threads(1)
+    result = {"machine": bench_common.machine_info(),
+              "commit": args.commit or bench_common.git_commit(),
+              "command": " ".join(sys.argv), "backends": {}}
+    with tempfile.TemporaryDirectory() as cache:
+        for name in args.backends.split(","):
+            r = profile_backend(name, args.iters, cache)
+            result["backends"][name] = r
+            s = r["backend_step_us"]
+            print(f"## {name}: step p50 {s['p50']:.1f} p99 {s['p99']:.1f} p99.9 {s['p999']:.1f}"
+                  f" us; GPU {r['gpu_us_per_step']:.1f} us in {r['gpu_ops_per_step']:.0f} ops")
+            for op in r["ops"][:25]:
+                print(f"  {op['per_step']:4.1f} x {op['us_per_step']:7.2f} us  {op['name']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
