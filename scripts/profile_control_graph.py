@@ -56,10 +56,41 @@ def profile_backend(name: str, iters: int, cache: str) -> dict:
             "ops": [{"name": k[:90], "per_step": c, "us_per_step": us} for k, c, us in rows]}
 
 
+def spaced_steps(name: str, iters: int, cache: str, gaps_us: list[float]) -> dict:
+    """The same backend step and full tick (`runner.step`) back to back and with the loop's idle
+    gap between calls (busy-waited, as the loop with spin_us = period does): does a GPU (or
+    core) that idled ~1 ms between steps make the step slower? No ROS, one process."""
+    runner = bc.make_runner(name, cache)
+    js = np.zeros((2, bc.N_JOINTS))
+    clock = time.perf_counter_ns
+    out = {}
+    for gap in gaps_us:
+        gap_ns = int(gap * 1e3)
+        step_t, tick_t = np.empty(iters), np.empty(iters)
+        for i in range(iters + 100):
+            t_end = clock() + gap_ns
+            while clock() < t_end:
+                pass
+            now = time.time_ns()
+            runner.joint_states.write(js, now)
+            a = clock()
+            runner.step(now + 1000)
+            b = clock()
+            if i >= 100:
+                tick_t[i - 100] = (b - a) * 1e-9
+                step_t[i - 100] = runner._last_step_s
+        out[f"gap_{gap:g}us"] = {"tick_us": bc.pct(tick_t), "backend_step_us": bc.pct(step_t)}
+        t, s = out[f"gap_{gap:g}us"]["tick_us"], out[f"gap_{gap:g}us"]["backend_step_us"]
+        print(f"  {name} gap {gap:6.0f} us: tick p50 {t['p50']:.1f} p99.9 {t['p999']:.1f} | "
+              f"backend p50 {s['p50']:.1f} p99.9 {s['p999']:.1f} us", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backends", default="cuda_graph,cuda_graph_compiled")
     ap.add_argument("--iters", type=int, default=5000)
+    ap.add_argument("--gaps-us", default="", help="e.g. 0,200,950: the spaced-steps test only")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -71,7 +102,11 @@ def main() -> int:
               "commit": args.commit or bench_common.git_commit(),
               "command": " ".join(sys.argv), "backends": {}}
     with tempfile.TemporaryDirectory() as cache:
-        for name in args.backends.split(","):
+        if args.gaps_us:
+            gaps = [float(g) for g in args.gaps_us.split(",")]
+            result["spaced"] = {n: spaced_steps(n, args.iters, cache, gaps)
+                                for n in args.backends.split(",")}
+        for name in ([] if args.gaps_us else args.backends.split(",")):
             r = profile_backend(name, args.iters, cache)
             result["backends"][name] = r
             s = r["backend_step_us"]
