@@ -1,20 +1,15 @@
 #!/usr/bin/env bash
-# GPU machine (the `run` tool, carry .whl): rclpy venv from the carried cp312 wheels (standard
-# messages only), then the control benchmark (loops first), then the control GPU tests.
-#   bash scripts/device_bench_control.sh   (writes into $OUT)
+# GPU machine (the `run` tool, carry .whl): the ROS env (scripts/device_ros_env.sh), then the control benchmark (loops first), then the control GPU tests.
+#   bash scripts/device_bench_control.sh <commit>   (writes into $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 t0=$(date +%s)
-python3 -m venv /tmp/kv && /tmp/kv/bin/pip install -q --no-index --no-deps --no-compile .whl/*.whl \
-  || { echo "wheel install failed"; exit 1; }
-python3 -c "import sysconfig;print(sysconfig.get_paths()['purelib'])" \
-  > /tmp/kv/lib/python3.12/site-packages/zz_torch.pth
-export AMENT_PREFIX_PATH=/tmp/kv ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST ROS_DOMAIN_ID=42
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/models:$PWD/ros2_ws/src/kestrel_control"
-KPY=/tmp/kv/bin/python
+# shellcheck source=/dev/null
+source scripts/device_ros_env.sh || exit 1  # rclpy + kestrel_interfaces for Python 3.12: $KPY
+export ROS_DOMAIN_ID=42 PYTHONUNBUFFERED=1
 echo "setup $(( $(date +%s) - t0 )) s"; nproc; nvidia-smi --query-gpu=name,clocks.sm --format=csv
-COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown) + uncommitted issue-3 control changes"
+COMMIT="${1:-${KESTREL_COMMIT:-unknown}}"  # the device copy's git metadata is stale: pass it
 timeout "${BENCH_TIMEOUT:-330}" $KPY scripts/bench_control.py --loops-first --step-iters 2000 \
   --backends cpu_eager,onnxruntime,cuda_eager,cuda_graph,cuda_graph_compiled,tensorrt \
   --loops "${LOOPS:-cuda_graph@1000:100000:process,cuda_graph@1000:15000:thread,cuda_graph_compiled@1000:15000:process,cuda_eager@1000:3000:thread,cpu_eager@1000:3000:process}" \

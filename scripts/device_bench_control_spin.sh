@@ -6,16 +6,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-python3 -m venv /tmp/kv && /tmp/kv/bin/pip install -q --no-index --no-deps --no-compile .whl/*.whl \
-  || { echo "wheel install failed"; exit 1; }
-python3 -c "import sysconfig;print(sysconfig.get_paths()['purelib'])" \
-  > /tmp/kv/lib/python3.12/site-packages/zz_torch.pth
-export AMENT_PREFIX_PATH=/tmp/kv ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST ROS_DOMAIN_ID=43
-export PYTHONUNBUFFERED=1
-COMMIT="${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+# shellcheck source=/dev/null
+source scripts/device_ros_env.sh || exit 1  # rclpy + kestrel_interfaces for Python 3.12: $KPY
+export ROS_DOMAIN_ID=43 PYTHONUNBUFFERED=1
+COMMIT="${1:-${KESTREL_COMMIT:-unknown}}"  # the device copy's git metadata is stale: pass it
 for spec in "950:${CYCLES_950:-100000}" "200:${CYCLES_200:-20000}"; do
   spin="${spec%%:*}"; cycles="${spec##*:}"
-  timeout 200 /tmp/kv/bin/python scripts/bench_control.py --loops-first --backends cuda_graph \
+  timeout 200 "$KPY" scripts/bench_control.py --loops-first --backends cuda_graph \
     --step-iters 2000 --loops "cuda_graph@1000:${cycles}:process" --spin-us "$spin" \
     --loop-cpus 2 --publisher-cpus 4,5 --node-cpus 6,7 --rt-priority 80 \
     --label "H200 spin ${spin} us" --commit "$COMMIT" --out "$OUT/control_h200_spin${spin}.json" \

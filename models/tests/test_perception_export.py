@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_perception import tiny_model
 
-from kestrel_models.perception import MultiTaskPerceptionModel, PerceptionConfig
 from kestrel_models.perception.export import (
     EngineMissingError,
     ExportWrapper,
@@ -26,14 +26,6 @@ from kestrel_models.perception.export import (
 SHAPES = {"images": (6, 3, 640, 640), "points": (1, 131072, 3)}
 
 
-@pytest.fixture(autouse=True)
-def _threads() -> None:
-    torch.set_num_threads(1)
-
-
-def _model(**kw: object) -> MultiTaskPerceptionModel:
-    torch.manual_seed(0)
-    return MultiTaskPerceptionModel(PerceptionConfig.tiny(**kw)).eval()
 
 
 def test_output_names_follow_the_wrapper_order() -> None:
@@ -47,7 +39,7 @@ def test_output_names_follow_the_wrapper_order() -> None:
 def test_onnx_export_matches_torch_in_onnxruntime(tmp_path: Path, bev: bool) -> None:
     pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
-    model = _model(bev=bev, bev_grid=8)
+    model = tiny_model(bev=bev, bev_grid=8)
     heads = frozenset({"detection", "segmentation", "depth"})
     path = tmp_path / "perception.onnx"
     with warnings.catch_warnings():
@@ -74,18 +66,18 @@ def test_onnx_export_matches_torch_in_onnxruntime(tmp_path: Path, bev: bool) -> 
 
 
 def test_export_rejects_unknown_heads(tmp_path: Path) -> None:
-    model = _model(heads=frozenset({"depth"}))
+    model = tiny_model(heads=frozenset({"depth"}))
     with pytest.raises(ValueError, match="heads"):
         export_onnx(model, tmp_path / "x.onnx", {"segmentation"}, image_hw=(64, 64))
 
 
 def test_model_hash_changes_with_weights_and_config() -> None:
-    a, b = _model(), _model()
+    a, b = tiny_model(), tiny_model()
     assert model_hash(a) == model_hash(b)
     with torch.no_grad():
         b.backbone.conv1.weight[0, 0, 0, 0] += 1e-3
     assert model_hash(a) != model_hash(b)
-    assert model_hash(_model(max_depth=10.0)) != model_hash(a)
+    assert model_hash(tiny_model(max_depth=10.0)) != model_hash(a)
 
 
 def test_engine_cache_key_covers_every_field() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_perception import tiny_model
 
-from kestrel_models.perception import MultiTaskPerceptionModel, PerceptionConfig
 from kestrel_models.perception.accuracy import compare_outputs, match_detections
 from kestrel_models.perception.postprocess import ImageDetections
 from kestrel_models.perception.runtime import (
@@ -19,14 +19,6 @@ HW = (64, 96)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture(autouse=True)
-def _threads() -> None:
-    torch.set_num_threads(1)
-
-
-def _model(**kw: object) -> MultiTaskPerceptionModel:
-    torch.manual_seed(0)
-    return MultiTaskPerceptionModel(PerceptionConfig.tiny(**kw)).eval()
 
 
 def _images(n: int) -> torch.Tensor:
@@ -35,7 +27,7 @@ def _images(n: int) -> torch.Tensor:
 
 
 def test_eager_fp32_matches_plain_model_and_keeps_reference_untouched() -> None:
-    model = _model()
+    model = tiny_model()
     img = _images(2)
     expected = model(img)
     rt = PerceptionRuntime(model, "eager_fp32", HW, cameras=2, batch=1)
@@ -51,7 +43,7 @@ def test_eager_fp32_matches_plain_model_and_keeps_reference_untouched() -> None:
 
 
 def test_channels_last_and_bf16_variants_stay_close_to_fp32() -> None:
-    model = _model()
+    model = tiny_model()
     img = _images(2)
     ref = PerceptionRuntime(model, "eager_fp32", HW, cameras=2).run(img)
     cl_rt = PerceptionRuntime(model, "eager_fp32_cl", HW, cameras=2)
@@ -67,7 +59,7 @@ def test_channels_last_and_bf16_variants_stay_close_to_fp32() -> None:
 
 
 def test_bf16_weight_cast_keeps_fp32_normalisation() -> None:
-    model = _model()
+    model = tiny_model()
     spec = VariantSpec("bf16", cast_weights=True, channels_last=True)
     rt = PerceptionRuntime(model, spec, HW)
     assert rt.model.backbone.conv1.weight.dtype == torch.bfloat16
@@ -80,7 +72,7 @@ def test_bf16_weight_cast_keeps_fp32_normalisation() -> None:
 
 
 def test_head_sets_are_prepared_and_switch_without_error() -> None:
-    model = _model()
+    model = tiny_model()
     sets = [{"detection", "segmentation", "depth"}, {"depth"}]
     rt = PerceptionRuntime(model, "eager_fp32", HW, heads=sets)
     img = _images(1)
@@ -91,7 +83,7 @@ def test_head_sets_are_prepared_and_switch_without_error() -> None:
 
 
 def test_lidar_projection_inside_the_forward() -> None:
-    model = _model()
+    model = tiny_model()
     rt = PerceptionRuntime(model, "eager_fp32", HW, cameras=2, batch=2, lidar_points=4)
     K = torch.tensor([[50.0, 0, 48], [0, 50.0, 32], [0, 0, 1]]).repeat(2, 1, 1)
     T = torch.eye(4).repeat(2, 1, 1)
@@ -108,13 +100,13 @@ def test_lidar_projection_inside_the_forward() -> None:
 
 
 def test_bad_inputs_and_config_raise_clear_errors() -> None:
-    model = _model()
+    model = tiny_model()
     with pytest.raises(ValueError, match="runtime_variant"):
         PerceptionRuntime(model, "fastest", HW)
     with pytest.raises(ValueError, match="cameras"):
         PerceptionRuntime(model, "eager_fp32", HW, cameras=0)
     with pytest.raises(ValueError, match="heads"):
-        PerceptionRuntime(_model(heads=frozenset({"depth"})), "eager_fp32", HW,
+        PerceptionRuntime(tiny_model(heads=frozenset({"depth"})), "eager_fp32", HW,
                           heads={"segmentation"})
     with pytest.raises(ValueError, match="CUDA"):
         PerceptionRuntime(model, "compile_bf16_graph", HW, device="cpu")
@@ -140,7 +132,7 @@ def test_detection_matching_counts_same_class_overlaps_only() -> None:
 
 def test_compile_variant_matches_eager_on_cpu() -> None:
     """A small torch.compile check on CPU: only the heads compiled, tiny widths."""
-    model = _model(base_width=8, fpn_channels=16, heads=frozenset({"depth"}))
+    model = tiny_model(base_width=8, fpn_channels=16, heads=frozenset({"depth"}))
     img = _images(1)
     ref = model(img)
     rt = PerceptionRuntime(model, VariantSpec(heads_compile="default"), HW)
@@ -159,7 +151,7 @@ def test_variant_table_names() -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_cuda_graph_variant_matches_eager_and_switches_heads() -> None:
-    model = _model(bev=True, bev_grid=16)
+    model = tiny_model(bev=True, bev_grid=16)
     sets = [{"detection", "segmentation", "depth"}, {"segmentation"}]
     img, pts = _images(2), torch.randn(1, 256, 3) * 5
     ref = PerceptionRuntime(model, "eager_fp32", HW, cameras=2, heads=sets, device="cuda",
@@ -181,7 +173,7 @@ def test_cuda_graph_variant_matches_eager_and_switches_heads() -> None:
 def test_batchnorm_folding_is_exact_in_fp32() -> None:
     from kestrel_models.perception.runtime import fold_batchnorm
 
-    model = _model(backbone_depth=50, base_width=8, fpn_channels=16)
+    model = tiny_model(backbone_depth=50, base_width=8, fpn_channels=16)
     for m in model.modules():  # non-trivial BN statistics so the fold really changes weights
         if isinstance(m, torch.nn.BatchNorm2d):
             m.running_mean.uniform_(-0.5, 0.5)
@@ -199,7 +191,7 @@ def test_batchnorm_folding_is_exact_in_fp32() -> None:
 
 
 def test_lidar_projection_stays_fp32_under_autocast() -> None:
-    model = _model()
+    model = tiny_model()
     pts = (torch.randn(1, 64, 3) * 5 + torch.tensor([0.0, 0.0, 6.0])).contiguous()
     runs = [PerceptionRuntime(model, v, HW, lidar_points=64) for v in
             ("eager_fp32", "eager_bf16_cl")]
@@ -216,7 +208,7 @@ def test_whole_forward_is_one_graph_and_keeps_geometry_an_input() -> None:
     """whole_* variants trace the forward (model + projection) as ONE graph per head set
     (fullgraph=True fails on any graph break); T/K stay inputs, so set_geometry still counts.
     The 'eager' backend checks the tracing without a slow inductor compile on CPU."""
-    model = _model(base_width=8, fpn_channels=16)
+    model = tiny_model(base_width=8, fpn_channels=16)
     img, pts = _images(2), torch.randn(1, 256, 3) * 5
     T = torch.eye(4).repeat(2, 1, 1)
     K = torch.tensor([[50.0, 0, 48], [0, 50, 32], [0, 0, 1]]).repeat(2, 1, 1)
@@ -257,7 +249,7 @@ def test_whole_variant_table_and_spec_validation() -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_whole_freeze_variant_matches_eager_on_gpu() -> None:
-    model = _model(bev=True, bev_grid=16)
+    model = tiny_model(bev=True, bev_grid=16)
     img, pts = _images(2), torch.randn(1, 256, 3) * 5
     ref = PerceptionRuntime(model, "eager_fp32", HW, cameras=2, device="cuda", lidar_points=256)
     ref_out = {k: v.clone() for k, v in ref.run(img, pts).items() if torch.is_tensor(v)}
