@@ -17,7 +17,16 @@ Sections (each isolated: a failure is recorded in the JSON and the run goes on):
               cublas = gemv='cublas' (all linears stay cuBLAS calls through the opaque custom
               op, so coordinate descent tunes only the norms/RoPE/softmax/SiLU kernels),
               cublas_w2 = 'cublas:w2,lm_head', sdpa = + decode_attention='sdpa',
-              argmax2 = + greedy='two_stage', fast = all three; each with its kernel census.
+              argmax2 = + greedy='two_stage', fast = all three; triton = decode_attention=
+              'triton' (one flash-decoding Triton kernel per layer, triton_decode.py),
+              triton_split = 'triton_split', triton_mlp = mlp='triton' (RMSNorm+w13+SiLU*up
+              kernel + split-K w_down), triton_down = mlp='triton_down', triton_all(_split)
+              = attention + MLP, triton_attn_down = 'triton' + 'triton_down', triton_fused =
+              'triton_fused' (RoPE + k/v cache write + attention in one kernel) + 'triton_down'
+              (= what 'auto', the default, picks on CUDA), triton_fused_mlp = + mlp 'triton',
+              torch = 'grouped' + 'inductor' (the default before 'auto'; "" is now 'auto');
+              each with its kernel census. The uncompiled engine rows use the defaults
+              ('auto': Triton ops on CUDA).
   (the compiled sections run last: their compile time cannot starve the baselines)
   engine_graph_c4 / _c16        4 / 16 concurrent requests (continuous batching; one batched,
               graphed prefill for the simultaneous joins).
@@ -47,6 +56,7 @@ that time span. Greedy, no <eos>.
   python scripts/bench_planner.py --config 0.5b --device cuda --new-tokens 128 --reps 2 \
       --compile --cdt --only engine_graph hf_static --variants cublas fast "" --budget-s 130 \
       --compile-cost-s 40 --out $OUT/planner_h200_call2
+  # Kernel microbenchmark (CUDA): scripts/bench_planner_kernels.py (was --kernels here).
   # Merge such a call's rows into an earlier run's JSON (rows tagged by call, then rendered):
   python scripts/bench_planner.py --merge NEW.json --render OLD.json --out docs/...
   # Re-render the .md (and headline ratios) from a JSON:
@@ -87,6 +97,16 @@ VARIANTS: dict[str, dict] = {
     "sdpa": dict(gemv="cublas", decode_attention="sdpa"),
     "argmax2": dict(gemv="cublas", greedy="two_stage"),
     "fast": dict(gemv="cublas", decode_attention="sdpa", greedy="two_stage"),
+    "triton": dict(decode_attention="triton"),
+    "triton_split": dict(decode_attention="triton_split"),
+    "triton_mlp": dict(mlp="triton"),
+    "triton_down": dict(mlp="triton_down"),
+    "triton_all": dict(decode_attention="triton", mlp="triton"),
+    "triton_all_split": dict(decode_attention="triton_split", mlp="triton"),
+    "triton_attn_down": dict(decode_attention="triton", mlp="triton_down"),
+    "triton_fused": dict(decode_attention="triton_fused", mlp="triton_down"),  # = auto on CUDA
+    "triton_fused_mlp": dict(decode_attention="triton_fused", mlp="triton"),
+    "torch": dict(decode_attention="grouped", mlp="inductor"),  # the pre-'auto' default
 }
 
 

@@ -164,7 +164,8 @@ def test_cuda_graph_engine_equals_eager() -> None:
     torch.manual_seed(0)
     m = sharpen(VisionLanguageModel(get_config("tiny"))).cuda().eval()
     prompts = _prompts()
-    eager = DecodeEngine(m, 4, 256, EOS, cuda_graph=False).generate(prompts, 24)
+    eager = DecodeEngine(m, 4, 256, EOS, cuda_graph=False, decode_attention="grouped",
+                         mlp="inductor").generate(prompts, 24)  # torch paths (not 'auto')
     graph = DecodeEngine(m, 4, 256, EOS, cuda_graph=True).generate(prompts, 24)
     assert graph.tokens == eager.tokens
 

@@ -35,9 +35,11 @@ grammar) which moves that row's pick to the host (the generate.py rule, seeded g
 Stops: <eos> (not emitted), max_new_tokens, should_stop() -> 'cancelled', all tokens masked
 -> 'no_allowed_token' -- the same as generate.py.
 
-Decode-step kernel options (defaults = the behaviour above): `gemv` ('inductor' | 'cublas' |
-'cublas:<linears>') and `decode_attention` ('grouped' | 'sdpa'), see kvmodel.py; `greedy`
-('argmax' | 'two_stage': block maxima then their argmax, the same ids) for all-greedy steps.
+Decode-step kernel options: `gemv` ('inductor' | 'cublas' | 'cublas:<linears>'),
+`decode_attention` ('auto' | 'grouped' | 'sdpa' | 'triton' | 'triton_split' | 'triton_fused')
+and `mlp` ('auto' | 'inductor' | 'triton_down' | 'triton'), see kvmodel.py ('auto': Triton on
+CUDA when importable, else the torch paths); `greedy` ('argmax' | 'two_stage': block maxima
+then their argmax, the same ids) for all-greedy steps.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class DecodeEngine:
                  coordinate_descent: bool = False, steps_per_replay: int = 1,
                  attention: AttentionPolicy | None = None,
                  prefill_graph: bool | None = None, gemv: str = "inductor",
-                 decode_attention: str = "grouped", greedy: str = "argmax") -> None:
+                 decode_attention: str = "auto", greedy: str = "argmax",
+                 mlp: str = "auto") -> None:
         if greedy not in GREEDY:
             raise ValueError(f"parameter 'greedy' = {greedy!r}: must be one of {GREEDY}")
         self._greedy = two_stage_argmax if greedy == "two_stage" else greedy_pick
@@ -79,7 +82,7 @@ class DecodeEngine:
                              "or compile_step (whole step), not both")
         self.model = model.eval()
         self.kv = KVModel(model, max_batch, max_len, compile=compile, policy=attention,
-                          gemv=gemv, decode_attention=decode_attention)
+                          gemv=gemv, decode_attention=decode_attention, mlp=mlp)
         self.max_batch, self.max_len, self.eos_id = max_batch, max_len, eos_id
         dev = self.kv.device
         self.device = dev

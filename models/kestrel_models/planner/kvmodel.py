@@ -26,16 +26,30 @@ Decode-step kernel choices (only what `decode` runs; prefill is unchanged):
   Triton kernel); 'cublas' routes all of them (qkv, o, w13, w2, lm_head) through the opaque
   custom op `kestrel::linear` (= F.linear), which inductor keeps as an extern cuBLAS call;
   'cublas:w2,lm_head' (any subset of LINEARS) does so for the named ones only.
-- `decode_attention`: 'grouped' (default: explicit grouped matmuls + additive mask) or 'sdpa'
+- `decode_attention`: 'grouped' (explicit grouped matmuls + additive mask) or 'sdpa'
   (F.scaled_dot_product_attention with the bucket's boolean mask, K/V expanded to the query
   heads, so the fused memory-efficient kernel is eligible on CUDA: PyTorch's GQA path is
-  Flash/math only and Flash takes no mask).
+  Flash/math only and Flash takes no mask), 'triton' (ONE flash-decoding Triton kernel per
+  layer, the op kestrel::decode_attention of triton_decode.py: per (row, kv head) the group's
+  query heads together, online softmax over positions <= pos only) or 'triton_split' (the
+  same split over chunks of ATTN_SPLIT_CHUNK keys + a combine kernel), 'triton_fused' (one
+  kernel per layer from the raw qkv projection: RoPE of q/k, the k/v cache write at pos and
+  the attention, kestrel::decode_attention_fused) or 'auto' (the default). These apply to the
+  dense policy; the gathered policies keep their own attention.
+- `mlp`: 'inductor' (torch code, inductor's GEMVs), 'triton_down' (SiLU*up fused
+  into a split-K Triton w_down GEMV, kestrel::silu_gemv; inductor keeps RMSNorm + w13) or
+  'triton' (also RMSNorm + w13 + SiLU*up as one Triton kernel, kestrel::rms_w13_silu).
+  The Triton ops have torch CPU paths, so every option runs (and is tested) on CPU too.
+- 'auto' (decode_attention and mlp, the defaults): AUTO_CUDA (the fastest Triton options
+  measured on the H200, docs/benchmarks/planner_h200.md) when the model is on CUDA and triton
+  is importable, else 'grouped' / 'inductor' (and mlp 'inductor' when gemv names w13 or w2).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +58,21 @@ from torch import Tensor
 from kestrel_models.planner.attention_policy import (AttentionPolicy, attend_gathered,
                                                      column_mass, h2o_select, h2o_update,
                                                      local_global_index)
+from kestrel_models.planner import triton_decode
+from kestrel_models.planner.triton_decode import decode_attention as triton_attention
+from kestrel_models.planner.triton_decode import decode_attention_fused, mlp_triton
 from kestrel_models.planner.vlm import VisionLanguageModel
 
-__all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "cublas_linear", "parse_gemv"]
+__all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "AUTO_CUDA", "cublas_linear",
+           "parse_gemv", "resolve_auto"]
 
 SDPA_MIN_CHUNK = 32  # chunks with S >= this use F.scaled_dot_product_attention
 LINEARS = ("qkv", "o", "w13", "w2", "lm_head")  # the decode step's linear layers
-DECODE_ATTENTION = ("grouped", "sdpa")
+DECODE_ATTENTION = ("auto", "grouped", "sdpa", "triton", "triton_split", "triton_fused")
+MLP = ("auto", "inductor", "triton_down", "triton")
+# What 'auto' picks on CUDA with triton (best measured, docs/benchmarks/planner_h200.md).
+AUTO_CUDA = {"decode_attention": "triton_fused", "mlp": "triton_down"}
+ATTN_SPLIT_CHUNK = 64  # keys per program of decode_attention='triton_split'
 
 
 @torch.library.custom_op("kestrel::linear", mutates_args=())
@@ -95,6 +117,19 @@ def parse_gemv(gemv: str) -> frozenset[str]:
         raise ValueError(f"parameter 'gemv' = {gemv!r}: must be 'inductor', 'cublas' or "
                          f"'cublas:<names>' with names from {LINEARS}")
     return frozenset(names)
+
+
+def resolve_auto(decode_attention: str, mlp: str, device: torch.device,
+                 cublas: frozenset[str] = frozenset()) -> tuple[str, str]:
+    """'auto' -> AUTO_CUDA's choice on CUDA when triton is importable, else the torch paths
+    ('grouped', 'inductor'); mlp 'auto' -> 'inductor' when cuBLAS takes w13 or w2. Explicit
+    values pass through."""
+    fast = device.type == "cuda" and triton_decode.HAVE_TRITON and triton_decode._OP is not None
+    if decode_attention == "auto":
+        decode_attention = AUTO_CUDA["decode_attention"] if fast else "grouped"
+    if mlp == "auto":
+        mlp = AUTO_CUDA["mlp"] if fast and not {"w13", "w2"} & cublas else "inductor"
+    return decode_attention, mlp
 
 
 def _rope_complex(x: Tensor, cis: Tensor) -> Tensor:
@@ -156,9 +191,12 @@ def _attn_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
 
 def _post(x: Tensor, a: Tensor, wo: Tensor, norm_w: Tensor, eps: float, w13: Tensor,
           w2: Tensor, lin_o: Callable = F.linear, lin_w13: Callable = F.linear,
-          lin_w2: Callable = F.linear) -> Tensor:
-    """Residual + output projection, then the SwiGLU MLP block. x, a: [B, S, D]/[B, S, H*hd]."""
+          lin_w2: Callable = F.linear, mlp: Callable | None = None) -> Tensor:
+    """Residual + output projection, then the SwiGLU MLP block. x, a: [B, S, D]/[B, S, H*hd].
+    mlp(x, norm_w, eps, w13, w2) -> x: a replacement of the whole MLP block (S = 1 only)."""
     x = x + lin_o(a, wo)
+    if mlp is not None:
+        return mlp(x, norm_w, eps, w13, w2)
     h = F.rms_norm(x, (x.shape[-1],), norm_w, eps)
     gate, up = lin_w13(h, w13).chunk(2, dim=-1)
     return x + lin_w2(F.silu(gate) * up, w2)
@@ -176,12 +214,20 @@ class KVModel:
 
     def __init__(self, model: VisionLanguageModel, max_batch: int, max_len: int,
                  compile: bool = False, policy: AttentionPolicy | None = None,
-                 gemv: str = "inductor", decode_attention: str = "grouped") -> None:
+                 gemv: str = "inductor", decode_attention: str = "auto",
+                 mlp: str = "auto") -> None:
         cfg = model.cfg
         cub = parse_gemv(gemv)
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"parameter 'decode_attention' = {decode_attention!r}: must be "
                              f"one of {DECODE_ATTENTION}")
+        if mlp not in MLP:
+            raise ValueError(f"parameter 'mlp' = {mlp!r}: must be one of {MLP}")
+        decode_attention, mlp = resolve_auto(decode_attention, mlp,
+                                             model.tok_emb.weight.device, cub)
+        if mlp != "inductor" and ("w13" in cub or "w2" in cub):
+            raise ValueError(f"parameter 'mlp' = {mlp!r}: replaces the w13/w2 GEMVs, so "
+                             f"'gemv' = {gemv!r} must not name w13 or w2")
         if max_batch < 1:
             raise ValueError(f"parameter 'max_batch' = {max_batch}: must be >= 1")
         if not 0 < max_len <= cfg.max_seq_len:
@@ -223,14 +269,19 @@ class KVModel:
         self.alive = ([torch.ones(hshape, dtype=torch.bool, device=w.device)
                        for _ in model.layers] if h2o else [])
         self._real_rope = compile
-        self.gemv, self.decode_attention = gemv, decode_attention
+        self.gemv, self.decode_attention, self.mlp = gemv, decode_attention, mlp
+        self._attn_chunk = ATTN_SPLIT_CHUNK if decode_attention == "triton_split" else 0
+        self._fused = decode_attention == "triton_fused"
 
         def lin(name: str) -> Callable:
             return cublas_linear if name in cub else F.linear
 
         # Keyword arguments of the decode step's pieces (empty by default: unchanged calls).
         self._pre_kw = {"lin_qkv": lin("qkv")} if "qkv" in cub else {}
-        self._post_kw = {f"lin_{n}": lin(n) for n in ("o", "w13", "w2") if n in cub}
+        self._post_kw: dict[str, Callable] = {f"lin_{n}": lin(n) for n in ("o", "w13", "w2")
+                                              if n in cub}
+        if mlp != "inductor":
+            self._post_kw["mlp"] = partial(mlp_triton, fuse_w13=mlp == "triton")
         self._lin_head = lin("lm_head")
         self._pre: Callable = torch.compile(_pre, dynamic=False) if compile else _pre
         self._attn_post: Callable = (torch.compile(_attn_post, dynamic=False) if compile
@@ -332,12 +383,27 @@ class KVModel:
             idx = idx[:, None].expand(b, cfg.n_kv_heads, -1)
             valid = valid[:, None].expand(b, cfg.n_kv_heads, -1)
         post_kw = self._post_kw
+        fused = self._fused and mask_add is not None
+        lin_qkv = self._pre_kw.get("lin_qkv", F.linear)
         for i, w in enumerate(self.layers):
+            if fused:  # RoPE + k/v cache write + attention: one op (kernel) per layer
+                h = F.rms_norm(x, (x.shape[-1],), w["attn_norm"], cfg.norm_eps)
+                a = decode_attention_fused(lin_qkv(h, w["wqkv"])[:, 0], cis[:, 0], self.k[i],
+                                           self.v[i], pos, kv_len, 0)  # [B, H * hd]
+                x = _post(x, a[:, None], w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"],
+                          w["w2"], **post_kw)
+                continue
             q, k, v = self._pre(x, w["attn_norm"], cfg.norm_eps, w["wqkv"], cis, cfg.n_heads,
                                 cfg.n_kv_heads, cfg.head_dim, self._real_rope, **self._pre_kw)
             kc, vc = self.k[i][:b], self.v[i][:b]
             kc[bi, :, pos] = k[:, 0]  # [B, Hkv, hd]
             vc[bi, :, pos] = v[:, 0]
+            if mask_add is not None and self.decode_attention.startswith("triton"):
+                a = triton_attention(q[:, 0], kc[:, :, :kv_len], vc[:, :, :kv_len], pos,
+                                     self._attn_chunk)  # [B, H * hd]
+                x = _post(x, a[:, None], w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"],
+                          w["w2"], **post_kw)
+                continue
             if mask_add is not None and self.decode_attention == "sdpa":
                 a = _attn_sdpa(q, kc[:, :, :kv_len], vc[:, :, :kv_len], allowed)
                 x = _post(x, a, w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"], w["w2"],
