@@ -241,7 +241,11 @@ def node_params(args: argparse.Namespace) -> dict:
             "max_detections": args.max_detections, "sync_slop": 0.005,
             "max_points": max(500_000, args.points), "target_fps": float(args.rate),
             "torch_threads": args.threads, "diagnostics_period": 0.5, "autostart": True,
-            "depth_encoding": args.depth_encoding, "output_stride": args.output_stride}
+            "depth_encoding": args.depth_encoding, "output_stride": args.output_stride,
+            **{name: value for name, value in (
+                ("processing", args.processing), ("gil_switch_interval_us", args.gil_switch_us),
+                ("region_graph", None if args.region_graph is None
+                 else args.region_graph == "on")) if value is not None}}
 
 
 def summarise(rows: list[dict], stamps: list[int], pub_s: list[float]) -> dict:
@@ -435,6 +439,13 @@ def main() -> int:
     ap.add_argument("--output-stride", type=int, choices=(1, 2, 4), default=2,
                     help="node parameter output_stride of the published masks/depth maps")
     ap.add_argument("--threads", type=int, default=0, help="node torch threads (0 = default)")
+    # node latency options (not passed unless given: the node's defaults apply)
+    ap.add_argument("--processing", choices=("callback", "worker"), default=None,
+                    help="node parameter processing (default: the node's, 'callback')")
+    ap.add_argument("--gil-switch-us", type=int, default=None,
+                    help="node parameter gil_switch_interval_us (default: the node's, 200)")
+    ap.add_argument("--region-graph", choices=("on", "off"), default=None,
+                    help="node parameter region_graph (CUDA graphs of the device region)")
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--fastdds-profile", default=str(FASTDDS_PROFILE),
                     help="Fast DDS XML profile for all three processes ('none' = defaults)")

@@ -147,9 +147,12 @@ def check_result_content(r: PerceptionResult, stamp: int) -> None:
         assert -1e-3 <= b.center.x - b.size_x / 2 and b.center.x + b.size_x / 2 <= W + 1e-3
         assert -1e-3 <= b.center.y - b.size_y / 2 and b.center.y + b.size_y / 2 <= H + 1e-3
         assert det.position_frame_id == "world"
-    assert {t.name for t in r.timings} >= {"preprocess", "model", "postprocess",
-                                           "lidar_fusion"}
+    timings = {t.name: t.duration for t in r.timings}
+    assert set(timings) >= {"preprocess", "model", "postprocess", "lidar_fusion", "download",
+                            "unpack", "wait", "build"}
     assert all(t.duration >= 0 for t in r.timings) and r.latency > 0
+    # latency = receipt of the set's last message -> publish: it contains the stages
+    assert r.latency >= timings["wait"] + timings["build"] + timings["model"]
 
 
 def check_lidar_positions(r: PerceptionResult) -> None:
@@ -262,11 +265,14 @@ def test_results_bad_inputs_and_runtime_heads(launch_node, probe):
     assert node.alive() and "Traceback" not in node.output()
 
 
-def test_depth_16uc1_strided_output(launch_node, probe):
+@pytest.mark.parametrize("processing", ["callback", "worker"])
+def test_depth_16uc1_strided_output(launch_node, probe, processing):
     """The node's defaults: 16UC1 depth (mm, 0 = none) and masks/depths at stride 2, with
-    the same detections and LiDAR positions."""
+    the same detections and LiDAR positions; sets processed in the completing subscription
+    callback (default) or in the worker thread."""
     params = {k: v for k, v in PARAMS.items() if k not in ("depth_encoding", "output_stride")}
-    node, results, rig = start_node(launch_node, probe, {**params, "publish_debug_image": False})
+    node, results, rig = start_node(launch_node, probe, {**params, "publish_debug_image": False,
+                                                         "processing": processing})
     r = produce(rig, results, wall_points(), timeout=30.0,
                 check=lambda r: len(r.detections) == 10 and all(
                     d.position_source == Detection2D.POSITION_LIDAR for d in r.detections))
@@ -280,7 +286,16 @@ def test_depth_16uc1_strided_output(launch_node, probe):
         mm = np.frombuffer(bytes(d.data), np.uint16)
         # the depth head is bounded by max_depth (20 m): every pixel has a value in mm
         assert mm.size == ws * hs and (mm > 0).all() and (mm <= 20_000).all()
+    check_result_content_timings(r)
+    assert f"processing in the {processing}, GIL switch interval 200 us" in node.output(), \
+        node.output()
     assert node.alive() and "Traceback" not in node.output()
+
+
+def check_result_content_timings(r: PerceptionResult) -> None:
+    timings = {t.name: t.duration for t in r.timings}
+    assert {"wait", "build", "preprocess", "model"} <= set(timings)
+    assert r.latency >= timings["wait"] + timings["build"] + timings["model"]
 
 
 def _user_model(path) -> str:

@@ -3,9 +3,17 @@
 Thin ROS shell around `core.PerceptionCore` (the reference model, or a user's TorchScript /
 ExportedProgram / ONNX model behind an output contract: parameters model_path, model_outputs,
 see kestrel_models.perception.external). Inputs (SENSOR_QOS) land in fixed-size
-histories (`core.sync.FrameSynchronizer`); a worker thread always takes the NEWEST
-synchronised set, runs the model and publishes `~/output/result` (COMMAND_QOS). Bad input is
-dropped and counted by name on /diagnostics, never crashes the node.
+histories (`core.sync.FrameSynchronizer`); the NEWEST synchronised set is processed (model,
+result published on `~/output/result`, COMMAND_QOS) by default in the subscription callback
+that completed it (`processing`: 'callback'; 'worker' = a worker thread woken by the
+callbacks). Bad input is dropped and counted by name on /diagnostics, never crashes the node.
+
+Latency (measured, docs/benchmarks/perception_node_*.md): receipt of the set's last message
+-> publish = wait + the core's stages + build. Every torch call releases the GIL; with
+Python's default 5 ms switch interval a busy second Python thread (the executor taking the
+next camera messages) made each such call wait up to 5 ms, so the node sets
+`gil_switch_interval_us` (200) and, in callback mode, takes no input message while a set is
+processed (the subscriptions' callback group is busy, rclpy leaves them out of the wait set).
 
 Topics (i = 0 .. num_cameras-1):
   ~/input/camera_<i>/image        sensor_msgs/Image rgb8 or bgr8
@@ -24,8 +32,8 @@ Topics (i = 0 .. num_cameras-1):
 
 from __future__ import annotations
 
-import array
 import dataclasses
+import sys
 import threading
 import time
 from typing import Any
@@ -44,9 +52,7 @@ from kestrel_common.conversions import (
     stamp_to_ns,
 )
 from kestrel_common.counters import StageTimer
-from kestrel_interfaces.msg import Detection2D, ObjectHypothesisWithPose, PerceptionResult
-from kestrel_interfaces.msg import StageTiming
-from kestrel_models.perception import PositionSource
+from kestrel_interfaces.msg import PerceptionResult, StageTiming
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from sensor_msgs.msg import CameraInfo, Image, PointCloud2
@@ -57,8 +63,8 @@ from kestrel_perception.core import (
     FrameSet,
     InputError,
     PerceptionCore,
-    PerceptionOutput,
 )
+from kestrel_perception.core.cloud_view import xyz_view
 from kestrel_perception.core.draw import render_debug
 from kestrel_perception.core.sync import FrameSynchronizer, Stamped, SyncedSet
 from kestrel_perception.core.params import (
@@ -68,6 +74,7 @@ from kestrel_perception.core.params import (
     pose_to_matrix,
     validate_perception_params,
 )
+from kestrel_perception.result_msg import ResultBuilder
 
 # counters shown on /diagnostics from the start (value 0)
 COUNTERS = ("processed", "dropped_bad_encoding", "dropped_bad_image", "dropped_size_mismatch",
@@ -79,27 +86,7 @@ REASON_COUNTER = {"bad_image": "dropped_bad_image", "size_mismatch": "dropped_si
                   "mixed_sizes": "dropped_size_mismatch", "bad_camera": "dropped_bad_camera_info",
                   "bad_points": "dropped_bad_cloud", "too_many_points": "dropped_too_many_points",
                   "no_images": "dropped_bad_image"}
-# nominal (not calibrated) 1-sigma position uncertainty written into the covariance, m
-POSITION_STD_LIDAR = 0.05
-POSITION_STD_DEPTH_REL = 0.1  # fraction of the range for predicted-depth positions
 HISTORY = 8  # messages kept per input stream for stamp matching
-
-
-def map_image(arr: np.ndarray, encoding: str, header: Any) -> Image:
-    """[H,W] mono8 / 16UC1 / 32FC1 map (e.g. a view into the core's pinned buffer) -> Image
-    with ONE memcpy into an array('B') (assigning bytes would make the generated setter check
-    every byte in Python)."""
-    a = np.ascontiguousarray(arr)
-    msg = Image()
-    msg.header = header
-    msg.height, msg.width = int(a.shape[0]), int(a.shape[1])
-    msg.encoding = encoding
-    msg.is_bigendian = 0
-    msg.step = int(a.shape[1] * a.itemsize)
-    data = array.array("B")
-    data.frombytes(memoryview(a).cast("B"))
-    msg.data = data
-    return msg
 
 
 class PerceptionNode(KestrelLifecycleNode):
@@ -120,6 +107,9 @@ class PerceptionNode(KestrelLifecycleNode):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
+        self._inline = True  # parameter processing == "callback"
+        self._proc_lock = threading.Lock()  # one set at a time; cleanup waits for it
+        self._builder: ResultBuilder | None = None
         self._runtime: dict[str, Any] = {}
         self.add_on_set_parameters_callback(self._check_runtime_params)
 
@@ -137,6 +127,11 @@ class PerceptionNode(KestrelLifecycleNode):
             self.get_logger().error(f"configure failed: {exc}")
             return TransitionCallbackReturn.FAILURE
         n = p["num_cameras"]
+        self._inline = p["processing"] == "callback"
+        if p["gil_switch_interval_us"] > 0:  # process-wide: this process is the node
+            # +0.5 us: CPython truncates the interval to whole microseconds
+            sys.setswitchinterval((p["gil_switch_interval_us"] + 0.5) * 1e-6)
+        self._builder = ResultBuilder(p["frame_id"], self.core.config.class_names)
         self.sync = FrameSynchronizer(n, p["sync_slop"], HISTORY, count=self.counters.inc)
         poses = p["camera_poses"]
         self._poses = [pose_to_matrix(poses[7 * i: 7 * i + 7]) if poses else np.eye(4)
@@ -161,18 +156,24 @@ class PerceptionNode(KestrelLifecycleNode):
         self._subs.append(self.create_subscription(PointCloud2, "~/input/points",
                                                    self._on_points, SENSOR_QOS,
                                                    callback_group=group))
+        graphs = self.core.region.graphs
+        for why in (graphs.failed.values() if graphs is not None else ()):
+            self.get_logger().warning(f"device region signature runs without a CUDA graph: {why}")
         m = self.core.config.model
         self.get_logger().info(
             f"configured: {n} camera(s), ResNet-{m.backbone_depth} width {m.base_width}, "
-            f"FPN {m.fpn_channels}, device {p['device']}, heads {sorted(self._heads())}")
+            f"FPN {m.fpn_channels}, device {p['device']}, heads {sorted(self._heads())}, "
+            f"processing in the {p['processing']}, GIL switch interval "
+            f"{round(sys.getswitchinterval() * 1e6)} us")
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop.clear()
         self._active = True
-        self._worker = threading.Thread(target=self._work, name="perception_worker",
-                                        daemon=True)
-        self._worker.start()
+        if not self._inline:
+            self._worker = threading.Thread(target=self._work, name="perception_worker",
+                                            daemon=True)
+            self._worker.start()
         self.start_diagnostics(self._status)
         self.get_logger().info("active")
         return super().on_activate(state)
@@ -186,8 +187,9 @@ class PerceptionNode(KestrelLifecycleNode):
             if pub is not None:
                 self.destroy_publisher(pub)
         self._result_pub = self._debug_pub = None
-        self.core = None
-        self.sync = None
+        with self._proc_lock:  # a set being processed in a callback finishes first
+            self.core = None
+            self.sync = None
         return TransitionCallbackReturn.SUCCESS
 
     def stop_workers(self) -> None:
@@ -197,6 +199,8 @@ class PerceptionNode(KestrelLifecycleNode):
         worker, self._worker = self._worker, None
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout=10.0)
+        if self._proc_lock.acquire(timeout=10.0):  # callback mode: the current set ends
+            self._proc_lock.release()
 
     # ---- parameters changed at run time -----------------------------------------------------
     def _check_runtime_params(self, params: list) -> Any:
@@ -247,7 +251,7 @@ class PerceptionNode(KestrelLifecycleNode):
             return
         self.sync.add_image(cam, Stamped(stamp_to_ns(msg.header.stamp), time.monotonic(),
                                          (rgb, msg.header.frame_id)))
-        self._wake.set()
+        self._ready()
 
     def _on_info(self, cam: int, msg: CameraInfo) -> None:
         if not self._active or self.sync is None:
@@ -259,7 +263,7 @@ class PerceptionNode(KestrelLifecycleNode):
             return
         self.sync.add_info(cam, Stamped(stamp_to_ns(msg.header.stamp), time.monotonic(),
                                         (k, int(msg.width), int(msg.height))))
-        self._wake.set()
+        self._ready()
 
     def _on_pose(self, cam: int, msg: PoseStamped) -> None:
         if not self._active:
@@ -286,28 +290,45 @@ class PerceptionNode(KestrelLifecycleNode):
             if msg.header.frame_id not in ("", frame):
                 raise ConversionError("bad_cloud", f"cloud frame '{msg.header.frame_id}' is "
                                                    f"not frame_id '{frame}' (no TF here)")
-            xyz = pointcloud2_to_xyz(msg)  # [N,3] float32, NaN kept
-            if n > 0 and not np.isfinite(xyz).all(axis=1).any():
+            xyz = xyz_view(msg)  # [N,3] float32 view on msg.data (x,y,z float32 at 0/4/8)
+            if xyz is None:  # other layouts: per-field copies
+                xyz = pointcloud2_to_xyz(msg)  # [N,3] float32, NaN kept
+            # any finite point? (a prefix answers for real clouds: 1.6 ms -> ~0.01 ms at 120k)
+            if n > 0 and not np.isfinite(xyz[:1024]).all(axis=1).any() and \
+                    not np.isfinite(xyz).all(axis=1).any():
                 raise ConversionError("bad_cloud", f"all {n} points are NaN/inf")
         except ConversionError as exc:
             self.drop("dropped_bad_cloud", str(exc))
             return
         self.sync.add_cloud(Stamped(stamp_to_ns(msg.header.stamp), time.monotonic(), xyz))
 
-    # ---- worker ---------------------------------------------------------------------------------
+    # ---- processing: in the completing callback, or in the worker thread ----------------------
+    def _ready(self) -> None:
+        """A message was stored: process the newest complete set now (callback mode) or
+        wake the worker."""
+        if not self._inline:
+            self._wake.set()
+            return
+        with self._proc_lock:
+            self._drain()
+
+    def _drain(self) -> None:
+        while self._active and not self._stop.is_set() and self.sync is not None:
+            synced = self.sync.pop_newest_set()
+            if synced is None:
+                break
+            try:
+                self._refresh_runtime()
+                self._process(synced)
+            except Exception as exc:  # never let the worker die; count and log
+                self.drop("processing_error", f"{type(exc).__name__}: {exc}")
+
     def _work(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(timeout=0.1)
             self._wake.clear()
-            while not self._stop.is_set() and self.sync is not None:
-                synced = self.sync.pop_newest_set()
-                if synced is None:
-                    break
-                try:
-                    self._refresh_runtime()
-                    self._process(synced)
-                except Exception as exc:  # never let the worker die; count and log
-                    self.drop("processing_error", f"{type(exc).__name__}: {exc}")
+            with self._proc_lock:
+                self._drain()
 
     def _process(self, s: SyncedSet) -> None:
         assert self.core is not None
@@ -330,13 +351,19 @@ class PerceptionNode(KestrelLifecycleNode):
             self.counters.inc("runtime_shape_fallbacks")
         if out.nms_fallback:
             self.counters.inc("nms_slow_path")
-        msg = self._result_msg(s, cams, out)
-        msg.timings.append(StageTiming(name="wait", duration=t_start - s.newest_recv_s))
+        # extra timings: wait (last message received -> processing starts), build (this
+        # message), and on CUDA the host clock of the device stages (<stage>_host)
+        t_build = time.monotonic()
+        extra = {f"{k}_host": v for k, v in out.host_timings.items()}
+        extra["wait"] = t_start - s.newest_recv_s
+        msg = self._builder.build(s.stamp_ns, [img.stamp_ns for img in s.images], cams, out,
+                                  extra)
+        build = time.monotonic() - t_build
+        msg.timings.append(StageTiming(name="build", duration=build))
         msg.latency = time.monotonic() - s.newest_recv_s
         self._result_pub.publish(msg)
-        for name, dt in out.timings.items():
+        for name, dt in {**out.timings, **extra, "build": build}.items():
             self.timer.add(name, dt)
-        self.timer.add("wait", t_start - s.newest_recv_s)
         self.timer.add("total", msg.latency)
         self.counters.inc("processed")
         if self._debug_pub is not None:
@@ -344,50 +371,13 @@ class PerceptionNode(KestrelLifecycleNode):
             self._debug_pub.publish(numpy_to_image(
                 canvas, "rgb8", make_header(s.images[0].stamp_ns, cams[0].frame_id)))
 
-    def _result_msg(self, s: SyncedSet, cams: list[CameraModel], out: PerceptionOutput
-                    ) -> PerceptionResult:
-        frame = self.params["frame_id"]
-        res = PerceptionResult()
-        res.header = make_header(s.stamp_ns, frame)
-        res.class_names = list(self.core.config.class_names)
-        headers = [make_header(img.stamp_ns, cam.frame_id)
-                   for img, cam in zip(s.images, cams, strict=True)]
-        for det in out.detections:
-            d = Detection2D()
-            d.header = headers[det.camera_index]
-            x1, y1, x2, y2 = (float(v) for v in det.box_xyxy)
-            d.bbox.center.x, d.bbox.center.y = (x1 + x2) / 2, (y1 + y2) / 2
-            d.bbox.size_x, d.bbox.size_y = x2 - x1, y2 - y1
-            hyp = ObjectHypothesisWithPose()
-            hyp.hypothesis.class_id = det.class_name
-            hyp.hypothesis.score = float(det.score)
-            hyp.pose.pose.orientation.w = 1.0
-            if det.position is not None:
-                px, py, pz = (float(v) for v in det.position)
-                hyp.pose.pose.position.x, hyp.pose.pose.position.y = px, py
-                hyp.pose.pose.position.z = pz
-                cam_pos = cams[det.camera_index].T_base_from_cam[:3, 3]
-                rng = float(np.linalg.norm(det.position - cam_pos))
-                std = POSITION_STD_LIDAR if det.position_source == PositionSource.LIDAR else \
-                    POSITION_STD_DEPTH_REL * rng
-                cov = np.zeros(36)
-                cov[[0, 7, 14]] = std * std
-                hyp.pose.covariance = cov
-            d.results = [hyp]
-            d.camera_index = det.camera_index
-            d.class_index = det.class_index
-            d.position_source = int(det.position_source)
-            d.position_frame_id = frame
-            res.detections.append(d)
-        res.masks = [map_image(m, "mono8", headers[i]) for i, m in enumerate(out.masks)]
-        res.depths = [map_image(d, out.depth_encoding, headers[i])
-                      for i, d in enumerate(out.depths)]
-        res.timings = [StageTiming(name=k, duration=float(v)) for k, v in out.timings.items()]
-        return res
-
     # ---- diagnostics ----------------------------------------------------------------------------
     def _status(self) -> tuple[int, str, dict]:
         values: dict[str, float] = {}
+        graphs = self.core.region.graphs if self.core is not None else None
+        if graphs is not None:  # captured region graphs / signatures left eager
+            values["region_graphs"] = len(graphs.entries)
+            values["region_graphs_failed"] = len(graphs.failed)
         summary = self.timer.summary((50.0, 99.0))
         for stage, q in summary.items():
             values[f"latency_{stage}_p50_s"] = q["p50"]

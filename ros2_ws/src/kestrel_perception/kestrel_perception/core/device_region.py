@@ -19,6 +19,8 @@ from kestrel_models.perception.lidar import box_positions_batched, project_point
 from kestrel_models.perception.postprocess import (decode_detections_batched,
                                                    detections_from_decoded)
 
+from .region_graph import RegionGraphs
+
 DEPTH_ENCODINGS: tuple[str, ...] = ("32FC1", "16UC1")
 OUTPUT_STRIDES: tuple[int, ...] = (1, 2, 4)
 _ALIGN = 64  # bytes, alignment of every field in the packed buffer
@@ -70,7 +72,8 @@ class RegionLayout:
                 "classes": ((c, m), torch.int64), "valid": ((c, m), torch.bool),
                 "pos": ((c, m, 3), torch.float64), "src": ((c, m), torch.int64),
                 "mask": ((c, hs, ws), torch.uint8), "depth": ((c, hs, ws), ddt),
-                "flags": ((1,), torch.bool)}  # flags[0]: NMS converged
+                "flags": ((1,), torch.bool),  # flags[0]: NMS converged
+                "bad_points": ((1,), torch.int64)}  # non-finite rows of the point bucket
 
 
 class PackedBuffer:
@@ -103,7 +106,9 @@ class RegionResult:
     masks: np.ndarray | None  # [C,Hs,Ws] uint8 class index, None without segmentation
     depths: np.ndarray | None  # [C,Hs,Ws] float32 m or uint16 mm, None without depth
     nms_converged: bool
-    stage_s: dict[str, float]  # postprocess, lidar_fusion, download (s)
+    stage_s: dict[str, float]  # postprocess, lidar_fusion, download (s); device time on CUDA
+    bad_points: int = 0  # non-finite rows of the point bucket (NaN padding included)
+    host_s: dict[str, float] | None = None  # the same stages on the host clock (s)
 
 
 def n_used(valid: torch.Tensor) -> int:
@@ -113,11 +118,14 @@ def n_used(valid: torch.Tensor) -> int:
 
 class _Clock:
     """Stage boundaries: CUDA events on CUDA (read after the frame's one sync, no extra sync),
-    time.monotonic on the CPU (ops are synchronous there)."""
+    time.monotonic on the CPU (ops are synchronous there). Every mark also records the host
+    clock: on CUDA, `host_durations` is the time the Python thread spent issuing each stage
+    (device time < host time: the stage is launch/GIL bound, not GPU bound)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.marks: list[tuple[str, object]] = []
+        self.host: list[float] = []
 
     def mark(self, name: str) -> None:
         if self.cuda:
@@ -126,6 +134,7 @@ class _Clock:
             self.marks.append((name, ev))
         else:
             self.marks.append((name, time.monotonic()))
+        self.host.append(time.monotonic())
 
     def durations(self) -> dict[str, float]:
         """Seconds from each mark to the next, keyed by the later mark's name."""
@@ -134,13 +143,19 @@ class _Clock:
             out[name] = (a.elapsed_time(b) / 1e3) if self.cuda else (b - a)  # type: ignore
         return out
 
+    def host_durations(self) -> dict[str, float]:
+        """Host-clock seconds from each mark to the next, keyed by the later mark's name."""
+        return {name: b - a for (name, _), a, b in
+                zip(self.marks[1:], self.host, self.host[1:], strict=False)}
+
 
 class DeviceRegion:
     """Preallocated buffers + the one-sync post-processing of a frame (not thread-safe)."""
 
     def __init__(self, device: torch.device, depth_encoding: str = "16UC1",
                  output_stride: int = 2, nms_rounds: int = 8,
-                 fusion_chunk_elems: int = 1 << 24, static: bool | None = None) -> None:
+                 fusion_chunk_elems: int = 1 << 24, static: bool | None = None,
+                 graphs: RegionGraphs | None = None) -> None:
         validate_output_params(depth_encoding, output_stride)
         if not 1 <= nms_rounds <= 10000:
             raise _fail("nms_rounds", nms_rounds, "must be in [1, 10000]")
@@ -158,6 +173,9 @@ class DeviceRegion:
         self._stage: PackedBuffer | None = None  # on the device (CUDA) or None on the CPU
         self._host: list[PackedBuffer] = []
         self._flip = 0
+        # CUDA graphs of the static region (one post + one fusion graph per input signature,
+        # region_graph.py); None = every op launched from Python each frame
+        self.graphs = graphs if self.static else None
 
     def configure(self, cameras: int, image_hw: tuple[int, int], max_det: int) -> None:
         """Allocate for this shape (at configure / warm-up; again only if the shape changes)."""
@@ -167,7 +185,12 @@ class DeviceRegion:
             return
         cuda = self.device.type == "cuda"
         self._host = [PackedBuffer(layout, torch.device("cpu"), pin=cuda) for _ in range(2)]
-        self._stage = PackedBuffer(layout, self.device, pin=False) if cuda else None
+        # a graph writes into fixed addresses: the device staging buffer (CUDA; on the CPU only
+        # with graphs, i.e. the tests' emulated capture)
+        stage = cuda or self.graphs is not None
+        self._stage = PackedBuffer(layout, self.device, pin=False) if stage else None
+        if self.graphs is not None:
+            self.graphs.clear()  # captured for the previous buffers
         self.layout = layout
 
     @property
@@ -189,59 +212,83 @@ class DeviceRegion:
         clock = clock or _Clock(self.device)
         if not clock.marks:
             clock.mark("start")
-        buf = self._stage if self._stage is not None else self._host[self._flip]
-        v = buf.views
         with torch.inference_mode():
-            m = self.layout.max_det
-            if "det_cls" in raw or "det_boxes" in raw:
-                if "det_cls" in raw:  # our head's raw maps
-                    dets = decode_detections_batched(
-                        raw, image_hw, det["score_thr"], det["iou_thr"], m,
-                        pre_nms_top_k=det["pre_nms_top_k"], class_offset=det["class_offset"],
-                        nms_rounds=self.nms_rounds, static=self.static, exact=exact_nms)
-                else:  # a user model's decoded boxes (kestrel_models.perception.external)
-                    dets = detections_from_decoded(
-                        raw["det_boxes"], raw["det_scores"], raw["det_labels"], image_hw,
-                        det["num_classes"], det["score_thr"], det["iou_thr"], m,
-                        pre_nms_top_k=det["pre_nms_top_k"], nms_rounds=self.nms_rounds,
-                        static=self.static, exact=exact_nms)
-                v["boxes"].copy_(dets.boxes)
-                v["scores"].copy_(dets.scores)
-                v["classes"].copy_(dets.classes)
-                v["valid"].copy_(dets.valid)
-                v["flags"].copy_(dets.nms_converged.reshape(1))
-            else:
-                dets = None
-                v["valid"].zero_()
-                v["flags"].fill_(True)
-            s = self.stride
-            if "seg" in raw:
-                v["mask"].copy_(raw["seg"][:, :, ::s, ::s].argmax(dim=1))
-            depth_full = raw["depth"][:, 0].float() if "depth" in raw else None
-            if depth_full is not None:
-                v["depth"].copy_(encode_depth(depth_full[:, ::s, ::s], self.depth_encoding))
+            if self.graphs is not None and self.static and not exact_nms and \
+                    self._stage is not None and \
+                    self.graphs.run(self, raw, image_hw, det, points, cams, clock):
+                return self._download(raw, clock)
+            buf = self._stage if self._stage is not None else self._host[self._flip]
+            dets = self._post(raw, image_hw, det, buf.views, exact_nms)
             clock.mark("postprocess")
-            if dets is not None:
-                if points is not None:
-                    uv, z, ok = project_points(points, cams["T_cam_from_base"], cams["K"],
-                                               image_hw)
-                else:
-                    uv = torch.zeros((c, 0, 2), device=self.device)
-                    z, ok = uv[..., 0], uv[..., 0].bool()
-                boxes, bvalid = dets.boxes, dets.valid
-                if not self.static:  # valid slots come first: drop the unused tail
-                    boxes, bvalid = boxes[:, :n_used(bvalid)], bvalid[:, :n_used(bvalid)]
-                pos, src = box_positions_batched(
-                    boxes, bvalid, uv, z, ok, depth_full, cams["K_inv"],
-                    cams["T_base_from_cam"], det["min_points"], self.chunk, self.static)
-                d = pos.shape[1]
-                v["pos"][:, :d].copy_(pos)
-                v["src"][:, :d].copy_(src)
-                if d < m:
-                    v["pos"][:, d:].fill_(float("nan"))
-                    v["src"][:, d:].zero_()
+            self._fusion(dets, raw, image_hw, det, points, cams, buf.views)
             clock.mark("lidar_fusion")
         return self._download(raw, clock)
+
+    def _post(self, raw: dict, image_hw: tuple[int, int], det: dict,
+              v: dict[str, torch.Tensor], exact_nms: bool = False):
+        """Decode + class-wise NMS into the slots, seg argmax, depth encoding (written into
+        the staging views `v`). Returns the BatchedDetections (None without detections)."""
+        m = self.layout.max_det
+        if "det_cls" in raw or "det_boxes" in raw:
+            if "det_cls" in raw:  # our head's raw maps
+                dets = decode_detections_batched(
+                    raw, image_hw, det["score_thr"], det["iou_thr"], m,
+                    pre_nms_top_k=det["pre_nms_top_k"], class_offset=det["class_offset"],
+                    nms_rounds=self.nms_rounds, static=self.static, exact=exact_nms)
+            else:  # a user model's decoded boxes (kestrel_models.perception.external)
+                dets = detections_from_decoded(
+                    raw["det_boxes"], raw["det_scores"], raw["det_labels"], image_hw,
+                    det["num_classes"], det["score_thr"], det["iou_thr"], m,
+                    pre_nms_top_k=det["pre_nms_top_k"], nms_rounds=self.nms_rounds,
+                    static=self.static, exact=exact_nms)
+            v["boxes"].copy_(dets.boxes)
+            v["scores"].copy_(dets.scores)
+            v["classes"].copy_(dets.classes)
+            v["valid"].copy_(dets.valid)
+            v["flags"].copy_(dets.nms_converged.reshape(1))
+        else:
+            dets = None
+            v["valid"].zero_()
+            v["flags"].fill_(True)
+        s = self.stride
+        if "seg" in raw:
+            v["mask"].copy_(raw["seg"][:, :, ::s, ::s].argmax(dim=1))
+        if "depth" in raw:
+            depth = raw["depth"][:, 0, ::s, ::s].float()
+            v["depth"].copy_(encode_depth(depth, self.depth_encoding))
+        return dets
+
+    def _fusion(self, dets, raw: dict, image_hw: tuple[int, int], det: dict,
+                points: torch.Tensor | None, cams: dict[str, torch.Tensor],
+                v: dict[str, torch.Tensor]) -> None:
+        """LiDAR projection + per-detection positions (LiDAR median, else predicted depth)
+        and the count of non-finite cloud rows, written into the staging views `v`."""
+        m = self.layout.max_det
+        if dets is not None:
+            c = dets.boxes.shape[0]
+            if points is not None:
+                uv, z, ok = project_points(points, cams["T_cam_from_base"], cams["K"],
+                                           image_hw)
+            else:
+                uv = torch.zeros((c, 0, 2), device=self.device)
+                z, ok = uv[..., 0], uv[..., 0].bool()
+            depth_full = raw["depth"][:, 0].float() if "depth" in raw else None
+            boxes, bvalid = dets.boxes, dets.valid
+            if not self.static:  # valid slots come first: drop the unused tail
+                boxes, bvalid = boxes[:, :n_used(bvalid)], bvalid[:, :n_used(bvalid)]
+            pos, src = box_positions_batched(
+                boxes, bvalid, uv, z, ok, depth_full, cams["K_inv"],
+                cams["T_base_from_cam"], det["min_points"], self.chunk, self.static)
+            d = pos.shape[1]
+            v["pos"][:, :d].copy_(pos)
+            v["src"][:, :d].copy_(src)
+            if d < m:
+                v["pos"][:, d:].fill_(float("nan"))
+                v["src"][:, d:].zero_()
+        if points is not None:  # counted here: no host pass over the cloud
+            v["bad_points"].copy_((~torch.isfinite(points).all(dim=1)).sum().reshape(1))
+        else:
+            v["bad_points"].zero_()
 
     def _download(self, raw: dict, clock: _Clock) -> RegionResult:
         """The ONE device->host copy (non_blocking, into pinned memory) and the ONE sync."""
@@ -250,11 +297,12 @@ class DeviceRegion:
         if self._stage is not None:
             host.raw.copy_(self._stage.raw, non_blocking=True)
             clock.mark("download")
-            torch.cuda.current_stream(self.device).synchronize()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
         else:
             clock.mark("download")
         h = {k: t.numpy() for k, t in host.views.items()}
         return RegionResult(h["boxes"], h["scores"], h["classes"], h["valid"], h["pos"],
                             h["src"], h["mask"] if "seg" in raw else None,
                             h["depth"] if "depth" in raw else None, bool(h["flags"][0]),
-                            clock.durations())
+                            clock.durations(), int(h["bad_points"][0]), clock.host_durations())

@@ -87,6 +87,21 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("nms_rounds", 8, "Fixed-point NMS rounds run without a host sync; longer "
               "suppression chains take the exact slow path (counted: nms_slow_path)." + _CONF,
               min=1, max=10000),
+    ParamSpec("processing", "callback", "Where a complete input set is processed: 'callback' "
+              "= in the subscription callback that completed it (no thread hand-off; the "
+              "input subscriptions take no message while a set is processed, so no other "
+              "Python thread competes for the GIL), 'worker' = in a dedicated worker thread "
+              "woken by the callbacks." + _CONF, choices=("callback", "worker"),
+              read_only=True),
+    ParamSpec("gil_switch_interval_us", 200, "sys.setswitchinterval of the node process, us "
+              "(Python's default 5000): a thread waiting for the GIL gets it after at most "
+              "this long; every torch call releases the GIL, so with the default a busy "
+              "executor thread can add up to 5 ms per call to the processing (0 = leave "
+              "Python's setting)." + _CONF, min=0, max=100_000, read_only=True),
+    ParamSpec("region_graph", True, "CUDA: capture the post-processing + LiDAR fusion "
+              "(static shapes) in CUDA graphs at configure, one pair per head set x point "
+              "bucket, each validated against the launched ops (a failing one stays "
+              "launched, logged, counted as region_graphs_failed)." + _CONF),
     ParamSpec("publish_debug_image", False, "Publish ~/output/debug_image." + _CONF),
     ParamSpec("target_fps", 10.0, "Diagnostics warn when p99 latency > 1/target_fps, Hz.",
               min=0.1, max=1000.0),
@@ -156,4 +171,5 @@ def core_config(values: dict[str, Any]) -> PerceptionCoreConfig:
         amp=values["amp"], warmup_image_hw=(h, w), warmup_cameras=values["num_cameras"],
         num_threads=values["torch_threads"], runtime_variant=values["runtime_variant"],
         depth_encoding=values["depth_encoding"], output_stride=values["output_stride"],
-        nms_rounds=values["nms_rounds"], zero_copy_maps=True)
+        nms_rounds=values["nms_rounds"], zero_copy_maps=True,
+        region_graph=values["region_graph"])

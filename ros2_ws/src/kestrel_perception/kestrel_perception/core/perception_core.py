@@ -18,10 +18,11 @@ from kestrel_models.perception import (
     MultiTaskPerceptionModel,
     PerceptionConfig,
     PositionSource,
-    bucket_points,
 )
 
 from .device_region import DeviceRegion, _Clock, validate_output_params
+from .region_graph import RegionGraphs
+from .staging import InputStaging, StagedPoints
 
 from .types import (
     DEFAULT_CLASS_NAMES,
@@ -113,6 +114,9 @@ class PerceptionCoreConfig:
     # valid until the process() call after the next one (the node publishes before that);
     # False: private copies
     zero_copy_maps: bool = False
+    # CUDA: capture the static device region (post-processing + LiDAR fusion) in CUDA graphs,
+    # one pair per heads x point bucket, prepared at warm-up (core/region_graph.py)
+    region_graph: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "class_names", tuple(self.class_names))
@@ -186,10 +190,11 @@ class PerceptionCore:
         else:
             self.model = self._build_model()
             self.heads = config.model.heads
-        self._in_buf = torch.zeros((0, 0, 0, 3), dtype=torch.uint8)  # [C,H,W,3] reused input
-        self._in_np = self._in_buf.numpy()
+        self.staging = InputStaging(self.device, config.point_buckets)
+        graphs = RegionGraphs() if config.region_graph and self.device.type == "cuda" \
+            else None
         self.region = DeviceRegion(self.device, config.depth_encoding, config.output_stride,
-                                   config.nms_rounds)
+                                   config.nms_rounds, graphs=graphs)
         self.runtime: PerceptionRuntime | None = None
         if config.warmup_image_hw is not None:
             self.warmup(config.warmup_image_hw, config.warmup_cameras)
@@ -226,6 +231,8 @@ class PerceptionCore:
         """Run `iterations` full process() calls on synthetic input (allocations, kernels)."""
         h, w = image_hw
         self.region.configure(cameras, (h, w), self.config.model.max_detections)
+        self.staging.configure_images(cameras, (h, w))
+        self.staging.configure_cameras(cameras)
         if self.config.runtime_variant != "eager":
             built = sorted(self.config.model.heads)
             subsets = [frozenset(h for i, h in enumerate(built) if mask >> i & 1)
@@ -238,42 +245,36 @@ class PerceptionCore:
         pts = np.array([[0.0, 0.0, 2.0]] * 8, dtype=np.float32)
         for _ in range(iterations):
             self.process(FrameSet(0, imgs, cams, pts))
+        if self.region.graphs is not None and self.external is None:  # capture them now
+            self._capture_region_graphs(imgs, cams)
+
+    def _capture_region_graphs(self, imgs: list[np.ndarray], cams: list[CameraModel]) -> None:
+        """One process() per enabled-head subset x (no cloud, each point bucket: a cloud of
+        exactly the bucket size in front of the cameras), so the hot path never captures
+        (a changed decode setting, e.g. `ros2 param set score_threshold`, captures once)."""
+        built = sorted(self.heads)
+        subsets = [frozenset(h for i, h in enumerate(built) if mask >> i & 1)
+                   for mask in range(1, 2 ** len(built))]
+        rng = np.random.default_rng(0)
+        for nb in (0, *sorted(self.config.point_buckets)):  # 0: a set without a cloud
+            pts = None if nb == 0 else np.stack(
+                [rng.uniform(-1, 1, nb), rng.uniform(-1, 1, nb), rng.uniform(1, 10, nb)],
+                axis=1).astype(np.float32)
+            for hs in subsets:
+                self.process(FrameSet(0, imgs, cams, pts), hs)
 
     def _input_tensor(self, images: list[np.ndarray]) -> torch.Tensor:
-        """Copy the images into the reused [C,H,W,3] buffer (pinned on CUDA) -> [C,3,H,W]
-        uint8 on the device (non_blocking host->device copy, no sync)."""
-        shape = (len(images), *images[0].shape)
-        if tuple(self._in_buf.shape) != shape:
-            self._in_buf = torch.empty(shape, dtype=torch.uint8,
-                                       pin_memory=self.device.type == "cuda")
-            self._in_np = self._in_buf.numpy()
-        for i, img in enumerate(images):
-            self._in_np[i] = img
-        # NHWC memory viewed as NCHW = channels_last; one host->device copy of uint8
-        return self._in_buf.permute(0, 3, 1, 2).to(self.device, non_blocking=True)
+        """The images -> [C,3,H,W] uint8 on the device (`InputStaging.images`: one copy each
+        into the preallocated (pinned) buffer, one non_blocking host->device copy)."""
+        return self.staging.images(images)
 
-    def _lidar_inputs(self, frames: FrameSet, out: PerceptionOutput
-                      ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        """Host side: finite filter + bucketing of the cloud, camera matrices -> device
-        tensors (points [Nb,3] m or None; T_cam_from_base, K, K_inv, T_base_from_cam [C,..])."""
+    def _lidar_inputs(self, frames: FrameSet
+                      ) -> tuple[StagedPoints, dict[str, torch.Tensor]]:
+        """Camera matrices (T_cam_from_base, K, K_inv, T_base_from_cam [C,..] float64) and the
+        cloud (bucketed [Nb,3] m, NaN padded) on the device via `InputStaging`."""
         T_base = np.stack([np.asarray(c.T_base_from_cam, np.float64) for c in frames.cameras])
         Ks = np.stack([np.asarray(c.K, np.float64) for c in frames.cameras])
-        mats = {"T_cam_from_base": np.linalg.inv(T_base), "K": Ks, "K_inv": np.linalg.inv(Ks),
-                "T_base_from_cam": T_base}
-        cams = {k: torch.from_numpy(v).to(self.device, non_blocking=True)
-                for k, v in mats.items()}
-        pts = frames.points
-        if pts is None or pts.shape[0] == 0:
-            return None, cams
-        finite = np.isfinite(pts).all(axis=1)
-        good = pts[finite].astype(np.float32, copy=False)  # [M,3] m, base frame
-        out.dropped_points = int(pts.shape[0] - good.shape[0])
-        out.used_points = min(good.shape[0], max(self.config.point_buckets))
-        out.truncated_points = good.shape[0] - out.used_points
-        if good.shape[0] == 0:
-            return None, cams
-        padded, _, _ = bucket_points(good, self.config.point_buckets)  # [Nb,3], NaN padded
-        return torch.from_numpy(padded).to(self.device, non_blocking=True), cams
+        return self.staging.points(frames.points), self.staging.cameras(T_base, Ks)
 
     def process(self, frames: FrameSet, heads: frozenset[str] | None = None
                 ) -> PerceptionOutput:
@@ -292,7 +293,8 @@ class PerceptionCore:
         clock = _Clock(self.device)
         clock.mark("start")
         x = self._input_tensor(frames.images)
-        points, cams = self._lidar_inputs(frames, out)
+        staged, cams = self._lidar_inputs(frames)
+        points = staged.points
         clock.mark("preprocess")
 
         rt = self.runtime
@@ -316,25 +318,39 @@ class PerceptionCore:
         res = self.region.run(raw, hw, det, points, cams, clock)
         if not res.nms_converged:  # exact slow path (rare, counted): NMS to its fixed point
             out.nms_fallback = True
-            first = res.stage_s
+            first, first_host = res.stage_s, res.host_s
             res = self.region.run(raw, hw, det, points, cams, _Clock(self.device),
                                   exact_nms=True)
             res.stage_s = {k: first.get(k, 0.0) + res.stage_s.get(k, 0.0)
                            for k in {*first, *res.stage_s}}
+            if res.host_s is not None and first_host is not None:
+                res.host_s = {k: first_host.get(k, 0.0) + res.host_s.get(k, 0.0)
+                              for k in {*first_host, *res.host_s}}
         t_unpack = time.monotonic()
+        if staged.rows_in:  # LiDAR counts: the device counted the bucket's non-finite rows
+            dropped = staged.host_dropped if staged.host_dropped is not None else \
+                res.bad_points - staged.pad
+            out.dropped_points = int(dropped)
+            out.truncated_points = int(staged.truncated)
+            out.used_points = staged.rows_in - out.dropped_points - out.truncated_points
         own = (lambda a: a) if cfg.zero_copy_maps else np.copy
         out.masks = [own(a) for a in res.masks] if res.masks is not None else []
         out.depths = [own(a) for a in res.depths] if res.depths is not None else []
         names = cfg.class_names
-        for cam in range(res.valid.shape[0]):
-            n = int(res.valid[cam].sum())  # valid slots come first
-            for k in range(n):
-                source = PositionSource(int(res.src[cam, k]))
-                cls = int(res.classes[cam, k])
+        sources = {int(p): p for p in PositionSource}
+        counts = res.valid.sum(axis=1).tolist()  # valid slots come first
+        for cam, n in enumerate(counts):
+            # one private copy per camera and field; scalars through tolist (no per-value
+            # numpy scalar conversions)
+            boxes, pos = res.boxes[cam, :n].copy(), res.pos[cam, :n].copy()
+            for k, (src, cls, score) in enumerate(zip(
+                    res.src[cam, :n].tolist(), res.classes[cam, :n].tolist(),
+                    res.scores[cam, :n].tolist(), strict=True)):
+                source = sources[src]
                 out.detections.append(Detection(
-                    camera_index=cam, class_index=cls, class_name=names[cls],
-                    score=float(res.scores[cam, k]), box_xyxy=res.boxes[cam, k].copy(),
-                    position=None if source == PositionSource.NONE else res.pos[cam, k].copy(),
+                    camera_index=cam, class_index=cls, class_name=names[cls], score=score,
+                    box_xyxy=boxes[k],
+                    position=None if source == PositionSource.NONE else pos[k],
                     position_source=source))
         stages = res.stage_s
         out.timings = {"preprocess": stages.get("preprocess", 0.0),
@@ -343,4 +359,8 @@ class PerceptionCore:
                        "lidar_fusion": stages.get("lidar_fusion", 0.0),
                        "download": stages.get("download", 0.0),
                        "unpack": time.monotonic() - t_unpack}
+        if self.device.type == "cuda" and res.host_s:  # host clock of the device stages
+            out.host_timings = {k: res.host_s.get(k, 0.0) for k in
+                                ("preprocess", "model", "postprocess", "lidar_fusion",
+                                 "download")}
         return out

@@ -104,6 +104,9 @@ class PerceptionOutput:
     depth_encoding: str = "32FC1"  # encoding of `depths`
     output_stride: int = 1  # subsampling of masks and depths
     nms_fallback: bool = False  # NMS needed more than nms_rounds rounds: exact slow path ran
+    # CUDA only: host-clock seconds of the device stages (the Python thread issuing them);
+    # `timings` holds their device (CUDA event) time. Empty on the CPU (the same numbers).
+    host_timings: dict[str, float] = field(default_factory=dict)
 
 
 def validate_frames(frames: FrameSet, max_points: int) -> tuple[int, int]:

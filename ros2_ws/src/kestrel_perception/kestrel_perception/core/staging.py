@@ -1,0 +1,142 @@
+"""Input staging of PerceptionCore: one frame's images, LiDAR cloud and camera matrices from
+host arrays (views on the ROS message buffers) to the device with ONE memcpy per input into
+preallocated host memory (pinned on CUDA) and ONE non_blocking host->device copy per input.
+
+Pure Python + torch + numpy, no ROS. Buffers are sized at configure (`configure`), reused
+every frame; nothing is allocated per frame on the fast path. The host buffers are written
+while the device may still read the previous frame's copy only if the caller did not sync in
+between: PerceptionCore syncs once per frame (DeviceRegion download) before the next frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from kestrel_models.perception import bucket_points
+from kestrel_models.perception.lidar import bucket_size
+
+# camera matrices packed in one float64 buffer: name -> per-camera shape
+CAMERA_FIELDS: tuple[tuple[str, tuple[int, int]], ...] = (
+    ("T_cam_from_base", (4, 4)), ("K", (3, 3)), ("K_inv", (3, 3)), ("T_base_from_cam", (4, 4)))
+
+
+@dataclass
+class StagedPoints:
+    """The cloud on the device: points [Nb,3] float32 m (NaN rows invalid) or None.
+
+    host_dropped: non-finite rows counted on the host (the rare truncating path), else None
+    (the device region counts the non-finite rows of the bucket, `pad` of them are padding).
+    """
+
+    points: torch.Tensor | None
+    rows_in: int  # rows of the input cloud
+    pad: int  # NaN padding rows appended (fast path)
+    host_dropped: int | None
+    truncated: int  # finite points beyond the largest bucket (not used)
+
+
+class InputStaging:
+    """Preallocated staging of images [C,H,W,3] uint8, points [max bucket,3] float32 and
+    camera matrices (float64) for one device. Not thread-safe (the core's one worker)."""
+
+    def __init__(self, device: torch.device, buckets: tuple[int, ...]) -> None:
+        if not buckets or min(buckets) < 1:
+            raise ValueError(f"parameter 'point_buckets' = {buckets!r}: must be positive sizes")
+        self.device = device
+        self.buckets = tuple(sorted(buckets))
+        self.cuda = device.type == "cuda"
+        nmax = self.buckets[-1]
+        self._pts_host = torch.empty((nmax, 3), dtype=torch.float32, pin_memory=self.cuda)
+        self._pts_np = self._pts_host.numpy()
+        self._pts_dev = self._pts_host.to(device) if self.cuda else self._pts_host
+        self._img_host: torch.Tensor | None = None
+        self._img_np: np.ndarray | None = None
+        self._img_dev: torch.Tensor | None = None
+        self._cam_count = -1
+        self.configure_cameras(1)
+
+    # ---- configure ------------------------------------------------------------------------
+    def configure_images(self, cameras: int, image_hw: tuple[int, int]) -> None:
+        """Allocate the image buffers for [cameras, H, W, 3] (again only if the shape changes)."""
+        shape = (cameras, int(image_hw[0]), int(image_hw[1]), 3)
+        if self._img_host is not None and tuple(self._img_host.shape) == shape:
+            return
+        self._img_host = torch.empty(shape, dtype=torch.uint8, pin_memory=self.cuda)
+        self._img_np = self._img_host.numpy()
+        # NHWC memory seen as NCHW = channels_last [C,3,H,W]
+        self._img_dev = (torch.empty(shape, dtype=torch.uint8, device=self.device)
+                         if self.cuda else self._img_host).permute(0, 3, 1, 2)
+
+    def configure_cameras(self, cameras: int) -> None:
+        if cameras == self._cam_count:
+            return
+        per = sum(a * b for _, (a, b) in CAMERA_FIELDS)
+        self._cam_host = torch.empty(cameras * per, dtype=torch.float64, pin_memory=self.cuda)
+        self._cam_dev = self._cam_host.to(self.device) if self.cuda else self._cam_host
+        self._cam_np: dict[str, np.ndarray] = {}
+        self._cam_views: dict[str, torch.Tensor] = {}
+        off = 0
+        for name, (a, b) in CAMERA_FIELDS:
+            n = cameras * a * b
+            self._cam_np[name] = self._cam_host[off:off + n].numpy().reshape(cameras, a, b)
+            self._cam_views[name] = self._cam_dev[off:off + n].view(cameras, a, b)
+            off += n
+        self._cam_count = cameras
+
+    # ---- per frame ------------------------------------------------------------------------
+    def images(self, images: list[np.ndarray]) -> torch.Tensor:
+        """[H,W,3] uint8 arrays (any strides, e.g. a BGR view) -> [C,3,H,W] uint8 on the
+        device (channels_last memory): one copy each into the host buffer, one H2D copy."""
+        self.configure_images(len(images), images[0].shape[:2])
+        assert self._img_np is not None and self._img_dev is not None
+        for i, img in enumerate(images):
+            self._img_np[i] = img
+        if self.cuda:
+            assert self._img_host is not None
+            self._img_dev.copy_(self._img_host.permute(0, 3, 1, 2), non_blocking=True)
+        return self._img_dev
+
+    def cameras(self, T_base_from_cam: np.ndarray, K: np.ndarray) -> dict[str, torch.Tensor]:
+        """T_base_from_cam [C,4,4], K [C,3,3] -> device float64 views T_cam_from_base, K,
+        K_inv, T_base_from_cam (one H2D copy of the packed buffer)."""
+        self.configure_cameras(T_base_from_cam.shape[0])
+        h = self._cam_np
+        h["T_base_from_cam"][...] = T_base_from_cam
+        h["T_cam_from_base"][...] = np.linalg.inv(T_base_from_cam)
+        h["K"][...] = K
+        h["K_inv"][...] = np.linalg.inv(K)
+        if self.cuda:
+            self._cam_dev.copy_(self._cam_host, non_blocking=True)
+        return self._cam_views
+
+    def points(self, pts: np.ndarray | None) -> StagedPoints:
+        """pts [N,3] (any float dtype, any strides, NaN rows allowed) -> the device cloud
+        padded with NaN to its bucket. N <= the largest bucket (the normal case): one copy
+        into the host buffer, no filtering on the host (non-finite rows are invalid in the
+        projection and counted on the device). Larger clouds: finite rows first on the host
+        (as before), truncated to the largest bucket."""
+        if pts is None or pts.shape[0] == 0:
+            return StagedPoints(None, 0, 0, 0, 0)
+        n = int(pts.shape[0])
+        nmax = self.buckets[-1]
+        if n <= nmax:
+            nb = bucket_size(n, self.buckets)
+            np.copyto(self._pts_np[:n], pts, casting="unsafe")
+            self._pts_np[n:nb] = np.nan
+            host_dropped, truncated, pad = None, 0, nb - n
+        else:
+            finite = np.isfinite(pts).all(axis=1)
+            good = pts[finite]
+            host_dropped = n - int(good.shape[0])
+            if good.shape[0] == 0:
+                return StagedPoints(None, n, 0, host_dropped, 0)
+            padded, used, truncated = bucket_points(good.astype(np.float32, copy=False),
+                                                    self.buckets)
+            nb = padded.shape[0]
+            self._pts_np[:nb] = padded
+            pad = 0
+        if self.cuda:
+            self._pts_dev[:nb].copy_(self._pts_host[:nb], non_blocking=True)
+        return StagedPoints(self._pts_dev[:nb], n, pad, host_dropped, truncated)

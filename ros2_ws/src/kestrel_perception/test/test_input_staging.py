@@ -1,0 +1,111 @@
+"""Input staging (preallocated buffers, one copy per input, no host filtering of the cloud)
+and the zero-copy PointCloud2 view: same results as the previous host-filtered path."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from kestrel_common.conversions import make_header, pointcloud2_to_xyz, xyz_to_pointcloud2
+from kestrel_perception.core import PerceptionCore
+from kestrel_perception.core.cloud_view import xyz_view
+from kestrel_perception.core.staging import InputStaging
+from sensor_msgs.msg import PointField
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_perception_core import core_config, frames, wall_points  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def core() -> PerceptionCore:
+    return PerceptionCore(core_config(num_threads=1, point_buckets=(512, 4096, 16384)))
+
+
+def test_points_one_copy_into_the_reused_buffer() -> None:
+    st = InputStaging(torch.device("cpu"), (64, 256))
+    pts = np.arange(100 * 3, dtype=np.float32).reshape(100, 3)
+    a = st.points(pts)
+    assert a.points is not None and tuple(a.points.shape) == (256, 3)  # bucket of 100 rows
+    np.testing.assert_array_equal(a.points[:100].numpy(), pts)
+    assert np.isnan(a.points[100:].numpy()).all() and a.pad == 156
+    assert (a.host_dropped, a.truncated, a.rows_in) == (None, 0, 100)
+    # a strided float64 view (e.g. x, y, z of an [N,4] array) is converted in the same copy
+    xyzi = np.random.default_rng(0).normal(size=(40, 4))
+    b = st.points(xyzi[:, :3])
+    assert tuple(b.points.shape) == (64, 3)
+    np.testing.assert_array_equal(b.points[:40].numpy(), xyzi[:, :3].astype(np.float32))
+    assert b.points.data_ptr() == a.points.data_ptr()  # same preallocated buffer, no new one
+
+
+def test_points_beyond_the_largest_bucket_filtered_on_the_host() -> None:
+    st = InputStaging(torch.device("cpu"), (64, 256))
+    pts = np.ones((300, 3), np.float32)
+    pts[::10] = np.nan  # 30 NaN rows, 270 finite > 256
+    s = st.points(pts)
+    assert (s.host_dropped, s.truncated, s.pad) == (30, 14, 0)
+    assert tuple(s.points.shape) == (256, 3) and np.isfinite(s.points.numpy()).all()
+
+
+def test_cameras_packed_once_with_inverses() -> None:
+    st = InputStaging(torch.device("cpu"), (64,))
+    T = np.stack([np.eye(4)] * 2)
+    T[1, :3, 3] = (1.0, 2.0, 3.0)
+    K = np.stack([np.array([[100.0, 0, 50], [0, 100, 40], [0, 0, 1]])] * 2)
+    cams = st.cameras(T, K)
+    np.testing.assert_allclose(cams["T_cam_from_base"][1].numpy() @ T[1], np.eye(4))
+    np.testing.assert_allclose(cams["K_inv"][0].numpy() @ K[0], np.eye(3), atol=1e-12)
+    assert cams["K"].dtype == torch.float64 and tuple(cams["T_base_from_cam"].shape) == (2, 4, 4)
+
+
+def test_nan_rows_give_the_same_result_as_the_filtered_cloud(core: PerceptionCore) -> None:
+    """NaN rows now go to the device (invalid there) instead of being filtered on the host:
+    detections, positions and the counters are those of the finite cloud alone."""
+    good = wall_points(3.0, step=0.05)
+    mixed = np.insert(good, np.arange(0, len(good), 7), np.nan, axis=0)  # NaNs interleaved
+    n_nan = len(mixed) - len(good)
+    a = core.process(frames(points=good))
+    b = core.process(frames(points=mixed))
+    assert (b.dropped_points, b.used_points, b.truncated_points) == (n_nan, len(good), 0)
+    assert (a.dropped_points, a.used_points) == (0, len(good))
+    assert len(a.detections) == len(b.detections) > 0
+    for x, y in zip(a.detections, b.detections, strict=True):
+        assert (x.camera_index, x.class_index, int(x.position_source)) == \
+            (y.camera_index, y.class_index, int(y.position_source))
+        np.testing.assert_array_equal(x.box_xyxy, y.box_xyxy)
+        np.testing.assert_allclose(x.position, y.position, atol=1e-9)
+
+
+def test_cloud_view_is_zero_copy_and_equals_the_generic_conversion() -> None:
+    pts = np.random.default_rng(1).normal(size=(50, 3)).astype(np.float32)
+    msg = xyz_to_pointcloud2(pts, make_header(0, "world"))
+    view = xyz_view(msg)
+    assert view is not None and not view.flags.writeable
+    np.testing.assert_array_equal(view, pointcloud2_to_xyz(msg))
+    assert np.shares_memory(view, np.frombuffer(msg.data, np.uint8))  # no copy
+
+
+def cloud(point_step: int, offsets=(0, 4, 8), datatype=PointField.FLOAT32, big=False):
+    n = 20
+    raw = np.random.default_rng(2).normal(size=(n, point_step // 4)).astype(np.float32)
+    fields = [SimpleNamespace(name=a, offset=o, datatype=datatype, count=1)
+              for a, o in zip("xyz", offsets, strict=True)]
+    return SimpleNamespace(fields=fields, width=n, height=1, point_step=point_step,
+                           row_step=n * point_step, is_bigendian=big,
+                           data=np.frombuffer(raw.tobytes(), np.uint8)), raw
+
+
+def test_cloud_view_strided_layout_and_refusals() -> None:
+    msg, raw = cloud(16)  # x, y, z, intensity
+    np.testing.assert_array_equal(xyz_view(msg), raw[:, :3])
+    assert xyz_view(cloud(16, offsets=(4, 8, 12))[0]) is None  # not at 0/4/8
+    assert xyz_view(cloud(16, datatype=PointField.FLOAT64)[0]) is None
+    assert xyz_view(cloud(16, big=True)[0]) is None
+    short, _ = cloud(16)
+    short.data = short.data[:-4]  # inconsistent size: left to the generic converter's error
+    assert xyz_view(short) is None

@@ -1,0 +1,140 @@
+"""Captured device region (region_graph.py) with an emulated capture on the CPU: replays read
+only their static inputs (a new frame's values are copied in), equal the eager region frame
+after frame, one capture per input signature, and a failing capture falls back to eager."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from kestrel_perception.core import PerceptionCore
+from kestrel_perception.core.device_region import DeviceRegion
+from kestrel_perception.core.region_graph import EmulatedCapture, RegionGraphs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_perception_core import H, W, core_config, frames, wall_points  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def core() -> PerceptionCore:
+    return PerceptionCore(core_config(num_threads=1, point_buckets=(1024, 4096)))
+
+
+def region_inputs(core: PerceptionCore, seed: int, points: np.ndarray | None,
+                  heads: frozenset[str] | None = None):
+    """The eager forward of frames(seed) and the staged cloud/cameras (as process() does)."""
+    f = frames(stamp=seed, points=points)
+    x = torch.from_numpy(np.stack(f.images)).permute(0, 3, 1, 2)
+    with torch.inference_mode():
+        raw = core.model(x, heads or core.heads)
+    staged, cams = core._lidar_inputs(f)
+    pts = None if staged.points is None else staged.points.clone()
+    return raw, pts, {k: v.clone() for k, v in cams.items()}
+
+
+def det_settings(core: PerceptionCore) -> dict:
+    m = core.config.model
+    return {"score_thr": m.score_threshold, "iou_thr": m.nms_iou, "max_det": m.max_detections,
+            "pre_nms_top_k": m.pre_nms_top_k, "class_offset": m.det_class_offset,
+            "min_points": core.config.min_lidar_points,
+            "num_classes": len(core.config.class_names)}
+
+
+def fields(res) -> dict[str, np.ndarray]:
+    return {k: np.copy(getattr(res, k)) for k in ("boxes", "scores", "classes", "valid", "pos",
+                                                  "src", "masks", "depths")}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_replay_equals_eager_frame_after_frame(core: PerceptionCore) -> None:
+    graphs = RegionGraphs(EmulatedCapture())
+    graphed = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True, graphs=graphs)
+    eager = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True)
+    det = det_settings(core)
+    outs = []
+    for seed, depth in ((11, 3.0), (12, 2.0), (13, 4.0)):  # different images and clouds
+        raw, pts, cams = region_inputs(core, seed, wall_points(depth, step=0.05))
+        a = fields(graphed.run(raw, (H, W), det, pts, cams))
+        b = fields(eager.run(raw, (H, W), det, pts, cams))
+        assert_same(a, b)
+        assert (b["src"] == 1).any()  # LiDAR positions exercised
+        outs.append(a)
+    assert len(graphs.entries) == 1 and graphs.replays == 3 and not graphs.failed
+    # the inputs really changed between frames (a replay on stale inputs would repeat frame 0)
+    assert not np.array_equal(outs[0]["pos"], outs[1]["pos"])
+    assert not np.array_equal(outs[0]["boxes"], outs[2]["boxes"])
+
+
+def test_one_capture_per_signature(core: PerceptionCore) -> None:
+    graphs = RegionGraphs(EmulatedCapture())
+    region = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True, graphs=graphs)
+    det = det_settings(core)
+    for pts in (wall_points(3.0, step=0.05), wall_points(3.0, step=0.1), None):
+        raw, p, cams = region_inputs(core, 5, pts)
+        region.run(raw, (H, W), det, p, cams)
+    raw, p, cams = region_inputs(core, 5, None, frozenset({"depth"}))
+    region.run(raw, (H, W), det, p, cams)
+    # buckets 4096 (3,300 points) and 1024 (825), no cloud, another head set: 4 signatures
+    assert len(graphs.entries) == 4 and graphs.replays == 4
+    region.run(raw, (H, W), {**det, "score_thr": 0.5}, p, cams)  # decode settings: a new key
+    assert len(graphs.entries) == 5
+
+
+class FailingCapture(EmulatedCapture):
+    def capture(self, fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_failed_capture_runs_eager_with_the_same_results(core: PerceptionCore) -> None:
+    graphs = RegionGraphs(FailingCapture())
+    region = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True, graphs=graphs)
+    eager = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True)
+    det = det_settings(core)
+    for seed in (21, 22):
+        raw, pts, cams = region_inputs(core, seed, wall_points(3.0, step=0.05))
+        assert_same(fields(region.run(raw, (H, W), det, pts, cams)),
+                    fields(eager.run(raw, (H, W), det, pts, cams)))
+    assert not graphs.entries and graphs.replays == 0
+    assert len(graphs.failed) == 1 and "capture failed" in next(iter(graphs.failed.values()))
+
+
+def test_core_builds_no_graphs_on_the_cpu(core: PerceptionCore) -> None:
+    assert core.config.region_graph and core.region.graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphed_core_equals_the_launched_region() -> None:
+    """Real CUDA graphs: captured at warm-up for every head set x bucket, validated, and the
+    node-facing outputs equal those of the same core without graphs."""
+    kw = dict(num_threads=1, device="cuda", point_buckets=(1024, 4096))
+    graphed = PerceptionCore(core_config(**kw))
+    plain = PerceptionCore(core_config(region_graph=False, **kw))
+    g = graphed.region.graphs
+    assert g is not None and not g.failed, g.failed
+    assert len(g.entries) == 3 * 7  # (no cloud + 2 buckets) x head subsets, at warm-up
+    n0 = len(g.entries)
+    for seed, pts in ((31, wall_points(3.0, step=0.05)), (32, None), (33, wall_points(2.0))):
+        a = graphed.process(frames(stamp=seed, points=pts))
+        b = plain.process(frames(stamp=seed, points=pts))
+        assert len(a.detections) == len(b.detections) > 0
+        for x, y in zip(a.detections, b.detections, strict=True):
+            assert (x.camera_index, x.class_index, int(x.position_source)) == \
+                (y.camera_index, y.class_index, int(y.position_source))
+            np.testing.assert_allclose(x.box_xyxy, y.box_xyxy, atol=1e-4)
+            if x.position is not None:
+                np.testing.assert_allclose(x.position, y.position, atol=1e-4)
+        for m, n in zip(a.masks, b.masks, strict=True):
+            np.testing.assert_array_equal(m, n)
+        for m, n in zip(a.depths, b.depths, strict=True):
+            assert np.abs(m.astype(np.int64) - n.astype(np.int64)).max() <= 1
+    assert len(g.entries) == n0 and g.replays >= 3  # no capture in the hot path
