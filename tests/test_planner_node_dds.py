@@ -30,9 +30,10 @@ pytestmark = pytest.mark.dds
 
 R = PlanTask.Result
 DEMO = "move_to red_cube speed=0.2 height=0.2; end"
+# grammar_engine: llguidance (the default) is the production plan grammar here.
 PARAMS = {"demo_plan": DEMO, "max_steps": 16, "max_new_tokens": 640, "max_speed": 0.5,
           "max_height": 0.4, "diagnostics_period": 0.2, "step_timeout": 30.0,
-          "position_tolerance": 0.01, "execution_rate": 20.0}
+          "position_tolerance": 0.01, "execution_rate": 20.0, "grammar_engine": "llguidance"}
 STAMP_NS = 1_700_000_000_123_000_000
 CUBE = (0.4, 0.0, 0.02)
 
@@ -267,6 +268,7 @@ def run_scenario(node, probe, client) -> None:
 @pytest.mark.parametrize("params, fragment", [
     ({"max_speed": 0.0}, "parameter 'max_speed' = 0.0: must be > 0"),
     ({"max_speed": -1.0}, "parameter 'max_speed' = -1.0: must be > 0"),
+    ({"grammar_engine": "xgrammar"}, "parameter 'grammar_engine' = 'xgrammar': must be one of"),
 ])
 def test_configure_failure(launch_node, params, fragment):
     node = launch_node("kestrel_planner.planner_node", "planner", params=params)

@@ -9,6 +9,7 @@ import re
 
 from kestrel_common.params import ParamSpec
 from kestrel_planner.core import BACKENDS
+from kestrel_planner.core.constrained_llg import GRAMMAR_ENGINES
 from kestrel_planner.core.prompting import OUTPUT_FORMATS
 from kestrel_models.planner.hf import DTYPES
 from kestrel_models.planner.remote import RemoteConfig
@@ -59,9 +60,13 @@ SPECS = [
     ParamSpec("hf_tokenizer", "auto", "backend hf: 'auto' = the directory's tokenizer (and "
               "chat template); 'byte' = Kestrel's byte tokenizer.", choices=("auto", "byte"),
               read_only=True),
-    ParamSpec("hf_grammar", True, "backend hf: constrain decoding to the plan grammar (needs "
-              "single-character tokens); false = prompt + parser + validator only.",
-              read_only=True),
+    ParamSpec("hf_grammar", True, "backend hf: constrain decoding to the plan grammar (with "
+              "grammar_engine automaton: needs single-character tokens); false = prompt + "
+              "parser + validator only.", read_only=True),
+    ParamSpec("grammar_engine", "llguidance", "Plan-grammar engine of backends generate, engine "
+              "and hf: llguidance (maintained grammar library: Lark grammar, token masks for "
+              "any tokenizer incl. BPE) or automaton (the hand-written character automaton, "
+              "single-character tokens only).", choices=GRAMMAR_ENGINES, read_only=True),
     ParamSpec("remote_base_url", "", "backend remote: server URL, e.g. http://127.0.0.1:8000/v1.",
               read_only=True),
     ParamSpec("remote_model", "", "backend remote: the served model name.", read_only=True),

@@ -16,6 +16,8 @@ limits below); a reply that is not a plan or breaks a limit gives VALIDATION_REJ
 reasons, and nothing reaches control.
   generate | engine  our VLM (model_config, weights_path or demo_plan), decoding constrained to
                      the plan grammar. engine = static KV-cache slots, CUDA-graph decode.
+                     grammar_engine: llguidance (default; token masks for any tokenizer) |
+                     automaton (the hand-written character automaton, constrained.py).
   hf       a Hugging Face image-text-to-text checkpoint from a LOCAL directory, through
            transformers (nothing is downloaded; LLaVA-style configs):
                backend: hf
@@ -24,8 +26,10 @@ reasons, and nothing reaches control.
                hf_dtype: bfloat16                   # auto | float32 | bfloat16 | float16
                device: cuda:0
                hf_tokenizer: auto                   # the directory's tokenizer + chat template
-               hf_grammar: true                     # plan grammar via single-character tokens;
-                                                    # false = prompt + parser + validator only
+               hf_grammar: true                     # decode under the plan grammar (any
+                                                    # tokenizer, BPE too, with grammar_engine
+                                                    # llguidance); false = prompt + parser +
+                                                    # validator only
   remote   an OpenAI-compatible chat-completions server serving a large VLM, e.g. vLLM:
                vllm serve Qwen/Qwen2.5-VL-72B-Instruct --tensor-parallel-size 8 \
                    --served-model-name planner --api-key "$PLANNER_KEY"
@@ -186,7 +190,8 @@ class PlannerNode(KestrelLifecycleNode):
                 max_batch=p["max_batch"], temperature=p["temperature"], limits=limits,
                 backend=p["backend"], engine_compile=p["engine_compile"],
                 hf_model_path=p["hf_model_path"], hf_dtype=p["hf_dtype"],
-                hf_tokenizer=p["hf_tokenizer"], hf_grammar=p["hf_grammar"], remote=remote,
+                hf_tokenizer=p["hf_tokenizer"], hf_grammar=p["hf_grammar"],
+                grammar_engine=p["grammar_engine"], remote=remote,
                 remote_send_image=p["remote_send_image"],
                 remote_response_format=p["remote_response_format"]))
         except ValueError as exc:

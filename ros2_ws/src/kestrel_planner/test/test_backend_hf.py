@@ -73,7 +73,7 @@ def test_directory_tokenizer_and_chat_template(llava_dir: Path, tmp_path: Path) 
     d = tmp_path / "with_tok"
     shutil.copytree(llava_dir, d)
     char_tokenizer().save_pretrained(str(d))
-    core = hf_core(d)  # hf_tokenizer auto, hf_grammar true
+    core = hf_core(d)  # hf_tokenizer auto, hf_grammar true, grammar_engine llguidance
     be = core.backend
     from kestrel_planner.core.backend import DecodeJob
     prompt = be.tokenizer.decode(be.prompt_ids(DecodeJob("stack it", ["bin"], 2, None)))
@@ -81,13 +81,20 @@ def test_directory_tokenizer_and_chat_template(llava_dir: Path, tmp_path: Path) 
     assert prompt.endswith("[user]\nobjects: bin\nmax steps: 2\ntask: stack it\n[assistant]\n")
     r = core.plan("stack it", IMAGE, SCENE)
     assert r.plan is not None and r.text.endswith("end"), r.text
-    # A vocabulary without '_' cannot spell the grammar with single tokens: configure fails.
+    auto = hf_core(d, grammar_engine="automaton").plan("stack it", IMAGE, SCENE)
+    assert auto.text == r.text  # one-char tokens, same grammar, greedy: the same plan
+    # A vocabulary without '_': the automaton cannot spell the grammar with single tokens, so
+    # configure fails naming hf_grammar; llguidance (default) masks per token and plans anyway
+    # (a name with '_' cannot be written: only 'bin' is reachable).
     bad = tmp_path / "bad_tok"
     shutil.copytree(llava_dir, bad)
     char_tokenizer(without="_").save_pretrained(str(bad))
     with pytest.raises(ValueError, match="parameter 'hf_grammar' = True: .* for '_'"):
-        hf_core(bad)
+        hf_core(bad, grammar_engine="automaton")
     assert hf_core(bad, hf_grammar=False).backend is not None
+    r = hf_core(bad).plan("stack it", IMAGE, SCENE)
+    assert r.plan is not None and r.text.endswith("end"), r.text
+    assert all(s.target_object in ("bin", "") for s in r.plan.steps)
     with pytest.raises(ValueError, match="parameter 'hf_model_path' = .*no loadable tokenizer"):
         hf_core(llava_dir)  # the directory has no tokenizer files
 

@@ -4,6 +4,8 @@ PlannerCore that puts every backend's output through the same parser and validat
 
 from kestrel_planner.core.backend import BACKENDS, DecodeJob, DecodeOutput, PlanBackend
 from kestrel_planner.core.constrained import PlanGrammar, PlanLogitsProcessor
+from kestrel_planner.core.constrained_llg import (GRAMMAR_ENGINES, LLGuidancePlanProcessor,
+                                                  plan_lark)
 from kestrel_planner.core.executor import (
     ControlTargetSpec, ExecutorConfig, ExecutorOutput, PlanExecutor, StepEvent, StepState,
     TargetMode,
@@ -18,7 +20,8 @@ from kestrel_planner.core.skills import SKILLS, Skill, skill_by_name
 from kestrel_planner.core.validator import PlanLimits, PlanValidator, ValidationReport
 
 __all__ = [
-    "PlanGrammar", "PlanLogitsProcessor", "ControlTargetSpec", "ExecutorConfig",
+    "PlanGrammar", "PlanLogitsProcessor", "GRAMMAR_ENGINES", "LLGuidancePlanProcessor",
+    "plan_lark", "ControlTargetSpec", "ExecutorConfig",
     "ExecutorOutput", "PlanExecutor", "StepEvent", "StepState", "TargetMode", "Plan",
     "PlanParseError", "PlanStep", "SceneObject", "format_plan", "parse_plan", "PlannerConfig",
     "PlannerCore", "PlannerInputError", "PlanRequest", "PlanResult", "SKILLS", "Skill",

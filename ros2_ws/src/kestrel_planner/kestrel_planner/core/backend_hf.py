@@ -6,10 +6,13 @@ Tokenizer (hf_tokenizer): 'auto' = the directory's own (AutoTokenizer); its chat
 present, wraps the chat system prompt (prompting.py) and the request; without one the Kestrel
 plain layout is used. 'byte' = Kestrel's byte tokenizer and plain layout (a Kestrel-trained
 model exported to HF format, and the CPU tests).
-Grammar (hf_grammar): true = decoding is constrained to the plan grammar through the single-
-character tokens of the vocabulary (every plan character must be one token; configure fails
-naming 'hf_grammar' otherwise); false = free decoding, the text is held to the schema by the
-prompt plus the parser and validator only.
+Grammar (hf_grammar): true = decoding is constrained to the plan grammar, by the engine of
+`grammar_engine`: 'llguidance' (default, constrained_llg.py) computes token masks for any fast
+tokenizer, BPE included (multi-character tokens are fine; names the vocabulary cannot spell one
+character per token are left out of the grammar so that the token budget stays exact);
+'automaton' (constrained.py) needs every plan character as a single token (configure fails
+naming 'hf_grammar' otherwise). false = free decoding, the text is
+held to the schema by the prompt plus the parser and validator only.
 Limitation: the image placeholder tokens go before the whole prompt (hf.py), not inside the
 chat template's user turn; models trained with the image inside the turn may plan worse.
 For large checkpoints, serving them with vLLM and using backend 'remote' is the scalable path.
@@ -28,6 +31,7 @@ from kestrel_models.planner.tokenizer import HFTokenizer
 from kestrel_planner.core.backend import DecodeJob, DecodeOutput, PlannerInputError
 from kestrel_planner.core.backend_local import plain_prompt
 from kestrel_planner.core.constrained import PlanGrammar, PlanLogitsProcessor
+from kestrel_planner.core.constrained_llg import LLGuidancePlanProcessor, lltokenizer
 from kestrel_planner.core.plan import PlanParseError
 from kestrel_planner.core.prompting import chat_system_prompt, reply_to_plan_text, user_prompt
 
@@ -81,7 +85,10 @@ class HFPlanBackend:
             raise ValueError(f"parameter 'hf_tokenizer' = {config.hf_tokenizer!r}: its "
                              f"{self.tokenizer.vocab_size} tokens exceed the model's vocabulary "
                              f"of {self.vlm.vocab_size}")
-        self._chars = char_token_map(self.tokenizer) if config.hf_grammar else None
+        llg = config.hf_grammar and config.grammar_engine == "llguidance"
+        self._lltok = lltokenizer(self.tokenizer) if llg else None  # ~1 s for HF: once
+        self._chars = (char_token_map(self.tokenizer)
+                       if config.hf_grammar and not llg else None)
         self._chat = (isinstance(self.tokenizer, HFTokenizer)
                       and self.tokenizer.chat("s", "u") is not None)
         self._system = chat_system_prompt(config.limits, "text")
@@ -104,6 +111,16 @@ class HFPlanBackend:
                                     "(too many scene objects)")
         return ids
 
+    def processor(self, job: DecodeJob) -> LLGuidancePlanProcessor | PlanLogitsProcessor | None:
+        """The plan-grammar logits processor of one job; None with hf_grammar false."""
+        n = self.config.max_new_tokens
+        if self._lltok is not None:
+            return LLGuidancePlanProcessor(self._lltok, job.names, job.cap, n)
+        if self._chars is not None:
+            return PlanLogitsProcessor(PlanGrammar(job.names, job.cap), self._chars,
+                                       self.tokenizer.eos_id, n)
+        return None
+
     def decode(self, jobs: Sequence[DecodeJob]) -> list[DecodeOutput]:
         cfg = self.config
         prompts = []
@@ -112,9 +129,7 @@ class HFPlanBackend:
                 prompts.append(self.prompt_ids(j))
             except PlannerInputError as exc:
                 raise PlannerInputError(f"request {k}: {exc}") from exc
-        procs = [None if self._chars is None else
-                 PlanLogitsProcessor(PlanGrammar(j.names, j.cap), self._chars,
-                                     self.tokenizer.eos_id, cfg.max_new_tokens) for j in jobs]
+        procs = [self.processor(j) for j in jobs]
         images = [None if j.image is None else
                   torch.from_numpy(j.image.copy()).permute(2, 0, 1).contiguous() for j in jobs]
         toks: list[list[int]] = [[] for _ in jobs]
@@ -134,7 +149,7 @@ class HFPlanBackend:
         for k in range(len(jobs)):
             raw = self.tokenizer.decode(res.tokens[k])
             o = DecodeOutput(raw, res.stop_reasons[k], res.ttft_rows[k], len(res.tokens[k]))
-            if self._chars is None and o.stop_reason != "cancelled":
+            if procs[k] is None and o.stop_reason != "cancelled":
                 try:
                     o.text = reply_to_plan_text(raw)
                 except PlanParseError as exc:

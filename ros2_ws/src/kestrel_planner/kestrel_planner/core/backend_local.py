@@ -1,8 +1,9 @@
 """Backends 'generate' and 'engine': our own VLM (kestrel_models.planner) in this process.
 
 prompt = fixed system prompt + the scene's object names + the instruction, byte tokens; then
-decoding constrained to the plan grammar (constrained.py: only grammar-valid text, targets
-only from the scene). 'generate': generate.py (right-padded batch per call, per-sequence
+decoding constrained to the plan grammar (only grammar-valid text, targets only from the scene)
+by the engine of `grammar_engine`: 'llguidance' (constrained_llg.py, default) or 'automaton'
+(constrained.py). 'generate': generate.py (right-padded batch per call, per-sequence
 positions in the KV cache); 'engine': DecodeEngine (slots over a static KV cache, CUDA-graph
 decode on GPU). Same prompt layout, same outputs. Not thread-safe: one caller at a time.
 """
@@ -22,6 +23,7 @@ from kestrel_models.planner.engine import DecodeEngine
 from kestrel_models.planner.vlm import bigram_state_dict
 from kestrel_planner.core.backend import DecodeJob, DecodeOutput, PlannerInputError
 from kestrel_planner.core.constrained import PlanGrammar, PlanLogitsProcessor
+from kestrel_planner.core.constrained_llg import LLGuidancePlanProcessor, lltokenizer
 from kestrel_planner.core.plan import PlanParseError, parse_plan
 
 if TYPE_CHECKING:
@@ -45,6 +47,7 @@ class LocalVLMBackend:
         self.name = config.backend
         self.config = config
         self.tokenizer = ByteTokenizer()
+        self._lltok = lltokenizer(self.tokenizer) if config.grammar_engine == "llguidance" else None
         cfg = config.model if isinstance(config.model, VLMConfig) else get_config(config.model)
         if cfg.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(f"parameter 'model' vocab_size {cfg.vocab_size} < tokenizer "
@@ -108,11 +111,17 @@ class LocalVLMBackend:
         return t.round().clamp(0, 255).to(torch.uint8)[0]
 
     # ---- decoding --------------------------------------------------------------------------
+    def processor(self, job: DecodeJob) -> LLGuidancePlanProcessor | PlanLogitsProcessor:
+        """The plan-grammar logits processor of one job (engine per `grammar_engine`)."""
+        n = self.config.max_new_tokens
+        if self._lltok is not None:
+            return LLGuidancePlanProcessor(self._lltok, job.names, job.cap, n)
+        return PlanLogitsProcessor.for_tokenizer(PlanGrammar(job.names, job.cap), self.tokenizer, n)
+
     def decode(self, jobs: Sequence[DecodeJob]) -> list[DecodeOutput]:
         cfg = self.config
         prompts = [self.build_prompt(j.instruction, j.names) for j in jobs]
-        procs = [PlanLogitsProcessor.for_tokenizer(PlanGrammar(j.names, j.cap), self.tokenizer,
-                                                   cfg.max_new_tokens) for j in jobs]
+        procs = [self.processor(j) for j in jobs]
         images = [None if j.image is None else self.image_tensor(j.image) for j in jobs]
         streams = [StreamDecoder(self.tokenizer) for _ in jobs]
         counts = [0] * len(jobs)

@@ -10,11 +10,14 @@ max_new_tokens, so the text always reaches `end` before the budget runs out. `ma
 the number of lines.
 
 `PlanLogitsProcessor(prefix_tokens, logits) -> logits` applies it to one sequence's logits for
-a tokenizer whose grammar characters are single tokens (the byte tokenizer). This is written
-by hand because no grammar library is installed here (`pip list`: no xgrammar, outlines or
-llguidance). On machines with one, a maintained grammar engine (e.g. xgrammar/llguidance with
-an EBNF of the same language and the scene's names as alternatives) is the intended
-replacement: it handles multi-character BPE tokens and is faster.
+a tokenizer whose grammar characters are single tokens (the byte tokenizer).
+
+The default engine is now llguidance (constrained_llg.py: the same language as a Lark grammar,
+token masks for any tokenizer incl. multi-character BPE tokens, parameter grammar_engine). This
+automaton stays for two reasons: (1) it is the fallback (grammar_engine: automaton) where the
+llguidance wheel is not available; (2) its `min_chars` is the token-budget check that
+LLGuidancePlanProcessor intersects with llguidance's mask when the budget gets tight (llguidance
+has no notion of "the shortest completion must fit in the tokens left").
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from kestrel_models.planner.remote import RemoteConfig
 from kestrel_planner.core.backend import (BACKENDS, DecodeJob, DecodeOutput, OnToken,
                                           PlanBackend, PlannerInputError)
 from kestrel_planner.core.backend_local import SYSTEM_PROMPT
+from kestrel_planner.core.constrained_llg import GRAMMAR_ENGINES
 from kestrel_planner.core.plan import Plan, PlanParseError, SceneObject, parse_plan
 from kestrel_planner.core.prompting import OUTPUT_FORMATS
 from kestrel_planner.core.skills import NAME_RE
@@ -58,7 +59,10 @@ class PlannerConfig:
     hf_model_path: str = ""  # directory with config.json + weights (save_pretrained)
     hf_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     hf_tokenizer: str = "auto"  # auto (the directory's) | byte (Kestrel's byte tokenizer)
-    hf_grammar: bool = True  # constrain decoding to the plan grammar (single-char tokens)
+    hf_grammar: bool = True  # constrain decoding to the plan grammar (engine: grammar_engine)
+    # plan-grammar engine of the local backends: 'llguidance' (token masks for any tokenizer,
+    # BPE too) | 'automaton' (constrained.py: single-character tokens only)
+    grammar_engine: str = "llguidance"
     remote: RemoteConfig | None = None  # backend 'remote': URL, model, key, timeout, retries
     remote_send_image: bool = True
     remote_response_format: str = "json_schema"  # json_schema | text
@@ -76,6 +80,9 @@ class PlannerConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"parameter 'backend' = {self.backend!r}: must be one of "
                              f"{list(BACKENDS)}")
+        if self.grammar_engine not in GRAMMAR_ENGINES:
+            raise ValueError(f"parameter 'grammar_engine' = {self.grammar_engine!r}: must be one "
+                             f"of {list(GRAMMAR_ENGINES)}")
         if self.backend == "hf":
             self._check_hf()
         if self.backend == "remote" and self.remote is None:
