@@ -26,10 +26,8 @@ reasons, and nothing reaches control.
                hf_dtype: bfloat16                   # auto | float32 | bfloat16 | float16
                device: cuda:0
                hf_tokenizer: auto                   # the directory's tokenizer + chat template
-               hf_grammar: true                     # decode under the plan grammar (any
-                                                    # tokenizer, BPE too, with grammar_engine
-                                                    # llguidance); false = prompt + parser +
-                                                    # validator only
+               hf_grammar: true                     # plan grammar (BPE too, llguidance);
+                                                    # false = prompt + parser + validator
   remote   an OpenAI-compatible chat-completions server serving a large VLM, e.g. vLLM:
                vllm serve Qwen/Qwen2.5-VL-72B-Instruct --tensor-parallel-size 8 \
                    --served-model-name planner --api-key "$PLANNER_KEY"
@@ -42,9 +40,8 @@ reasons, and nothing reaches control.
                remote_max_retries: 2                # on timeouts, connection errors, 429, 5xx
                remote_send_image: true              # the frame as a PNG data URL
                remote_response_format: json_schema  # sends response_format json_schema: vLLM,
-                                                    # SGLang, TensorRT-LLM constrain decoding
-                                                    # server-side; 'text' for servers without
-                                                    # it (they answer HTTP 400 to the field)
+                                                    # SGLang, TensorRT-LLM constrain it;
+                                                    # 'text' where a server answers HTTP 400
            SGLang (`python -m sglang.launch_server ... --port 30000`, base_url .../v1) and
            TensorRT-LLM (`trtllm-serve <model>`) work the same way. No reply after the retries
            -> VALIDATION_ERROR (counted: backend_errors); the node keeps serving.
