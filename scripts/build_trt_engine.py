@@ -2,20 +2,27 @@
 """Offline TensorRT engine build for the perception forward (never done at node start).
 
 Exports the model (fixed head set and shapes) to ONNX, computes the cache key
-(model hash + GPU name + TensorRT version + precision + input shapes) and builds
-CACHE_DIR/perception_<key>.engine unless it exists. Exits with status 2 and a clear message
-where `tensorrt` (or a CUDA GPU) is absent.
+(model hash + head set [+ calibration data hash for int8] + GPU name + TensorRT version +
+precision + input shapes) and builds CACHE_DIR/perception_<key>.engine unless it exists, printing
+TensorRT's optimizer phases as it goes. Exits with status 2 and a clear message where
+`tensorrt` (or a CUDA GPU) is absent.
 
   python scripts/build_trt_engine.py --weights W.pt --config r50 --cameras 6 --precision fp16
+  python scripts/build_trt_engine.py --weights W.pt --precision int8 \
+      --calib-images frames.npy      # uint8 [N, cameras, 3, H, W]: N calibration batches
+INT8 = INT8 with FP16 fallback, calibrated by TensorRT's entropy calibrator on the given
+frames (use a few hundred real ones); the calibration cache is kept next to the engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +50,22 @@ def main() -> int:
     ap.add_argument("--image-hw", type=int, nargs=2, default=(640, 640))
     ap.add_argument("--precision", choices=PRECISIONS, default="fp16")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "kestrel" / "trt"))
+    ap.add_argument("--calib-images", default="",
+                    help="int8: .npy of uint8 [N, cameras, 3, H, W] calibration frames")
     args = ap.parse_args()
+    calib = None
+    if args.precision == "int8":
+        if not args.calib_images:
+            print("[build_trt_engine] parameter 'precision' = 'int8' needs --calib-images",
+                  file=sys.stderr)
+            return 2
+        calib = np.load(args.calib_images, mmap_mode="r")
+        want = (args.cameras, 3, *args.image_hw)
+        if calib.dtype != np.uint8 or calib.ndim != 5 or tuple(calib.shape[1:]) != want:
+            print(f"[build_trt_engine] parameter 'calib_images' = {args.calib_images!r}: need "
+                  f"uint8 [N, {', '.join(map(str, want))}], got {calib.dtype} "
+                  f"{tuple(calib.shape)}", file=sys.stderr)
+            return 2
     try:
         trt_version = tensorrt_version()
     except TensorRTUnavailableError as exc:
@@ -57,7 +79,10 @@ def main() -> int:
     if args.weights:
         model.load_state_dict(torch.load(args.weights, map_location="cpu", weights_only=True))
     shapes = {"images": (args.cameras, 3, *args.image_hw)}
-    key = engine_cache_key(model_hash(model), torch.cuda.get_device_name(), trt_version,
+    identity = model_hash(model) + "|heads=" + ",".join(sorted(args.heads))
+    if calib is not None:
+        identity += "|calib=" + hashlib.sha256(np.ascontiguousarray(calib).data).hexdigest()
+    key = engine_cache_key(identity, torch.cuda.get_device_name(), trt_version,
                            args.precision, shapes)
     out = engine_path(args.cache_dir, key)
     if out.is_file():
@@ -66,7 +91,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         onnx_path = Path(tmp) / "perception.onnx"
         export_onnx(model, onnx_path, frozenset(args.heads), tuple(args.image_hw), args.cameras)
-        build_engine(onnx_path, out, args.precision)
+        batches = None if calib is None else ({"images": np.asarray(c)} for c in calib)
+        build_engine(onnx_path, out, args.precision, calibration=batches,
+                     calibration_cache=out.with_suffix(".calib") if calib is not None else None)
     print(f"[build_trt_engine] built {out} (key {key})")
     return 0
 
