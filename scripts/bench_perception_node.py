@@ -260,7 +260,11 @@ def summarise(rows: list[dict], stamps: list[int], pub_s: list[float]) -> dict:
         for k, v in r["timings"].items():
             stages.setdefault(k, []).append(v * 1e3)
     node_lat = [r["node_latency_s"] * 1e3 for r in got]
+    # e2e = input transport (the node's input_age) + node + result transport (the rest)
+    out_tr = [(r["recv_ns"] - r["stamp_ns"]) / 1e6 - r["node_latency_s"] * 1e3
+              - r["timings"]["input_age"] * 1e3 for r in got if "input_age" in r["timings"]]
     return {
+        "result_transport_ms": {"p50": pct(out_tr, 50), "p99": pct(out_tr, 99)},
         "frames_published": len(stamps), "results": len(got),
         "dropped": len(sent) - len(answered),
         "dropped_frame_indices": [i for i, s in enumerate(stamps) if s not in answered][:100],
@@ -305,7 +309,11 @@ def markdown(res: dict) -> str:
                  f"{k} {v['p50']:.2f} / {v['p99']:.2f}" for k, v in st.items())
              + f"; node receipt of the last message -> publish {s['node_latency_ms']['p50']:.2f}"
              f" / {s['node_latency_ms']['p99']:.2f}; publishing one input set "
-             f"{s['publish_set_ms']['p50']:.2f} / {s['publish_set_ms']['p99']:.2f}.", "",
+             f"{s['publish_set_ms']['p50']:.2f} / {s['publish_set_ms']['p99']:.2f}; end to end "
+             "= input_age (stamp -> node's receipt of the last input) + node + result "
+             "transport (publish -> sink receipt) "
+             f"{s.get('result_transport_ms', {}).get('p50', float('nan')):.2f} / "
+             f"{s.get('result_transport_ms', {}).get('p99', float('nan')):.2f}.", "",
              "Node counters during the publisher run (its untimed frames included): "
              + ", ".join(
                  f"{k[5:-11]} {v}" for k, v in s.items() if k.endswith("_during_run"))

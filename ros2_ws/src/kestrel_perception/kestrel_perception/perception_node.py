@@ -356,6 +356,10 @@ class PerceptionNode(KestrelLifecycleNode):
         t_build = time.monotonic()
         extra = {f"{k}_host": v for k, v in out.host_timings.items()}
         extra["wait"] = t_start - s.newest_recv_s
+        # input_age: age of the set (node clock - header stamp) when its last message arrived
+        # = publish + DDS + deserialisation of the inputs, as seen by this node
+        extra["input_age"] = ((self.get_clock().now().nanoseconds - s.stamp_ns) * 1e-9
+                              - (time.monotonic() - s.newest_recv_s))
         msg = self._builder.build(s.stamp_ns, [img.stamp_ns for img in s.images], cams, out,
                                   extra)
         build = time.monotonic() - t_build
