@@ -217,8 +217,11 @@ def test_sim_time_observation_age_uses_clock_topic(launch_node, probe, loop_mode
             assert 1000e9 < stamp_to_ns(msg.header.stamp) <= sim_ns[0]  # node clock = /clock
             np.testing.assert_array_less(np.abs(q[:5] - Q[:5]), SCALE + 1e-9)
         s = _wait_stats(stats, lambda s: s.cycles_total > 500)
-        # Fresh most of the time (a loaded CPU can delay a joint state past max_obs_age).
-        assert s.stale_inputs < 0.3 * s.cycles_total, s
+        # Ages taken against wall time would make EVERY cycle stale (sim stamps start at
+        # 1000 s). Against /clock most cycles are fresh, but how many depends on the load: a
+        # loaded 2-core CI machine once delayed joint states against /clock for 33 % of the
+        # cycles (stale is counted, never fatal), so the bound separates the two cases only.
+        assert s.stale_inputs < 0.8 * s.cycles_total, s
     finally:
         source.close()
 
