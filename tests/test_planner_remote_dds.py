@@ -150,10 +150,13 @@ def run_scenario(node, probe, client, stub: StubProcess) -> None:
         _, res = send(client, PlanTask.Goal(instruction="put it in the bin again"))
         assert res.result.validation_status == R.VALIDATION_ACCEPTED
 
-    msgs = diag.wait_for(lambda m: diagnostics_values(m, "planner").get("backend_errors") == "1")
+    # The counters reach /diagnostics at its period (0.2 s) after the last goal: wait for the
+    # final values, not just for the first of them (that raced with the last accepted goal).
+    final = {"backend_errors": "1", "goals_accepted": "2", "goals_rejected": "5"}
+    msgs = diag.wait_for(lambda m: all(diagnostics_values(m, "planner").get(k) == v
+                                       for k, v in final.items()))
     values = diagnostics_values(msgs, "planner")
-    assert values.get("backend_errors") == "1", values
-    assert int(values["goals_accepted"]) == 2 and int(values["goals_rejected"]) == 5
+    assert all(values.get(k) == v for k, v in final.items()), values
     assert int(values["plans_unparsed"]) == 2
     reqs = stub.requests()
     assert len(reqs) == 9  # 8 goals, 'fail' tried twice
