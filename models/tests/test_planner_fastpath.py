@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import tiny_planner as tp
 
-from kestrel_models.planner import VisionLanguageModel, get_config
+from kestrel_models.planner import VisionLanguageModel
 from kestrel_models.planner.attention_policy import (AttentionPolicy, attend_gathered,
                                                      h2o_select, local_global_index)
 from kestrel_models.planner.engine import DecodeEngine
@@ -19,29 +20,13 @@ EOS = 257
 
 @pytest.fixture(scope="module")
 def model() -> VisionLanguageModel:
-    torch.manual_seed(0)
-    m = VisionLanguageModel(get_config("tiny")).eval()
-    with torch.no_grad():  # sharpen: greedy text varies from token to token
-        for p in m.parameters():
-            if p.ndim >= 2:
-                p.mul_(30.0)
-    return m
-
-
-def _prompts(seed: int = 3, lens: tuple[int, ...] = (7, 12, 3)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
-
-
-def _img(seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=g)
+    return tp.sharp_tiny()
 
 
 def test_decode_step_equals_forward(model: VisionLanguageModel) -> None:
     """KVModel.decode (the compiled unit) == forward() with S = 1, for 3 rows at 3 positions."""
     kv = KVModel(model, 3, 128)
-    toks = torch.tensor(_prompts(lens=(9, 9, 9)))
+    toks = torch.tensor(tp.prompts(lens=(9, 9, 9)))
     x = kv.embed_tokens(toks)
     kv.forward(x, torch.zeros(3, dtype=torch.long), slice(0, 3), 9)
     ref_kv = KVModel(model, 3, 128)
@@ -56,7 +41,7 @@ def test_decode_step_equals_forward(model: VisionLanguageModel) -> None:
 
 
 def test_multi_step_replay_equals_single_step(model: VisionLanguageModel) -> None:
-    prompts = _prompts(11)
+    prompts = tp.prompts(11)
     single = DecodeEngine(model, 4, 256, EOS).generate(prompts, 21)
     # An <eos> that row 0 emits at its 6th token: every engine must stop that row there.
     eos = single.tokens[0][5]
@@ -83,17 +68,17 @@ def test_multi_step_replay_equals_single_step(model: VisionLanguageModel) -> Non
 
 def test_batched_prefill_is_one_pass_and_equals_one_by_one(
         model: VisionLanguageModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    prompts = _prompts(5, (5, 19, 2, 8))
+    prompts = tp.prompts(5, (5, 19, 2, 8))
     eng = DecodeEngine(model, 4, 256, EOS)
     calls: list[int] = []
     orig = eng._prefill_body
     monkeypatch.setattr(eng, "_prefill_body",
                         lambda s0, n, *a: calls.append(n) or orig(s0, n, *a))
-    reqs = [eng.submit(p, 12, _img(i)) for i, p in enumerate(prompts)]
+    reqs = [eng.submit(p, 12, tp.image(i)) for i, p in enumerate(prompts)]
     eng.run()
     assert calls == [4]  # one padded batch for the four joins
     for i, (p, r) in enumerate(zip(prompts, reqs, strict=True)):
-        alone = DecodeEngine(model, 1, 256, EOS).generate([p], 12, images=[_img(i)])
+        alone = DecodeEngine(model, 1, 256, EOS).generate([p], 12, images=[tp.image(i)])
         assert r.tokens == alone.tokens[0]
 
 
@@ -144,10 +129,10 @@ def test_h2o_select_keeps_recent_and_heaviest_alive() -> None:
                                     AttentionPolicy("h2o", budget=512, recent=16)])
 def test_policy_exact_when_budget_covers_sequence(model: VisionLanguageModel,
                                                   policy: AttentionPolicy) -> None:
-    prompts = _prompts(7)
-    dense = DecodeEngine(model, 4, 256, EOS).generate(prompts, 24, images=[_img(), None, None])
+    prompts = tp.prompts(7)
+    dense = DecodeEngine(model, 4, 256, EOS).generate(prompts, 24, images=[tp.image(), None, None])
     got = DecodeEngine(model, 4, 256, EOS, attention=policy).generate(
-        prompts, 24, images=[_img(), None, None])
+        prompts, 24, images=[tp.image(), None, None])
     assert got.tokens == dense.tokens
 
 
@@ -157,7 +142,7 @@ def test_policy_small_budget_changes_output_boundedly(model: VisionLanguageModel
                                                       policy: AttentionPolicy) -> None:
     """A tight key budget: the step runs on `keys` keys only, the first tokens (inside the
     budget) are unchanged, and H2O holds at most `budget` alive keys per (row, head)."""
-    prompt = _prompts(8, (6,))
+    prompt = tp.prompts(8, (6,))
     dense = DecodeEngine(model, 1, 256, EOS).generate(prompt, 40).tokens[0]
     eng = DecodeEngine(model, 1, 256, EOS, attention=policy)
     got = eng.generate(prompt, 40).tokens[0]
@@ -192,14 +177,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.mark.gpu
 @gpu
 def test_graphed_paths_equal_eager_on_gpu() -> None:
-    torch.manual_seed(0)
-    m = VisionLanguageModel(get_config("tiny")).cuda().eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.ndim >= 2:
-                p.mul_(30.0)
-    prompts = _prompts()
-    imgs = [_img().cuda(), None, None]
+    m = tp.sharp_tiny("cuda")
+    prompts = tp.prompts()
+    imgs = [tp.image(device="cuda"), None, None]
     eager = DecodeEngine(m, 4, 256, EOS, cuda_graph=False, decode_attention="grouped",
                          mlp="inductor").generate(prompts, 24, images=imgs)  # not 'auto'
     for kw in (dict(), dict(steps_per_replay=4), dict(compile_step=True, steps_per_replay=4)):

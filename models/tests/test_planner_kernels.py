@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import tiny_planner as tp
 import torch.nn.functional as F
 
-from kestrel_models.planner import VisionLanguageModel, get_config
+from kestrel_models.planner import VisionLanguageModel
 from kestrel_models.planner.engine import DecodeEngine
 from kestrel_models.planner.engine_request import two_stage_argmax
 from kestrel_models.planner.kvmodel import KVModel, cublas_linear, parse_gemv
@@ -20,29 +21,9 @@ OPTIONS = [dict(gemv="cublas"), dict(gemv="cublas:w2,lm_head"), dict(decode_atte
            dict(gemv="cublas", decode_attention="sdpa", greedy="two_stage", steps_per_replay=4)]
 
 
-def _sharp_tiny(device: str = "cpu") -> VisionLanguageModel:
-    torch.manual_seed(0)
-    m = VisionLanguageModel(get_config("tiny")).to(device).eval()
-    with torch.no_grad():  # sharpen: greedy text varies from token to token
-        for p in m.parameters():
-            if p.ndim >= 2:
-                p.mul_(30.0)
-    return m
-
-
 @pytest.fixture(scope="module")
 def model() -> VisionLanguageModel:
-    return _sharp_tiny()
-
-
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 12, 3)]
-
-
-def _img(device: str = "cpu") -> torch.Tensor:
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=g).to(device)
+    return tp.sharp_tiny()
 
 
 def test_cublas_linear_is_f_linear_and_a_valid_custom_op() -> None:
@@ -83,7 +64,7 @@ def test_two_stage_argmax_equals_argmax_with_ties() -> None:
 
 @pytest.mark.parametrize("kw", OPTIONS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_option_gives_the_default_engines_tokens(model: VisionLanguageModel, kw: dict) -> None:
-    prompts, imgs = _prompts(), [_img(), None, None]
+    prompts, imgs = tp.prompts(), [tp.image(), None, None]
     want = DecodeEngine(model, 4, 256, EOS).generate(prompts, 24, images=imgs)
     got = DecodeEngine(model, 4, 256, EOS, **kw).generate(prompts, 24, images=imgs)
     assert got.tokens == want.tokens
@@ -94,7 +75,7 @@ def test_option_gives_the_default_engines_tokens(model: VisionLanguageModel, kw:
 def test_decode_step_traces_as_one_graph_with_the_options(model: VisionLanguageModel) -> None:
     """torch.compile (fullgraph, no graph break: the custom op's fake impl is used for
     tracing) of KVModel.decode with every option equals the eager default step."""
-    toks = torch.tensor([_prompts()[1][:9]] * 2)
+    toks = torch.tensor([tp.prompts()[1][:9]] * 2)
     pos = torch.tensor([9, 9])
     ref = KVModel(model, 2, 128)
     kv = KVModel(model, 2, 128, gemv="cublas", decode_attention="sdpa")
@@ -125,8 +106,8 @@ def test_options_equal_eager_on_gpu() -> None:
     """fp32 on CUDA: every option in the CUDA-graphed engine, and all of them together in the
     compiled whole step (coordinate-descent tuning on: the default linears would be
     decomposed, the custom op's stay cuBLAS) with 4 steps per replay, give the eager tokens."""
-    m = _sharp_tiny("cuda")
-    prompts, imgs = _prompts(), [_img("cuda"), None, None]
+    m = tp.sharp_tiny("cuda")
+    prompts, imgs = tp.prompts(), [tp.image(device="cuda"), None, None]
     eager = DecodeEngine(m, 4, 256, EOS, cuda_graph=False, decode_attention="grouped",
                          mlp="inductor").generate(prompts, 24, images=imgs)  # not 'auto'
     for kw in OPTIONS:

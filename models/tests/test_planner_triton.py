@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import tiny_planner as tp
 import torch.nn.functional as F
 
-from kestrel_models.planner import VisionLanguageModel, get_config
+from kestrel_models.planner import VisionLanguageModel
 from kestrel_models.planner import triton_decode as td
 from kestrel_models.planner.engine import DecodeEngine
 from kestrel_models.planner.kvmodel import (AUTO_CUDA, KVModel, _attn_grouped, _rope_real,
@@ -32,29 +33,9 @@ OPTIONS = [dict(decode_attention="triton"), dict(decode_attention="triton_split"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _sharp_tiny(device: str = "cpu") -> VisionLanguageModel:
-    torch.manual_seed(0)
-    m = VisionLanguageModel(get_config("tiny")).to(device).eval()
-    with torch.no_grad():  # sharpen: greedy text varies from token to token
-        for p in m.parameters():
-            if p.ndim >= 2:
-                p.mul_(30.0)
-    return m
-
-
 @pytest.fixture(scope="module")
 def model() -> VisionLanguageModel:
-    return _sharp_tiny()
-
-
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 12, 3)]
-
-
-def _img(device: str = "cpu") -> torch.Tensor:
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=g).to(device)
+    return tp.sharp_tiny()
 
 
 def _attn_case(b: int, h: int, hkv: int, hd: int, L: int, dtype: torch.dtype, device: str,
@@ -166,7 +147,7 @@ def test_gemv_ops_cpu_values() -> None:
 
 @pytest.mark.parametrize("kw", OPTIONS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_option_gives_the_default_engines_tokens(model: VisionLanguageModel, kw: dict) -> None:
-    prompts, imgs = _prompts(), [_img(), None, None]
+    prompts, imgs = tp.prompts(), [tp.image(), None, None]
     want = DecodeEngine(model, 4, 256, EOS, cuda_graph=False, **TORCH).generate(
         prompts, 24, images=imgs)
     got = DecodeEngine(model, 4, 256, EOS, **kw).generate(prompts, 24, images=imgs)
@@ -179,7 +160,7 @@ def test_decode_step_traces_as_one_graph_with_the_triton_ops(model: VisionLangua
     """torch.compile(fullgraph) of KVModel.decode with the Triton options (CPU: the ops' torch
     path) equals the eager default step: no graph break, the ops trace. Under inference_mode,
     as the engine runs it (the ops have no autograd formula: decode-only kernels)."""
-    toks = torch.tensor([_prompts()[1][:9]] * 2)
+    toks = torch.tensor([tp.prompts()[1][:9]] * 2)
     pos = torch.tensor([9, 5])
     ref = KVModel(model, 2, 128)
     kvs = [KVModel(model, 2, 128, decode_attention="triton_split", mlp="triton"),
@@ -315,8 +296,8 @@ def test_compiled_triton_engine_equals_eager_on_gpu() -> None:
     + Triton w_down), graphed without compile and compiled with 4 steps per replay, and the
     compiled step with Triton attention (split) + the Triton MLP, give the eager torch-path
     engine's tokens."""
-    m = _sharp_tiny("cuda")
-    prompts, imgs = _prompts(), [_img("cuda"), None, None]
+    m = tp.sharp_tiny("cuda")
+    prompts, imgs = tp.prompts(), [tp.image(device="cuda"), None, None]
     eager = DecodeEngine(m, 4, 256, EOS, cuda_graph=False, **TORCH).generate(prompts, 24,
                                                                              images=imgs)
     auto = DecodeEngine(m, 4, 256, EOS)
