@@ -199,6 +199,12 @@ def tail_pattern(lat: np.ndarray, wake: np.ndarray, rate: float) -> dict:
                      else None}
     worst = np.argsort(wake)[-10:][::-1]
     out["latest_wakes"] = [[int(i), float(wake[i]) * 1e6] for i in worst]
+    # A once-a-second disturbance (a thread's 1 s timeout) puts the slow steps in one 100 ms
+    # bin of the cycle index modulo 1 s; spread evenly, each bin holds ~10 %.
+    slow = np.flatnonzero(lat > np.percentile(lat, 99.9))
+    per_s = max(1, int(round(rate)))
+    bins = np.bincount((slow % per_s) * 10 // per_s, minlength=10)
+    out["slowest_0.1pct_by_phase_of_1s"] = [int(b) for b in bins]
     return out
 
 
@@ -372,6 +378,11 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
             "rt_settings": applied, "gil_switch_interval_us": args.gil_switch_us,
             "tail": tail_pattern(lat, wake, rate),
         }
+        if args.out:  # per-cycle trace for offline analysis of the tail (float32 us)
+            np.savez_compressed(Path(args.out).with_suffix("").as_posix()
+                                + f"_trace_{backend}_{mode}.npz",
+                                wake_us=(wake * 1e6).astype(np.float32),
+                                step_us=(lat * 1e6).astype(np.float32))
         if proc is not None:
             out["child_pid"] = info["pid"]
             out["commands_coalesced"] = proc.coalesced

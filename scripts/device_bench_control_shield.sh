@@ -8,7 +8,10 @@
 #    process-mode cuda_graph loop with ROS I/O live for CYCLES (default 100,000) cycles at
 #    spin_us 950 (SHIELD_IRQS='' to leave interrupts alone); interrupts, steal time landing on the loop CPU during the run and cgroup throttling are
 #    recorded beside the bench JSON.
-# Writes $OUT/{probe.txt,control_graph_profile_h200.json,shield.json,control_h200_shield.json,...}.
+# Options (env): LOOPS (bench_control --loops; default the cuda_graph entry above), BACKENDS
+# (phase-1 step backends, default cuda_graph), NAME (result file stem, default
+# control_h200_shield), SKIP_PROFILE=1, CYCLES.
+# Writes $OUT/{probe.txt,control_graph_profile_h200.json,shield.json,$NAME.json,...}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -42,10 +45,12 @@ echo "loop cpu $LOOP, publisher cpus $PUB, node cpus $NODE" | tee -a "$OUT/probe
 "$KPY" -m kestrel_control.core.cpu_shield --cpus "$LOOP" ${SHIELD_IRQS---irqs} | tee "$OUT/shield.json"
 STEAL0=$(awk -v c="cpu$LOOP" '$1==c{print $9}' /proc/stat)
 IRQ0=$("$KPY" -c "from kestrel_control.core.cpu_shield import irq_counts;print(irq_counts().get($LOOP,0))")
-timeout 300 "$KPY" scripts/bench_control.py --loops-first --backends cuda_graph \
-  --step-iters 2000 --loops "cuda_graph@1000:${CYCLES:-100000}:process" --spin-us 950 \
+NAME="${NAME:-control_h200_shield}"
+timeout "${BENCH_TIMEOUT:-300}" "$KPY" scripts/bench_control.py --loops-first \
+  --backends "${BACKENDS:-cuda_graph}" --step-iters 2000 \
+  --loops "${LOOPS:-cuda_graph@1000:${CYCLES:-100000}:process}" --spin-us 950 \
   --loop-cpus "$LOOP" --publisher-cpus "$PUB" --node-cpus "$NODE" --rt-priority 80 \
-  --label "H200 shielded loop cpu" --commit "$COMMIT" --out "$OUT/control_h200_shield.json" \
+  --label "H200 shielded loop cpu" --commit "$COMMIT" --out "$OUT/$NAME.json" \
   --note "process mode; loop on CPU $LOOP (fewest interrupts, every other task moved off it: $(tr -d '\n' < "$OUT/shield.json")), node on $NODE, publisher on $PUB; --spin-us 950" \
   2>&1 | tail -30 | tee "$OUT/bench_shield.txt"
 IRQ1=$("$KPY" -c "from kestrel_control.core.cpu_shield import irq_counts;print(irq_counts().get($LOOP,0))")

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Where the CUDA-graph policy step's time goes (a profile, not a test): for each backend, the
 kernels and copies inside one replay (torch.profiler over `--iters` steps: count and GPU us per
-step) and the host-timed backend step (replay + poll) percentiles. GPU only.
+step), the host-timed backend step (replay + poll) percentiles and, as a sanity check, the
+largest |action - fp32 eager CPU| over 200 recurrent steps on random observations. GPU only.
 
-  python scripts/profile_control_graph.py --backends cuda_graph,cuda_graph_compiled \
+  python scripts/profile_control_graph.py --backends cuda_graph,cuda_graph_triton \
       --out docs/benchmarks/control_graph_profile_h200.json
 """
 
@@ -23,10 +24,31 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
 import bench_control as bc  # noqa: E402 (puts models/ and kestrel_control on sys.path)
+from kestrel_models.control.policy import PolicyConfig, build_policy  # noqa: E402
+
+
+def max_diff_vs_eager(backend, steps: int = 200) -> float:
+    """Largest |actions - fp32 eager CPU ActorCritic.step| over `steps` recurrent steps (the
+    runner's seed-0 reference policy; random observations, state carried)."""
+    model = build_policy(PolicyConfig(), seed=0)
+    gen = torch.Generator().manual_seed(0)
+    h, c = model.initial_state(backend.batch, "cpu")
+    backend.reset_state()
+    worst = 0.0
+    with torch.no_grad():
+        for _ in range(steps):
+            x = torch.randn(backend.batch, backend.policy.obs_dim, generator=gen)
+            backend.obs_host.copy_(x)
+            backend.step()
+            a, _, h, c = model.step(x, h, c)
+            worst = max(worst, (backend.act_host - a).abs().max().item())
+    backend.reset_state()
+    return worst
 
 
 def profile_backend(name: str, iters: int, cache: str) -> dict:
     runner = bc.make_runner(name, cache)
+    diff = max_diff_vs_eager(runner.backend)
     step = runner.backend.step
     for _ in range(200):
         step()
@@ -51,7 +73,8 @@ def profile_backend(name: str, iters: int, cache: str) -> dict:
                   key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
     count = sum(r[1] for r in rows)
-    return {"backend_step_us": bc.pct(times), "gpu_us_per_step": total,
+    return {"backend_step_us": bc.pct(times), "max_abs_diff_vs_fp32_eager": diff,
+            "gpu_us_per_step": total,
             "gpu_ops_per_step": count,
             "ops": [{"name": k[:90], "per_step": c, "us_per_step": us} for k, c, us in rows]}
 
@@ -111,7 +134,8 @@ def main() -> int:
             result["backends"][name] = r
             s = r["backend_step_us"]
             print(f"## {name}: step p50 {s['p50']:.1f} p99 {s['p99']:.1f} p99.9 {s['p999']:.1f}"
-                  f" us; GPU {r['gpu_us_per_step']:.1f} us in {r['gpu_ops_per_step']:.0f} ops")
+                  f" us; GPU {r['gpu_us_per_step']:.1f} us in {r['gpu_ops_per_step']:.0f} ops; "
+                  f"max |diff| vs fp32 eager {r['max_abs_diff_vs_fp32_eager']:.1e}", flush=True)
             for op in r["ops"][:25]:
                 print(f"  {op['per_step']:4.1f} x {op['us_per_step']:7.2f} us  {op['name']}")
     if args.out:

@@ -28,6 +28,10 @@ Backends (`BACKENDS`; `create_backend(name, policy, batch)`):
                        the default, kept as a measured variant; its GPU equivalence test passes
                        on the H200: the earlier failure was the test's own clamp-count
                        threshold, 8 clamps seen vs > 10 expected, not the backend)
+  cuda_graph_triton    the step as ~4 fused Triton kernels (one per encoder layer with the
+                       previous LayerNorm+ELU in its prologue, one LSTM cell, heads + the
+                       command post-processing) between one H2D and one D2H copy, in one CUDA
+                       graph (triton_step.py; triton optional: BackendUnavailable without it)
   cuda_compile         torch.compile default mode on the GPU
   cuda_compile_graphs  torch.compile mode="reduce-overhead" (inductor + CUDA graph trees)
   onnxruntime          the step exported to ONNX (states as extra I/O), CPU execution provider,
@@ -53,11 +57,12 @@ from torch import nn
 from kestrel_models.control.policy import ActorCritic
 
 BACKENDS = ("cpu_eager", "cpu_int8", "cpu_compile", "cuda_eager", "cuda_graph",
-            "cuda_graph_compiled", "cuda_compile", "cuda_compile_graphs", "onnxruntime",
-            "tensorrt")
-CUDA_BACKENDS = ("cuda_eager", "cuda_graph", "cuda_graph_compiled", "cuda_compile",
-                 "cuda_compile_graphs")
-POST_BACKENDS = ("cuda_graph_compiled",)  # run the command post-processing in the graph
+            "cuda_graph_compiled", "cuda_graph_triton", "cuda_compile", "cuda_compile_graphs",
+            "onnxruntime", "tensorrt")
+CUDA_BACKENDS = ("cuda_eager", "cuda_graph", "cuda_graph_compiled", "cuda_graph_triton",
+                 "cuda_compile", "cuda_compile_graphs")
+# run the command post-processing in the graph
+POST_BACKENDS = ("cuda_graph_compiled", "cuda_graph_triton")
 
 
 class BackendUnavailable(ValueError):
@@ -380,6 +385,10 @@ def check_backend(name: str) -> None:
         raise ValueError(f"parameter 'backend' = {name!r}: must be one of {BACKENDS}")
     if name in CUDA_BACKENDS and not torch.cuda.is_available():
         raise BackendUnavailable(f"parameter 'backend' = {name!r}: CUDA is not available")
+    if name == "cuda_graph_triton":
+        from kestrel_models.control.triton_step import check_triton
+
+        check_triton()
     if name == "tensorrt":
         try:
             import tensorrt  # noqa: F401
@@ -417,6 +426,10 @@ def create_backend(name: str, policy: StepPolicy, batch: int = 1, *, cache_dir: 
         if policy.fused_module is not None:
             policy.fused_module.cuda()
         backend = CudaGraphBackend(policy, batch)
+    elif name == "cuda_graph_triton":
+        from kestrel_models.control.triton_step import TritonGraphBackend
+
+        backend = TritonGraphBackend(policy, batch, post=post)
     elif name == "cuda_graph_compiled":
         policy.module.cuda()
         fn = torch.compile(policy.module, dynamic=False)  # inductor; graphs: ours, below

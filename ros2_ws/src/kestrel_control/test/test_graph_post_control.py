@@ -1,4 +1,5 @@
-"""PolicyRunner on cuda_graph_compiled (command clamp + finite check inside the CUDA graph):
+"""PolicyRunner on cuda_graph_compiled / cuda_graph_triton (command clamp + finite check inside
+the CUDA graph):
 its commands equal the host formula applied to its own actions (float32 rounding), and against
 cpu_eager (host post-processing) the statuses and safety counters are the same and the commands
 agree within the backends' numeric tolerance, through clamping, a NaN observation and
@@ -30,8 +31,9 @@ def _runner(backend: str) -> tuple[PolicyRunner, SafetyCounters]:
     return PolicyRunner(cfg, counters=counters), counters
 
 
-def test_in_graph_post_processing_equals_the_host_path() -> None:
-    runners = [_runner("cpu_eager"), _runner("cuda_graph_compiled")]
+@pytest.mark.parametrize("backend", ["cuda_graph_compiled", "cuda_graph_triton"])
+def test_in_graph_post_processing_equals_the_host_path(backend: str) -> None:
+    runners = [_runner("cpu_eager"), _runner(backend), _runner("cuda_graph")]
     rng = np.random.default_rng(0)
     for k in range(40):
         js = np.stack([rng.uniform(-1, 1, 6), rng.uniform(-0.5, 0.5, 6)])
@@ -43,8 +45,8 @@ def test_in_graph_post_processing_equals_the_host_path() -> None:
             runner.joint_states.write(js, 1_000_000_000)
             command, info = runner.step(1_000_000_000 + 2_000_000)
             outs.append((command.copy(), info.status, info.valid))
-        (c0, s0, v0), (c1, s1, v1) = outs
-        assert s0 == s1 and v0 == v1, k
+        (c0, s0, v0), (c1, s1, v1), (c2, s2, v2) = outs
+        assert s0 == s1 == s2 and v0 == v1 == v2, k
         if k == 10:
             assert s0 is SafetyStatus.NONFINITE_OBS
             continue
@@ -54,8 +56,9 @@ def test_in_graph_post_processing_equals_the_host_path() -> None:
         # cpu_eager vs the compiled CUDA step: actions within the backends' 1e-4 tolerance per
         # step, compounded through the recurrent state over the ticks; x action_scale 0.2.
         np.testing.assert_allclose(c1, c0, atol=5e-4, rtol=0)
+        np.testing.assert_allclose(c1, c2, atol=5e-4, rtol=0)  # cuda_graph: host post
         assert np.all(c1 >= LOWER) and np.all(c1 <= UPPER)
-    (_, a), (_, b) = runners
+    (_, a), (_, b), (_, c) = runners
     # The seeded tiny policy clamps joint 5 on 8 of the 40 ticks (H200); the point is that
-    # clamping happens and is counted identically on both paths.
-    assert a == b and a.clamped_actions >= 5 and a.rejected_nonfinite == 1
+    # clamping happens and is counted identically on every path.
+    assert a == b == c and a.clamped_actions >= 5 and a.rejected_nonfinite == 1

@@ -126,13 +126,19 @@ class _Robot:
                                  f"{shape}")
         self.joint_states = buffers[0]  # [positions rad; velocities rad/s]
         self.target = buffers[1]  # joint position target, rad
-        self.js = np.zeros((2, n))
-        self.pos, self.vel = self.js[0], self.js[1]  # views, [n]
-        self.target_now = np.zeros(n)
+        # [3, n]: positions rad, velocities rad/s, target rad: the obs row's first 3n values in
+        # the same order, so one finite check and one copy cover all three
+        self.inputs = np.zeros((3, n))
+        self.inputs_flat = self.inputs.reshape(-1)  # [3n] view (the finite check)
+        self.js = self.inputs[:2]  # [2, n] view: what the joint-state buffer is read into
+        self.pos, self.vel, self.target_now = self.inputs  # views, [n] each
         self.proposed = np.zeros(n)
         self.info = StepInfo()
         self.obs, self.act = obs_row, act_row  # views into the backend's static buffers
+        self.obs_inputs = obs_row[:3 * n].reshape(3, n)  # view: [pos | vel | target] float32
+        self.prev_act = obs_row[3 * n:3 * n + act_row.shape[0]]  # view: previous action
         self.act_n = act_row[:n]
+        self.zeros_a = np.zeros(act_row.shape[0], dtype=act_row.dtype)  # finite check of act
 
 
 class PolicyRunner:
@@ -179,6 +185,7 @@ class PolicyRunner:
         self._last_step_s = 0.0
         self._ready = [False] * self.num_robots  # per tick: robot has a fresh, finite obs
         self._infos = [r.info for r in self.robots]
+        self._compensate = bool(config.latency_compensation)
         self.warmup(config.warmup_steps)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -226,21 +233,17 @@ class PolicyRunner:
         robot.target.read_into(robot.target_now)
         age = (now_ns - stamp) * 1e-9
         info.obs_age_s = age
-        status = robot.safety.check_observation(robot.js, age)
-        if status is SafetyStatus.OK:
-            status = robot.safety.check_observation(robot.target_now, 0.0)
+        # one check: stale (counted), else any NaN/inf in positions, velocities or the target
+        status = robot.safety.check_observation(robot.inputs_flat, age)
         if status is not SafetyStatus.OK:
             info.status = status
             info.valid = robot.safety.hold(self.commands[index], robot.pos)
             return False
-        if self.config.latency_compensation:
+        if self._compensate:
             ahead = min(max(age, 0.0) + self.compute_latency_s, robot.safety.max_obs_age_s)
             robot.pos += robot.vel * ahead  # linear prediction, in place (robot.js is a copy)
             info.predicted_s = ahead
-        obs, n = robot.obs, self.num_joints
-        obs[:n] = robot.pos
-        obs[self._o_vel:self._o_tgt] = robot.vel
-        obs[self._o_tgt:self._o_act] = robot.target_now
+        np.copyto(robot.obs_inputs, robot.inputs)  # obs[:3n] = [pos | vel | target], float32
         # obs[3n : 3n + A] already holds the previous action (written below / by reset).
         return True
 
@@ -252,12 +255,12 @@ class PolicyRunner:
         np.tanh(robot.act_n, out=robot.proposed)
         robot.proposed *= self.config.action_scale
         robot.proposed += robot.pos
-        if not math.isfinite(float(robot.act.sum())):  # NaN/inf in any action: rejected below
+        if not math.isfinite(robot.act.dot(robot.zeros_a)):  # a NaN/inf action: rejected below
             robot.proposed.fill(math.nan)
         command = self.commands[index]
         status = robot.safety.filter_command(command, robot.proposed, robot.pos)
         if status is SafetyStatus.OK:
-            robot.obs[self._o_act:self._o_act + self.num_actions] = robot.act
+            np.copyto(robot.prev_act, robot.act)
             robot.info.valid = True
         else:  # non-finite policy output: drop the recurrent state, it may be poisoned
             self.reset_recurrent(index)
@@ -273,7 +276,7 @@ class PolicyRunner:
             robot.proposed.fill(math.nan)
             status = robot.safety.filter_command(command, robot.proposed, robot.pos)
         if status is SafetyStatus.OK:
-            robot.obs[self._o_act:self._o_act + self.num_actions] = robot.act
+            np.copyto(robot.prev_act, robot.act)
             robot.info.valid = True
         else:
             self.reset_recurrent(index)

@@ -39,6 +39,16 @@ def _all_finite(x: np.ndarray) -> bool:
     return math.isfinite(float(x.sum()))
 
 
+def _finite_dot(x: np.ndarray, zeros: dict) -> bool:
+    """Every element finite? x . 0 is 0 for finite x and NaN as soon as one element is NaN/inf
+    (exact: no overflow case). One BLAS call, ~3x cheaper than x.sum() on a few floats;
+    `zeros` maps a 1-D shape to a preallocated zero vector (other shapes: the sum)."""
+    z = zeros.get(x.shape)
+    if z is None:
+        return _all_finite(x)
+    return math.isfinite(x.dot(z))
+
+
 def validate_limits(joint_lower: Any, joint_upper: Any) -> tuple[np.ndarray, np.ndarray]:
     """Joint limits as float64 [n] arrays; ValueError naming the parameter and value if bad."""
     lower = np.asarray(joint_lower, dtype=np.float64).reshape(-1)
@@ -84,6 +94,8 @@ class SafetyFilter:
         self._last_safe = np.zeros(n)  # last command that passed the filter, rad
         self.has_last_safe = False
         self._neq = np.zeros(n, dtype=bool)  # scratch for the clamp check
+        # zero vectors for the finite check of [n] commands and flat [k * n] observations
+        self._zeros = {(k * n,): np.zeros(k * n) for k in (1, 2, 3)}
         self.internal_errors = 0
 
     def reset(self) -> None:
@@ -97,7 +109,7 @@ class SafetyFilter:
             if not (-self.max_obs_age_s <= age_s <= self.max_obs_age_s):
                 self.counters.stale_inputs += 1
                 return SafetyStatus.STALE
-            if not _all_finite(observation):
+            if not _finite_dot(observation, self._zeros):
                 self.counters.rejected_nonfinite += 1
                 return SafetyStatus.NONFINITE_OBS
             return SafetyStatus.OK
@@ -113,19 +125,25 @@ class SafetyFilter:
             if self.has_last_safe:
                 np.copyto(out, self._last_safe)
                 return True
-            if position is not None and _all_finite(position):
-                np.clip(position, self.lower, self.upper, out=out)
+            if position is not None and _finite_dot(position, self._zeros):
+                self._clip(position, out)
                 return True
             return False
         except Exception:
             self.internal_errors += 1
             return False
 
+    def _clip(self, value: np.ndarray, out: np.ndarray) -> None:
+        """out = value clamped to [lower, upper] (finite value; np.clip's Python wrapper costs
+        ~1 us more than these two ufunc calls)."""
+        np.maximum(value, self.lower, out=out)
+        np.minimum(out, self.upper, out=out)
+
     def _accept(self, out: np.ndarray, clamped: bool) -> SafetyStatus:
         """`out` (finite, within the limits) is the command: count a clamp, remember it."""
         if clamped:
             self.counters.clamped_actions += 1
-        np.copyto(self._last_safe, out)
+        self._last_safe[:] = out
         self.has_last_safe = True
         return SafetyStatus.OK
 
@@ -135,7 +153,7 @@ class SafetyFilter:
         clipped again here in float64 (float32 limits can round just outside the float64 ones),
         counted when `clamped`, remembered as the last safe command."""
         try:
-            np.clip(command, self.lower, self.upper, out=out)
+            self._clip(command, out)
             return self._accept(out, clamped)
         except Exception:
             self.internal_errors += 1
@@ -149,13 +167,13 @@ class SafetyFilter:
         else clamped to the limits (counted when any joint was clamped) and remembered as the
         last safe command. If NONFINITE_ACTION and `hold` had nothing, `out` is untouched."""
         try:
-            if not _all_finite(proposed):
+            if not _finite_dot(proposed, self._zeros):
                 self.counters.rejected_nonfinite += 1
                 self.hold(out, position)
                 return SafetyStatus.NONFINITE_ACTION
-            np.clip(proposed, self.lower, self.upper, out=out)
+            self._clip(proposed, out)
             np.not_equal(out, proposed, out=self._neq)
-            return self._accept(out, bool(self._neq.any()))
+            return self._accept(out, np.count_nonzero(self._neq) > 0)
         except Exception:
             self.internal_errors += 1
             self.counters.rejected_nonfinite += 1

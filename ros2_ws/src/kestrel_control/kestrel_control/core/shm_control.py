@@ -151,10 +151,17 @@ class SharedLatestValue:
     def write(self, value: np.ndarray, stamp_ns: int = 0) -> int:
         with self._write_lock:
             h = self._h
-            idx = 1 - int(h[_H_PUB])
-            h[_H_SEQ + idx] += 1  # odd: being written
-            np.copyto(self._slots[idx], value, casting="unsafe")
-            return self._finish(idx, stamp_ns)
+            idx = 1 - h.item(_H_PUB)
+            seq = h.item(_H_SEQ + idx)
+            h[_H_SEQ + idx] = seq + 1  # odd: being written
+            self._slots[idx][...] = value  # unsafe casting, as np.copyto(..., "unsafe")
+            version = h.item(_H_VER) + 1
+            h[_H_STAMP + idx] = stamp_ns
+            h[_H_SLOTVER + idx] = version
+            h[_H_SEQ + idx] = seq + 2  # even: complete
+            h[_H_PUB] = idx
+            h[_H_VER] = version
+            return version
 
     def write_with(self, fill, stamp_ns: int = 0) -> int:
         """`fill(slot)` writes the value in place; if it raises nothing is published."""
@@ -184,17 +191,18 @@ class SharedLatestValue:
         """Copy the newest complete value into `out`; (version, stamp_ns). No lock, no
         allocation; version 0 = never written."""
         h, slots = self._h, self._slots
+        item = h.item  # int64 element -> int, cheaper than int(h[i])
         for _ in range(self._max_retries):
-            idx = int(h[_H_PUB])
-            s1 = int(h[_H_SEQ + idx])
+            idx = item(_H_PUB)
+            s1 = item(_H_SEQ + idx)
             if s1 & 1:
                 h[_H_RETRIES] += 1
                 continue
-            np.copyto(out, slots[idx])
-            version = int(h[_H_SLOTVER + idx])
-            stamp = int(h[_H_STAMP + idx])
-            if int(h[_H_SEQ + idx]) == s1:
-                np.copyto(self._good, out)
+            out[...] = slots[idx]
+            version = item(_H_SLOTVER + idx)
+            stamp = item(_H_STAMP + idx)
+            if item(_H_SEQ + idx) == s1:
+                self._good[...] = out
                 self._good_version, self._good_stamp = version, stamp
                 return version, stamp
             h[_H_RETRIES] += 1
