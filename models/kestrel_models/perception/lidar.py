@@ -13,7 +13,12 @@ from enum import IntEnum
 import numpy as np
 import torch
 
+from kestrel_models.perception import box_median_triton as _bmt
+
 DEFAULT_BUCKETS: tuple[int, ...] = (16384, 32768, 65536, 131072)
+# static medians on CUDA with triton importable run the Triton kernel (box_median_triton.py,
+# same values as the torch path); False forces the torch path (tests, benchmarks)
+USE_TRITON: bool = True
 
 
 class PositionSource(IntEnum):
@@ -205,7 +210,9 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
     static=False (for the CPU, where reading a value is no device sync): the LiDAR medians run
     per camera over its valid projections only and the predicted-depth medians only for the
     boxes that need them, each over its own pixel rectangle (host loops, data-dependent
-    shapes); static=True costs O(C * D * (N + H * W)) but reads nothing on the host.
+    shapes); static=True costs O(C * D * (N + H * W)) but reads nothing on the host, or,
+    on CUDA with triton (USE_TRITON), one radix-select kernel per source: O(C * D * N) for the
+    LiDAR and O(box area) per box for the depth map, skipping the slots not needed.
     """
     dt = torch.float64
     c, d = boxes.shape[:2]
@@ -213,7 +220,10 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
     z = torch.full((c, d), float("nan"), dtype=dt, device=dev)
     src = torch.zeros((c, d), dtype=torch.long, device=dev)
     bf = boxes.float()
-    if d > 0 and uv.shape[1] > 0 and static:
+    triton = static and USE_TRITON and _bmt.available(boxes)
+    if d > 0 and uv.shape[1] > 0 and triton:  # skips the unused slots (count 0 there)
+        med, count = _bmt.lidar_box_medians(depth, uv, valid, bf, need=box_valid)
+    elif d > 0 and uv.shape[1] > 0 and static:
         med, count = _lower_median_in_boxes(depth.float(), uv[..., 0].float(), uv[..., 1].float(),
                                             valid, bf[..., 0:2], bf[..., 2:4], chunk_elems)
     elif d > 0 and uv.shape[1] > 0:  # per camera over its valid projections only
@@ -239,7 +249,10 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
         c1 = b64[..., 2].ceil().clamp(max=w)
         r0 = b64[..., 1].floor().clamp(min=0)
         r1 = b64[..., 3].ceil().clamp(max=h)
-        if static:  # every pixel is a "point" (x, y, depth); one [C, d, H*W] pass per chunk
+        if triton:  # only each needed box's own pixel rectangle is read
+            need = box_valid & (src == int(PositionSource.NONE))
+            med, count = _bmt.depth_box_medians(depth_map, _bmt.pixel_rects(boxes, h, w), need)
+        elif static:  # every pixel is a "point" (x, y, depth); one [C, d, H*W] pass per chunk
             lo = torch.stack([c0, r0], dim=2).float()
             hi = torch.stack([c1 - 1, r1 - 1], dim=2).float()  # integer px: < c1 <=> <= c1-1
             rows = torch.arange(h, device=dev, dtype=torch.float32)
