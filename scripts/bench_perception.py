@@ -7,6 +7,9 @@ torch.profiler top-kernel table of the target case. Writes JSON + a Markdown tab
 
   # H200, ResNet-50 (the reference architecture):
   python scripts/bench_perception.py --config r50 --out docs/benchmarks/perception_h200
+  # the output-preserving transforms (optimize.py) against the previous best, target case only:
+  python scripts/bench_perception.py --config r50 --cams 6 --batches --profile --variants \
+      eager_fp32 compile_bf16w_fold_graph whole_bf16w_fold_s2d_group_graph
   # CPU smoke run (tiny config, small images, few iterations):
   python scripts/bench_perception.py --config tiny --device cpu --image-hw 128 128 \
       --points 20000 --batches 1 2 --iters 10 --out docs/benchmarks/perception_cpu
@@ -113,9 +116,23 @@ def profile_top(rt: PerceptionRuntime, images: torch.Tensor, points: torch.Tenso
             torch.cuda.synchronize()
     key = "self_device_time_total" if rt.device.type == "cuda" else "self_cpu_time_total"
     rows = []
-    for evt in sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]:
+    events = prof.key_averages()
+    for evt in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]:
         rows.append({"name": evt.key[:120], "calls": evt.count,
                      "self_us_per_iter": getattr(evt, key) / 5})
+    if rt.device.type == "cuda":  # per-forward totals over every kernel (not only the top)
+        from torch.autograd import DeviceType
+        kern = [e for e in events if e.device_type == DeviceType.CUDA]
+
+        def tot(pred) -> dict:  # noqa: ANN001
+            sel = [e for e in kern if pred(e.key)]
+            return {"kernels": sum(e.count for e in sel) / 5,
+                    "us": sum(e.self_device_time_total for e in sel) / 5}
+        rows.append({"name": "TOTAL (all kernels)", "summary": tot(lambda k: True)})
+        for label, pat in (("padding", "Padding"), ("memset", "emset"),
+                           ("group_norm", "group_norm"), ("triton", "triton_")):
+            rows.append({"name": f"TOTAL {label}",
+                         "summary": tot(lambda k, p=pat: p in k)})
     return rows
 
 
@@ -195,6 +212,8 @@ def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variant
                 args.profile_variant in ("all", name):
             row["profile_top"] = profile_top(rt, images_d, points_d)
         case["variants"].append(row)
+        if getattr(rt, "optimized", None):
+            row["optimized"] = rt.optimized
         print(f"  {name:24s} p50 {p50:8.3f} ms  p99 {row['p99_ms']:8.3f} ms  "
               f"x{row['speedup_vs_eager_fp32'] or 0:.2f}  compile {rt.compile_s:6.1f} s  "
               f"seg {acc.seg_max_abs}  det {acc.det_agreement}", flush=True)
@@ -235,8 +254,8 @@ def main() -> None:
     ap.add_argument("--image-hw", type=int, nargs=2, default=(640, 640))
     ap.add_argument("--cams", type=int, nargs="+", default=(1, 6),
                     help="camera counts; the last one is the target case (batch 1)")
-    ap.add_argument("--batches", type=int, nargs="+", default=(1, 2, 4, 8),
-                    help="batches swept with 1 camera")
+    ap.add_argument("--batches", type=int, nargs="*", default=(1, 2, 4, 8),
+                    help="batches swept with 1 camera (none: only the target case)")
     ap.add_argument("--points", type=int, default=120_000, help="LiDAR points (0 = none)")
     ap.add_argument("--variants", nargs="+", default=None,
                     help="variants of the target case (eager_fp32 always first)")

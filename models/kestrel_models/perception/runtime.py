@@ -19,6 +19,12 @@ whole_bf16w_freeze_graph, whole_fp16w_freeze_graph.
   backbone, FPN, heads, seg/depth upsampling, LiDAR projection), so inductor sees every
   pointwise op after each conv; *_freeze: inductor freezing (weights become constants:
   conv+BN folded, constants pre-computed), compiled under inference mode.
+  Output-preserving transforms of optimize.py (`VariantSpec.optimize`), on top of
+  whole_bf16w_fold_graph: *_stem8 (stem input 3 -> 8 channels), *_pad (+ conv outputs padded
+  to multiples of 8), *_pad_merge (+ FCOS first tower convs and box/ctr preds merged),
+  *_pad_group (+ FCOS towers as groups=2 convs), *_s2dpad (space-to-depth stem + output pad),
+  *_s2d_group (space-to-depth stem + output pad + grouped FCOS towers);
+  compile_bf16w_fold_pad_merge_graph: the per-module compile with stem8 + pad + merge.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from torch import nn
 from .config import HEAD_NAMES
 from .lidar import project_points
 from .model import MultiTaskPerceptionModel
+from .optimize import OptimizeSpec, optimize_model
 
 Outputs = dict[str, "torch.Tensor | list[torch.Tensor]"]
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune",
@@ -59,6 +66,7 @@ class VariantSpec:
     whole_compile: str | None = None  # torch.compile mode of ONE region over the forward
     freeze: bool = False  # inductor freezing (only with whole_compile)
     backend: str = "inductor"  # torch.compile backend ("eager" in CPU tests of the tracing)
+    optimize: OptimizeSpec = OptimizeSpec()  # output-preserving transforms (optimize.py)
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -108,6 +116,16 @@ VARIANTS: dict[str, VariantSpec] = {
     "whole_fp16w_freeze_graph": VariantSpec("fp16", True, True, cuda_graph=True,
                                             whole_compile="default", freeze=True),
 }
+_OPTIMIZED = {"stem8": OptimizeSpec("pad8"), "pad": OptimizeSpec("pad8", 8),
+              "pad_merge": OptimizeSpec("pad8", 8, "merged"),
+              "pad_group": OptimizeSpec("pad8", 8, "grouped"), "s2dpad": OptimizeSpec("s2d", 8),
+              "s2d_group": OptimizeSpec("s2d", 8, "grouped")}
+for _name, _opt in _OPTIMIZED.items():
+    VARIANTS[f"whole_bf16w_fold_{_name}_graph"] = VariantSpec(
+        "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default", optimize=_opt)
+VARIANTS["compile_bf16w_fold_pad_merge_graph"] = VariantSpec(
+    "bf16", True, True, "default", "default", True, fold_bn=True,
+    optimize=_OPTIMIZED["pad_merge"])
 
 
 def fold_batchnorm(module: nn.Module) -> int:
@@ -211,6 +229,7 @@ class PerceptionRuntime:
             p.requires_grad_(False)
         if spec.fold_bn:
             fold_batchnorm(m)
+        self.optimized = optimize_model(m, spec.optimize) if spec.optimize.active else {}
         if spec.cast_weights and spec.precision != "fp32":
             scale, shift = m.in_scale.clone(), m.in_shift.clone()
             m.to(spec.dtype)

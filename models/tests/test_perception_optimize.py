@@ -1,0 +1,161 @@
+"""optimize.py: output-preserving configure-time transforms (fp32 on the tiny config, CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_perception import tiny_model
+
+from kestrel_models.perception.optimize import (
+    ChannelPadConv2d,
+    MergedFCOSHead,
+    OptimizeSpec,
+    SlicedConv2d,
+    SpaceToDepthConv2d,
+    optimize_model,
+    pad_conv_outputs,
+)
+from kestrel_models.perception.runtime import VARIANTS, PerceptionRuntime, VariantSpec
+
+HW = (64, 96)
+
+
+def _model(**kw: object) -> torch.nn.Module:
+    """Tiny model with non-trivial GroupNorm affine parameters (a merge that mixed up the
+    halves' parameters would show)."""
+    m = tiny_model(**kw)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.GroupNorm):
+                mod.weight.uniform_(0.5, 1.5, generator=g)
+                mod.bias.normal_(0.0, 0.1, generator=g)
+    return m
+
+
+def _images(n: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 256, (n, 3, *HW), dtype=torch.uint8, generator=g)
+
+
+def _assert_same(out: dict, ref: dict) -> None:
+    assert out.keys() == ref.keys()
+    for k, r in ref.items():
+        pairs = zip(out[k], r, strict=True) if isinstance(r, list) else [(out[k], r)]
+        for a, b in pairs:
+            assert a.shape == b.shape, k
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=k)
+
+
+SPECS = [OptimizeSpec("pad4"), OptimizeSpec("pad8"), OptimizeSpec("s2d"),
+         OptimizeSpec(pad_outputs=8), OptimizeSpec(fcos="merged"), OptimizeSpec(fcos="grouped"),
+         OptimizeSpec("s2d", 8, "grouped")]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.stem}-{s.pad_outputs}-{s.fcos}")
+def test_each_transform_keeps_fp32_outputs_and_the_users_state_dict(spec: OptimizeSpec) -> None:
+    model = _model(head_convs=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    img = _images()
+    with torch.no_grad():
+        ref = model(img)
+        work = copy.deepcopy(model)
+        done = optimize_model(work, spec)
+        out = work(img)
+    _assert_same(out, ref)
+    assert done["stem"] == (spec.stem != "plain")
+    assert done["fcos_merged"] == (spec.fcos != "plain")
+    after = model.state_dict()  # the user's model: same keys, shapes and values
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+    # and its state dict still loads into a fresh reference model
+    _model(head_convs=2).load_state_dict(after)
+
+
+def test_modules_are_replaced_as_described() -> None:
+    model = _model(head_convs=3)
+    optimize_model(model, OptimizeSpec("pad8", 8, "grouped"))
+    stem = model.backbone.conv1
+    assert isinstance(stem, ChannelPadConv2d) and stem.weight.shape[1] == 8
+    assert torch.count_nonzero(stem.weight[:, 3:]) == 0  # zero weights on the pad channels
+    head = model.det_head
+    assert isinstance(head, MergedFCOSHead) and head.grouped
+    c = head.channels
+    assert head.first[0].out_channels == 2 * c and head.first[1].num_groups == 64
+    assert all(layer[0].groups == 2 for layer in head.tower) and len(head.tower) == 2
+    # class + box + ctr = 6 + 5 = 11 filters, padded to 16
+    assert isinstance(head.pred, SlicedConv2d) and head.pred.out_channels == 16
+    assert head.pred.real_out == 11
+    # the seg (7) and depth (1) predictions were padded to 8
+    assert model.seg_head.pred.out_channels == 8 and model.depth_head.pred.out_channels == 8
+    s2d = _model()
+    optimize_model(s2d, OptimizeSpec("s2d"))
+    conv = s2d.backbone.conv1
+    assert isinstance(conv, SpaceToDepthConv2d) and conv.kernel_size == (4, 4)
+    assert conv.stride == (1, 1) and conv.in_channels == 16
+
+
+def test_merged_head_without_towers_and_odd_input_sizes() -> None:
+    """head_convs=0 (one merged prediction conv); an odd image size through the s2d stem."""
+    model = _model(head_convs=0)
+    img = torch.randint(0, 256, (1, 3, 45, 77), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(img)
+        optimize_model(model, OptimizeSpec("s2d", 8, "grouped"))
+        _assert_same(model(img), ref)
+    conv = torch.nn.Conv2d(5, 9, 7, stride=2, padding=3)
+    stem = SpaceToDepthConv2d.from_conv(conv)
+    x = torch.randn(2, 5, 33, 18)
+    with torch.no_grad():
+        torch.testing.assert_close(stem(x), conv(x), rtol=1e-5, atol=1e-5)
+
+
+def test_pad_conv_outputs_counts_and_slices() -> None:
+    seq = torch.nn.Sequential(torch.nn.Conv2d(4, 6, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Conv2d(6, 16, 1), torch.nn.Conv2d(16, 3, 1))
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        ref = seq(x)
+        assert pad_conv_outputs(seq, 8) == 2  # the 6- and 3-filter convs, not the 16
+        torch.testing.assert_close(seq(x), ref, rtol=1e-5, atol=1e-5)
+    assert seq[0].out_channels == 8 and seq[3].out_channels == 8
+
+
+def test_runtime_variants_apply_the_transforms_on_their_copy() -> None:
+    model = _model()
+    img = _images()
+    ref = PerceptionRuntime(model, "eager_fp32", HW, cameras=2).run(img)
+    spec = VariantSpec(fold_bn=True, channels_last=True,
+                       optimize=OptimizeSpec("s2d", 8, "grouped"))
+    rt = PerceptionRuntime(model, spec, HW, cameras=2)
+    assert rt.optimized == {"stem": 1, "fcos_merged": 1, "padded_convs": 3}
+    _assert_same(rt.run(img), ref)
+    assert type(model.backbone.conv1) is torch.nn.Conv2d  # the user's model is untouched
+    for name in ("whole_bf16w_fold_pad_group_graph", "whole_bf16w_fold_s2d_group_graph",
+                 "compile_bf16w_fold_pad_merge_graph"):
+        assert VARIANTS[name].optimize.active and VARIANTS[name].fold_bn
+
+
+def test_whole_region_traces_in_one_graph() -> None:
+    """fullgraph=True (no graph break) through the transformed modules ('eager' backend)."""
+    model = _model()
+    img = _images()
+    ref = PerceptionRuntime(model, "eager_fp32", HW, cameras=2).run(img)
+    spec = VariantSpec(fold_bn=True, channels_last=True, whole_compile="default",
+                       backend="eager", optimize=OptimizeSpec("s2d", 8, "grouped"))
+    _assert_same(PerceptionRuntime(model, spec, HW, cameras=2).run(img), ref)
+
+
+def test_bad_spec_values_are_named() -> None:
+    with pytest.raises(ValueError, match="parameter 'stem' = 'pad3'"):
+        OptimizeSpec("pad3")
+    with pytest.raises(ValueError, match="parameter 'pad_outputs' = -1"):
+        OptimizeSpec(pad_outputs=-1)
+    with pytest.raises(ValueError, match="parameter 'fcos' = 'fused'"):
+        OptimizeSpec(fcos="fused")
+    with pytest.raises(ValueError, match="stride-2"):
+        SpaceToDepthConv2d.from_conv(torch.nn.Conv2d(3, 8, 3, padding=1))
