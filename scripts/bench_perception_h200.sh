@@ -36,7 +36,7 @@ tail -3 "$out/ros_env.log"
 source scripts/device_ros_env.sh || exit 3
 timeout 150 "$KPY" scripts/bench_perception_node.py --config r50 --device cuda --cams 6 \
   --image-hw 640 640 --points 120000 --rate 10 --frames "$frames" \
-  --variant compile_bf16w_fold_graph --ready-timeout 110 --git-commit "$commit" \
+  --variant "${VARIANT:-whole_bf16w_fold_s2d_group_graph}" --ready-timeout 110 --git-commit "$commit" \
   --out "$out/perception_node_h200" > "$out/node.log" 2>&1
 echo "node bench rc $?"
 tail -25 "$out/node.log"
