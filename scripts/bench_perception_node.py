@@ -244,6 +244,7 @@ def node_params(args: argparse.Namespace) -> dict:
             "depth_encoding": args.depth_encoding, "output_stride": args.output_stride,
             **{name: value for name, value in (
                 ("processing", args.processing), ("gil_switch_interval_us", args.gil_switch_us),
+                ("executor", args.executor),
                 ("region_graph", None if args.region_graph is None
                  else args.region_graph == "on")) if value is not None}}
 
@@ -448,6 +449,8 @@ def main() -> int:
                     help="node parameter output_stride of the published masks/depth maps")
     ap.add_argument("--threads", type=int, default=0, help="node torch threads (0 = default)")
     # node latency options (not passed unless given: the node's defaults apply)
+    ap.add_argument("--executor", choices=("multi", "single"), default=None,
+                    help="node parameter executor (default: the node's, 'multi')")
     ap.add_argument("--processing", choices=("callback", "worker"), default=None,
                     help="node parameter processing (default: the node's, 'callback')")
     ap.add_argument("--gil-switch-us", type=int, default=None,

@@ -24,7 +24,8 @@ from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
 from rclpy.exceptions import (InvalidParameterTypeException, InvalidParameterValueException,
                               ParameterUninitializedException)
 from rclpy.clock import Clock, ClockType
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import (Executor, ExternalShutdownException, MultiThreadedExecutor,
+                             SingleThreadedExecutor)
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
 from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy)
@@ -257,6 +258,20 @@ class KestrelLifecycleNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
 
+def make_executor(node: KestrelLifecycleNode, num_threads: int = 4) -> Executor:
+    """The node's executor: its read-only `executor` parameter when it declares one, else
+    'multi'. 'multi' = MultiThreadedExecutor (callbacks of different callback groups run
+    concurrently); 'single' = SingleThreadedExecutor: no thread-pool hand-off and no GIL
+    contention between executor threads per callback, for a node whose callbacks need not
+    overlap (scripts/bench_transport.py measures both)."""
+    kind = node.get_parameter("executor").value if node.has_parameter("executor") else "multi"
+    if kind == "single":
+        return SingleThreadedExecutor(context=node.context)
+    if kind != "multi":
+        raise ValueError(f"parameter 'executor' = {kind!r}: must be 'single' or 'multi'")
+    return MultiThreadedExecutor(num_threads=num_threads, context=node.context)
+
+
 def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None,
              num_threads: int = 4) -> int:
     """main() for a Kestrel node: init, autostart (configure + activate), spin a
@@ -265,7 +280,7 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
     Returns 0, or 2 when autostart configure/activate failed (the reason is logged)."""
     rclpy.init(args=args)
     node = node_cls()
-    executor = MultiThreadedExecutor(num_threads=num_threads)
+    executor = make_executor(node, num_threads)
     executor.add_node(node)
     code = 0
     stop = threading.Event()
