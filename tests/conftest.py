@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -54,8 +55,18 @@ def dds_guard(ros_domain: int) -> Iterator[None]:
     appeared during the test may be left orphaned in /dev/shm."""
     before = dds_shm_files()
     yield
-    new = dds_shm_files() - before
+    # Not the `*_el` files: empty lock files, which Fast DDS reclaims when the next participant
+    # starts, and which a participant of this (pytest) process can leave behind until the process
+    # exits (~1 in 10 stack tests: 2 segment locks + 2 port locks; reproduced every time by a
+    # node created and destroyed in the probe's context). The segments and ports themselves
+    # (the memory) are still checked.
+    new = {f for f in dds_shm_files() - before if not f.endswith("_el")}
     orphans = orphaned_shm_files(new)
+    # a participant being destroyed closes a file before it unlinks it: wait for the unlink
+    deadline = time.monotonic() + 3.0
+    while orphans and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the condition below, bounded by the deadline
+        orphans = orphaned_shm_files(orphans)
     assert not orphans, f"orphaned Fast DDS files left in /dev/shm: {sorted(orphans)}"
 
 
