@@ -55,12 +55,7 @@ def dds_guard(ros_domain: int) -> Iterator[None]:
     appeared during the test may be left orphaned in /dev/shm."""
     before = dds_shm_files()
     yield
-    # Not the `*_el` files: empty lock files, which Fast DDS reclaims when the next participant
-    # starts, and which a participant of this (pytest) process can leave behind until the process
-    # exits (~1 in 10 stack tests: 2 segment locks + 2 port locks; reproduced every time by a
-    # node created and destroyed in the probe's context). The segments and ports themselves
-    # (the memory) are still checked.
-    new = {f for f in dds_shm_files() - before if not f.endswith("_el")}
+    new = dds_shm_files() - before  # segments and ports (the memory), not the *_el locks
     orphans = orphaned_shm_files(new)
     # a participant being destroyed closes a file before it unlinks it: wait for the unlink
     deadline = time.monotonic() + 3.0

@@ -253,9 +253,14 @@ SHM_PREFIXES = ("fastrtps_", "fastdds_")
 
 def dds_shm_files() -> set[str]:
     """Fast DDS shared-memory segments and port files in /dev/shm. Not the named semaphores
-    `sem.fastdds_port<N>_mutex`: Fast DDS keeps one per port on purpose and reuses it."""
+    `sem.fastdds_port<N>_mutex`: Fast DDS keeps one per port on purpose and reuses it. Not the
+    `*_el` files either: empty lock files, which Fast DDS reclaims when the next participant
+    starts, and which a participant of the pytest process can leave behind until that process
+    exits (~1 in 10 stack tests: 2 segment locks + 2 port locks; reproduced every time by a
+    node created and destroyed in the probe's context)."""
     try:
-        return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(SHM_PREFIXES)}
+        return {p.name for p in SHM_DIR.iterdir()
+                if p.name.startswith(SHM_PREFIXES) and not p.name.endswith("_el")}
     except OSError:
         return set()
 
