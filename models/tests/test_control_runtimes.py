@@ -7,6 +7,7 @@ import tracemalloc
 
 import pytest
 import torch
+from policy_reference import eager_rollout
 
 from kestrel_models.control.policy import PolicyConfig, build_policy
 from kestrel_models.control.runtimes import (BACKENDS, BackendUnavailable, PostSpec,
@@ -29,23 +30,13 @@ PARAMS = [pytest.param(b, id=b) for b in CPU_BACKENDS] + [
     pytest.param(b, id=b, marks=[pytest.mark.gpu, GPU]) for b in CUDA_BACKENDS]
 
 
-def reference_run(model, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    h, c = model.initial_state(inputs[0].shape[0], "cpu")
-    out = []
-    with torch.no_grad():
-        for x in inputs:
-            a, _, h, c = model.step(x, h, c)
-            out.append(a)
-    return out
-
-
 @pytest.mark.parametrize("name", PARAMS)
 def test_backend_matches_fp32_eager(name: str, tmp_path) -> None:
     model = build_policy(CFG, seed=4)
     ref_model = build_policy(CFG, seed=4)  # CPU copy (CUDA backends move `model`)
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(4, CFG.obs_dim, generator=gen) for _ in range(6)]
-    expected = reference_run(ref_model, inputs)
+    expected, _ = eager_rollout(ref_model, inputs)
     backend = create_backend(name, policy_from_actor_critic(model), batch=4,
                              cache_dir=str(tmp_path))
     assert backend.obs_host.shape == (4, CFG.obs_dim) and backend.act_host.shape == (4, 6)
@@ -72,8 +63,8 @@ def test_reset_one_row_keeps_the_others(name: str, tmp_path) -> None:
     backend.reset_state(1)
     backend.obs_host.copy_(xs[3])
     backend.step()
-    row0 = reference_run(model, [x[:1] for x in xs])[-1]  # never reset
-    row1 = reference_run(model, [xs[3][1:]])[-1]  # from the zero state
+    row0 = eager_rollout(model, [x[:1] for x in xs])[0][-1]  # never reset
+    row1 = eager_rollout(model, [xs[3][1:]])[0][-1]  # from the zero state
     tol = max(1e-5, TOLERANCE[name])
     torch.testing.assert_close(backend.act_host[:1], row0, atol=tol, rtol=0)
     torch.testing.assert_close(backend.act_host[1:], row1, atol=tol, rtol=0)
@@ -121,7 +112,7 @@ def test_reference_sizes_on_onnxruntime(tmp_path) -> None:
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3))
     backend.obs_host.copy_(x)
     backend.step()
-    torch.testing.assert_close(backend.act_host, reference_run(model, [x])[0], atol=1e-5,
+    torch.testing.assert_close(backend.act_host, eager_rollout(model, [x])[0][0], atol=1e-5,
                                rtol=0)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from policy_reference import eager_rollout
 from torch import nn
 
 from kestrel_models.control.policy import PolicyConfig, build_policy
@@ -49,17 +50,6 @@ def test_programs_spread_rows_and_bound_the_tile() -> None:
     assert _rows_per_program(100_000, 4096) == 2  # tile bound: 2 x 4096 floats
 
 
-def _reference(model, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple]:
-    """fp32 eager ActorCritic.step on the CPU from the zero state: actions per step, (h, c)."""
-    h, c = model.initial_state(xs[0].shape[0], "cpu")
-    out = []
-    with torch.no_grad():
-        for x in xs:
-            a, _, h, c = model.step(x, h, c)
-            out.append(a)
-    return out, (h[0], c[0])
-
-
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("batch", [1, 8])
@@ -68,7 +58,8 @@ def test_reference_sizes_over_many_recurrent_steps(batch: int) -> None:
     gen = torch.Generator().manual_seed(2)
     xs = [torch.randn(batch, 256, generator=gen) * (1.0 + 2.0 * (k % 7 == 0))
           for k in range(200)]
-    expected, (h_ref, c_ref) = _reference(model, xs)
+    expected, (h_ref, c_ref) = eager_rollout(model, xs)
+    h_ref, c_ref = h_ref[0], c_ref[0]
     backend = create_backend("cuda_graph_triton", policy_from_actor_critic(model), batch=batch)
     worst = 0.0
     for x, want in zip(xs, expected, strict=True):
@@ -95,7 +86,7 @@ def test_nan_rows_stay_in_their_row_and_a_reset_recovers() -> None:
     xs[4] = xs[4].clone()
     xs[4][1, 3] = float("inf")
     xs[4][2, 0] = float("nan")
-    expected, _ = _reference(model, xs)
+    expected, _ = eager_rollout(model, xs)
     for k, x in enumerate(xs):
         backend.obs_host.copy_(x)
         backend.step()
@@ -106,7 +97,7 @@ def test_nan_rows_stay_in_their_row_and_a_reset_recovers() -> None:
             assert (backend.post_np[1:3, n] == 0).all() and (backend.post_np[[0, 3], n] == 1).all()
             backend.reset_state(1)
             backend.reset_state(2)
-            fresh, _ = _reference(model, [xx[1:3] for xx in xs[6:]])
+            fresh, _ = eager_rollout(model, [xx[1:3] for xx in xs[6:]])
         if k < 4 or k == 5:
             ok = [0, 3] if k >= 4 else [0, 1, 2, 3]
             torch.testing.assert_close(backend.act_host[ok], expected[k][ok], atol=1e-4, rtol=0)
