@@ -22,10 +22,11 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 # and activations rounded to 8 bits, ~1e-2 on actions of magnitude ~0.5.
 TOLERANCE = {"cpu_eager": 1e-6, "cpu_int8": 3e-2, "cpu_compile": 1e-5, "onnxruntime": 1e-5,
              "cuda_eager": 1e-4, "cuda_graph": 1e-4, "cuda_graph_compiled": 1e-4,
-             "cuda_graph_triton": 1e-4, "cuda_compile": 1e-4, "cuda_compile_graphs": 1e-4}
+             "cuda_graph_triton": 1e-4, "cuda_persistent": 1e-4, "cuda_compile": 1e-4,
+             "cuda_compile_graphs": 1e-4}
 CPU_BACKENDS = ["cpu_eager", "cpu_int8", "cpu_compile", "onnxruntime"]
 CUDA_BACKENDS = ["cuda_eager", "cuda_graph", "cuda_graph_compiled", "cuda_graph_triton",
-                 "cuda_compile", "cuda_compile_graphs"]
+                 "cuda_persistent", "cuda_compile", "cuda_compile_graphs"]
 PARAMS = [pytest.param(b, id=b) for b in CPU_BACKENDS] + [
     pytest.param(b, id=b, marks=[pytest.mark.gpu, GPU]) for b in CUDA_BACKENDS]
 
@@ -47,10 +48,11 @@ def test_backend_matches_fp32_eager(name: str, tmp_path) -> None:
         err = (backend.act_host - want).abs().max().item()
         assert err <= TOLERANCE[name], f"{name}: max |diff| {err:.2e}"
     assert expected[-1].abs().max() > 0.05  # the comparison is not between near-zeros
+    backend.close()
 
 
-@pytest.mark.parametrize("name", ["cpu_eager", "onnxruntime", pytest.param(
-    "cuda_graph_triton", marks=[pytest.mark.gpu, GPU])])
+@pytest.mark.parametrize("name", ["cpu_eager", "onnxruntime"] + [pytest.param(
+    b, marks=[pytest.mark.gpu, GPU]) for b in ("cuda_graph_triton", "cuda_persistent")])
 def test_reset_one_row_keeps_the_others(name: str, tmp_path) -> None:
     model = build_policy(CFG, seed=2)
     backend = create_backend(name, policy_from_actor_critic(model), batch=2,
@@ -68,6 +70,7 @@ def test_reset_one_row_keeps_the_others(name: str, tmp_path) -> None:
     tol = max(1e-5, TOLERANCE[name])
     torch.testing.assert_close(backend.act_host[:1], row0, atol=tol, rtol=0)
     torch.testing.assert_close(backend.act_host[1:], row1, atol=tol, rtol=0)
+    backend.close()
 
 
 @pytest.mark.parametrize("name", ["cpu_eager", "onnxruntime"])
@@ -118,7 +121,8 @@ def test_reference_sizes_on_onnxruntime(tmp_path) -> None:
 
 @pytest.mark.gpu
 @GPU
-@pytest.mark.parametrize("name", ["cuda_graph_compiled", "cuda_graph_triton"])
+@pytest.mark.parametrize("name", ["cuda_graph_compiled", "cuda_graph_triton",
+                                  "cuda_persistent"])
 def test_in_graph_post_processing_matches_the_host_formula(name: str) -> None:
     """cuda_graph_compiled / cuda_graph_triton with a PostSpec: command =
     clamp(q + scale * tanh(a[:n])) and the finite / clamped flags, per row, as computed on the
@@ -146,3 +150,4 @@ def test_in_graph_post_processing_matches_the_host_formula(name: str) -> None:
         if k == 3:
             assert not bool(finite[2]) and bool(finite[0])
     assert (backend.post_np[:, n + 1] != 0).any()  # the clamp was exercised
+    backend.close()

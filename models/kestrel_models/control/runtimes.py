@@ -32,6 +32,9 @@ Backends (`BACKENDS`; `create_backend(name, policy, batch)`):
                        previous LayerNorm+ELU in its prologue, one LSTM cell, heads + the
                        command post-processing) between one H2D and one D2H copy, in one CUDA
                        graph (triton_step.py; triton optional: BackendUnavailable without it)
+  cuda_persistent      the same fused step as ONE resident Triton kernel served through flags in
+                       pinned host memory: no launch, graph or stream sync per tick; holds 64
+                       SMs while ticks come, retires itself after 1 s idle (persistent_step.py)
   cuda_compile         torch.compile default mode on the GPU
   cuda_compile_graphs  torch.compile mode="reduce-overhead" (inductor + CUDA graph trees)
   onnxruntime          the step exported to ONNX (states as extra I/O), CPU execution provider,
@@ -57,12 +60,13 @@ from torch import nn
 from kestrel_models.control.policy import ActorCritic
 
 BACKENDS = ("cpu_eager", "cpu_int8", "cpu_compile", "cuda_eager", "cuda_graph",
-            "cuda_graph_compiled", "cuda_graph_triton", "cuda_compile", "cuda_compile_graphs",
-            "onnxruntime", "tensorrt")
+            "cuda_graph_compiled", "cuda_graph_triton", "cuda_persistent", "cuda_compile",
+            "cuda_compile_graphs", "onnxruntime", "tensorrt")
 CUDA_BACKENDS = ("cuda_eager", "cuda_graph", "cuda_graph_compiled", "cuda_graph_triton",
+                 "cuda_persistent",
                  "cuda_compile", "cuda_compile_graphs")
 # run the command post-processing in the graph
-POST_BACKENDS = ("cuda_graph_compiled", "cuda_graph_triton")
+POST_BACKENDS = ("cuda_graph_compiled", "cuda_graph_triton", "cuda_persistent")
 
 
 class BackendUnavailable(ValueError):
@@ -190,6 +194,9 @@ class PolicyBackend:
         for _ in range(steps):
             self.step()
         self.reset_state()
+
+    def close(self) -> None:
+        """Release what the backend holds beyond memory (cuda_persistent: its resident kernel)."""
 
 
 class TorchBackend(PolicyBackend):
@@ -389,6 +396,10 @@ def check_backend(name: str) -> None:
         from kestrel_models.control.triton_step import check_triton
 
         check_triton()
+    if name == "cuda_persistent":
+        from kestrel_models.control.persistent_step import check_persistent
+
+        check_persistent()
     if name == "tensorrt":
         try:
             import tensorrt  # noqa: F401
@@ -401,10 +412,11 @@ def check_backend(name: str) -> None:
 
 
 def create_backend(name: str, policy: StepPolicy, batch: int = 1, *, cache_dir: str = "",
-                   warmup_steps: int = 10, post: PostSpec | None = None) -> PolicyBackend:
+                   warmup_steps: int = 10, post: PostSpec | None = None,
+                   programs: int = 64) -> PolicyBackend:
     """Build, warm up and return backend `name` for `policy` at a fixed `batch`. `post`: the
     in-graph command post-processing (used by POST_BACKENDS only; `backend.post_np` is None
-    for the others)."""
+    for the others). `programs`: cuda_persistent's resident programs (one SM each)."""
     check_backend(name)
     if name == "onnxruntime":
         backend: PolicyBackend = OrtBackend(policy, batch, cache_dir)
@@ -430,6 +442,10 @@ def create_backend(name: str, policy: StepPolicy, batch: int = 1, *, cache_dir: 
         from kestrel_models.control.triton_step import TritonGraphBackend
 
         backend = TritonGraphBackend(policy, batch, post=post)
+    elif name == "cuda_persistent":
+        from kestrel_models.control.persistent_step import PersistentTritonBackend
+
+        backend = PersistentTritonBackend(policy, batch, post=post, programs=programs)
     elif name == "cuda_graph_compiled":
         policy.module.cuda()
         fn = torch.compile(policy.module, dynamic=False)  # inductor; graphs: ours, below

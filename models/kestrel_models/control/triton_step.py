@@ -181,14 +181,14 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(device="cuda", dtype=torch.float32).contiguous()
 
 
-def _lower(policy: StepPolicy) -> tuple[list[tuple], tuple, tuple]:
+def _lower(policy: StepPolicy, name: str = NAME) -> tuple[list[tuple], tuple, tuple]:
     """Weights of the kestrel step module as fp32 CUDA tensors: encoder layers
     [(W [N, K], b [N], gamma [N], beta [N], eps)], LSTM (W_ih [4H, K], W_hh [4H, H],
     b_ih + b_hh [4H]), head (W [A, H], b [A]). BackendUnavailable for anything else."""
     from torch import nn
 
     mod = policy.fused_module if policy.fused_module is not None else policy.module
-    why = f"parameter 'backend' = {NAME!r}: needs the kestrel ActorCritic step ({policy.source})"
+    why = f"parameter 'backend' = {name!r}: needs the kestrel ActorCritic step ({policy.source})"
     for attr in ("encoder", "lstm", "policy_head"):
         if not isinstance(getattr(mod, attr, None), nn.Module):
             raise BackendUnavailable(why)

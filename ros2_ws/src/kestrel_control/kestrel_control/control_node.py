@@ -132,7 +132,7 @@ class ControlNode(KestrelLifecycleNode):
                 action_scale=p["action_scale"], max_obs_age_s=p["max_obs_age"],
                 backend=p["backend"], weights_path=p["weights_path"], seed=p["seed"],
                 model=model, num_robots=max(1, len(p["robots"])),
-                latency_compensation=p["latency_compensation"])
+                latency_compensation=p["latency_compensation"], gpu_programs=p["gpu_programs"])
             self.loop_mode = p["loop_mode"] if p["loop_mode"] != "auto" else (
                 "process" if p["backend"].startswith("cuda") else "thread")
             if self.loop_mode == "process":
@@ -240,6 +240,8 @@ class ControlNode(KestrelLifecycleNode):
             self.destroy_publisher(pub)
         self._subs, self._pubs = [], []
         self._close_process()
+        if self._runner is not None:
+            self._runner.close()  # cuda_persistent (thread mode): end the resident kernel
         self._runner = self._stats = None
         self._js_bufs, self._tgt_bufs = [], []
         return TransitionCallbackReturn.SUCCESS

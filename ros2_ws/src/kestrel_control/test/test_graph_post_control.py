@@ -1,5 +1,5 @@
-"""PolicyRunner on cuda_graph_compiled / cuda_graph_triton (command clamp + finite check inside
-the CUDA graph):
+"""PolicyRunner on cuda_graph_compiled / cuda_graph_triton / cuda_persistent (command clamp +
+finite check inside the CUDA graph, or the resident kernel):
 its commands equal the host formula applied to its own actions (float32 rounding), and against
 cpu_eager (host post-processing) the statuses and safety counters are the same and the commands
 agree within the backends' numeric tolerance, through clamping, a NaN observation and
@@ -31,7 +31,8 @@ def _runner(backend: str) -> tuple[PolicyRunner, SafetyCounters]:
     return PolicyRunner(cfg, counters=counters), counters
 
 
-@pytest.mark.parametrize("backend", ["cuda_graph_compiled", "cuda_graph_triton"])
+@pytest.mark.parametrize("backend", ["cuda_graph_compiled", "cuda_graph_triton",
+                                     "cuda_persistent"])
 def test_in_graph_post_processing_equals_the_host_path(backend: str) -> None:
     runners = [_runner("cpu_eager"), _runner(backend), _runner("cuda_graph")]
     rng = np.random.default_rng(0)
@@ -62,3 +63,5 @@ def test_in_graph_post_processing_equals_the_host_path(backend: str) -> None:
     # The seeded tiny policy clamps joint 5 on 8 of the 40 ticks (H200); the point is that
     # clamping happens and is counted identically on every path.
     assert a == b == c and a.clamped_actions >= 5 and a.rejected_nonfinite == 1
+    for runner, _ in runners:
+        runner.close()

@@ -151,6 +151,7 @@ def serve(chan: Channel, shm_name: str, event_fd: int, parent_pid: int) -> int:
                 return 0
     finally:
         loop.stop(timeout_s=2.0)
+        runner.close()  # cuda_persistent: end the resident kernel before os._exit
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,7 @@ class RunnerConfig:
     num_robots: int = 1  # robots batched into one inference
     latency_compensation: bool = False  # predict positions forward by age + compute latency
     cache_dir: str = ""  # for exported ONNX files ("" = a temporary directory)
+    gpu_programs: int = 64  # cuda_persistent: resident programs (SMs held while ticks come)
 
     def __post_init__(self) -> None:
         lower, upper = validate_limits(self.joint_lower, self.joint_upper)
@@ -75,6 +76,9 @@ class RunnerConfig:
             raise ValueError(f"parameter 'warmup_steps' = {self.warmup_steps!r}: must be >= 0")
         if not (isinstance(self.num_robots, int) and 1 <= self.num_robots <= 1024):
             raise ValueError(f"parameter 'robots' = {self.num_robots!r}: 1 to 1024 robots")
+        if not (isinstance(self.gpu_programs, int) and 1 <= self.gpu_programs <= 1024):
+            raise ValueError(f"parameter 'gpu_programs' = {self.gpu_programs!r}: 1 to 1024 "
+                             "(and at most the GPU's SM count, checked by the backend)")
         if self.model is None:
             self.model = ModelSpec(path=self.weights_path, format="state_dict",
                                    config=self.policy, seed=self.seed)
@@ -164,7 +168,7 @@ class PolicyRunner:
                         float(config.action_scale)) if config.backend in POST_BACKENDS else None
         self.backend: PolicyBackend = create_backend(
             config.backend, self.policy, self.batch, cache_dir=config.cache_dir,
-            warmup_steps=0, post=post)
+            warmup_steps=0, post=post, programs=config.gpu_programs)
         # [B, n + 2] float32 (command | finite | clamped) from the graph, or None (host path)
         self._post = getattr(self.backend, "post_np", None)
         self.model: ActorCritic | None = self.policy.extra.get("model")
@@ -207,6 +211,11 @@ class PolicyRunner:
         self.backend.act_np[:] = 0.0
         for robot in self.robots:
             robot.safety.reset()
+
+    def close(self) -> None:
+        """Release the backend's non-memory resources (cuda_persistent: its resident kernel);
+        a later tick would start them again."""
+        self.backend.close()
 
     def reset_recurrent(self, index: int = 0) -> None:
         """Zero robot `index`'s recurrent state and previous action; keep its last command."""

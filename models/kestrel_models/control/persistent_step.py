@@ -1,0 +1,480 @@
+"""`cuda_persistent`: the reference policy step in ONE resident Triton kernel, served through a
+mailbox in pinned host memory: no kernel launch, no graph replay and no stream sync per tick.
+
+Why: on the H200 a cuda_graph_triton tick is ~11 us of GPU work inside ~45 us (p50) of graph
+launch, completion and polling, and the launch/completion path is where the 1 kHz loop's tail
+lives (docs/benchmarks/control_h200.md). Here the kernel is launched once and stays resident:
+
+  host, step():  obs_host [B, D] float32 is written by the caller (pinned; the GPU reads it
+                 through its mapping of host memory), then ctrl[REQ] = seq (a plain store; x86
+                 keeps store order, so the observation is visible first), then the host spins on
+                 ctrl[DONE] == seq (a numpy read of pinned memory, ~0.1 us per poll).
+  GPU, one tick: program 0 polls ctrl[REQ] (ld.acquire.sys over PCIe), copies obs into device
+                 memory, zeroes the state rows the host flagged in reset_host [B], and opens the
+                 tick; then all P programs run, with a grid barrier between phases:
+                   encoder layer k: rows of W_k . elu(LN_{k-1}(y_{k-1})) + b_k    (one per layer)
+                   LSTM cell: each program owns hidden units (4 gate rows each) -> c, h'
+                   program 0: head a = W_p h' + b_p, h <- h', the command post-processing exactly
+                   as cuda_graph_triton (PostSpec) -> out_host (pinned) and finally
+                   ctrl[DONE] = seq with st.release.sys (the results are visible first).
+Grid barrier: an int64 counter in device memory, one red.release.gpu add per program (thread 0
+after bar.sync) and ld.acquire.gpu polls until it reaches generation x P. Each program loads
+its weight slice once, before the loop, and keeps it in registers.
+
+Idle retirement: when no request comes for `idle_retire_s`, program 0 ends the kernel (GPU
+global timer) and sets ctrl[RETIRED]; the next step() relaunches it (counted in `relaunches`,
+one slower tick). So a deactivated node holds no SM. While resident the kernel holds P SMs
+(default 64 of the H200's 132) and busy-polls: a device-wide synchronisation in the same
+process (torch.cuda.synchronize, empty_cache) waits until the kernel retires or `close()` —
+the backend is meant for the control node's own loop process (process mode).
+
+Dims come from the policy: 1 to 3 encoder layers (Linear/LayerNorm/ELU), a 1-layer LSTM and a
+linear head (the kestrel ActorCritic step, lowered by triton_step._lower); fp32 weights and plain
+fp32 FMA reductions, so actions agree with fp32 eager within the cuda_graph tolerance (1e-4).
+Needs triton and CUDA, else BackendUnavailable with the reason.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from kestrel_models.control.runtimes import (BackendUnavailable, PolicyBackend, PostSpec,
+                                             StepPolicy)
+from kestrel_models.control.triton_step import _lower, _pow2, check_triton, libdevice, tl, triton
+
+NAME = "cuda_persistent"
+REQ, DONE, RETIRED = 0, 16, 32  # int32 slots of ctrl, 64 bytes apart (own cache lines)
+STOP = -1  # ctrl[REQ] value that ends the kernel (close())
+SEQ_MAX = 2**31 - 1  # request numbers run 1 .. SEQ_MAX, then wrap to 1
+MAX_LAYERS = 3
+
+
+def check_persistent() -> None:
+    """Configure-time check: BackendUnavailable naming the parameter when it cannot run here."""
+    try:
+        check_triton()
+    except BackendUnavailable as exc:
+        raise BackendUnavailable(str(exc).replace("'cuda_graph_triton'", repr(NAME))) from None
+
+
+def _next_seq(seq: int) -> int:
+    return 1 if seq >= SEQ_MAX else seq + 1
+
+
+def plan_programs(dims: list[int], hidden: int, programs: int) -> dict:
+    """Rows per program for each encoder layer and hidden units per program for the LSTM, so
+    that `programs` programs cover every layer; and num_warps so that the weight slice held in
+    registers stays near 64 floats per thread. dims: [obs_dim, N_1, .., N_L]."""
+    rows = [_pow2(-(-n // programs)) for n in dims[1:]]
+    units = _pow2(-(-hidden // programs))
+    floats = sum(r * _pow2(k) for r, k in zip(rows, dims[:-1], strict=True))
+    floats += 4 * units * (_pow2(dims[-1]) + _pow2(hidden))
+    warps = 4
+    while warps < 16 and floats > warps * 32 * 64:
+        warps *= 2
+    return {"rows": rows, "units": units, "num_warps": warps}
+
+
+if triton is not None:
+    from kestrel_models.control.triton_step import _ln_elu
+
+    @triton.jit
+    def _ld_acquire_sys(ptr):
+        """int32 load with acquire semantics at system scope (host memory polled over PCIe)."""
+        return tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _ld_acquire_gpu(ptr):
+        """int64 load with acquire semantics at GPU scope (the barrier counter)."""
+        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr],
+                                         dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit
+    def _st_release_sys(ptr, val):
+        """int32 store with release semantics at system scope: every write this thread made or
+        observed (bar.sync before it) is visible to the host first."""
+        return tl.inline_asm_elementwise("st.release.sys.global.b32 [$1], $2;\n\tmov.u32 $0, 0;",
+                                         "=r,l,r", [ptr, val], dtype=tl.int32, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
+    def _globaltimer():
+        """GPU global timer, ns."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def _arrive(bar_ptr):
+        """Thread 0 of this program adds 1 to the barrier counter, with release at GPU scope."""
+        return tl.inline_asm_elementwise(
+            "{\n\t.reg .pred %p;\n\t.reg .u32 %t;\n\tmov.u32 %t, %tid.x;\n\t"
+            "setp.eq.u32 %p, %t, 0;\n\t@%p red.release.gpu.global.add.u64 [$1], 1;\n\t"
+            "mov.u32 $0, 0;\n\t}", "=r,l", [bar_ptr], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _nanosleep(ASM: tl.constexpr):
+        return tl.inline_asm_elementwise(ASM, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _grid_sync(bar_ptr, target, SLEEP_ASM: tl.constexpr):
+        """All programs: wait until the counter reaches `target` (= generation x P). With a
+        SLEEP_ASM (a nanosleep; "" = none) after each poll: fewer issue slots and L2 requests
+        taken from kernels sharing the SM, at up to that much extra wake-up latency."""
+        tl.debug_barrier()  # this program's writes are done (CTA scope) before thread 0 releases
+        _arrive(bar_ptr)
+        seen = _ld_acquire_gpu(bar_ptr)
+        while seen < target:
+            if SLEEP_ASM != "":
+                _nanosleep(SLEEP_ASM)
+            seen = _ld_acquire_gpu(bar_ptr)
+        tl.debug_barrier()
+
+    @triton.jit
+    def _tile(w_ptr, pid, R: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+              K_P: tl.constexpr):
+        """Rows pid*R .. pid*R+R-1 of W [N, K] as a [R, K_P] register tile (zeros outside)."""
+        rows = pid * R + tl.arange(0, R)
+        ks = tl.arange(0, K_P)
+        return tl.load(w_ptr + rows[:, None] * K + ks[None, :],
+                       mask=(rows[:, None] < N) & (ks[None, :] < K), other=0.0)
+
+    @triton.jit
+    def _rows(v_ptr, pid, R: tl.constexpr, N: tl.constexpr):
+        rows = pid * R + tl.arange(0, R)
+        return tl.load(v_ptr + rows, mask=rows < N, other=0.0)
+
+    @triton.jit
+    def _dense(x_ptr, g_ptr, beta_ptr, eps, w, bias, y_ptr, pid, B: tl.constexpr,
+               R: tl.constexpr, N: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr,
+               NORM: tl.constexpr):
+        """y[b, rows] = w . f(x[b]) + bias for every row b; f = LayerNorm+ELU (NORM) else id.
+        x is another program's output: loaded with .cg (L2, not this SM's L1)."""
+        rows = pid * R + tl.arange(0, R)
+        ks = tl.arange(0, K_P)
+        kmask = ks < K
+        for b in tl.static_range(B):
+            x = tl.load(x_ptr + b * K + ks, mask=kmask, other=0.0, cache_modifier=".cg")
+            if NORM:
+                x = _ln_elu(x, ks, kmask, g_ptr, beta_ptr, K, eps)
+            y = tl.sum(w * x[None, :], 1) + bias
+            tl.store(y_ptr + b * N + rows, y, mask=rows < N)
+
+    @triton.jit(do_not_specialize=["seq0", "idle_ns"])  # a relaunch must not recompile
+    def _persistent_kernel(
+            ctrl_ptr, reset_ptr, obs_host_ptr, out_host_ptr,  # pinned host memory
+            bar_ptr, cmd_ptr, obs_ptr,  # device scratch: int64 [1], int32 [1], f32 [B, D]
+            w1, b1, g1, be1, y1, w2, b2, g2, be2, y2, w3, b3, g3, be3, y3,  # encoder layers
+            wih, whh, bias4, h_ptr, c_ptr, hnew_ptr,  # LSTM [4H, K], [4H, H], [4H]; [B, H]
+            wp, bp, lo_ptr, hi_ptr,  # head [A, H], [A]; command limits [NJ] rad
+            eps1, eps2, eps3, scale, seq0, idle_ns,
+            B: tl.constexpr, P: tl.constexpr, NL: tl.constexpr,
+            D: tl.constexpr, D_P: tl.constexpr, N1: tl.constexpr, N1_P: tl.constexpr,
+            N2: tl.constexpr, N2_P: tl.constexpr, N3: tl.constexpr, N3_P: tl.constexpr,
+            R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr,
+            K: tl.constexpr, K_P: tl.constexpr, H: tl.constexpr, H_P: tl.constexpr,
+            RH: tl.constexpr, A: tl.constexpr, A_P: tl.constexpr, NJ: tl.constexpr,
+            OUT_W: tl.constexpr, POST: tl.constexpr, SLEEP_ASM: tl.constexpr):
+        """See the module docstring. K = N_NL (the LSTM input), eps_k: LayerNorm k's eps."""
+        pid = tl.program_id(0)
+        # ---- this program's weights, once: registers for the lifetime of the kernel ----
+        w1t = _tile(w1, pid, R1, N1, D, D_P)
+        b1t = _rows(b1, pid, R1, N1)
+        if NL >= 2:
+            w2t = _tile(w2, pid, R2, N2, N1, N1_P)
+            b2t = _rows(b2, pid, R2, N2)
+        if NL >= 3:
+            w3t = _tile(w3, pid, R3, N3, N2, N2_P)
+            b3t = _rows(b3, pid, R3, N3)
+        units = pid * RH + tl.arange(0, RH)
+        umask = units < H
+        wxi = _tile(wih, pid, RH, H, K, K_P)
+        wxf = _tile(wih + H * K, pid, RH, H, K, K_P)
+        wxg = _tile(wih + 2 * H * K, pid, RH, H, K, K_P)
+        wxo = _tile(wih + 3 * H * K, pid, RH, H, K, K_P)
+        whi = _tile(whh, pid, RH, H, H, H_P)
+        whf = _tile(whh + H * H, pid, RH, H, H, H_P)
+        whg = _tile(whh + 2 * H * H, pid, RH, H, H, H_P)
+        who = _tile(whh + 3 * H * H, pid, RH, H, H, H_P)
+        bi = _rows(bias4, pid, RH, H)
+        bf = _rows(bias4 + H, pid, RH, H)
+        bg = _rows(bias4 + 2 * H, pid, RH, H)
+        bo = _rows(bias4 + 3 * H, pid, RH, H)
+        hs = tl.arange(0, H_P)
+        hmask = hs < H
+        ks = tl.arange(0, K_P)
+        kmask = ks < K
+        acts = tl.arange(0, A_P)
+        amask = acts < A
+        jmask = acts < NJ
+        is0 = pid == 0
+        wpt = tl.load(wp + acts[:, None] * H + hs[None, :],
+                      mask=is0 & amask[:, None] & hmask[None, :], other=0.0)  # [A_P, H_P]
+        bpt = tl.load(bp + acts, mask=is0 & amask, other=0.0)
+        lo = tl.load(lo_ptr + acts, mask=is0 & jmask, other=0.0)
+        hi = tl.load(hi_ptr + acts, mask=is0 & jmask, other=0.0)
+        ds = tl.arange(0, D_P)
+        dmask = ds < D
+        if NL == 1:
+            gl, bel, epsl, yl = g1, be1, eps1, y1
+        elif NL == 2:
+            gl, bel, epsl, yl = g2, be2, eps2, y2
+        else:
+            gl, bel, epsl, yl = g3, be3, eps3, y3
+
+        seq = seq0
+        gen = tl.program_id(0).to(tl.int64) * 0  # barrier generations passed
+        running = 1
+        while running != 0:
+            # ---- program 0: wait for the host's request, stage the observation ----
+            if pid == 0:
+                t0 = _globaltimer()
+                req = _ld_acquire_sys(ctrl_ptr)
+                idle = t0 * 0
+                while (req != seq) & (req != -1) & (idle < idle_ns):
+                    req = _ld_acquire_sys(ctrl_ptr)
+                    idle = _globaltimer() - t0
+                go = tl.where(req == seq, seq, -1)  # -1: stop (close) or idle retirement
+                if go > 0:
+                    for b in tl.static_range(B):
+                        x = tl.load(obs_host_ptr + b * D + ds, mask=dmask, other=0.0,
+                                    volatile=True)
+                        tl.store(obs_ptr + b * D + ds, x, mask=dmask)
+                        keep = tl.load(reset_ptr + b, volatile=True) == 0
+                        hrow = tl.load(h_ptr + b * H + hs, mask=hmask, other=0.0)
+                        crow = tl.load(c_ptr + b * H + hs, mask=hmask, other=0.0)
+                        tl.store(h_ptr + b * H + hs, tl.where(keep, hrow, 0.0), mask=hmask)
+                        tl.store(c_ptr + b * H + hs, tl.where(keep, crow, 0.0), mask=hmask)
+                tl.store(cmd_ptr, go)
+            gen += 1
+            _grid_sync(bar_ptr, gen * P, SLEEP_ASM)
+            cmd = tl.load(cmd_ptr, volatile=True)
+            if cmd <= 0:
+                running = 0
+            else:
+                # ---- encoder: one phase per layer ----
+                _dense(obs_ptr, g1, be1, 0.0, w1t, b1t, y1, pid, B, R1, N1, D, D_P, False)
+                gen += 1
+                _grid_sync(bar_ptr, gen * P, SLEEP_ASM)
+                if NL >= 2:
+                    _dense(y1, g1, be1, eps1, w2t, b2t, y2, pid, B, R2, N2, N1, N1_P, True)
+                    gen += 1
+                    _grid_sync(bar_ptr, gen * P, SLEEP_ASM)
+                if NL >= 3:
+                    _dense(y2, g2, be2, eps2, w3t, b3t, y3, pid, B, R3, N3, N2, N2_P, True)
+                    gen += 1
+                    _grid_sync(bar_ptr, gen * P, SLEEP_ASM)
+                # ---- LSTM cell: this program's hidden units ----
+                for b in tl.static_range(B):
+                    x = tl.load(yl + b * K + ks, mask=kmask, other=0.0, cache_modifier=".cg")
+                    x = _ln_elu(x, ks, kmask, gl, bel, K, epsl)[None, :]
+                    h = tl.load(h_ptr + b * H + hs, mask=hmask, other=0.0,
+                                cache_modifier=".cg")[None, :]
+                    gi = tl.sum(wxi * x, 1) + tl.sum(whi * h, 1) + bi
+                    gf = tl.sum(wxf * x, 1) + tl.sum(whf * h, 1) + bf
+                    gg = tl.sum(wxg * x, 1) + tl.sum(whg * h, 1) + bg
+                    go_ = tl.sum(wxo * x, 1) + tl.sum(who * h, 1) + bo
+                    c = tl.load(c_ptr + b * H + units, mask=umask, other=0.0,
+                                cache_modifier=".cg")
+                    c2 = tl.sigmoid(gf) * c + tl.sigmoid(gi) * libdevice.tanh(gg)
+                    h2 = tl.sigmoid(go_) * libdevice.tanh(c2)
+                    tl.store(c_ptr + b * H + units, c2, mask=umask)
+                    tl.store(hnew_ptr + b * H + units, h2, mask=umask)
+                gen += 1
+                _grid_sync(bar_ptr, gen * P, SLEEP_ASM)
+                # ---- program 0: head + post-processing -> host, then DONE ----
+                if pid == 0:
+                    for b in tl.static_range(B):
+                        hn = tl.load(hnew_ptr + b * H + hs, mask=hmask, other=0.0,
+                                     cache_modifier=".cg")
+                        tl.store(h_ptr + b * H + hs, hn, mask=hmask)  # the state copy-back
+                        a = tl.sum(wpt * hn[None, :], 1) + bpt  # [A_P]
+                        tl.store(out_host_ptr + b * OUT_W + acts, a, mask=amask)
+                        if POST:
+                            # a - a is 0 for finite a, NaN for NaN/inf (no fast-math in Triton)
+                            bad = tl.sum(tl.where(amask & ((a - a) != 0.0), 1, 0), 0)
+                            pos = tl.load(obs_ptr + b * D + acts, mask=jmask, other=0.0)
+                            raw = pos + scale * libdevice.tanh(a)
+                            cmdv = tl.where(raw < lo, lo, tl.where(raw > hi, hi, raw))
+                            clamped = tl.sum(tl.where(jmask & (cmdv != raw), 1, 0), 0)
+                            tl.store(out_host_ptr + b * OUT_W + A + acts, cmdv, mask=jmask)
+                            tl.store(out_host_ptr + b * OUT_W + A + NJ,
+                                     tl.where(bad == 0, 1.0, 0.0))
+                            tl.store(out_host_ptr + b * OUT_W + A + NJ + 1,
+                                     tl.where(clamped > 0, 1.0, 0.0))
+                    tl.debug_barrier()
+                    _st_release_sys(ctrl_ptr + 16, seq)  # ctrl[DONE]
+                seq = tl.where(seq >= 2147483647, 1, seq + 1)
+        if pid == 0:
+            tl.debug_barrier()
+            _st_release_sys(ctrl_ptr + 32, 1)  # ctrl[RETIRED]
+
+
+
+def _stop(ctrl: np.ndarray, stream: torch.cuda.Stream, timeout_s: float = 2.0) -> None:
+    """Ask a resident kernel to end and wait (bounded) for it: close() and the finalizer."""
+    if ctrl[RETIRED]:
+        return
+    ctrl[REQ] = STOP
+    end = time.monotonic() + timeout_s
+    while not stream.query() and time.monotonic() < end:
+        time.sleep(1e-4)
+
+
+class PersistentTritonBackend(PolicyBackend):
+    """The policy step as one resident kernel served through pinned-memory flags (see module
+    docstring). `post_np` [B, n + 2] float32 (with a PostSpec) else None; `relaunches` counts
+    kernel launches after the first (idle retirements)."""
+
+    name = NAME
+    device = torch.device("cuda")
+
+    def __init__(self, policy: StepPolicy, batch: int, post: PostSpec | None = None,
+                 programs: int = 64, idle_retire_s: float = 1.0, timeout_s: float = 1.0,
+                 backoff_ns: int = 0) -> None:
+        check_persistent()
+        super().__init__(policy, batch)
+        enc, (self.wih, self.whh, self.bias4), (self.wp, self.bp) = _lower(policy, NAME)
+        if len(enc) > MAX_LAYERS:
+            raise BackendUnavailable(f"parameter 'backend' = {NAME!r}: at most {MAX_LAYERS} "
+                                     f"encoder layers (this policy has {len(enc)})")
+        B, A, D = self.batch, policy.num_actions, policy.obs_dim
+        H = self.whh.shape[1]
+        if enc[0][0].shape[1] != D or self.wp.shape[0] != A:
+            raise BackendUnavailable(f"parameter 'backend' = {NAME!r}: module dims do not match "
+                                     f"obs_dim {D} / num_actions {A}")
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        if not 1 <= programs <= sms:
+            raise ValueError(f"parameter 'programs' = {programs}: must be in [1, {sms}] (the "
+                             "GPU's SM count: every program must be resident at once)")
+        if not 0.0 < idle_retire_s <= 60.0 or not 0.0 < timeout_s <= 60.0:
+            raise ValueError(f"parameters 'idle_retire_s' = {idle_retire_s}, 'timeout_s' = "
+                             f"{timeout_s}: must be in (0, 60] s")
+        n = 0
+        if post is not None:
+            n = post.num_joints
+            if not 1 <= n <= min(A, D):
+                raise ValueError(f"parameter 'num_joints' = {n}: must be in [1, {min(A, D)}]")
+        self.post, self._n, self._out_w = post, n, A + (n + 2 if post is not None else 0)
+        self.programs, self.timeout_s = int(programs), float(timeout_s)
+        dev, zeros = "cuda", torch.zeros
+        # pinned host memory the kernel reads/writes through its mapping (UVA)
+        self._ctrl_t = zeros(64, dtype=torch.int32, pin_memory=True)  # REQ, DONE, RETIRED
+        self._reset_t = zeros(B, dtype=torch.int32, pin_memory=True)  # 1: zero this row's state
+        self.out_host = zeros(B, self._out_w, pin_memory=True)  # actions | command | flags
+        self._ctrl, self._reset_np = self._ctrl_t.numpy(), self._reset_t.numpy()
+        self.out_np = self.out_host.numpy()
+        self.act_host = self.out_host[:, :A]
+        self.act_np = self.out_np[:, :A]  # [B, A] view
+        self.post_np = self.out_np[:, A:] if post is not None else None  # [B, n + 2] view
+        self._reset_pending = False
+        # device scratch: barrier counter, tick command, staged obs, layer outputs, h, c, h'
+        self._bar = zeros(1, dtype=torch.int64, device=dev)
+        self._cmd = zeros(1, dtype=torch.int32, device=dev)
+        self.obs_dev = zeros(B, D, device=dev)
+        self._ys = [zeros(B, w.shape[0], device=dev) for w, *_ in enc]
+        self.h, self.c, self._hnew = (zeros(B, H, device=dev) for _ in range(3))
+        self.states = [self.h, self.c]
+        lo = _f32(post.lower if post else [0.0])  # [n] rad
+        hi = _f32(post.upper if post else [0.0])
+        dims = [D] + [w.shape[0] for w, *_ in enc]
+        plan = plan_programs(dims, H, self.programs)
+        layers = enc + [enc[-1]] * (MAX_LAYERS - len(enc))  # unused slots: any valid tensors
+        ys = self._ys + [self._ys[-1]] * (MAX_LAYERS - len(enc))
+        rows = plan["rows"] + [1] * (MAX_LAYERS - len(enc))
+        dims3 = dims + [dims[-1]] * (MAX_LAYERS - len(enc))
+        lay_args, eps = [], []
+        for (w, b, g, beta, e), y in zip(layers, ys, strict=True):
+            lay_args += [w, b, g, beta, y]
+            eps.append(e)
+        self._args = [self._ctrl_t, self._reset_t, self.obs_host, self.out_host, self._bar,
+                      self._cmd, self.obs_dev, *lay_args, self.wih, self.whh, self.bias4,
+                      self.h, self.c, self._hnew, self.wp, self.bp, lo, hi, *eps,
+                      float(post.action_scale) if post else 0.0]
+        self._idle_ns = int(idle_retire_s * 1e9)
+        self._meta = dict(
+            B=B, P=self.programs, NL=len(enc), D=D, D_P=_pow2(D),
+            N1=dims3[1], N1_P=_pow2(dims3[1]), N2=dims3[2], N2_P=_pow2(dims3[2]),
+            N3=dims3[3], N3_P=_pow2(dims3[3]), R1=rows[0], R2=rows[1], R3=rows[2],
+            K=dims[-1], K_P=_pow2(dims[-1]), H=H, H_P=_pow2(H), RH=plan["units"], A=A,
+            A_P=max(2, _pow2(A)), NJ=max(n, 1), OUT_W=self._out_w, POST=post is not None,
+            SLEEP_ASM=f"nanosleep.u32 {int(backoff_ns)};\n\tmov.u32 $0, 0;" if backoff_ns > 0
+            else "", num_warps=plan["num_warps"])
+        self._stream = torch.cuda.Stream()  # torch's pool streams are non-blocking: the
+        # legacy default stream does not wait for the resident kernel
+        self._next = 1
+        self.relaunches = -1
+        self._ctrl[RETIRED] = 1  # not running yet
+        self._finalizer = weakref.finalize(self, _stop, self._ctrl, self._stream)
+        self._launch()
+
+    def _launch(self) -> None:
+        """Start the kernel (the previous one has ended); it serves request self._next first."""
+        end = time.monotonic() + self.timeout_s
+        while not self._stream.query():
+            if time.monotonic() > end:
+                raise RuntimeError(f"{NAME}: the previous kernel did not end within "
+                                   f"{self.timeout_s} s")
+        self._ctrl[RETIRED] = 0
+        self._ctrl[REQ] = 0
+        with torch.cuda.stream(self._stream):
+            self._bar.zero_()
+            _persistent_kernel[(self.programs,)](*self._args, self._next, self._idle_ns,
+                                                 **self._meta)
+        self.relaunches += 1
+
+    def step(self) -> None:
+        ctrl = self._ctrl
+        if ctrl[RETIRED]:
+            self._launch()
+        seq = self._next
+        self._next = _next_seq(seq)
+        ctrl[REQ] = seq  # after the caller's obs_host writes (x86: stores stay in order)
+        spins = 0
+        while ctrl[DONE] != seq:
+            spins += 1
+            if spins & 1023 == 0:
+                self._slow_wait(seq)
+                break
+        if self._reset_pending:
+            self._reset_np[:] = 0
+            self._reset_pending = False
+
+    def _slow_wait(self, seq: int) -> None:
+        """The answer is late (> ~1024 polls): relaunch a kernel that retired before seeing the
+        request, or give up after timeout_s."""
+        ctrl, end = self._ctrl, time.monotonic() + self.timeout_s
+        while ctrl[DONE] != seq:
+            if ctrl[RETIRED] and ctrl[DONE] != seq:  # re-read: DONE is written before RETIRED
+                self._next = seq
+                self._launch()
+                self._next = _next_seq(seq)
+                ctrl[REQ] = seq
+            if time.monotonic() > end:
+                raise RuntimeError(f"{NAME}: no answer from the GPU within {self.timeout_s} s")
+
+    def reset_state(self, index: int | None = None) -> None:
+        """Zero row `index`'s (None: every row's) h and c at the start of the next step. A full
+        reset (the node's activation) also relaunches a retired kernel now, so that the first
+        tick after it does not pay the launch."""
+        if index is None:
+            self._reset_np[:] = 1
+            if self._ctrl[RETIRED]:
+                self._launch()
+        else:
+            self._reset_np[index] = 1
+        self._reset_pending = True
+
+    def close(self) -> None:
+        """End the resident kernel (bounded wait); a later step() launches it again."""
+        _stop(self._ctrl, self._stream)
+        self._ctrl[RETIRED] = 1
+
+
+def _f32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device="cuda")
+
