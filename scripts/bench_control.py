@@ -76,10 +76,14 @@ def pct(samples: np.ndarray, scale: float = 1e6) -> dict[str, float]:
             "max": float(samples.max()) * scale, "n": int(samples.size)}
 
 
+GPU_PROGRAMS = [64]  # cuda_persistent's resident programs (--gpu-programs)
+
+
 def make_config(backend: str, cache: str, warmup: int = 50) -> RunnerConfig:
     return RunnerConfig(
         joint_lower=LOWER, joint_upper=UPPER, policy=PolicyConfig(), backend=backend,
-        max_obs_age_s=0.02, warmup_steps=warmup, cache_dir=cache, latency_compensation=True)
+        max_obs_age_s=0.02, warmup_steps=warmup, cache_dir=cache, latency_compensation=True,
+        gpu_programs=GPU_PROGRAMS[0])
 
 
 def make_runner(backend: str, cache: str, warmup: int = 50) -> PolicyRunner:
@@ -176,6 +180,7 @@ def bench_steps(backends: list[str], iters: int, cache: str) -> dict:
         print(f"  {name:20s} tick p50 {r['tick_us']['p50']:8.1f} p99.9 "
               f"{r['tick_us']['p999']:8.1f} max {r['tick_us']['max']:9.1f} us | backend p50 "
               f"{r['backend_step_us']['p50']:8.1f} us | build {build_s:.1f} s", flush=True)
+        runner.close()  # cuda_persistent: end its resident kernel before the next backend
         del runner
     return results
 
@@ -399,6 +404,8 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
         io.close()
         if proc is not None:
             proc.close()
+        if runner is not None:
+            runner.close()
         pub.stdin.close()
         try:
             pub.wait(10)
@@ -437,6 +444,7 @@ def main() -> int:
                     help="sys.setswitchinterval while the loop runs (the node's parameter)")
     ap.add_argument("--loop-cpus", default="")
     ap.add_argument("--lock-memory", action="store_true")
+    ap.add_argument("--gpu-programs", type=int, default=64, help="cuda_persistent's programs")
     ap.add_argument("--label", default="")
     ap.add_argument("--note", default="")
     ap.add_argument("--commit", default="")
@@ -448,6 +456,7 @@ def main() -> int:
         publisher_main(args.publisher, args.publisher_cpus)
         return 0
     torch.set_num_threads(1)
+    GPU_PROGRAMS[0] = args.gpu_programs
     if args.node_cpus:
         os.sched_setaffinity(0, {int(c) for c in args.node_cpus.split(",")})
     commit = bench_common.git_commit(args.commit)

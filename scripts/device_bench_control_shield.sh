@@ -48,7 +48,7 @@ IRQ0=$("$KPY" -c "from kestrel_control.core.cpu_shield import irq_counts;print(i
 NAME="${NAME:-control_h200_shield}"
 timeout "${BENCH_TIMEOUT:-300}" "$KPY" scripts/bench_control.py --loops-first \
   --backends "${BACKENDS:-cuda_graph}" --step-iters 2000 \
-  --loops "${LOOPS:-cuda_graph@1000:${CYCLES:-100000}:process}" --spin-us 950 \
+  --loops "${LOOPS:-cuda_graph@1000:${CYCLES:-100000}:process}" --spin-us 950 ${EXTRA_ARGS:-} \
   --loop-cpus "$LOOP" --publisher-cpus "$PUB" --node-cpus "$NODE" --rt-priority 80 \
   --label "H200 shielded loop cpu" --commit "$COMMIT" --out "$OUT/$NAME.json" \
   --note "process mode; loop on CPU $LOOP (fewest interrupts, every other task moved off it: $(tr -d '\n' < "$OUT/shield.json")), node on $NODE, publisher on $PUB; --spin-us 950" \
