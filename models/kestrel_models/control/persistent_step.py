@@ -407,6 +407,7 @@ class PersistentTritonBackend(PolicyBackend):
         self._stream = torch.cuda.Stream()  # torch's pool streams are non-blocking: the
         # legacy default stream does not wait for the resident kernel
         self._next = 1
+        self._error = ""  # set when the GPU stopped answering: every later step fails fast
         self.relaunches = -1
         self._ctrl[RETIRED] = 1  # not running yet
         self._finalizer = weakref.finalize(self, _stop, self._ctrl, self._stream)
@@ -428,6 +429,8 @@ class PersistentTritonBackend(PolicyBackend):
         self.relaunches += 1
 
     def step(self) -> None:
+        if self._error:
+            raise RuntimeError(self._error)
         ctrl = self._ctrl
         if ctrl[RETIRED]:
             self._launch()
@@ -455,7 +458,9 @@ class PersistentTritonBackend(PolicyBackend):
                 self._next = _next_seq(seq)
                 ctrl[REQ] = seq
             if time.monotonic() > end:
-                raise RuntimeError(f"{NAME}: no answer from the GPU within {self.timeout_s} s")
+                self._error = (f"{NAME}: no answer from the GPU within {self.timeout_s} s; the "
+                               "backend stays failed (reconfigure the node)")
+                raise RuntimeError(self._error)
 
     def reset_state(self, index: int | None = None) -> None:
         """Zero row `index`'s (None: every row's) h and c at the start of the next step. A full
