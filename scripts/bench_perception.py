@@ -78,8 +78,9 @@ def to_cpu(out: dict) -> dict:
 
 
 def time_runtime(rt: PerceptionRuntime, images: torch.Tensor, points: torch.Tensor | None,
-                 iters: int, warmup: int) -> list[float]:
-    """Per-iteration latencies in ms."""
+                 iters: int, warmup: int, gap_ms: float = 0.0) -> list[float]:
+    """Per-iteration latencies in ms. gap_ms > 0: the GPU idles that long before each
+    iteration (synchronize + sleep), as in the node between frames (90 ms at 10 Hz)."""
     for _ in range(warmup):
         rt.run(images, points)
     if rt.device.type == "cuda":
@@ -87,6 +88,9 @@ def time_runtime(rt: PerceptionRuntime, images: torch.Tensor, points: torch.Tens
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(iters)]
         for s, e in ev:
+            if gap_ms > 0:
+                torch.cuda.synchronize()
+                time.sleep(gap_ms * 1e-3)
             s.record()
             rt.run(images, points)
             e.record()
@@ -189,7 +193,7 @@ def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variant
             if points is not None:
                 rt.set_geometry(T.to(device), K.to(device))
             out = to_cpu(rt.run(images_d, points_d))
-            lat = time_runtime(rt, images_d, points_d, args.iters, args.warmup)
+            lat = time_runtime(rt, images_d, points_d, args.iters, args.warmup, args.gap_ms)
         except Exception as exc:  # a failing variant is recorded, the others still run
             row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
             case["variants"].append(row)
@@ -267,6 +271,8 @@ def main() -> None:
                          "(default --budget-s), leaving time for the other cases")
     ap.add_argument("--bev", action="store_true", help="also the target case with BEV fusion")
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="GPU idle time before each timed iteration (the node's frame gap)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="skip compiled variants once this much wall time is spent")
@@ -307,6 +313,7 @@ def main() -> None:
     result = {"command": "python " + " ".join(sys.argv), "git_commit": commit,
               "allow_tf32": bool(args.allow_tf32),
               "torch": torch.__version__, "config": args.config, "iters": args.iters,
+              "gap_ms": args.gap_ms,
               "machine": bench_common.machine_info(
                   torch.cuda.get_device_name(device) if gpu else None, cpu=platform.processor(),
                   device=torch.cuda.get_device_name(device) if gpu else "cpu"),
