@@ -222,7 +222,7 @@ class ResultSink:
         from kestrel_common.conversions import stamp_to_ns
 
         row = {"stamp_ns": stamp_to_ns(msg.header.stamp), "recv_ns": recv_ns,
-               "node_latency_s": float(msg.latency), "detections": len(msg.detections),
+               "node_latency_s": float(msg.latency), "detections": len(msg.score),
                "timings": {t.name: float(t.duration) for t in msg.timings}}
         with self.lock:
             self.rows.append(row)

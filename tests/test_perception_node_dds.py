@@ -11,13 +11,14 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from kestrel_common.base_node import SENSOR_QOS
 from kestrel_common.conversions import (
+    detection_arrays,
     make_camera_info,
     make_header,
     numpy_to_image,
     stamp_to_ns,
     xyz_to_pointcloud2,
 )
-from kestrel_interfaces.msg import Detection2D, PerceptionResult
+from kestrel_interfaces.msg import PerceptionResult
 from kestrel_perception.core.params import pose_to_matrix
 from rcl_interfaces.msg import Parameter as ParameterMsg
 from rcl_interfaces.msg import ParameterType, ParameterValue
@@ -135,18 +136,16 @@ def check_result_content(r: PerceptionResult, stamp: int) -> None:
         assert (d.encoding, d.width, d.height) == ("32FC1", W, H)
         depth = np.frombuffer(bytes(d.data), np.float32)
         assert depth.size == W * H and np.isfinite(depth).all() and (depth > 0).all()
+    assert [stamp_to_ns(t) for t in r.image_stamps] == [stamp, stamp]
+    assert list(r.camera_frame_ids) == ["cam0_optical", "cam1_optical"]
     # score_threshold 0: max_detections (5) per camera
-    assert sorted(d.camera_index for d in r.detections) == [0] * 5 + [1] * 5
-    for det in r.detections:
-        assert stamp_to_ns(det.header.stamp) == stamp
-        assert det.header.frame_id == f"cam{det.camera_index}_optical"
-        assert 1 <= det.class_index < len(CLASSES)
-        assert det.results[0].hypothesis.class_id == CLASSES[det.class_index]
-        assert 0.0 <= det.results[0].hypothesis.score <= 1.0
-        b = det.bbox
-        assert -1e-3 <= b.center.x - b.size_x / 2 and b.center.x + b.size_x / 2 <= W + 1e-3
-        assert -1e-3 <= b.center.y - b.size_y / 2 and b.center.y + b.size_y / 2 <= H + 1e-3
-        assert det.position_frame_id == "world"
+    d = detection_arrays(r)
+    assert sorted(d["camera_index"].tolist()) == [0] * 5 + [1] * 5
+    assert ((1 <= d["class_index"]) & (d["class_index"] < len(CLASSES))).all()
+    assert ((0.0 <= d["score"]) & (d["score"] <= 1.0)).all()
+    cx, cy, w, h = d["bbox"].T.astype(np.float64)  # px
+    assert (cx - w / 2 >= -1e-3).all() and (cx + w / 2 <= W + 1e-3).all()
+    assert (cy - h / 2 >= -1e-3).all() and (cy + h / 2 <= H + 1e-3).all()
     timings = {t.name: t.duration for t in r.timings}
     assert set(timings) >= {"preprocess", "model", "postprocess", "lidar_fusion", "download",
                             "unpack", "wait", "build", "input_age"}
@@ -158,17 +157,22 @@ def check_result_content(r: PerceptionResult, stamp: int) -> None:
     assert r.latency >= timings["wait"] + timings["build"] + timings["model"]
 
 
+def sources(r: PerceptionResult) -> list[int]:
+    return detection_arrays(r)["position_source"].tolist()
+
+
 def check_lidar_positions(r: PerceptionResult) -> None:
     """Every detection's position lies on the wall and projects onto its box centre."""
-    assert all(d.position_source == Detection2D.POSITION_LIDAR for d in r.detections)
-    for det in r.detections:
-        p = det.results[0].pose.pose.position
-        assert p.x == pytest.approx(WALL_X, abs=1e-3)
-        T = pose_to_matrix(POSES[7 * det.camera_index: 7 * det.camera_index + 7])
-        p_cam = np.linalg.inv(T) @ np.array([p.x, p.y, p.z, 1.0])
+    d = detection_arrays(r)
+    assert (d["position_source"] == PerceptionResult.POSITION_LIDAR).all()
+    for cam, p, box, var in zip(d["camera_index"], d["position"], d["bbox"],
+                                d["position_variance"], strict=True):
+        assert p[0] == pytest.approx(WALL_X, abs=1e-3)
+        T = pose_to_matrix(POSES[7 * cam: 7 * cam + 7])
+        p_cam = np.linalg.inv(T) @ np.array([*p, 1.0])
         u, v = (K @ p_cam[:3])[:2] / p_cam[2]
-        assert (u, v) == pytest.approx((det.bbox.center.x, det.bbox.center.y), abs=1e-2)
-        assert det.results[0].pose.covariance[0] > 0
+        assert (u, v) == pytest.approx((float(box[0]), float(box[1])), abs=1e-2)
+        assert var > 0
 
 
 def set_bool(probe, name: str, value: bool):
@@ -202,8 +206,7 @@ def test_results_bad_inputs_and_runtime_heads(launch_node, probe):
 
     # 1. good input with a LiDAR cloud -> content, stamps, 3D positions from the LiDAR
     r = produce(rig, results, wall_points(), timeout=30.0,
-                check=lambda r: all(d.position_source == Detection2D.POSITION_LIDAR
-                                    for d in r.detections))
+                check=lambda r: all(s == PerceptionResult.POSITION_LIDAR for s in sources(r)))
     check_result_content(r, stamp_to_ns(r.header.stamp))
     check_lidar_positions(r)
     dbg = debug.wait_for(lambda m: len(m) > 0, timeout=10.0)
@@ -211,7 +214,7 @@ def test_results_bad_inputs_and_runtime_heads(launch_node, probe):
 
     # 2. without a cloud: positions from the predicted depth
     r = produce(rig, results)
-    assert all(d.position_source == Detection2D.POSITION_PREDICTED_DEPTH for d in r.detections)
+    assert all(s == PerceptionResult.POSITION_PREDICTED_DEPTH for s in sources(r))
 
     # 3. bad inputs: each is counted on /diagnostics (republished if a best-effort sample
     #    got lost) and the node keeps producing results
@@ -259,11 +262,11 @@ def test_results_bad_inputs_and_runtime_heads(launch_node, probe):
     # 4. heads switch at run time (same process, same weights)
     assert set_bool(probe, "enable_segmentation", False).successful
     r = produce(rig, results, check=lambda r: len(r.masks) == 0)
-    assert len(r.depths) == 2 and len(r.detections) == 10
+    assert len(r.depths) == 2 and len(r.score) == 10
     assert set_bool(probe, "enable_detection", False).successful
     refused = set_bool(probe, "enable_depth", False)  # would leave no head
     assert not refused.successful and "at least one head" in refused.reason
-    r = produce(rig, results, check=lambda r: len(r.detections) == 0)
+    r = produce(rig, results, check=lambda r: len(r.score) == 0)
     assert len(r.masks) == 0 and len(r.depths) == 2
     assert node.alive() and "Traceback" not in node.output()
 
@@ -277,8 +280,8 @@ def test_depth_16uc1_strided_output(launch_node, probe, processing):
     node, results, rig = start_node(launch_node, probe, {**params, "publish_debug_image": False,
                                                          "processing": processing})
     r = produce(rig, results, wall_points(), timeout=30.0,
-                check=lambda r: len(r.detections) == 10 and all(
-                    d.position_source == Detection2D.POSITION_LIDAR for d in r.detections))
+                check=lambda r: len(r.score) == 10 and all(
+                    s == PerceptionResult.POSITION_LIDAR for s in sources(r)))
     check_lidar_positions(r)
     hs, ws = (H + 1) // 2, (W + 1) // 2
     assert len(r.masks) == 2 and len(r.depths) == 2
@@ -327,12 +330,12 @@ def test_user_model_through_the_node(launch_node, probe, run_dir):
     # a set whose cloud missed the sync window has no positions (no depth head): wait for one
     # with LiDAR positions
     r = produce(rig, results, wall_points(), timeout=30.0,
-                check=lambda r: len(r.detections) == 2 and all(
-                    d.position_source == Detection2D.POSITION_LIDAR for d in r.detections))
-    for d in r.detections:
-        assert CLASSES[d.class_index] == "red_cube"
-        assert d.results[0].hypothesis.score == pytest.approx(0.9, abs=1e-6)
-        assert (d.bbox.center.x, d.bbox.center.y) == pytest.approx((64.0, 48.0))
+                check=lambda r: len(r.score) == 2 and all(
+                    s == PerceptionResult.POSITION_LIDAR for s in sources(r)))
+    d = detection_arrays(r)
+    assert [CLASSES[k] for k in d["class_index"]] == ["red_cube"] * 2
+    np.testing.assert_allclose(d["score"], 0.9, atol=1e-6)
+    np.testing.assert_allclose(d["bbox"][:, :2], [[64.0, 48.0]] * 2)
     check_lidar_positions(r)
     assert len(r.masks) == 0 and len(r.depths) == 0  # no seg/depth in this contract
     assert node.alive() and "Traceback" not in node.output()

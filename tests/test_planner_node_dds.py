@@ -8,6 +8,7 @@ validator and the executor are the production ones.
 
 from __future__ import annotations
 
+import array
 import math
 import threading
 import time
@@ -17,8 +18,7 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import PointStamped
 from kestrel_interfaces.action import PlanTask
-from kestrel_interfaces.msg import (ControlTarget, Detection2D, ObjectHypothesisWithPose,
-                                    PerceptionResult, StepStatus, TaskPlan)
+from kestrel_interfaces.msg import ControlTarget, PerceptionResult, StepStatus, TaskPlan
 from rclpy.action import ActionClient
 from sensor_msgs.msg import Image
 
@@ -38,19 +38,19 @@ STAMP_NS = 1_700_000_000_123_000_000
 CUBE = (0.4, 0.0, 0.02)
 
 
-def detection(name: str, xyz: tuple[float, float, float], score: float = 0.9) -> Detection2D:
-    d = Detection2D(position_source=Detection2D.POSITION_LIDAR, position_frame_id="world")
-    h = ObjectHypothesisWithPose()
-    h.hypothesis.class_id, h.hypothesis.score = name, score
-    p = h.pose.pose.position
-    p.x, p.y, p.z = xyz
-    d.results = [h]
-    return d
-
-
-def perception(objects: dict[str, tuple[float, float, float]]) -> PerceptionResult:
-    return PerceptionResult(header=make_header(STAMP_NS, "world"), class_names=list(objects),
-                            detections=[detection(n, p) for n, p in objects.items()])
+def perception(objects: dict[str, tuple[float, float, float]],
+               score: float = 0.9) -> PerceptionResult:
+    """One LiDAR-positioned detection per object (class index = its place in `objects`)."""
+    n = len(objects)
+    msg = PerceptionResult(header=make_header(STAMP_NS, "world"), class_names=list(objects))
+    msg.camera_index = array.array("I", [0] * n)
+    msg.class_index = array.array("H", range(n))
+    msg.score = array.array("f", [score] * n)
+    msg.bbox = array.array("f", [10.0, 10.0, 4.0, 4.0] * n)
+    msg.position_source = array.array("B", [PerceptionResult.POSITION_LIDAR] * n)
+    msg.position = array.array("d", [v for xyz in objects.values() for v in xyz])
+    msg.position_variance = array.array("d", [0.0025] * n)
+    return msg
 
 
 class Streamer:

@@ -1,9 +1,11 @@
 """The conversions module: ROS messages <-> numpy arrays and plain values.
 
 Generic conversions shared by every node shell (images, camera info, point clouds, stamps,
-diagnostics). Bad messages raise `ConversionError(reason, message)`; the node counts the
-`reason` on /diagnostics and drops the message. Package-specific messages are built in the
-node files themselves.
+diagnostics), and the numpy view of kestrel_interfaces/PerceptionResult's detection arrays
+that several packages read (`detection_arrays`, duck-typed: no import of the message). Bad
+messages raise `ConversionError(reason, message)`; the node counts the `reason` on
+/diagnostics and drops the message. Package-specific messages are built in the node files
+themselves.
 """
 
 from __future__ import annotations
@@ -200,3 +202,27 @@ def _fmt(v: object) -> str:
     if isinstance(v, float):
         return f"{v:.6g}"
     return str(v)
+
+
+def detection_arrays(msg) -> dict[str, np.ndarray]:  # noqa: ANN001 (a PerceptionResult)
+    """A PerceptionResult's detections as numpy views of its arrays (no copy): camera_index
+    [D], class_index [D], score [D], bbox [D,4] px (cx, cy, w, h), position_source [D],
+    position [D,3] m (NaN where unknown), position_variance [D] m^2. ConversionError when the
+    arrays disagree on D."""
+    out = {
+        "camera_index": np.frombuffer(msg.camera_index, np.uint32),
+        "class_index": np.frombuffer(msg.class_index, np.uint16),
+        "score": np.frombuffer(msg.score, np.float32),
+        "bbox": np.frombuffer(msg.bbox, np.float32),
+        "position_source": np.frombuffer(msg.position_source, np.uint8),
+        "position": np.frombuffer(msg.position, np.float64),
+        "position_variance": np.frombuffer(msg.position_variance, np.float64),
+    }
+    n = out["score"].shape[0]
+    per = {"bbox": 4, "position": 3}
+    sizes = {k: v.shape[0] for k, v in out.items()}
+    if any(size != n * per.get(k, 1) for k, size in sizes.items()):
+        raise ConversionError("bad_detections", f"detection arrays disagree on the count: {sizes}")
+    out["bbox"] = out["bbox"].reshape(n, 4)
+    out["position"] = out["position"].reshape(n, 3)
+    return out

@@ -1,9 +1,12 @@
-"""ResultBuilder: the result message's content, and reuse of its objects between results."""
+"""ResultBuilder: the result message's content (detections as parallel arrays, read back with
+kestrel_common.conversions.detection_arrays), and reuse of the map messages between results."""
 
 from __future__ import annotations
 
 import numpy as np
-from kestrel_interfaces.msg import Detection2D
+import pytest
+from kestrel_common.conversions import ConversionError, detection_arrays
+from kestrel_interfaces.msg import PerceptionResult
 from kestrel_models.perception import PositionSource
 from kestrel_perception.core import CameraModel, Detection, PerceptionOutput
 from kestrel_perception.result_msg import (POSITION_STD_DEPTH_REL, POSITION_STD_LIDAR,
@@ -40,30 +43,52 @@ def test_content_and_reuse() -> None:
                  {"wait": 0.001})
     assert (r1.header.stamp.sec, r1.header.stamp.nanosec, r1.header.frame_id) == \
         (5, 123, "world")
-    assert list(r1.class_names) == list(CLASSES) and len(r1.detections) == 3
-    d0, d1, d2 = r1.detections
-    assert (d0.bbox.center.x, d0.bbox.center.y, d0.bbox.size_x, d0.bbox.size_y) == \
-        (20.0, 40.0, 20.0, 40.0)
-    assert d1.header.frame_id == "cam1" and d1.header.stamp.nanosec == 456
-    h0, h1, h2 = (d.results[0] for d in (d0, d1, d2))
-    assert (h0.hypothesis.class_id, round(h0.hypothesis.score, 6)) == ("a", 0.9)
-    assert (h0.pose.pose.position.z, d0.position_source) == (2.0, Detection2D.POSITION_LIDAR)
-    assert h0.pose.covariance[0] == h0.pose.covariance[14] == POSITION_STD_LIDAR ** 2
+    assert list(r1.class_names) == list(CLASSES)
+    assert [(t.sec, t.nanosec) for t in r1.image_stamps] == [(5, 123), (5, 456)]
+    assert list(r1.camera_frame_ids) == ["cam0", "cam1"]
+    d = detection_arrays(r1)
+    assert d["score"].shape == (3,) and d["bbox"].shape == (3, 4) and d["position"].shape == (3, 3)
+    assert d["camera_index"].tolist() == [0, 1, 1] and d["class_index"].tolist() == [1, 2, 1]
+    np.testing.assert_allclose(d["score"], [0.9, 0.5, 0.25], rtol=1e-6)
+    np.testing.assert_array_equal(d["bbox"][0], [20.0, 40.0, 20.0, 40.0])  # cx, cy, w, h px
+    assert d["position_source"].tolist() == [PerceptionResult.POSITION_LIDAR,
+                                             PerceptionResult.POSITION_PREDICTED_DEPTH,
+                                             PerceptionResult.POSITION_NONE]
+    np.testing.assert_array_equal(d["position"][:2], [[0.0, 0.0, 2.0], [1.0, 0.0, 4.0]])
+    assert np.isnan(d["position"][2]).all() and np.isnan(d["position_variance"][2])
+    assert d["position_variance"][0] == POSITION_STD_LIDAR ** 2
     rng = 4.0  # |(1,0,4) - camera 1 at (1,0,0)|
-    assert np.isclose(h1.pose.covariance[7], (POSITION_STD_DEPTH_REL * rng) ** 2)
-    assert d2.position_source == Detection2D.POSITION_NONE and not any(h2.pose.covariance)
-    assert (h2.pose.pose.position.x, h2.pose.pose.orientation.w) == (0.0, 1.0)
+    assert np.isclose(d["position_variance"][1], (POSITION_STD_DEPTH_REL * rng) ** 2)
     assert [m.encoding for m in r1.masks] == ["mono8"] * 2 and r1.depths[0].encoding == "16UC1"
+    assert r1.masks[1].header.frame_id == "cam1" and r1.masks[1].header.stamp.nanosec == 456
     assert (r1.depths[1].width, r1.depths[1].height, r1.depths[1].step) == (64, 48, 128)
     np.testing.assert_array_equal(np.frombuffer(r1.depths[1].data, np.uint16), 1001)
     assert {t.name: t.duration for t in r1.timings} == {"model": 0.01, "wait": 0.001}
     data_before = r1.masks[0].data
-    # the next result reuses the messages (published in between) and writes new values
+    # the next result reuses the map messages (published in between) and writes new values
     r2 = b.build(6_000_000_000, [6_000_000_000] * 2, cams(), output(1.0))
-    assert r2.detections[0] is d0 and r2.masks[0] is r1.masks[0]
+    assert r2.masks[0] is r1.masks[0]
     assert r2.masks[0].data is data_before  # same byte array, overwritten in place
     np.testing.assert_array_equal(np.frombuffer(r2.masks[1].data, np.uint8), 2)
-    assert r2.detections[0].bbox.center.x == 21.0 and r2.detections[1].header.stamp.sec == 6
-    assert len(r2.detections) == 3
+    d2 = detection_arrays(r2)
+    assert d2["bbox"][0, 0] == 21.0 and r2.image_stamps[1].sec == 6
+    np.testing.assert_array_equal(d["bbox"][0], [20.0, 40.0, 20.0, 40.0])  # r1's kept
     r3 = b.build(7, [7, 7], cams(), output(0.0, n_maps=0))  # heads switched off
     assert len(r3.masks) == 0 and len(r3.depths) == 0
+
+
+def test_no_detections_gives_empty_arrays() -> None:
+    out = output(0.0)
+    out.detections = []
+    r = ResultBuilder("world", CLASSES).build(7, [7, 7], cams(), out)
+    d = detection_arrays(r)
+    assert all(v.shape[0] == 0 for v in d.values())
+    assert d["bbox"].shape == (0, 4) and d["position"].shape == (0, 3)
+
+
+def test_inconsistent_arrays_are_a_conversion_error() -> None:
+    r = ResultBuilder("world", CLASSES).build(7, [7, 7], cams(), output(0.0))
+    r.score = r.score[:2]  # 2 scores for 3 detections
+    with pytest.raises(ConversionError, match="disagree on the count") as err:
+        detection_arrays(r)
+    assert err.value.reason == "bad_detections"

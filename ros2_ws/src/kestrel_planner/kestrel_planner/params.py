@@ -99,6 +99,13 @@ SPECS = [
     ParamSpec("execution_rate", 20.0, "Executor tick / target rate, Hz.", min=1.0, max=200.0),
     ParamSpec("goal_timeout", 30.0, "Bound on one goal's wait for its plan, s.", min=0.1),
     ParamSpec("feedback_age", 1.0, "Ignore ee/joint feedback older than this, s.", min=0.0),
+    # CPython's default is 5 ms. With the stack's 250 Hz joint states and TCP positions on the
+    # MultiThreadedExecutor and a plan decoding, ~10 threads want the GIL; at 5 ms per hand-over
+    # a perception result waited 100s of ms and the best-effort keep-last-1 reader had replaced
+    # it: 11-21 of 50 results received at 10 Hz (age p99 75-514 ms); at 200 us 50 of 50 (p99
+    # 21-45 ms), dev CPU, tests/test_result_transport.py, docs/benchmarks/result_transport_cpu.md
+    ParamSpec("gil_switch_interval_us", 200, "sys.setswitchinterval of the node process, us "
+              "(0 = leave CPython's 5 ms).", min=0, max=100000, read_only=True),
 ]
 
 

@@ -1,7 +1,8 @@
 """The planner node shell: PlanTask goals -> PlannerCore (batched) -> validated plan -> executor.
 
   ~/input/image (Image rgb8/bgr8, SENSOR_QOS)           -> latest frame
-  ~/input/perception (PerceptionResult, best effort)     -> latest scene objects (class, xyz m)
+  ~/input/perception (PerceptionResult, best effort)     -> latest scene objects (class, xyz m);
+      counted (perception_results) and its age at receipt (stamp -> callback) on /diagnostics
   ~/input/joint_states (JointState, SENSOR_QOS), ~/input/ee_position (PointStamped): optional
       execution feedback (HOME check; Cartesian waypoints reached within position_tolerance)
   ~/plan_task (action PlanTask): goals wait on a batching worker thread that serves up to
@@ -52,6 +53,7 @@ not a real vLLM (vLLM needs its own torch build; not installable on the CPU test
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -71,12 +73,13 @@ from sensor_msgs.msg import Image, JointState
 
 from kestrel_common.base_node import (COMMAND_QOS, LATCHED_QOS, SENSOR_QOS, KestrelLifecycleNode,
                                       run_node)
-from kestrel_common.conversions import ConversionError, image_to_numpy, make_header
+from kestrel_common.conversions import (ConversionError, detection_arrays, image_to_numpy,
+                                         make_header, stamp_to_ns)
 from kestrel_common.counters import LatencyWindow
 from kestrel_planner.core import (SKILLS, ExecutorConfig, PlanExecutor, PlanLimits,
                                   PlannerConfig, PlannerCore, PlannerInputError, PlanRequest,
                                   PlanResult, SceneObject, Skill, StepEvent)
-from kestrel_planner.core.skills import NAME_RE
+from kestrel_planner.core.scene import scene_from_detections
 from kestrel_planner.params import SPECS, remote_config
 from kestrel_models.planner import get_config
 
@@ -90,34 +93,6 @@ class _Job:
     result: PlanResult | None = None
     error: str = ""
     abandoned: bool = False  # the goal gave up waiting (goal_timeout): stop decoding it
-
-
-def scene_from_perception(msg: PerceptionResult) -> tuple[list[SceneObject], dict[str, int]]:
-    """One object per class (best score, a 3D position preferred); counts of skipped items."""
-    best: dict[str, tuple[tuple[bool, float], SceneObject]] = {}
-    skipped = {"perception_bad_name": 0, "perception_nonfinite_position": 0}
-    for det in msg.detections:
-        if det.results:
-            hyp, score = det.results[0].hypothesis, det.results[0].hypothesis.score
-            name = hyp.class_id
-        else:
-            hyp, score, name = None, 0.0, ""
-        if not name and det.class_index < len(msg.class_names):
-            name = msg.class_names[det.class_index]
-        if not NAME_RE.match(name):
-            skipped["perception_bad_name"] += 1
-            continue
-        pos = None
-        if hyp is not None and det.position_source != 0:
-            p = det.results[0].pose.pose.position
-            if all(math.isfinite(v) for v in (p.x, p.y, p.z)):
-                pos = (p.x, p.y, p.z)
-            else:
-                skipped["perception_nonfinite_position"] += 1
-        key = (pos is not None, float(score))
-        if name not in best or key > best[name][0]:
-            best[name] = (key, SceneObject(name, name, pos))
-    return [obj for _, obj in best.values()], skipped
 
 
 def plan_to_msg(result: PlanResult, stamp_ns: int, frame_id: str) -> TaskPlan:
@@ -154,6 +129,7 @@ class PlannerNode(KestrelLifecycleNode):
         self._joints: tuple[list[float], float] | None = None
         self._plan_frame = ""
         self._ttft = LatencyWindow(256)
+        self._scene_age = LatencyWindow(256)  # perception result stamp -> its callback, s
         self._total = LatencyWindow(256)
         self._handles: list = []
         self._timer = None
@@ -202,6 +178,8 @@ class PlannerNode(KestrelLifecycleNode):
                 f"goal_timeout {p['goal_timeout']} s is shorter than the remote worst case "
                 f"{remote.max_wait_s():.1f} s (remote_timeout_s, remote_max_retries): slow "
                 "goals end as 'planning timed out'")
+        if p["gil_switch_interval_us"] > 0:  # process-wide: this process is the node
+            sys.setswitchinterval(p["gil_switch_interval_us"] * 1e-6)
         io = MutuallyExclusiveCallbackGroup()
         best_effort = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT)
         self._plan_pub = self.create_publisher(TaskPlan, "~/output/plan", LATCHED_QOS)
@@ -283,7 +261,17 @@ class PlannerNode(KestrelLifecycleNode):
             self._image = arr
 
     def _on_scene(self, msg: PerceptionResult) -> None:
-        objects, skipped = scene_from_perception(msg)
+        self._scene_age.add((self.get_clock().now().nanoseconds
+                             - stamp_to_ns(msg.header.stamp)) * 1e-9)
+        self.counters.inc("perception_results")
+        try:
+            d = detection_arrays(msg)
+        except ConversionError as exc:
+            self.drop(exc.reason, str(exc))
+            return
+        objects, skipped = scene_from_detections(list(msg.class_names), d["class_index"],
+                                                 d["score"], d["position_source"],
+                                                 d["position"])
         for reason, n in skipped.items():
             if n:
                 self.drop(reason, f"{n} detection(s) in the perception result")
@@ -483,7 +471,8 @@ class PlannerNode(KestrelLifecycleNode):
             values: dict[str, object] = {"pending_goals": self._pending,
                                          "scene_objects": len(self._scene),
                                          "have_image": self._image is not None}
-        for name, w in (("ttft", self._ttft), ("total", self._total)):
+        for name, w in (("ttft", self._ttft), ("total", self._total),
+                        ("perception_age", self._scene_age)):
             for k, v in w.percentiles((50.0, 99.0)).items():
                 values[f"{name}_{k}_s"] = v
         ex = self.executor_core
