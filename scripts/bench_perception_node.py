@@ -194,6 +194,13 @@ def run_sink(args: argparse.Namespace) -> int:
                              result_qos(args.result_qos))
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    # As every Kestrel node after configure (kestrel_common.heap): collect once and freeze the
+    # start-up heap, so that a full collection triggered by a result's Python objects does not
+    # walk it (78-85 ms seen for one result in an unfrozen process that had imported torch:
+    # result_transport_cpu.md, section "Before")
+    from kestrel_common.heap import freeze_heap
+
+    freeze_heap()
     print("sink ready", flush=True)
     while not stop.is_set():
         rclpy.spin_once(node, timeout_sec=0.05)
