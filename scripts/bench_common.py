@@ -67,3 +67,14 @@ def machine_info(gpu_name: str | None = None, **extra: object) -> dict:
         info["gpu"] = gpu_name
     info.update(extra)
     return info
+
+
+def summary(values: list[float]) -> dict:
+    """n, p50, p99 and max of `values` (just {"n": 0} when there are none)."""
+    import numpy as np
+
+    a = np.asarray(values, dtype=float)
+    if a.size == 0:
+        return {"n": 0}
+    return {"n": int(a.size), "p50": float(np.percentile(a, 50)),
+            "p99": float(np.percentile(a, 99)), "max": float(a.max())}

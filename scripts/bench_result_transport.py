@@ -51,14 +51,6 @@ DEFAULT_CASES = ("full:msg", "full:raw", "no_dets:msg", "no_dets:raw", "no_maps:
 VARIANTS = ("", "before", "be", "freeze")
 
 
-def pct(values: list[float]) -> dict:
-    a = np.asarray(values, dtype=float)
-    if a.size == 0:
-        return {"n": 0}
-    return {"n": int(a.size), "p50": float(np.percentile(a, 50)),
-            "p99": float(np.percentile(a, 99)), "max": float(a.max())}
-
-
 def msg_type(payload: str):  # noqa: ANN201
     from kestrel_interfaces.msg import PerceptionResult
     return PerceptionResult
@@ -244,16 +236,16 @@ def run_case(args: argparse.Namespace, node, case: str, k_case: int) -> dict:  #
     res.update({
         "published": len(pubs), "received": len(matched),
         "bytes": pubs[0][5] if pubs else 0,
-        "build_ms": pct([p[2] * 1e3 for p in pubs]),
-        "publish_call_ms": pct([p[3] * 1e3 for p in pubs]),
-        "serialize_ms": pct([p[4] * 1e3 for p in pubs]),
+        "build_ms": bc.summary([p[2] * 1e3 for p in pubs]),
+        "publish_call_ms": bc.summary([p[3] * 1e3 for p in pubs]),
+        "serialize_ms": bc.summary([p[4] * 1e3 for p in pubs]),
         # publish() returned -> callback entered: DDS (+ deserialisation in mode msg)
-        "delivery_ms": pct([(r[1] - p[1]) * 1e-6 for p, r in matched]),
+        "delivery_ms": bc.summary([(r[1] - p[1]) * 1e-6 for p, r in matched]),
         # publish() called -> callback entered
-        "publish_to_callback_ms": pct([(r[1] - p[0]) * 1e-6 for p, r in matched]),
+        "publish_to_callback_ms": bc.summary([(r[1] - p[0]) * 1e-6 for p, r in matched]),
     })
     if mode == "raw":
-        res["deserialize_ms"] = pct([r[2] * 1e3 for _, r in matched])
+        res["deserialize_ms"] = bc.summary([r[2] * 1e3 for _, r in matched])
     return res
 
 

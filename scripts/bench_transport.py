@@ -36,14 +36,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 
 
-def _pct(values: list[float]) -> dict:
-    a = np.asarray(values, dtype=float)
-    if a.size == 0:
-        return {"n": 0}
-    return {"n": int(a.size), "p50": float(np.percentile(a, 50)),
-            "p99": float(np.percentile(a, 99)), "max": float(a.max())}
-
-
 def subscriber(args: argparse.Namespace) -> int:
     import rclpy
     from rclpy.node import Node
@@ -93,9 +85,9 @@ def subscriber(args: argparse.Namespace) -> int:
             if args.skip <= k < args.skip + args.sets and len(v) == n_msgs]
     out = {"mode": args.mode, "executor": args.executor, "seen_sets": len(lat),
            "complete_sets": len(sets),
-           "first_ms": _pct([min(v.values()) for v in sets]),
-           "last_ms": _pct([max(v.values()) for v in sets]),
-           "points_ms": _pct([v["points"] for v in sets])}
+           "first_ms": bc.summary([min(v.values()) for v in sets]),
+           "last_ms": bc.summary([max(v.values()) for v in sets]),
+           "points_ms": bc.summary([v["points"] for v in sets])}
     print("RESULT " + json.dumps(out), flush=True)
     node.destroy_node()
     rclpy.shutdown()
@@ -183,7 +175,7 @@ def main() -> int:
             out = ""
         res = next((json.loads(ln[7:]) for ln in out.splitlines() if ln.startswith("RESULT ")),
                    {"mode": mode, "executor": exe, "error": "no result"})
-        res["publish_set_ms"] = _pct(pub_ms)
+        res["publish_set_ms"] = bc.summary(pub_ms)
         results.append(res)
         print(json.dumps(res), flush=True)
     node.destroy_node()

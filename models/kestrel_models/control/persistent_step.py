@@ -55,10 +55,7 @@ MAX_LAYERS = 3
 
 def check_persistent() -> None:
     """Configure-time check: BackendUnavailable naming the parameter when it cannot run here."""
-    try:
-        check_triton()
-    except BackendUnavailable as exc:
-        raise BackendUnavailable(str(exc).replace("'cuda_graph_triton'", repr(NAME))) from None
+    check_triton(NAME)
 
 
 def _next_seq(seq: int) -> int:

@@ -44,13 +44,14 @@ except Exception as exc:  # ImportError, or a broken install
     _TRITON_ERROR = f"{type(exc).__name__}: {exc}"
 
 
-def check_triton() -> None:
-    """Configure-time check: BackendUnavailable naming the parameter when it cannot run here."""
+def check_triton(name: str = NAME) -> None:
+    """Configure-time check: BackendUnavailable naming the parameter (backend `name`, a Triton
+    backend) when it cannot run here."""
     if triton is None:
-        raise BackendUnavailable(f"parameter 'backend' = {NAME!r}: the triton package is not "
+        raise BackendUnavailable(f"parameter 'backend' = {name!r}: the triton package is not "
                                  f"usable here ({_TRITON_ERROR}); use 'cuda_graph'")
     if not torch.cuda.is_available():
-        raise BackendUnavailable(f"parameter 'backend' = {NAME!r}: CUDA is not available")
+        raise BackendUnavailable(f"parameter 'backend' = {name!r}: CUDA is not available")
 
 
 def _pow2(x: int) -> int:
