@@ -30,7 +30,7 @@ def _array(typecode: str, values: np.ndarray) -> array.array:
     """A numpy array -> array.array of `typecode` with one memcpy (values already of the
     matching dtype: float32 'f', float64 'd', uint32 'I', uint16 'H', uint8 'B')."""
     out = array.array(typecode)
-    out.frombytes(np.ascontiguousarray(values).tobytes())
+    out.frombytes(memoryview(np.ascontiguousarray(values)).cast("B"))
     return out
 
 

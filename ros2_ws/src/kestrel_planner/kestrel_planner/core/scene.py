@@ -27,10 +27,9 @@ def scene_from_detections(class_names: list[str], class_index: np.ndarray, score
     a position)."""
     best: dict[str, tuple[tuple[bool, float], SceneObject]] = {}
     skipped = {"perception_bad_name": 0, "perception_nonfinite_position": 0}
-    names = list(class_names)
     for k, s, src, p in zip(class_index.tolist(), score.tolist(), position_source.tolist(),
                             position.tolist(), strict=True):
-        name = names[k] if k < len(names) else ""
+        name = class_names[k] if k < len(class_names) else ""
         if not NAME_RE.match(name):
             skipped["perception_bad_name"] += 1
             continue
