@@ -66,5 +66,9 @@ export PYTHONPATH="$_kpp${PYTHONPATH:+:$PYTHONPATH}"
 export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST RMW_IMPLEMENTATION=rmw_fastrtps_cpp
 export MUJOCO_GL="${MUJOCO_GL:-egl}" PYOPENGL_PLATFORM="${PYOPENGL_PLATFORM:-egl}"
 export KPY="$KV/bin/python" KESTREL_ROOT="$_kroot"
+# As scripts/env.sh: the stack's Fast DDS profile for camera-sized samples (without it a
+# 1.8 MB PerceptionResult went over UDP fragments on the H200: 13 / 34 ms publish -> callback,
+# best effort lost 62 of 100; docs/benchmarks/result_transport_h200.md)
+export FASTDDS_DEFAULT_PROFILES_FILE="${FASTDDS_DEFAULT_PROFILES_FILE:-$_kroot/ros2_ws/src/kestrel_bringup/config/fastdds_large_data.xml}"
 unset _kroot _klog _kpyinc _knpinc _kp _kn _kpp _kpyver
 unset -f _kfail
