@@ -8,6 +8,11 @@ import pytest
 import torch
 from tiny_perception import tiny_model
 
+from kestrel_models.perception.conv_act import (
+    FusedBasicBlock,
+    FusedBottleneck,
+    fuse_residual_blocks,
+)
 from kestrel_models.perception.optimize import (
     ChannelPadConv2d,
     MergedFCOSHead,
@@ -17,7 +22,12 @@ from kestrel_models.perception.optimize import (
     optimize_model,
     pad_conv_outputs,
 )
-from kestrel_models.perception.runtime import VARIANTS, PerceptionRuntime, VariantSpec
+from kestrel_models.perception.runtime import (
+    VARIANTS,
+    PerceptionRuntime,
+    VariantSpec,
+    fold_batchnorm,
+)
 
 HW = (64, 96)
 
@@ -132,7 +142,7 @@ def test_runtime_variants_apply_the_transforms_on_their_copy() -> None:
     spec = VariantSpec(fold_bn=True, channels_last=True,
                        optimize=OptimizeSpec("s2d", 8, "grouped"))
     rt = PerceptionRuntime(model, spec, HW, cameras=2)
-    assert rt.optimized == {"stem": 1, "fcos_merged": 1, "padded_convs": 3}
+    assert rt.optimized == {"stem": 1, "fcos_merged": 1, "padded_convs": 3, "fused_blocks": 0}
     _assert_same(rt.run(img), ref)
     assert type(model.backbone.conv1) is torch.nn.Conv2d  # the user's model is untouched
     for name in ("whole_bf16w_fold_pad_group_graph", "whole_bf16w_fold_s2d_group_graph",
@@ -157,5 +167,52 @@ def test_bad_spec_values_are_named() -> None:
         OptimizeSpec(pad_outputs=-1)
     with pytest.raises(ValueError, match="parameter 'fcos' = 'fused'"):
         OptimizeSpec(fcos="fused")
+    with pytest.raises(ValueError, match="parameter 'conv_act' = 'tensorrt'"):
+        OptimizeSpec(conv_act="tensorrt")
     with pytest.raises(ValueError, match="stride-2"):
         SpaceToDepthConv2d.from_conv(torch.nn.Conv2d(3, 8, 3, padding=1))
+
+
+@pytest.mark.parametrize("depth", [18, 50])
+def test_conv_act_cudnn_blocks_are_exact_off_cuda(depth: int) -> None:
+    """The fused blocks (conv_act 'cudnn') run the unfused ops off CUDA: same fp32 outputs as
+    the folded model; every residual block replaced, none left with a BatchNorm."""
+    model = _model(backbone_depth=depth)
+    fold_batchnorm(model)
+    # non-trivial folded biases (a fused block that dropped a bias would show)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for mod in model.backbone.modules():
+            if isinstance(mod, torch.nn.Conv2d) and mod.bias is not None:
+                mod.bias.normal_(0.0, 0.2, generator=g)
+    img = _images()
+    with torch.no_grad():
+        ref = model(img)
+        done = optimize_model(model, OptimizeSpec("s2d", 8, "grouped", conv_act="cudnn"))
+        out = model(img)
+    _assert_same(out, ref)
+    blocks = [m for m in model.backbone.modules()
+              if isinstance(m, (FusedBottleneck, FusedBasicBlock))]
+    assert done["fused_blocks"] == len(blocks) == (8 if depth == 18 else 16)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.backbone.modules())
+
+
+def test_conv_act_cudnn_needs_folded_batchnorm() -> None:
+    with pytest.raises(ValueError, match=r"block layer1\.0 has an unfolded bn1"):
+        fuse_residual_blocks(_model().backbone)
+    rt_spec = VariantSpec(optimize=OptimizeSpec(conv_act="cudnn"))  # fold_bn off
+    with pytest.raises(ValueError, match="fold the BatchNorms first"):
+        PerceptionRuntime(_model(), rt_spec, HW, cameras=2)
+
+
+def test_conv_act_variant_traces_in_one_graph() -> None:
+    """The whole region, conv_act 'cudnn' included, under fullgraph=True ('eager' backend)."""
+    model = _model()
+    img = _images()
+    ref = PerceptionRuntime(model, "eager_fp32", HW, cameras=2).run(img)
+    spec = VariantSpec(fold_bn=True, channels_last=True, whole_compile="default",
+                       backend="eager", optimize=VARIANTS[
+                           "whole_bf16w_fold_s2d_group_cudnn_graph"].optimize)
+    rt = PerceptionRuntime(model, spec, HW, cameras=2)
+    assert rt.optimized["fused_blocks"] == 8
+    _assert_same(rt.run(img), ref)

@@ -259,3 +259,30 @@ def test_whole_freeze_variant_matches_eager_on_gpu() -> None:
     rep = compare_outputs(ref_out, out, HW, class_offset=1)
     assert rep.seg_max_abs < 0.2 and rep.depth_max_abs < 0.2 and rep.bev_max_abs < 0.2
     torch.testing.assert_close(out["lidar_uv"], ref_out["lidar_uv"], equal_nan=True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cudnn_fused_blocks_match_unfused_on_gpu(dtype: torch.dtype) -> None:
+    """conv_act 'cudnn' on CUDA (torch.cudnn_convolution_relu / _add_relu) vs the same folded
+    model unfused, ResNet-50 blocks, channels_last: equal up to rounding order."""
+    import copy
+
+    from kestrel_models.perception.optimize import OptimizeSpec, optimize_model
+    from kestrel_models.perception.runtime import fold_batchnorm
+
+    torch.backends.cudnn.allow_tf32 = False
+    model = tiny_model(backbone_depth=50)
+    fold_batchnorm(model)
+    model = model.to("cuda", dtype).to(memory_format=torch.channels_last)
+    model.in_scale, model.in_shift = model.in_scale.float(), model.in_shift.float()
+    fused = copy.deepcopy(model)
+    assert optimize_model(fused, OptimizeSpec(conv_act="cudnn"))["fused_blocks"] == 16
+    x = torch.randn(2, 3, 64, 96, device="cuda", dtype=dtype).to(
+        memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref, out = model.backbone(x), fused.backbone(x)
+    for a, b in zip(out, ref, strict=True):
+        tol = 1e-4 if dtype == torch.float32 else 0.05 * float(b.abs().max())
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol)

@@ -18,6 +18,8 @@ in fp32 up to summation order (allclose 1e-5 on the tiny config), bf16-close aft
 - fcos "grouped": "merged" and the rest of both towers as groups=2 convs (+ one GN each), and
   one block-diagonal prediction conv for class, box and centerness: 5 convs + 4 GNs per level
   instead of 11 convs + 8 GNs (4-conv towers).
+- conv_act "cudnn": every BN-folded ResNet block's convs run with their bias, residual add and
+  ReLU in cuDNN's epilogue (`conv_act.py`; CUDA only, the unfused ops elsewhere).
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .conv_act import fuse_residual_blocks
 from .heads import FCOSHead
 
 STEMS = ("plain", "pad4", "pad8", "s2d")
 FCOS_MODES = ("plain", "merged", "grouped")
+CONV_ACTS = ("plain", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class OptimizeSpec:
     stem: str = "plain"  # "plain", "pad4", "pad8" (input channels 3 -> 4/8), "s2d"
     pad_outputs: int = 0  # pad conv output channels to a multiple of this (0 = off)
     fcos: str = "plain"  # "plain", "merged", "grouped" (see the module docstring)
+    conv_act: str = "plain"  # "plain", "cudnn" (trunk conv epilogues fused; needs fold_bn)
 
     def __post_init__(self) -> None:
         if self.stem not in STEMS:
@@ -51,10 +56,14 @@ class OptimizeSpec:
                              "[0, 128] (0 = off)")
         if self.fcos not in FCOS_MODES:
             raise ValueError(f"parameter 'fcos' = {self.fcos!r}: must be one of {FCOS_MODES}")
+        if self.conv_act not in CONV_ACTS:
+            raise ValueError(f"parameter 'conv_act' = {self.conv_act!r}: must be one of "
+                             f"{CONV_ACTS}")
 
     @property
     def active(self) -> bool:
-        return self.stem != "plain" or self.pad_outputs > 1 or self.fcos != "plain"
+        return self.stem != "plain" or self.pad_outputs > 1 or self.fcos != "plain" or \
+            self.conv_act != "plain"
 
 
 def _new_conv(cls: type[nn.Conv2d], like: nn.Conv2d, cin: int, cout: int, kernel: tuple,
@@ -299,10 +308,11 @@ def pad_conv_outputs(module: nn.Module, multiple: int = 8) -> int:
 
 def optimize_model(model: nn.Module, spec: OptimizeSpec) -> dict[str, int]:
     """Apply `spec` in place to `model` (a MultiTaskPerceptionModel, eval, ideally BN-folded
-    already): stem, then the FCOS merge, then the output padding. Call it on a copy: the
-    state dict changes (shapes and names). Returns what was changed: {"stem": 0/1,
-    "fcos_merged": 0/1, "padded_convs": n}."""
-    done = {"stem": 0, "fcos_merged": 0, "padded_convs": 0}
+    already; conv_act "cudnn" requires it): stem, then the FCOS merge, then the output
+    padding, then the fused trunk epilogues. Call it on a copy: the state dict changes (shapes
+    and names). Returns what was changed: {"stem": 0/1, "fcos_merged": 0/1, "padded_convs": n,
+    "fused_blocks": n}."""
+    done = {"stem": 0, "fcos_merged": 0, "padded_convs": 0, "fused_blocks": 0}
     stem = model.backbone.conv1
     if spec.stem in ("pad4", "pad8"):
         model.backbone.conv1 = ChannelPadConv2d.from_conv(stem, int(spec.stem[3:]))
@@ -315,4 +325,6 @@ def optimize_model(model: nn.Module, spec: OptimizeSpec) -> dict[str, int]:
         done["fcos_merged"] = 1
     if spec.pad_outputs > 1:
         done["padded_convs"] = pad_conv_outputs(model, spec.pad_outputs)
+    if spec.conv_act == "cudnn":
+        done["fused_blocks"] = fuse_residual_blocks(model.backbone)
     return done

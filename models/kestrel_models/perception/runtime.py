@@ -24,6 +24,7 @@ whole_bf16w_freeze_graph, whole_fp16w_freeze_graph.
   to multiples of 8), *_pad_merge (+ FCOS first tower convs and box/ctr preds merged),
   *_pad_group (+ FCOS towers as groups=2 convs), *_s2dpad (space-to-depth stem + output pad),
   *_s2d_group (space-to-depth stem + output pad + grouped FCOS towers);
+  *_s2d_group_cudnn (+ the trunk's conv epilogues fused in cuDNN, conv_act.py);
   compile_bf16w_fold_pad_merge_graph: the per-module compile with stem8 + pad + merge.
 """
 
@@ -119,7 +120,8 @@ VARIANTS: dict[str, VariantSpec] = {
 _OPTIMIZED = {"stem8": OptimizeSpec("pad8"), "pad": OptimizeSpec("pad8", 8),
               "pad_merge": OptimizeSpec("pad8", 8, "merged"),
               "pad_group": OptimizeSpec("pad8", 8, "grouped"), "s2dpad": OptimizeSpec("s2d", 8),
-              "s2d_group": OptimizeSpec("s2d", 8, "grouped")}
+              "s2d_group": OptimizeSpec("s2d", 8, "grouped"),
+              "s2d_group_cudnn": OptimizeSpec("s2d", 8, "grouped", conv_act="cudnn")}
 for _name, _opt in _OPTIMIZED.items():
     VARIANTS[f"whole_bf16w_fold_{_name}_graph"] = VariantSpec(
         "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default", optimize=_opt)

@@ -1,0 +1,98 @@
+"""cuDNN-fused conv + bias (+ residual) + ReLU for the ResNet trunk (an `optimize.py` transform).
+
+In the compiled forward, inductor runs every trunk conv as a cuDNN kernel (an extern call) and
+then one Triton pointwise kernel that reads the conv output (and the residual) back to add the
+folded-BN bias and apply the ReLU. `torch.cudnn_convolution_relu` /
+`torch.cudnn_convolution_add_relu` do the bias, the residual add and the ReLU in the conv's own
+epilogue, so each activation is written once. Measured per shape on the H200
+(`scripts/bench_conv_fusion.py`, docs/benchmarks/conv_fusion_h200.md): the trunk's 42 convs
+1,439 -> 1,065 us per forward (bf16, 6 x 640x640), the ops kept as fallback kernels inside
+torch.compile and inside a CUDA graph.
+
+The blocks must be BatchNorm-folded first (`runtime.fold_batchnorm`: each bn{i} an Identity),
+so conv -> bias -> ReLU is the whole branch. On the CPU (and in any non-CUDA trace) the same
+modules run the unfused ops, so the transform is exact there (tested); on CUDA the fused op
+differs from conv + add + ReLU only by its rounding order (bf16: <= 1 ulp of the output).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .backbone import BasicBlock, Bottleneck
+
+
+def _check(conv: nn.Conv2d, what: str) -> None:
+    if isinstance(conv.padding, str) or conv.padding_mode != "zeros" or type(conv) is not \
+            nn.Conv2d:
+        raise ValueError(f"conv_act 'cudnn': {what} is not a plain zero-padded nn.Conv2d "
+                         f"({type(conv).__name__}, padding {conv.padding!r})")
+
+
+def conv_relu(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """relu(conv(x)) in one cuDNN call on CUDA (bias in the epilogue), unfused elsewhere."""
+    if x.is_cuda:
+        return torch.cudnn_convolution_relu(x, conv.weight, conv.bias, conv.stride,
+                                            conv.padding, conv.dilation, conv.groups)
+    return F.relu(conv(x))
+
+
+def conv_add_relu(conv: nn.Conv2d, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """relu(conv(x) + z) in one cuDNN call on CUDA (z: the residual, same shape as the
+    output), unfused elsewhere."""
+    if x.is_cuda:
+        return torch.cudnn_convolution_add_relu(x, conv.weight, z, 1.0, conv.bias, conv.stride,
+                                                conv.padding, conv.dilation, conv.groups)
+    return F.relu(conv(x) + z)
+
+
+class FusedBottleneck(nn.Module):
+    """A BN-folded `Bottleneck` whose three convs carry their epilogues (same parameters,
+    same names: conv1..conv3, downsample)."""
+
+    def __init__(self, block: Bottleneck) -> None:
+        super().__init__()
+        self.conv1, self.conv2, self.conv3 = block.conv1, block.conv2, block.conv3
+        self.downsample = block.downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = conv_relu(self.conv2, conv_relu(self.conv1, x))
+        return conv_add_relu(self.conv3, out, identity)
+
+
+class FusedBasicBlock(nn.Module):
+    """A BN-folded `BasicBlock` with fused epilogues (ResNet-18/34)."""
+
+    def __init__(self, block: BasicBlock) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = block.conv1, block.conv2
+        self.downsample = block.downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        return conv_add_relu(self.conv2, conv_relu(self.conv1, x), identity)
+
+
+def fuse_residual_blocks(module: nn.Module) -> int:
+    """Replace (in place) every BN-folded Bottleneck / BasicBlock under `module` by its fused
+    form. Returns the number of blocks replaced. Raises ValueError naming the block when its
+    BatchNorms are not folded (fold first) or a conv is not a plain Conv2d."""
+    count = 0
+    for parent_name, parent in list(module.named_modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, (Bottleneck, BasicBlock)):
+                continue
+            where = f"{parent_name}.{name}".lstrip(".")
+            n = 3 if isinstance(child, Bottleneck) else 2
+            for i in range(1, n + 1):
+                if not isinstance(getattr(child, f"bn{i}"), nn.Identity):
+                    raise ValueError(f"conv_act 'cudnn': block {where} has an unfolded "
+                                     f"bn{i}; fold the BatchNorms first (fold_bn)")
+                _check(getattr(child, f"conv{i}"), f"{where}.conv{i}")
+            fused = FusedBottleneck(child) if n == 3 else FusedBasicBlock(child)
+            setattr(parent, name, fused)
+            count += 1
+    return count
