@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
 """End-to-end benchmark of the perception NODE with ROS I/O live (message in -> result out).
 
-Three processes on one machine, one ROS domain (localhost discovery):
+Processes on one machine, one ROS domain (localhost discovery):
   node       `python -m kestrel_perception.perception_node` (the real node, own process)
-  publisher  this script with `--role publisher`: N cameras (Image rgb8 + CameraInfo) and one
-             PointCloud2 per frame, all stamped with the wall-clock time just before the set
-             is published, at `--rate` Hz for `--frames` frames
-  main       this script: starts both, warms the node up (sets at 2 Hz until a first result:
+  publisher  N cameras (Image rgb8 + CameraInfo) and one PointCloud2 per frame at `--rate` Hz
+             for `--frames` frames (scripts/bench_perception_pub.py), `--publishers`:
+             one        one process publishes each set, stamped with the wall clock just before
+                        its first publish() (the default; the figures before this option)
+             per-sensor one process per sensor (cams + 1), as one driver per sensor on a robot:
+                        frame i is triggered at the same wall-clock time in every process and
+                        every message carries that trigger time as its stamp
+  sink       this script with `--role sink`: records every result (receipt time, stamp)
+  main       this script: starts the others, warms the node up (sets at 2 Hz until a first result:
              configure, compile and CUDA-graph capture are not timed), subscribes to
              ~/output/result and /diagnostics, and measures per frame
              latency = receipt time of the result - its header stamp (= the input stamp; the
@@ -21,7 +26,7 @@ effort transport); the node's own counters (skipped_stale, out_of_sync, ...) are
   # H200 (after `source scripts/device_ros_env.sh`, with $KPY; see bench_perception_h200.sh):
   $KPY scripts/bench_perception_node.py --config r50 --device cuda --cams 6 --rate 10 \
       --frames 200 --variant compile_bf16w_fold_graph --out $OUT/perception_node_h200
-All three processes use the Fast DDS profile ros2_ws/src/kestrel_perception/config/
+All processes use the Fast DDS profile ros2_ws/src/kestrel_bringup/config/
 fastdds_large_data.xml by default: with Fast DDS's default 512 KB shared-memory segment most
 camera-sized best-effort samples are lost (see docs/benchmarks/perception_node_h200.md).
 """
@@ -43,11 +48,14 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-for sub in ("tests", "models", "ros2_ws/src/kestrel_common", "ros2_ws/src/kestrel_perception"):
+for sub in ("scripts", "tests", "models", "ros2_ws/src/kestrel_common",
+            "ros2_ws/src/kestrel_perception"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
-NODE = "perception"
+from bench_perception_pub import (NODE, PUBLISHERS, InputConfig, SetPublisher,  # noqa: E402
+                                  publish_inputs)
+
 # Fast DDS profile with a large shared-memory segment (the default 512 KB segment loses
 # best-effort camera-sized samples); 'none' keeps Fast DDS's defaults
 FASTDDS_PROFILE = ROOT / "ros2_ws/src/kestrel_bringup/config/fastdds_large_data.xml"
@@ -82,92 +90,6 @@ def quat_xyzw(R: np.ndarray) -> list[float]:
     y = math.copysign(math.sqrt(max(0.0, 1 - R[0, 0] + R[1, 1] - R[2, 2])) / 2, R[0, 2] - R[2, 0])
     z = math.copysign(math.sqrt(max(0.0, 1 - R[0, 0] - R[1, 1] + R[2, 2])) / 2, R[1, 0] - R[0, 1])
     return [x, y, z, w]
-
-
-class SetPublisher:
-    """Publishers of one frame set: cloud, then camera_infos, then images (same stamp)."""
-
-    def __init__(self, node, cams: int, hw: tuple[int, int], points: int, seed: int) -> None:
-        from kestrel_common.base_node import SENSOR_QOS
-        from kestrel_common.conversions import make_camera_info, make_header, numpy_to_image
-        from kestrel_common.conversions import xyz_to_pointcloud2
-        from sensor_msgs.msg import CameraInfo, Image, PointCloud2
-
-        h, w = hw
-        rng = np.random.default_rng(seed)
-        K = np.array([[w / 2, 0.0, w / 2], [0.0, w / 2, h / 2], [0.0, 0.0, 1.0]])
-        hdr = make_header(0, "world")
-        self.images = [numpy_to_image(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "rgb8",
-                                      make_header(0, f"cam{c}_optical")) for c in range(cams)]
-        self.infos = [make_camera_info(K, w, h, make_header(0, f"cam{c}_optical"))
-                      for c in range(cams)]
-        r = 2 + 28 * rng.random(points)
-        a = 2 * math.pi * rng.random(points)
-        xyz = np.stack([r * np.cos(a), r * np.sin(a), -0.5 + 3 * rng.random(points)], 1)
-        self.cloud = xyz_to_pointcloud2(xyz.astype(np.float32), hdr) if points else None
-        pre = f"/{NODE}/input"
-        self.pub_img = [node.create_publisher(Image, f"{pre}/camera_{c}/image", SENSOR_QOS)
-                        for c in range(cams)]
-        self.pub_info = [node.create_publisher(CameraInfo, f"{pre}/camera_{c}/camera_info",
-                                               SENSOR_QOS) for c in range(cams)]
-        self.pub_cloud = node.create_publisher(PointCloud2, f"{pre}/points", SENSOR_QOS)
-
-    def wait_for_node(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        pubs = [*self.pub_img, *self.pub_info, self.pub_cloud]
-        while time.monotonic() < deadline:
-            if all(p.get_subscription_count() > 0 for p in pubs):
-                return True
-            time.sleep(0.05)
-        return False
-
-    def publish(self) -> tuple[int, float]:
-        """Publish one set stamped now. Returns (stamp ns, seconds spent publishing)."""
-        from kestrel_common.conversions import ns_to_stamp
-
-        t0 = time.perf_counter()
-        stamp_ns = time.time_ns()
-        st = ns_to_stamp(stamp_ns)
-        if self.cloud is not None:
-            self.cloud.header.stamp = st
-            self.pub_cloud.publish(self.cloud)
-        for pub, msg in zip(self.pub_info, self.infos, strict=True):
-            msg.header.stamp = st
-            pub.publish(msg)
-        for pub, msg in zip(self.pub_img, self.images, strict=True):
-            msg.header.stamp = st
-            pub.publish(msg)
-        return stamp_ns, time.perf_counter() - t0
-
-
-def run_publisher(args: argparse.Namespace) -> int:
-    """--role publisher: publish `frames` sets at `rate` Hz, write their stamps to JSON."""
-    import rclpy
-
-    rclpy.init()
-    node = rclpy.create_node("perception_bench_publisher")
-    sp = SetPublisher(node, args.cams, tuple(args.image_hw), args.points, seed=1)
-    if not sp.wait_for_node(30.0):
-        print("publisher: the node's subscriptions did not appear within 30 s", file=sys.stderr)
-        return 2
-    stamps, pub_s = [], []
-    period = 1.0 / args.rate
-    t_next = time.perf_counter()
-    warm = int(round(args.publisher_warmup_s * args.rate))  # untimed: discovery transients
-    for i in range(warm + args.frames):
-        delay = t_next - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)  # rate control, not synchronisation
-        s, dt = sp.publish()
-        if i >= warm:
-            stamps.append(s)
-            pub_s.append(dt)
-        t_next += period
-    Path(args.stamps_out).write_text(json.dumps({"stamps_ns": stamps, "publish_s": pub_s}))
-    time.sleep(1.0)  # let DDS deliver the last set before the writers are destroyed
-    node.destroy_node()
-    rclpy.try_shutdown()
-    return 0
 
 
 def result_qos(name: str):
@@ -256,7 +178,13 @@ def node_params(args: argparse.Namespace) -> dict:
                  else args.region_graph == "on")) if value is not None}}
 
 
-def summarise(rows: list[dict], stamps: list[int], pub_s: list[float]) -> dict:
+def summarise(rows: list[dict], stamps: list[int], pub_s: list[float],
+              publishers: str = "one", lateness_s: list[float] | None = None,
+              end_by_sensor_s: dict[str, list[float]] | None = None) -> dict:
+    """pub_s [F]: publishing one input set, s (one process's publish() calls, or per-sensor
+    the max over the sensors of publish() end - trigger). Per-sensor only: lateness_s [F], the
+    max over the sensors of publish() start - trigger, s; end_by_sensor_s {sensor: [F]},
+    publish() end - trigger, s."""
     sent = set(stamps)
     got = [r for r in rows if r["stamp_ns"] in sent]
     answered = {r["stamp_ns"] for r in got}
@@ -271,7 +199,15 @@ def summarise(rows: list[dict], stamps: list[int], pub_s: list[float]) -> dict:
     # e2e = input transport (the node's input_age) + node + result transport (the rest)
     out_tr = [(r["recv_ns"] - r["stamp_ns"]) / 1e6 - r["node_latency_s"] * 1e3
               - r["timings"]["input_age"] * 1e3 for r in got if "input_age" in r["timings"]]
+    late = {} if lateness_s is None else {"trigger_lateness_ms": {
+        "p50": pct([x * 1e3 for x in lateness_s], 50),
+        "p99": pct([x * 1e3 for x in lateness_s], 99),
+        "max": max(lateness_s) * 1e3 if lateness_s else float("nan")},
+        "publish_end_by_sensor_ms": {k: {"p50": pct([x * 1e3 for x in v], 50),
+                                         "p99": pct([x * 1e3 for x in v], 99)}
+                                     for k, v in (end_by_sensor_s or {}).items()}}
     return {
+        "publishers": publishers, **late,
         "result_transport_ms": {"p50": pct(out_tr, 50), "p99": pct(out_tr, 99)},
         "frames_published": len(stamps), "results": len(got),
         "dropped": len(sent) - len(answered),
@@ -292,6 +228,26 @@ def summarise(rows: list[dict], stamps: list[int], pub_s: list[float]) -> dict:
     }
 
 
+PUB_MODE_TEXT = {
+    "one": "one process publishes each set with sequential publish() calls (cloud, "
+           "CameraInfos, Images), stamped with the wall clock just before the first call; "
+           "\"publishing one input set\" = that process's publish() calls.",
+    "per-sensor": "one process per sensor (each camera's CameraInfo + Image, the cloud), all "
+                  "triggered at the same wall-clock time and stamped with it (hardware "
+                  "trigger), serialising and sending in parallel; \"publishing one input set\" "
+                  "= max over the sensors of (publish() end - trigger)."}
+
+
+def late_text(s: dict) -> str:
+    t = s.get("trigger_lateness_ms")
+    return "" if t is None else (" Trigger lateness (publish() start - trigger, max over the "
+                                 f"sensors) p50 / p99 / max {t['p50']:.3f} / {t['p99']:.3f} / "
+                                 f"{t['max']:.3f} ms; publish() end - trigger by sensor "
+                                 "p50 / p99 ms: " + ", ".join(
+                                     f"{k} {v['p50']:.2f} / {v['p99']:.2f}" for k, v in
+                                     s.get("publish_end_by_sensor_ms", {}).items()) + ".")
+
+
 def markdown(res: dict) -> str:
     s = res["summary"]
     lat, st = s["latency_ms"], s["stage_ms"]
@@ -306,9 +262,12 @@ def markdown(res: dict) -> str:
              f"warm-up and {a['publisher_warmup_s']} s of untimed frames). Fast DDS "
              f"profile: `{Path(a['fastdds_profile']).name}`; result subscription "
              f"{a.get('result_qos', 'reliable')}.", "",
+             f"Publishers: `{s.get('publishers', 'one')}`: " + PUB_MODE_TEXT[
+                 s.get("publishers", "one")] + late_text(s), "",
              "Latency = result receipt (subscriber process) - result header stamp (= input "
-             "stamp, wall clock when the set was published): serialisation, DDS both ways, "
-             "sync, model, post-processing, result message.", "",
+             "stamp: " + ("the frame's trigger time" if s.get("publishers") == "per-sensor"
+                          else "wall clock when the set was published") + "): serialisation, "
+             "DDS both ways, sync, model, post-processing, result message.", "",
              "| frames | results | dropped | p50 ms | p90 ms | p99 ms | max ms | mean ms |",
              "|---|---|---|---|---|---|---|---|",
              f"| {s['frames_published']} | {s['results']} | {s['dropped']} | {lat['p50']:.2f} | "
@@ -351,7 +310,6 @@ def run_main(args: argparse.Namespace) -> int:
     probe.node.create_subscription(PerceptionResult, f"/{NODE}/output/result", sink,
                                    result_qos(args.result_qos))
     diag = probe.subscribe(DiagnosticArray, "/diagnostics", 10)
-    pub_proc = None
     try:
         warm = SetPublisher(probe.node, args.cams, tuple(args.image_hw), args.points, seed=2)
         t0 = time.monotonic()
@@ -369,7 +327,6 @@ def run_main(args: argparse.Namespace) -> int:
         time.sleep(0.5)
         print(f"node ready after {ready_s:.1f} s", flush=True)
         before = diagnostics_values(diag.snapshot(), NODE)
-        stamps_path = run_dir / "stamps.json"
         rows_path = run_dir / "rows.json"
         sink_proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--role", "sink",
@@ -377,17 +334,7 @@ def run_main(args: argparse.Namespace) -> int:
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if sink_proc.stdout.readline().strip() != "sink ready":
             raise RuntimeError("the sink process did not start")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "publisher",
-               "--cams", str(args.cams), "--image-hw", *map(str, args.image_hw),
-               "--points", str(args.points), "--rate", str(args.rate),
-               "--frames", str(args.frames), "--stamps-out", str(stamps_path),
-               "--publisher-warmup-s", str(args.publisher_warmup_s)]
-        pub_proc = subprocess.run(cmd, env=env, timeout=args.frames / args.rate
-                                  + args.publisher_warmup_s + 60,
-                                  capture_output=True, text=True)
-        if pub_proc.returncode != 0:
-            raise RuntimeError(f"publisher failed: {pub_proc.stderr[-2000:]}")
-        pub = json.loads(stamps_path.read_text())
+        pub = publish_inputs(InputConfig.from_args(args), env, run_dir)
         time.sleep(2.0)  # results still in flight after the last set (bounded, not a sync)
         sink_proc.stdin.close()  # the sink writes its rows and exits
         sink_proc.wait(30)
@@ -401,7 +348,10 @@ def run_main(args: argparse.Namespace) -> int:
         probe.close()
         code = node.stop()
         lease.release()
-    summary = summarise(rows, pub["stamps_ns"], pub["publish_s"])
+    summary = summarise(rows, pub["stamps_ns"], pub["publish_s"], pub["publishers"],
+                        pub.get("trigger_lateness_s"), pub.get("publish_end_by_sensor_s"))
+    if pub.get("teardown_hung"):  # sensor processes killed after writing their records
+        summary["sensor_teardown_hung"] = pub["teardown_hung"]
     for key in ("processed", "skipped_stale", "out_of_sync", "processing_error"):
         try:  # the node's own counts over the timed frames (from /diagnostics)
             summary[f"node_{key}_during_run"] = int(counters[key]) - int(before.get(key, 0))
@@ -435,7 +385,7 @@ def run_main(args: argparse.Namespace) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--role", choices=("main", "publisher", "sink"), default="main")
+    ap.add_argument("--role", choices=("main", "sink"), default="main")
     ap.add_argument("--config", choices=tuple(CONFIGS), default="tiny")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--variant", default="eager",
@@ -446,7 +396,11 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=10.0, help="frame sets per second")
     ap.add_argument("--frames", type=int, default=200)
     ap.add_argument("--publisher-warmup-s", type=float, default=2.0,
-                    help="untimed frames the publisher process sends first (its discovery)")
+                    help="untimed frames the publisher process(es) send first (discovery)")
+    ap.add_argument("--publishers", choices=PUBLISHERS, default="one",
+                    help="one = one process publishes each whole set (stamp = wall clock "
+                         "before it); per-sensor = one process per sensor, all triggered at "
+                         "the same time, stamp = trigger time (scripts/bench_perception_pub.py)")
     ap.add_argument("--score-threshold", type=float, default=0.0,
                     help="0 = every top candidate is decoded (random weights score ~0.01)")
     ap.add_argument("--max-detections", type=int, default=20)
@@ -476,14 +430,11 @@ def main() -> int:
     ap.add_argument("--stamps-out", default="")
     ap.add_argument("--out", default=None, help="path stem: writes STEM.json and STEM.md")
     args = ap.parse_args()
-    for name in ("cams", "frames"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be >= 1")
-    if not 0.1 <= args.rate <= 1000:
-        ap.error("--rate must be in [0.1, 1000] Hz")
-    if args.role == "sink":
-        return run_sink(args)
-    return run_publisher(args) if args.role == "publisher" else run_main(args)
+    try:  # cams, image size, points, rate, frames, warm-up, publishers
+        InputConfig.from_args(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+    return run_sink(args) if args.role == "sink" else run_main(args)
 
 
 if __name__ == "__main__":
