@@ -148,11 +148,12 @@ def check_result_content(r: PerceptionResult, stamp: int) -> None:
     assert (cy - h / 2 >= -1e-3).all() and (cy + h / 2 <= H + 1e-3).all()
     timings = {t.name: t.duration for t in r.timings}
     assert set(timings) >= {"preprocess", "model", "postprocess", "lidar_fusion", "download",
-                            "unpack", "wait", "build", "input_age"}
+                            "unpack", "wait", "build", "input_age", "input_spread"}
     assert all(v >= 0 for k, v in timings.items() if k != "input_age") and r.latency > 0
     # input_age = node clock at receipt - header stamp: this test's stamps run 0.1 s apart
     # from its start time (they may lead the wall clock), so only a bound is checked
     assert abs(timings["input_age"]) < 30.0
+    assert timings["input_spread"] < 30.0  # first -> last message of the set, s
     # latency = receipt of the set's last message -> publish: it contains the stages
     assert r.latency >= timings["wait"] + timings["build"] + timings["model"]
 

@@ -251,6 +251,8 @@ class PerceptionNode(KestrelLifecycleNode):
             return
         self.sync.add_image(cam, Stamped(stamp_to_ns(msg.header.stamp), time.monotonic(),
                                          (rgb, msg.header.frame_id)))
+        if self._inline and self.core is not None:  # copy to pinned memory on arrival: the
+            self.core.staging.prestage_image(cam, rgb)  # frame then skips it (staging.py)
         self._ready()
 
     def _on_info(self, cam: int, msg: CameraInfo) -> None:
@@ -301,6 +303,8 @@ class PerceptionNode(KestrelLifecycleNode):
             self.drop("dropped_bad_cloud", str(exc))
             return
         self.sync.add_cloud(Stamped(stamp_to_ns(msg.header.stamp), time.monotonic(), xyz))
+        if self._inline and self.core is not None:  # as the images (staging.py)
+            self.core.staging.prestage_points(xyz)
 
     # ---- processing: in the completing callback, or in the worker thread ----------------------
     def _ready(self) -> None:
@@ -360,6 +364,11 @@ class PerceptionNode(KestrelLifecycleNode):
         # = publish + DDS + deserialisation of the inputs, as seen by this node
         extra["input_age"] = ((self.get_clock().now().nanoseconds - s.stamp_ns) * 1e-9
                               - (time.monotonic() - s.newest_recv_s))
+        # input_spread: first -> last message of the set received (the node's serial takes
+        # and callbacks when the sensors publish in parallel)
+        recv = [m.recv_s for m in (*s.images, *s.infos)] + \
+            ([s.cloud.recv_s] if s.cloud is not None else [])
+        extra["input_spread"] = s.newest_recv_s - min(recv)
         msg = self._builder.build(s.stamp_ns, [img.stamp_ns for img in s.images], cams, out,
                                   extra)
         build = time.monotonic() - t_build
@@ -382,6 +391,8 @@ class PerceptionNode(KestrelLifecycleNode):
         if graphs is not None:  # captured region graphs / signatures left eager
             values["region_graphs"] = len(graphs.entries)
             values["region_graphs_failed"] = len(graphs.failed)
+        if self.core is not None:  # inputs copied on arrival and used by their frame
+            values["prestaged_inputs"] = self.core.staging.prestaged_used
         summary = self.timer.summary((50.0, 99.0))
         for stage, q in summary.items():
             values[f"latency_{stage}_p50_s"] = q["p50"]

@@ -109,3 +109,64 @@ def test_cloud_view_strided_layout_and_refusals() -> None:
     short, _ = cloud(16)
     short.data = short.data[:-4]  # inconsistent size: left to the generic converter's error
     assert xyz_view(short) is None
+
+
+def test_prestaged_images_are_used_only_for_the_same_array() -> None:
+    """prestage_image copies on arrival; images() skips exactly the arrays already in their
+    slot (same object) and copies every other one, so a newer or different image is never
+    replaced by a stale pre-staged one."""
+    st = InputStaging(torch.device("cpu"), (64,))
+    st.configure_images(2, (4, 6))
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.integers(0, 256, (4, 6, 3), dtype=np.uint8) for _ in range(3))
+    assert st.prestage_image(0, a) and st.prestage_image(1, b)
+    out = st.images([a, c])  # camera 1's frame image is c, not the pre-staged b
+    assert st.prestaged_used == 1
+    np.testing.assert_array_equal(out[0].permute(1, 2, 0).numpy(), a)
+    np.testing.assert_array_equal(out[1].permute(1, 2, 0).numpy(), c)
+    out = st.images([a, c])  # consumed: the same arrays again are copied, not trusted
+    assert st.prestaged_used == 1
+    bgr = c[:, :, ::-1]  # a strided view is staged by value too
+    assert st.prestage_image(1, bgr)
+    np.testing.assert_array_equal(st.images([a, bgr])[1].permute(1, 2, 0).numpy(), bgr)
+    assert st.prestaged_used == 2
+    # what does not fit the configured buffer is not staged (the frame path decides)
+    assert not st.prestage_image(2, a)
+    assert not st.prestage_image(0, np.zeros((5, 6, 3), np.uint8))
+    assert not st.prestage_image(0, a.astype(np.float32))
+
+
+def test_prestaged_points_are_used_only_for_the_same_cloud() -> None:
+    st = InputStaging(torch.device("cpu"), (64, 256))
+    pts = np.arange(100 * 3, dtype=np.float32).reshape(100, 3)
+    other = pts + 1000.0
+    assert st.prestage_points(pts)
+    a = st.points(pts)
+    assert st.prestaged_used == 1 and a.pad == 156
+    np.testing.assert_array_equal(a.points[:100].numpy(), pts)
+    assert np.isnan(a.points[100:].numpy()).all()
+    assert st.prestage_points(pts)
+    b = st.points(other)  # a different cloud than the staged one: copied
+    assert st.prestaged_used == 1
+    np.testing.assert_array_equal(b.points[:100].numpy(), other)
+    assert not st.prestage_points(np.ones((300, 3), np.float32))  # beyond the largest bucket
+    assert not st.prestage_points(np.ones((0, 3), np.float32))
+
+
+def test_core_results_equal_with_prestaged_inputs(core: PerceptionCore) -> None:
+    """A frame whose inputs were pre-staged (as the node's callbacks do) gives the same
+    output as the same frame copied at frame time."""
+    fs = frames(points=wall_points(3.0, step=0.05))
+    ref = core.process(fs)
+    for i, img in enumerate(fs.images):
+        assert core.staging.prestage_image(i, img)
+    assert core.staging.prestage_points(fs.points)
+    used = core.staging.prestaged_used
+    out = core.process(fs)
+    assert core.staging.prestaged_used == used + len(fs.images) + 1
+    assert len(out.detections) == len(ref.detections) > 0
+    for x, y in zip(out.detections, ref.detections, strict=True):
+        np.testing.assert_array_equal(x.box_xyxy, y.box_xyxy)
+        assert x.score == y.score
+    for m, r in zip(out.masks, ref.masks, strict=True):
+        np.testing.assert_array_equal(m, r)
