@@ -130,6 +130,20 @@ VARIANTS["compile_bf16w_fold_pad_merge_graph"] = VariantSpec(
     optimize=_OPTIMIZED["pad_merge"])
 
 
+def enable_cudnn_autotune(device: torch.device) -> bool:
+    """On CUDA: torch.backends.cudnn.benchmark = True (process-wide), so cuDNN times its
+    algorithms once per conv shape during the warm-up instead of picking by heuristics. The
+    runtime's shapes are static, so the choice is made once, before any graph capture.
+    Why: `bench_perception.py` always set it, the node never did. On the H200, the same variant's
+    forward took 4.52 ms in the node's core (`scripts/profile_perception_core.py`, 90 ms idle
+    before each call) vs 3.78 ms in the benchmark (docs/benchmarks/perception_node_h200.md).
+    Returns whether it was set (False off CUDA)."""
+    if device.type != "cuda":
+        return False
+    torch.backends.cudnn.benchmark = True
+    return True
+
+
 def fold_batchnorm(module: nn.Module) -> int:
     """Fold every eval-mode BatchNorm2d into the Conv2d before it, in place (ResNet pairs
     conv{i}/bn{i} and downsample Sequential(conv, bn)); the BN becomes Identity. Returns the
@@ -175,6 +189,8 @@ class PerceptionRuntime:
     (bucketed, NaN-padded) plus T_cam_from_base [cameras, 4, 4] and K [cameras, 3, 3]; the
     projection (and the BEV block when the model has one) is then part of the forward.
     heads: head sets to prepare (one graph each for *_graph variants); default all built heads.
+    cudnn_autotune: on CUDA, set torch.backends.cudnn.benchmark (process-wide) before the
+    warm-up (`enable_cudnn_autotune`); static shapes, so cuDNN tunes each conv once.
     Outputs of `run` are the model's dict plus, with LiDAR, "lidar_uv" [batch, cameras, N, 2]
     px, "lidar_depth" [batch, cameras, N] m, "lidar_valid" [batch, cameras, N] bool. For
     *_graph variants the tensors are static buffers, valid until the next `run`.
@@ -183,7 +199,7 @@ class PerceptionRuntime:
     def __init__(self, model: MultiTaskPerceptionModel, variant: str | VariantSpec = "eager_fp32",
                  image_hw: tuple[int, int] = (640, 640), cameras: int = 1, batch: int = 1,
                  heads: Iterable | None = None, device: str | torch.device = "cpu",
-                 lidar_points: int = 0, warmup: int = 2) -> None:
+                 lidar_points: int = 0, warmup: int = 2, cudnn_autotune: bool = True) -> None:
         if isinstance(variant, str):
             if variant not in VARIANTS:
                 raise ValueError(f"parameter 'runtime_variant' = {variant!r}: must be one of "
@@ -204,6 +220,7 @@ class PerceptionRuntime:
             raise ValueError(f"parameter 'lidar_points' = {lidar_points}: must be >= 0")
         self.image_hw = (int(image_hw[0]), int(image_hw[1]))
         self.cameras, self.batch, self.lidar_points = cameras, batch, int(lidar_points)
+        self.cudnn_autotune = cudnn_autotune and enable_cudnn_autotune(self.device)
         self.head_sets = _as_head_sets(heads, model.enabled_heads)
         self.compile_s = 0.0  # s spent in the first (compiling) calls
         self.prepare_s = 0.0  # s for the whole configure step

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Where the perception node's model stage differs from the forward benchmark, without ROS.
+
+The node reports its model stage at ~4.4 ms on the H200, `bench_perception.py` the same
+variant's forward at 3.56 ms back to back and 3.78 ms with the GPU idle 90 ms before each
+forward (docs/benchmarks/perception_node_h200.md). This script runs, in ONE process with the
+node's settings (core_config of the node's parameters, r50, 6 cameras, 120k points, 16UC1 at
+stride 2, zero-copy maps), on the same inputs:
+  core     PerceptionCore.process(frames) every `--gap-ms` (sleep between frames, as the node at
+           10 Hz): the core's own stage timings (CUDA events), i.e. the node's figures without
+           ROS;
+  runtime  the core's PerceptionRuntime.run() on the staged device input, CUDA events around it,
+           with the same gap: what bench_perception.py measures, in the core's process.
+If `core` shows the node's model stage and `runtime` the benchmark's, the difference is in the
+core's path around the forward; if both show the benchmark's, it is in the node process (ROS
+threads, DDS). JSON + a table.
+
+  python scripts/profile_perception_core.py --device cuda --out docs/benchmarks/perception_core_h200
+  python scripts/profile_perception_core.py --config tiny --device cpu --cams 2 --frames 5  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+for sub in ("models", "ros2_ws/src/kestrel_common", "ros2_ws/src/kestrel_perception"):
+    if str(ROOT / sub) not in sys.path:
+        sys.path.insert(0, str(ROOT / sub))
+
+CONFIGS = {"tiny": {"backbone_depth": 18, "base_width": 16, "fpn_channels": 64, "head_convs": 1},
+           "r50": {"backbone_depth": 50, "base_width": 64, "fpn_channels": 256, "head_convs": 4}}
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else float("nan")
+
+
+def frames(cams: int, hw: tuple[int, int], points: int):  # noqa: ANN201 (FrameSet)
+    from kestrel_perception.core.types import CameraModel, FrameSet
+
+    h, w = hw
+    rng = np.random.default_rng(1)
+    K = np.array([[w / 2, 0.0, w / 2], [0.0, w / 2, h / 2], [0.0, 0.0, 1.0]])
+    base_to_cam0 = np.array([[0.0, -1.0, 0.0], [0.0, 0.0, -1.0], [1.0, 0.0, 0.0]])
+    cameras = []
+    for c in range(cams):  # as bench_perception_node.camera_poses: a ring, 1 m up
+        a = 2 * math.pi * c / cams
+        yaw = np.array([[math.cos(a), math.sin(a), 0.0], [-math.sin(a), math.cos(a), 0.0],
+                        [0.0, 0.0, 1.0]])
+        T = np.eye(4)
+        T[:3, :3], T[:3, 3] = (base_to_cam0 @ yaw).T, (0.0, 0.0, 1.0)
+        cameras.append(CameraModel(K, w, h, f"cam{c}_optical", T))
+    r = 2 + 28 * rng.random(points)
+    a = 2 * math.pi * rng.random(points)
+    xyz = np.stack([r * np.cos(a), r * np.sin(a), -0.5 + 3 * rng.random(points)], 1)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(cams)]
+    return FrameSet(0, images, cameras, xyz.astype(np.float32) if points else None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", choices=tuple(CONFIGS), default="r50")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--variant", default="whole_bf16w_fold_s2d_group_cudnn_graph")
+    ap.add_argument("--cams", type=int, default=6)
+    ap.add_argument("--image-hw", type=int, nargs=2, default=(640, 640))
+    ap.add_argument("--points", type=int, default=120_000)
+    ap.add_argument("--frames", type=int, default=30)
+    ap.add_argument("--gap-ms", type=float, default=90.0)
+    ap.add_argument("--git-commit", default="unknown")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+    from kestrel_perception.core import PerceptionCore
+    from kestrel_perception.core.params import SPECS, core_config
+
+    h, w = args.image_hw
+    values = {**{spec.name: spec.default for spec in SPECS}, **CONFIGS[args.config],
+              "device": args.device, "num_cameras": args.cams, "warmup_size": [w, h],
+              "runtime_variant": args.variant,
+              "depth_encoding": "16UC1", "output_stride": 2, "score_threshold": 0.0,
+              "max_detections": 20, "max_points": max(500_000, args.points)}
+    t0 = time.monotonic()
+    core = PerceptionCore(core_config(values))
+    ready_s = time.monotonic() - t0
+    fs = frames(args.cams, (h, w), args.points)
+    cuda = core.device.type == "cuda"
+    stages: dict[str, list[float]] = {}
+    for i in range(args.frames + 3):
+        time.sleep(args.gap_ms * 1e-3)
+        out = core.process(fs)
+        if i >= 3:
+            for k, v in out.timings.items():
+                stages.setdefault(k, []).append(v * 1e3)
+    rt = core.runtime
+    if rt is None:
+        raise SystemExit(f"--variant {args.variant!r}: no PerceptionRuntime to time (use a "
+                         "runtime variant, e.g. eager_fp32 on the CPU)")
+    x = core.staging.images(fs.images)
+    run_ms: list[float] = []
+    for i in range(args.frames + 3):
+        if cuda:
+            torch.cuda.synchronize()
+        time.sleep(args.gap_ms * 1e-3)
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            rt.run(x, heads=core.heads)
+            b.record()
+            b.synchronize()
+            ms = a.elapsed_time(b)
+        else:
+            t = time.perf_counter()
+            rt.run(x, heads=core.heads)
+            ms = (time.perf_counter() - t) * 1e3
+        if i >= 3:
+            run_ms.append(ms)
+    res = {"command": "python " + " ".join(sys.argv), "git_commit": args.git_commit,
+           "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "ready_s": ready_s, "gap_ms": args.gap_ms, "frames": args.frames,
+           "core_stage_ms": {k: {"p50": pct(v, 50), "p99": pct(v, 99)} for k, v in
+                             stages.items()},
+           "runtime_run_ms": {"p50": pct(run_ms, 50), "p99": pct(run_ms, 99)}}
+    lines = [f"# Perception core vs runtime.run, one process ({res['device']})", "",
+             f"`{res['command']}`, git {args.git_commit}, gap {args.gap_ms} ms before each "
+             f"frame, {args.frames} frames, ready after {ready_s:.1f} s.", "",
+             "| measure | p50 ms | p99 ms |", "|---|---|---|"]
+    lines += [f"| core stage {k} | {v['p50']:.3f} | {v['p99']:.3f} |"
+              for k, v in res["core_stage_ms"].items()]
+    lines.append(f"| runtime.run alone (CUDA events) | {res['runtime_run_ms']['p50']:.3f} | "
+                 f"{res['runtime_run_ms']['p99']:.3f} |")
+    md = "\n".join(lines)
+    print(md, flush=True)
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps(res, indent=1))
+        Path(args.out + ".md").write_text(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
