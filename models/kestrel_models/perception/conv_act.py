@@ -12,7 +12,8 @@ torch.compile and inside a CUDA graph.
 The blocks must be BatchNorm-folded first (`runtime.fold_batchnorm`: each bn{i} an Identity),
 so conv -> bias -> ReLU is the whole branch. On the CPU (and in any non-CUDA trace) the same
 modules run the unfused ops, so the transform is exact there (tested); on CUDA the fused op
-differs from conv + add + ReLU only by its rounding order (bf16: <= 1 ulp of the output).
+differs from conv + add + ReLU by its rounding order only (bf16, random inputs: max abs diff
+0.03-0.06 per trunk shape in bench_conv_fusion; whole-model drift vs fp32 unchanged).
 """
 
 from __future__ import annotations
