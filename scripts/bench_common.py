@@ -78,3 +78,23 @@ def summary(values: list[float]) -> dict:
         return {"n": 0}
     return {"n": int(a.size), "p50": float(np.percentile(a, 50)),
             "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-th percentile by nearest rank on the sorted values (one of the samples, no
+    interpolation); NaN when there are none."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def write_result(stem: str | None, result: dict, markdown: str) -> None:
+    """Print the table; with a path stem, write STEM.json (the result) and STEM.md (the table,
+    as given)."""
+    import json
+
+    print(markdown, flush=True)
+    if stem:
+        Path(stem + ".json").write_text(json.dumps(result, indent=1))
+        Path(stem + ".md").write_text(markdown)

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
+import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import git_commit, machine_info, pct, write_result  # noqa: E402
 
 # (name, cin, cout, kernel, stride, H_in, residual, count per forward) for 640x640 inputs
 TRUNK = [
@@ -45,11 +46,6 @@ TRUNK = [
     ("l4.conv2 3x3", 512, 512, 3, 1, 20, False, 2),
     ("l4.conv3 1x1 +res", 512, 2048, 1, 1, 20, True, 3),
 ]
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
 def timed(fn, args: tuple, iters: int, warmup: int, per_graph: int = 10) -> list[float]:
@@ -138,11 +134,10 @@ def main() -> int:
         return sum(r["count"] * r[label]["p50_us"] for r in rows if "p50_us" in r[label])
 
     totals = {k: total(k) for k in ("inductor", "cudnn", "cudnn_in_compile")}
-    commit = args.git_commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                               capture_output=True, text=True).stdout.strip()
+    commit = git_commit(args.git_commit or "")
     res = {"command": "python " + " ".join(sys.argv), "git_commit": commit,
            "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-           "machine": {"host": platform.node(), "device": torch.cuda.get_device_name()},
+           "machine": machine_info(device=torch.cuda.get_device_name()),
            "batch": args.batch, "rows": rows, "weighted_total_us": totals}
     lines = [f"# Conv + epilogue: inductor vs cuDNN fused ({res['machine']['device']})", "",
              f"`{res['command']}`, git {commit}, torch {res['torch']}, cuDNN {res['cudnn']}, "
@@ -158,11 +153,7 @@ def main() -> int:
                      f"{cell('cudnn')} | {cell('cudnn_in_compile')} | {mad:.3g} |")
     lines.append(f"| **weighted sum per forward** | | | {totals['inductor']:.0f} | "
                  f"{totals['cudnn']:.0f} | {totals['cudnn_in_compile']:.0f} | |")
-    md = "\n".join(lines)
-    print(md)
-    if args.out:
-        Path(args.out + ".json").write_text(json.dumps(res, indent=1))
-        Path(args.out + ".md").write_text(md + "\n")
+    write_result(args.out, res, "\n".join(lines) + "\n")
     return 0
 
 

@@ -53,6 +53,7 @@ for sub in ("scripts", "tests", "models", "ros2_ws/src/kestrel_common",
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
+from bench_common import pct, write_result  # noqa: E402
 from bench_perception_pub import (NODE, PUBLISHERS, InputConfig, SetPublisher,  # noqa: E402
                                   publish_inputs)
 
@@ -130,13 +131,6 @@ def run_sink(args: argparse.Namespace) -> int:
     node.destroy_node()
     rclpy.try_shutdown()
     return 0
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
 class ResultSink:
@@ -375,10 +369,7 @@ def run_main(args: argparse.Namespace) -> int:
            "node_diag_latency": {k: v for k, v in counters.items() if k.startswith("latency")},
            "note": "working tree may have uncommitted changes on top of git_commit"}
     md = markdown(res)
-    print(md)
-    if args.out:
-        Path(args.out + ".json").write_text(json.dumps(res, indent=1))
-        Path(args.out + ".md").write_text(md)
+    write_result(args.out, res, md)
     rclpy.try_shutdown()
     return 0 if summary["results"] > 0 else 1
 

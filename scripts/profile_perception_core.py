@@ -22,7 +22,6 @@ threads, DDS). JSON + a table.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -31,17 +30,15 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-for sub in ("models", "ros2_ws/src/kestrel_common", "ros2_ws/src/kestrel_perception"):
+for sub in ("scripts", "models", "ros2_ws/src/kestrel_common", "ros2_ws/src/kestrel_perception"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
+from bench_common import git_commit, machine_info, pct, write_result  # noqa: E402
+from bench_perception_node import camera_poses  # noqa: E402
+
 CONFIGS = {"tiny": {"backbone_depth": 18, "base_width": 16, "fpn_channels": 64, "head_convs": 1},
            "r50": {"backbone_depth": 50, "base_width": 64, "fpn_channels": 256, "head_convs": 4}}
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else float("nan")
 
 
 def frames(cams: int, hw: tuple[int, int], points: int):  # noqa: ANN201 (FrameSet)
@@ -50,15 +47,8 @@ def frames(cams: int, hw: tuple[int, int], points: int):  # noqa: ANN201 (FrameS
     h, w = hw
     rng = np.random.default_rng(1)
     K = np.array([[w / 2, 0.0, w / 2], [0.0, w / 2, h / 2], [0.0, 0.0, 1.0]])
-    base_to_cam0 = np.array([[0.0, -1.0, 0.0], [0.0, 0.0, -1.0], [1.0, 0.0, 0.0]])
-    cameras = []
-    for c in range(cams):  # as bench_perception_node.camera_poses: a ring, 1 m up
-        a = 2 * math.pi * c / cams
-        yaw = np.array([[math.cos(a), math.sin(a), 0.0], [-math.sin(a), math.cos(a), 0.0],
-                        [0.0, 0.0, 1.0]])
-        T = np.eye(4)
-        T[:3, :3], T[:3, 3] = (base_to_cam0 @ yaw).T, (0.0, 0.0, 1.0)
-        cameras.append(CameraModel(K, w, h, f"cam{c}_optical", T))
+    _, poses = camera_poses(cams)  # the node benchmark's ring, 1 m up: T_world_from_cam
+    cameras = [CameraModel(K, w, h, f"cam{c}_optical", T) for c, T in enumerate(poses)]
     r = 2 + 28 * rng.random(points)
     a = 2 * math.pi * rng.random(points)
     xyz = np.stack([r * np.cos(a), r * np.sin(a), -0.5 + 3 * rng.random(points)], 1)
@@ -76,7 +66,7 @@ def main() -> int:
     ap.add_argument("--points", type=int, default=120_000)
     ap.add_argument("--frames", type=int, default=30)
     ap.add_argument("--gap-ms", type=float, default=90.0)
-    ap.add_argument("--git-commit", default="unknown")
+    ap.add_argument("--git-commit", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
@@ -124,26 +114,22 @@ def main() -> int:
             ms = (time.perf_counter() - t) * 1e3
         if i >= 3:
             run_ms.append(ms)
-    res = {"command": "python " + " ".join(sys.argv), "git_commit": args.git_commit,
-           "torch": torch.__version__,
-           "device": torch.cuda.get_device_name() if cuda else "cpu",
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    res = {"command": "python " + " ".join(sys.argv), "git_commit": git_commit(args.git_commit),
+           "torch": torch.__version__, "device": device, "machine": machine_info(device=device),
            "ready_s": ready_s, "gap_ms": args.gap_ms, "frames": args.frames,
            "core_stage_ms": {k: {"p50": pct(v, 50), "p99": pct(v, 99)} for k, v in
                              stages.items()},
            "runtime_run_ms": {"p50": pct(run_ms, 50), "p99": pct(run_ms, 99)}}
     lines = [f"# Perception core vs runtime.run, one process ({res['device']})", "",
-             f"`{res['command']}`, git {args.git_commit}, gap {args.gap_ms} ms before each "
+             f"`{res['command']}`, git {res['git_commit']}, gap {args.gap_ms} ms before each "
              f"frame, {args.frames} frames, ready after {ready_s:.1f} s.", "",
              "| measure | p50 ms | p99 ms |", "|---|---|---|"]
     lines += [f"| core stage {k} | {v['p50']:.3f} | {v['p99']:.3f} |"
               for k, v in res["core_stage_ms"].items()]
     lines.append(f"| runtime.run alone (CUDA events) | {res['runtime_run_ms']['p50']:.3f} | "
                  f"{res['runtime_run_ms']['p99']:.3f} |")
-    md = "\n".join(lines)
-    print(md, flush=True)
-    if args.out:
-        Path(args.out + ".json").write_text(json.dumps(res, indent=1))
-        Path(args.out + ".md").write_text(md + "\n")
+    write_result(args.out, res, "\n".join(lines) + "\n")
     return 0
 
 

@@ -366,9 +366,7 @@ class PerceptionNode(KestrelLifecycleNode):
                               - (time.monotonic() - s.newest_recv_s))
         # input_spread: first -> last message of the set received (the node's serial takes
         # and callbacks when the sensors publish in parallel)
-        recv = [m.recv_s for m in (*s.images, *s.infos)] + \
-            ([s.cloud.recv_s] if s.cloud is not None else [])
-        extra["input_spread"] = s.newest_recv_s - min(recv)
+        extra["input_spread"] = s.newest_recv_s - s.oldest_recv_s
         msg = self._builder.build(s.stamp_ns, [img.stamp_ns for img in s.images], cams, out,
                                   extra)
         build = time.monotonic() - t_build

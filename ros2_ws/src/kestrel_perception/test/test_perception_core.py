@@ -273,6 +273,7 @@ def test_sync_takes_newest_complete_set_and_counts_skipped() -> None:
     assert [i.data for i in s.images] == ["img0@300", "img1@303"]
     assert s.cloud is not None and s.cloud.data == "cloud295"
     assert s.newest_recv_s == pytest.approx(0.303)
+    assert s.oldest_recv_s == pytest.approx(0.295)  # the cloud (receipt = stamp here)
     assert counts == {"skipped_stale": 4}  # the sets at 100 and 200 were complete, skipped
     assert sync.pop_newest_set() is None  # consumed
     sync.add_image(0, _st(250))  # older than the set just processed

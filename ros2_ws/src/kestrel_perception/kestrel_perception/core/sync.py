@@ -43,6 +43,7 @@ class SyncedSet:
     infos: list[Stamped]  # per camera
     cloud: Stamped | None
     newest_recv_s: float  # receipt of the set's last message (s, monotonic): it was complete
+    oldest_recv_s: float  # receipt of the set's first message (s, monotonic)
 
 
 class FrameSynchronizer:
@@ -140,7 +141,8 @@ class FrameSynchronizer:
                         cloud is None or m.stamp_ns >= cloud.stamp_ns):
                     cloud = m
             parts = [*images, *infos] + ([cloud] if cloud is not None else [])
-            return SyncedSet(ref.stamp_ns, images, infos, cloud, max(m.recv_s for m in parts))
+            recv = [m.recv_s for m in parts]
+            return SyncedSet(ref.stamp_ns, images, infos, cloud, max(recv), min(recv))
 
     def clear(self) -> None:
         with self._lock:
