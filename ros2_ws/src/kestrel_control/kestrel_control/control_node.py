@@ -39,6 +39,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,7 @@ from kestrel_common.params import ParamError
 from kestrel_control.control_params import SPECS
 from kestrel_control.core import LoopStats, PolicyRunner, RealtimeLoop, RunnerConfig
 from kestrel_control.core.loop_process import LoopProcess, LoopSettings
+from kestrel_control.core.stats import window_end_ns
 from kestrel_models.control.external import ModelSpec
 from kestrel_models.control.policy import PolicyConfig
 
@@ -341,9 +343,14 @@ class ControlNode(KestrelLifecycleNode):
     def _publish_stats(self) -> None:
         if self._stats is None:
             return
-        snap = self._stats.snapshot()
+        stats = self._stats
+        wake_ns = stats.last_wake_ns  # the window's last cycle (read before the counters)
+        snap = stats.snapshot()
         msg = LoopStatistics()
-        msg.header.stamp = self._clock.now().to_msg()
+        now_ns = self._clock.now().nanoseconds
+        if not self._clock.ros_time_is_active:  # wall time: anchor the stamp to that cycle
+            now_ns = window_end_ns(now_ns, time.monotonic_ns(), wake_ns)
+        msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(now_ns, 1_000_000_000)
         for field in dataclasses.fields(snap):
             setattr(msg, field.name, getattr(snap, field.name))
         self._stats_pub.publish(msg)

@@ -75,9 +75,10 @@ def test_shared_stats_written_by_one_view_read_by_another(segment) -> None:
     seg, layout, views = segment
     other = ShmViews(ShmSegment(seg.name, layout.size, create=False).buf, layout)
     for i in range(10):
-        views.stats.record(1e-6 * i, 1e-4, 1e-3 if i else None)
+        views.stats.record(1e-6 * i, 1e-4, 1e-3 if i else None, 5_000_000 + i)
     views.stats.stale_inputs += 3
     assert other.stats.counters()["cycles"] == 10 and other.stats.stale_inputs == 3
+    assert other.stats.last_wake_ns == 5_000_009  # the reporter's stamp anchor
     snap = other.stats.snapshot()
     assert snap.cycles_window == 10 and snap.step_latency_p50 == pytest.approx(1e-4)
     assert other.stats.snapshot().cycles_window == 0  # the reader's own window marks

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kestrel_control.core.rt_loop import RealtimeLoop, apply_realtime_settings
-from kestrel_control.core.stats import LoopStats, Ring
+from kestrel_control.core.stats import LoopStats, Ring, window_end_ns
 
 MSG = Path(__file__).resolve().parents[2] / "kestrel_interfaces" / "msg" / "LoopStatistics.msg"
 PERIOD_NS = 1_000_000
@@ -192,3 +192,47 @@ def test_snapshot_fields_match_loop_statistics_msg() -> None:
         if line and not line.startswith("std_msgs/Header"):
             fields.append(line.split()[1])
     assert [f.name for f in dataclasses.fields(LoopStats(1e-3).snapshot())] == fields
+
+
+def test_window_stamps_ignore_a_stall_between_reading_and_stamping() -> None:
+    """The reporter reads the counters, then stamps; a stall in between must not compress the
+    time between two windows (CI: rate from stamps 2,309 Hz on a 500 Hz loop). Simulated
+    clocks: the loop wakes every 2 ms; window A is read at 1.0 s, then the reporter stalls 6 s
+    before stamping; window B is read and stamped at once at 8.0 s."""
+    stats = LoopStats(2e-3)
+    wall_offset = 1_700_000_000 * 10**9  # node clock = monotonic + offset
+    t = 0
+
+    def run_until(mono_ns: int) -> None:
+        nonlocal t
+        while t + 2_000_000 <= mono_ns:
+            t += 2_000_000
+            stats.record(0.0, 1e-4, 2e-3, t)
+
+    run_until(1_000_000_000)
+    wake_a = stats.last_wake_ns
+    snap_a = stats.snapshot()
+    run_until(7_000_000_000)  # the stall: the loop goes on
+    stamp_a = window_end_ns(7_000_000_000 + wall_offset, 7_000_000_000, wake_a)
+    run_until(8_000_000_000)
+    wake_b = stats.last_wake_ns
+    snap_b = stats.snapshot()
+    stamp_b = window_end_ns(8_000_000_000 + wall_offset, 8_000_000_000, wake_b)
+    rate = (snap_b.cycles_total - snap_a.cycles_total) / ((stamp_b - stamp_a) * 1e-9)
+    assert rate == pytest.approx(500.0)
+    naive = (snap_b.cycles_total - snap_a.cycles_total) / 1.0  # stamped at publication: 1 s
+    assert naive == pytest.approx(3500.0)
+    assert window_end_ns(123, 456, 0) == 123  # no cycle yet: the node clock
+    assert window_end_ns(1000, 400, 500) == 1000  # never later than the reading
+
+
+def test_loop_records_the_monotonic_wake_of_each_cycle() -> None:
+    stats = LoopStats(1e-3)
+    rec = Recorder(20)
+    loop = RealtimeLoop(1e-3, rec, stats, spin_s=0.0, manage_gc=False)
+    before = time.monotonic_ns()
+    loop.start()
+    assert rec.done.wait(10.0)
+    loop.stop()
+    assert before < stats.last_wake_ns <= time.monotonic_ns()
+    assert stats.last_wake_ns >= rec.deadline[-1]  # a wake-up is never before its deadline

@@ -213,7 +213,7 @@ class RealtimeLoop:
                 self.last_error = repr(exc)
             done = clock()
             stats.record((wake - deadline) * 1e-9, (done - wake) * 1e-9,
-                         (wake - prev_wake) * 1e-9 if prev_wake >= 0 else None)
+                         (wake - prev_wake) * 1e-9 if prev_wake >= 0 else None, wake)
             prev_wake = wake
             k += 1
             late = done - (t0 + k * period)

@@ -246,7 +246,8 @@ class SharedLoopStats(LoopStats):
     """LoopStats whose counters and rings live in the segment: the loop process records, the
     node's reporter takes windows and percentiles (its window marks are its own)."""
 
-    _N_INTS = len(LoopStats.COUNTERS) + 3  # counters, then the three ring counts
+    # counters, then the three ring counts, then last_wake_ns
+    _N_INTS = len(LoopStats.COUNTERS) + 4
 
     def __init__(self, period_target_s: float, ints: np.ndarray, rings: np.ndarray) -> None:
         if not period_target_s > 0:
@@ -275,6 +276,7 @@ class SharedLoopStats(LoopStats):
 
 for _i, _name in enumerate(LoopStats.COUNTERS):
     setattr(SharedLoopStats, _name, _counter(_i))
+SharedLoopStats.last_wake_ns = _counter(len(LoopStats.COUNTERS) + 3)
 
 
 @dataclass(frozen=True)

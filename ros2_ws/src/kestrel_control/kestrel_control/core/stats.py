@@ -44,6 +44,21 @@ class Ring:
         self.count = 0
 
 
+def window_end_ns(node_now_ns: int, mono_now_ns: int, last_wake_ns: int) -> int:
+    """Node-clock time of a window's last cycle: `node_now_ns` (node clock) and `mono_now_ns`
+    (time.monotonic_ns) read back to back, `last_wake_ns` the loop's monotonic wake-up of that
+    cycle (LoopStats.last_wake_ns; 0 = none yet -> `node_now_ns`).
+
+    Why not the node clock at publication: the reporter reads the counters and then stamps the
+    message; a stall in between (the executor thread preempted or waiting for the GIL) would
+    pair the counters of one moment with the time of a later one. Seen in CI: a 6 s stall made
+    the cycle rate computed from consecutive stamps 2,309 Hz on a 500 Hz loop.
+    """
+    if last_wake_ns <= 0:
+        return node_now_ns
+    return node_now_ns - max(0, mono_now_ns - last_wake_ns)
+
+
 def _pct(samples: np.ndarray, q: float) -> float:
     return float(np.percentile(samples, q)) if samples.size else _NAN
 
@@ -94,13 +109,17 @@ class LoopStats:
         self.rejected_nonfinite = 0  # cycles with NaN/inf in observation or action
         self.clamped_actions = 0  # cycles where a command was clamped to the joint limits
         self.step_errors = 0  # exceptions raised by the step function (loop kept running)
+        self.last_wake_ns = 0  # time.monotonic_ns() of the newest recorded cycle's wake-up
         self._win_cycles = 0
         self._win_period = 0
         self._win_wake = 0
         self._win_latency = 0
 
-    def record(self, wake_error_s: float, latency_s: float, period_s: float | None) -> None:
-        """One cycle (loop thread). `period_s` None on the first cycle (no previous start)."""
+    def record(self, wake_error_s: float, latency_s: float, period_s: float | None,
+               wake_ns: int = 0) -> None:
+        """One cycle (loop thread). `period_s` None on the first cycle (no previous start);
+        `wake_ns`: the cycle's wake-up, time.monotonic_ns() (0: not known)."""
+        self.last_wake_ns = wake_ns
         self.wake_error.push(wake_error_s)
         self.step_latency.push(latency_s)
         if period_s is not None:
@@ -113,6 +132,7 @@ class LoopStats:
             ring.reset()
         for name in self.COUNTERS:
             setattr(self, name, 0)
+        self.last_wake_ns = 0
         self._win_cycles = self._win_period = self._win_wake = self._win_latency = 0
 
     def _window(self, advance: bool) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
