@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import yaml
 
 from kestrel_bringup.stack import NODE_NAMES, STACK, entry, ros_args
+from kestrel_common.base_node import BASE_SPECS
+from kestrel_common.params import check_known_names, validate_params
 
 BRINGUP = Path(__file__).resolve().parents[1] / "ros2_ws" / "src" / "kestrel_bringup"
 
@@ -18,6 +21,17 @@ def test_every_node_has_a_params_file_keyed_by_its_name():
         assert list(data) == [e.name], f"{e.params_file} must hold exactly the '{e.name}' key"
         params = data[e.name]["ros__parameters"]
         assert params.get("autostart") is True, f"{e.params_file}: autostart must be true"
+
+
+def test_params_files_name_only_declared_parameters_with_valid_values():
+    """A misspelt key in a params file would be ignored by ROS (the node keeps the default);
+    the nodes now fail configure on it, and this catches it before any node runs."""
+    for e in STACK:
+        specs = list(BASE_SPECS) + list(importlib.import_module(e.module).SPECS)
+        given = yaml.safe_load((BRINGUP / "config" / e.params_file).read_text())
+        given = given[e.name]["ros__parameters"]
+        check_known_names([s.name for s in specs], given)
+        validate_params(specs, given)
 
 
 def test_every_consumed_topic_has_a_producer():

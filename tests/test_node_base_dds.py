@@ -73,6 +73,8 @@ def _spin_until(fut, timeout=10.0):
     ({"gain": 50.0}, "parameter 'gain' = 50.0: must be <= 10.0"),
     ({"gain": "loud"}, "parameter 'gain' = 'loud'"),
     ({"buffer_size": 0}, "parameter 'buffer_size' = 0: must be >= 1"),
+    # a misspelt name: ROS itself would ignore it and run with the default gain
+    ({"gian": 2.0}, "parameter 'gian' = 2.0: not a parameter of this node; did you mean 'gain'?"),
 ])
 def test_bad_parameter_fails_configure_with_a_clear_message(launch_node, params, fragment):
     node = launch_node("echo_node", "echo", params=params)

@@ -33,7 +33,8 @@ from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityP
 from kestrel_common.conversions import diagnostic_status
 from kestrel_common.counters import Counters
 from kestrel_common.heap import freeze_heap, thaw_heap
-from kestrel_common.params import ParamError, ParamSpec, check_unique_names, validate_value
+from kestrel_common.params import (ParamError, ParamSpec, check_known_names, check_unique_names,
+                                   validate_value)
 
 # Sensor streams (camera, LiDAR, joint states): best effort, keep only the newest sample.
 # A late frame is worthless; queues must never grow under overload.
@@ -171,6 +172,10 @@ class KestrelLifecycleNode(LifecycleNode):
             if self._decl_errors:
                 name, err = next(iter(self._decl_errors.items()))
                 raise ParamError(name, "(override)", f"wrong type: {err}")
+            # values from params files / -p for names this node never declared (rclpy keeps
+            # them in `_parameter_overrides`; there is no public accessor)
+            overrides = getattr(self, "_parameter_overrides", {})
+            check_known_names(self._spec_by_name, {n: p.value for n, p in overrides.items()})
             values = {spec.name: validate_value(spec, self._raw_value(spec))
                       for spec in self.specs}
             self.validate_extra(values)

@@ -7,6 +7,7 @@ checks the values a node got, raising `ParamError` whose message names the param
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -152,3 +153,26 @@ def check_unique_names(specs: Sequence[ParamSpec]) -> None:
         if spec.name in seen:
             raise ValueError(f"parameter '{spec.name}' is declared twice")
         seen.add(spec.name)
+
+
+# Parameters every rclpy node may be given besides its own: the clock source, rclpy's type
+# description service, and QoS overrides (`qos_overrides./topic.publisher.depth`, ...).
+ROS_PARAMETERS = frozenset({"use_sim_time", "start_type_description_service"})
+ROS_PARAMETER_PREFIXES = ("qos_overrides.",)
+
+
+def check_known_names(known: Sequence[str], given: Mapping[str, Any]) -> None:
+    """Every name in `given` (a params file's / command line's values for this node) must be
+    one of `known` or a standard ROS parameter; raises ParamError for the first that is not.
+
+    Why: ROS silently ignores a value given for a parameter the node never declares, so a typo
+    (`rate_hx: 1000`) would run the node with the default instead of failing at configure.
+    """
+    names = set(known)
+    for name, value in given.items():
+        if name in names or name in ROS_PARAMETERS or name.startswith(ROS_PARAMETER_PREFIXES):
+            continue
+        close = difflib.get_close_matches(name, sorted(names), n=3)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else \
+            f"its parameters are {', '.join(sorted(names))}"
+        raise ParamError(name, value, f"not a parameter of this node; {hint}")

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kestrel_common.params import ParamError, ParamSpec, check_unique_names, validate_params
+from kestrel_common.params import (ParamError, ParamSpec, check_known_names, check_unique_names,
+                                   validate_params)
 
 
 SPECS = [
@@ -52,3 +53,16 @@ def test_custom_check_and_duplicates():
         validate_params([spec], {"k": 2})
     with pytest.raises(ValueError, match="declared twice"):
         check_unique_names([spec, spec])
+
+
+def test_unknown_names_fail_with_a_suggestion_standard_ros_ones_pass():
+    known = [s.name for s in SPECS]
+    check_known_names(known, {"rate_hz": 500.0, "use_sim_time": True,
+                              "start_type_description_service": False,
+                              "qos_overrides./tf.publisher.depth": 10})
+    with pytest.raises(ParamError, match=r"parameter 'rate_hx' = 1000: not a parameter of this "
+                                         r"node; did you mean 'rate_hz'\?"):
+        check_known_names(known, {"rate_hz": 500.0, "rate_hx": 1000})
+    with pytest.raises(ParamError, match=r"'zzz' = 1: not a parameter of this node; its "
+                                         r"parameters are device, enable, limits"):
+        check_known_names(known, {"zzz": 1})
