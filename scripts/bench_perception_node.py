@@ -167,7 +167,7 @@ def node_params(args: argparse.Namespace) -> dict:
             "depth_encoding": args.depth_encoding, "output_stride": args.output_stride,
             **{name: value for name, value in (
                 ("processing", args.processing), ("gil_switch_interval_us", args.gil_switch_us),
-                ("executor", args.executor),
+                ("executor", args.executor), ("receive", args.receive),
                 ("region_graph", None if args.region_graph is None
                  else args.region_graph == "on")) if value is not None}}
 
@@ -405,6 +405,9 @@ def main() -> int:
                     help="node parameter executor (default: the node's, 'multi')")
     ap.add_argument("--processing", choices=("callback", "worker"), default=None,
                     help="node parameter processing (default: the node's, 'callback')")
+    ap.add_argument("--receive", choices=("executor", "processes"), default=None,
+                    help="node parameter receive: images and cloud taken by the node's "
+                         "executor, or by one receiver process per sensor (shared memory)")
     ap.add_argument("--gil-switch-us", type=int, default=None,
                     help="node parameter gil_switch_interval_us (default: the node's, 200)")
     ap.add_argument("--region-graph", choices=("on", "off"), default=None,

@@ -360,3 +360,49 @@ def test_bad_parameter_fails_configure(launch_node, params, fragment):
     assert fragment in node.output()
     assert node.proc.wait(10) == 2
     assert "Traceback" not in node.output()
+
+
+def test_receiver_processes(launch_node, probe):
+    """receive: processes: one receiver process per image topic and one for the cloud take
+    the inputs off DDS and hand them over in shared memory; results, LiDAR positions and the
+    counted drops are those of the in-node subscriptions; the processes and the segment are
+    gone after the node."""
+    import glob
+
+    diag = probe.subscribe(DiagnosticArray, "/diagnostics", 50)
+    node, results, rig = start_node(launch_node, probe, {**PARAMS, "receive": "processes",
+                                                         "publish_debug_image": False})
+    r = produce(rig, results, wall_points(), timeout=30.0,
+                check=lambda r: all(s == PerceptionResult.POSITION_LIDAR for s in sources(r)))
+    check_result_content(r, stamp_to_ns(r.header.stamp))
+    check_lidar_positions(r)
+    assert "input receivers started: ['/perception/input/camera_0/image', " \
+           "'/perception/input/camera_1/image', '/perception/input/points']" in node.output()
+
+    def bad(name: str, publish) -> None:
+        before = counter(diag, name, 0)
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:
+            publish()
+            if counter(diag, name, before + 1, timeout=1.5) > before:
+                return
+        raise AssertionError(f"{name} not counted\n{node.output()}")
+
+    bad("dropped_bad_encoding", lambda: rig.img[0].publish(
+        rig.image(0, rig.next_stamp(), encoding="mono16")))
+    bad("dropped_size_mismatch", lambda: rig.img[1].publish(  # larger than warmup_size
+        rig.image(1, rig.next_stamp(), w=2 * W, h=H)))
+    bad("dropped_too_many_points", lambda: rig.cloud.publish(xyz_to_pointcloud2(
+        np.zeros((10_001, 3), np.float32), make_header(rig.next_stamp(), "world"))))
+    r = produce(rig, results)
+    check_result_content(r, stamp_to_ns(r.header.stamp))
+    values = diagnostics_values(diag.snapshot(), NODE)
+    assert int(values["rx_received"]) >= 6 and int(values["rx_torn_reads"]) == 0
+    assert int(values["rx_handler_errors"]) == 0
+    assert "camera 0: dropped (dropped_bad_encoding)" in node.output()
+    assert node.alive() and "Traceback" not in node.output()
+    pid = node.proc.pid
+    assert glob.glob(f"/dev/shm/kestrel_perception_{pid}_*")
+    node.stop()
+    assert node.group_gone(), "receiver processes outlived the node"
+    assert not glob.glob(f"/dev/shm/kestrel_perception_{pid}_*")

@@ -45,10 +45,8 @@ from kestrel_common.base_node import COMMAND_QOS, SENSOR_QOS, KestrelLifecycleNo
 from kestrel_common.conversions import (
     ConversionError,
     camera_info_to_k,
-    image_to_numpy,
     make_header,
     numpy_to_image,
-    pointcloud2_to_xyz,
     stamp_to_ns,
 )
 from kestrel_common.counters import StageTimer
@@ -64,8 +62,9 @@ from kestrel_perception.core import (
     InputError,
     PerceptionCore,
 )
-from kestrel_perception.core.cloud_view import xyz_view
 from kestrel_perception.core.draw import render_debug
+from kestrel_perception.core.input_rings import RingLayout
+from kestrel_perception.core.receivers import InputReceivers, ReceiverError
 from kestrel_perception.core.sync import FrameSynchronizer, Stamped, SyncedSet
 from kestrel_perception.core.params import (
     RUNTIME_PARAMS,
@@ -74,6 +73,7 @@ from kestrel_perception.core.params import (
     pose_to_matrix,
     validate_perception_params,
 )
+from kestrel_perception.msg_inputs import InputDrop, cloud_xyz, image_rgb
 from kestrel_perception.result_msg import ResultBuilder
 
 # counters shown on /diagnostics from the start (value 0)
@@ -110,6 +110,7 @@ class PerceptionNode(KestrelLifecycleNode):
         self._inline = True  # parameter processing == "callback"
         self._proc_lock = threading.Lock()  # one set at a time; cleanup waits for it
         self._builder: ResultBuilder | None = None
+        self._receivers: InputReceivers | None = None  # receive == "processes"
         self._runtime: dict[str, Any] = {}
         self.add_on_set_parameters_callback(self._check_runtime_params)
 
@@ -142,20 +143,25 @@ class PerceptionNode(KestrelLifecycleNode):
         if p["publish_debug_image"]:
             self._debug_pub = self.create_publisher(Image, "~/output/debug_image", SENSOR_QOS)
         group = MutuallyExclusiveCallbackGroup()
+        in_node = p["receive"] == "executor"
         for i in range(n):
+            if in_node:
+                self._subs.append(self.create_subscription(
+                    Image, f"~/input/camera_{i}/image", lambda m, i=i: self._on_image(i, m),
+                    SENSOR_QOS, callback_group=group))
             self._subs += [
-                self.create_subscription(Image, f"~/input/camera_{i}/image",
-                                         lambda m, i=i: self._on_image(i, m), SENSOR_QOS,
-                                         callback_group=group),
                 self.create_subscription(CameraInfo, f"~/input/camera_{i}/camera_info",
                                          lambda m, i=i: self._on_info(i, m), SENSOR_QOS,
                                          callback_group=group),
                 self.create_subscription(PoseStamped, f"~/input/camera_{i}/pose",
                                          lambda m, i=i: self._on_pose(i, m), SENSOR_QOS,
                                          callback_group=group)]
-        self._subs.append(self.create_subscription(PointCloud2, "~/input/points",
-                                                   self._on_points, SENSOR_QOS,
-                                                   callback_group=group))
+        if in_node:
+            self._subs.append(self.create_subscription(PointCloud2, "~/input/points",
+                                                       self._on_points, SENSOR_QOS,
+                                                       callback_group=group))
+        elif not self._start_receivers(p):
+            return TransitionCallbackReturn.FAILURE
         graphs = self.core.region.graphs
         for why in (graphs.failed.values() if graphs is not None else ()):
             self.get_logger().warning(f"device region signature runs without a CUDA graph: {why}")
@@ -163,9 +169,32 @@ class PerceptionNode(KestrelLifecycleNode):
         self.get_logger().info(
             f"configured: {n} camera(s), ResNet-{m.backbone_depth} width {m.base_width}, "
             f"FPN {m.fpn_channels}, device {p['device']}, heads {sorted(self._heads())}, "
-            f"processing in the {p['processing']}, GIL switch interval "
+            f"inputs received by the {p['receive']}, processing in the {p['processing']}, "
+            f"GIL switch interval "
             f"{round(sys.getswitchinterval() * 1e6)} us")
         return TransitionCallbackReturn.SUCCESS
+
+    def _start_receivers(self, p: dict[str, Any]) -> bool:
+        """receive == 'processes': the receiver processes (core/receivers.py), subscribed to
+        this node's resolved (remapped) image and cloud topics."""
+        n = p["num_cameras"]
+        topics = [self.resolve_topic_name(f"~/input/camera_{i}/image") for i in range(n)]
+        topics.append(self.resolve_topic_name("~/input/points"))
+        w, h = p["warmup_size"]
+        use_sim = self.get_parameter("use_sim_time").value
+        self._receivers = InputReceivers(
+            RingLayout(n, h, w, p["max_points"]), topics, self._take_image, self._take_points,
+            frame_id=p["frame_id"], node_name=self.get_name(), namespace=self.get_namespace(),
+            ros_args=["-p", f"use_sim_time:={'true' if use_sim else 'false'}"],
+            pool=HISTORY + 3, start_timeout_s=p["receiver_start_timeout"])
+        try:
+            self._receivers.start()
+        except (ReceiverError, OSError) as exc:
+            self._receivers = None
+            self.get_logger().error(f"configure failed: parameter 'receive' = 'processes': {exc}")
+            return False
+        self.get_logger().info(f"input receivers started: {topics}")
+        return True
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop.clear()
@@ -180,6 +209,9 @@ class PerceptionNode(KestrelLifecycleNode):
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.stop_workers()
+        if self._receivers is not None:
+            self._receivers.close()
+            self._receivers = None
         for sub in self._subs:
             self.destroy_subscription(sub)
         self._subs = []
@@ -242,15 +274,22 @@ class PerceptionNode(KestrelLifecycleNode):
     def _on_image(self, cam: int, msg: Image) -> None:
         if not self._active or self.sync is None:
             return
+        recv_s = time.monotonic()
         try:
-            rgb = image_to_numpy(msg, accept=("rgb8", "bgr8"))  # [H,W,3] uint8 view
-        except ConversionError as exc:
-            reason = "dropped_bad_encoding" if exc.reason == "bad_encoding" else \
-                "dropped_bad_image"
-            self.drop(reason, f"camera {cam}: {exc}")
+            rgb = image_rgb(msg)  # [H,W,3] uint8 view on msg.data, RGB order
+        except InputDrop as exc:
+            self.drop(exc.counter, f"camera {cam}: {exc}")
             return
-        self.sync.add_image(cam, Stamped(stamp_to_ns(msg.header.stamp), time.monotonic(),
-                                         (rgb, msg.header.frame_id)))
+        self._take_image(cam, stamp_to_ns(msg.header.stamp), recv_s, rgb, msg.header.frame_id)
+
+    def _take_image(self, cam: int, stamp_ns: int, recv_s: float, rgb: np.ndarray,
+                    frame_id: str) -> None:
+        """One usable image (from a callback, or a receiver process: recv_s is its receipt
+        there, on the same monotonic clock)."""
+        sync = self.sync
+        if not self._active or sync is None:
+            return
+        sync.add_image(cam, Stamped(stamp_ns, recv_s, (rgb, frame_id)))
         if self._inline and self.core is not None:  # copy to pinned memory on arrival: the
             self.core.staging.prestage_image(cam, rgb)  # frame then skips it (staging.py)
         self._ready()
@@ -282,27 +321,19 @@ class PerceptionNode(KestrelLifecycleNode):
     def _on_points(self, msg: PointCloud2) -> None:
         if not self._active or self.sync is None:
             return
-        n = int(msg.width) * int(msg.height)
-        if n > self.params["max_points"]:  # before touching the data
-            self.drop("dropped_too_many_points",
-                      f"{n} points > max_points {self.params['max_points']}")
-            return
-        frame = self.params["frame_id"]
+        recv_s = time.monotonic()
         try:
-            if msg.header.frame_id not in ("", frame):
-                raise ConversionError("bad_cloud", f"cloud frame '{msg.header.frame_id}' is "
-                                                   f"not frame_id '{frame}' (no TF here)")
-            xyz = xyz_view(msg)  # [N,3] float32 view on msg.data (x,y,z float32 at 0/4/8)
-            if xyz is None:  # other layouts: per-field copies
-                xyz = pointcloud2_to_xyz(msg)  # [N,3] float32, NaN kept
-            # any finite point? (a prefix answers for real clouds: 1.6 ms -> ~0.01 ms at 120k)
-            if n > 0 and not np.isfinite(xyz[:1024]).all(axis=1).any() and \
-                    not np.isfinite(xyz).all(axis=1).any():
-                raise ConversionError("bad_cloud", f"all {n} points are NaN/inf")
-        except ConversionError as exc:
-            self.drop("dropped_bad_cloud", str(exc))
+            xyz = cloud_xyz(msg, self.params["max_points"], self.params["frame_id"])
+        except InputDrop as exc:
+            self.drop(exc.counter, str(exc))
             return
-        self.sync.add_cloud(Stamped(stamp_to_ns(msg.header.stamp), time.monotonic(), xyz))
+        self._take_points(stamp_to_ns(msg.header.stamp), recv_s, xyz)
+
+    def _take_points(self, stamp_ns: int, recv_s: float, xyz: np.ndarray) -> None:
+        sync = self.sync
+        if not self._active or sync is None:
+            return
+        sync.add_cloud(Stamped(stamp_ns, recv_s, xyz))
         if self._inline and self.core is not None:  # as the images (staging.py)
             self.core.staging.prestage_points(xyz)
 
@@ -391,6 +422,10 @@ class PerceptionNode(KestrelLifecycleNode):
             values["region_graphs_failed"] = len(graphs.failed)
         if self.core is not None:  # inputs copied on arrival and used by their frame
             values["prestaged_inputs"] = self.core.staging.prestaged_used
+        if self._receivers is not None:  # receive == "processes": drops in the receivers
+            for name, n in self._receivers.counters().items():  # add to the node's own
+                values[name] = n + (self.counters.get(name) if name.startswith("dropped_")
+                                    else 0)
         summary = self.timer.summary((50.0, 99.0))
         for stage, q in summary.items():
             values[f"latency_{stage}_p50_s"] = q["p50"]

@@ -22,12 +22,13 @@ stores are plain stores); weakly ordered CPUs (ARM) would need fences, not provi
 from __future__ import annotations
 
 import math
-import mmap
-import os
 import threading
 from dataclasses import dataclass
 
 import numpy as np
+
+from kestrel_common.shm import Arena as _Arena
+from kestrel_common.shm import ShmSegment  # noqa: F401 - re-exported (loop process, tests)
 
 from kestrel_control.core.stats import LoopStats, Ring
 
@@ -41,70 +42,6 @@ AUX_COMPUTE_LATENCY = 0
 # SharedLatestValue header (int64)
 _H_PUB, _H_VER, _H_SEQ, _H_STAMP, _H_SLOTVER, _H_RETRIES, _H_FAILED = 0, 1, 2, 4, 6, 8, 9
 _HEADER = 10
-_ALIGN = 64
-
-
-class _Arena:
-    """Carves aligned numpy views out of a buffer (None: only computes the total size)."""
-
-    def __init__(self, buf=None) -> None:
-        self.buf, self.offset = buf, 0
-
-    def take(self, shape: int | tuple[int, ...], dtype) -> np.ndarray | None:
-        dtype = np.dtype(dtype)
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        start = self.offset
-        self.offset = start + (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        if self.buf is None:
-            return None
-        return np.ndarray(shape, dtype=dtype, buffer=self.buf, offset=start)
-
-
-SHM_DIR = "/dev/shm"
-
-
-class ShmSegment:
-    """A named POSIX shared-memory segment (a file in /dev/shm), mapped read-write.
-
-    Not multiprocessing.shared_memory: there every process that opens a segment (3.11/3.12)
-    registers it with a resource-tracker process of its own, which then lingers in the node's
-    process group and unlinks the segment when *that* process exits. Here the creator unlinks
-    (`unlink()`, idempotent) and the loop process unlinks when it sees its node die.
-    """
-
-    def __init__(self, name: str, size: int, create: bool) -> None:
-        if "/" in name or not name:
-            raise ValueError(f"parameter 'name' = {name!r}: a plain file name")
-        self.name, self.size = name, int(size)
-        self.path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, self.size)
-            self.buf = mmap.mmap(fd, self.size)
-        except BaseException:
-            os.close(fd)
-            if create:
-                self.unlink()
-            raise
-        os.close(fd)
-
-    def close(self) -> None:
-        """Unmap (BufferError is swallowed while views are alive: the mapping goes with them)."""
-        try:
-            self.buf.close()
-        except BufferError:
-            pass
-
-    def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
 class SharedLatestValue:
     """Newest-value double buffer in shared memory, float64 of a fixed shape, with a stamp."""
 

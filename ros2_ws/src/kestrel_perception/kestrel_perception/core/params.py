@@ -98,6 +98,18 @@ SPECS: tuple[ParamSpec, ...] = (
               "stamp -> last input received 8.5 ms p50 vs 22.8 with 'multi'), 'multi' = "
               "MultiThreadedExecutor (the diagnostics timer may run while a set is processed).",
               choices=("single", "multi"), read_only=True),
+    ParamSpec("receive", "executor", "Who takes the camera images and the cloud off DDS: "
+              "'executor' = this node's subscriptions (one after the other: ~1 ms of rclpy "
+              "deserialisation per 640x640 image, holding the GIL), 'processes' = one receiver "
+              "process per image topic and one for the cloud, in parallel, handing the arrays "
+              "over in shared memory (kestrel_perception/core/receivers.py; their drops are "
+              "counted under the node's own names, rx_received counts their messages). "
+              "camera_info and pose stay on the executor. "
+              "Images larger than warmup_size are dropped in 'processes'." + _CONF,
+              choices=("executor", "processes"), read_only=True),
+    ParamSpec("receiver_start_timeout", 60.0, "receive 'processes': how long configure waits "
+              "for every receiver process to subscribe, s.", min=1.0, max=600.0,
+              read_only=True),
     ParamSpec("gil_switch_interval_us", 200, "sys.setswitchinterval of the node process, us "
               "(Python's default 5000): a thread waiting for the GIL gets it after at most "
               "this long; every torch call releases the GIL, so with the default a busy "

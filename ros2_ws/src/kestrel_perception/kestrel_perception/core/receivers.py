@@ -1,0 +1,214 @@
+"""Node side of `receive: processes`: input receiver processes and the thread that reads them.
+
+`InputReceivers.start()` creates the rings' segment (input_rings.RingLayout), starts one
+`python -m kestrel_perception.perception_receiver_node` per camera image topic and one for the
+cloud (each subscribes to its topic and writes every usable message into its ring), and waits
+(bounded) until all of them have subscribed. A thread then sleeps on the eventfd the receivers
+write after each message; woken, it copies the newest message of every ring that has one into
+the next buffer of that sensor's pool (preallocated; a buffer is reused only after `pool`
+newer messages of its sensor, more than the node's synchroniser keeps) and calls
+`on_image(cam, stamp_ns, recv_s, rgb [H,W,3] uint8, frame_id)` or
+`on_points(stamp_ns, recv_s, xyz [N,3] float32)`: the node's own handlers, as its
+subscription callbacks would. Messages overwritten in a ring before the thread got to them are
+counted (`overwritten`, newest wins). `close()` ends the children through their stdin (bounded,
+then kill) and unlinks the segment; it also runs at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from kestrel_common.shm import ShmSegment
+
+from kestrel_perception.core.input_rings import RingLayout
+
+RECEIVER_MODULE = "kestrel_perception.perception_receiver_node"
+
+
+class ReceiverError(RuntimeError):
+    """The receivers could not be started (the message says which and why)."""
+
+
+class InputReceivers:
+    """See the module docstring. start/close from one (lifecycle) thread."""
+
+    def __init__(self, layout: RingLayout, topics: Sequence[str],
+                 on_image: Callable[[int, int, float, np.ndarray, str], None],
+                 on_points: Callable[[int, float, np.ndarray], None], *, frame_id: str,
+                 node_name: str, namespace: str = "/", ros_args: Sequence[str] = (),
+                 pool: int = 11, start_timeout_s: float = 60.0,
+                 python: str = sys.executable) -> None:
+        if len(topics) != layout.num_sensors:
+            raise ValueError(f"parameter 'topics' = {len(topics)} topics: expected "
+                             f"{layout.num_sensors} (cameras, then the cloud)")
+        if pool < 2:
+            raise ValueError(f"parameter 'pool' = {pool!r}: must be >= 2")
+        self.layout, self.topics = layout, list(topics)
+        self.on_image, self.on_points = on_image, on_points
+        self.frame_id, self.node_name, self.namespace = frame_id, node_name, namespace
+        self.ros_args, self.start_timeout_s, self.python = list(ros_args), start_timeout_s, python
+        # per sensor: `pool` flat uint8 buffers of one ring slot each (allocated here, once)
+        self._pools = [[np.empty(layout.slot_bytes(s), np.uint8) for _ in range(pool)]
+                       for s in range(layout.num_sensors)]
+        self._next = [0] * layout.num_sensors
+        self._last = [0] * layout.num_sensors  # last version read per ring
+        self.overwritten = 0  # messages replaced in a ring before the thread read them
+        self.delivered = 0
+        self.handler_errors = 0
+        self.last_error = ""
+        self.shm: ShmSegment | None = None
+        self.rings: list = []
+        self.procs: list[subprocess.Popen] = []
+        self._efd = -1
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Segment, children, wait until every child subscribed (ReceiverError on failure or
+        timeout), then the reader thread."""
+        name = f"kestrel_perception_{os.getpid()}_{secrets.token_hex(4)}"
+        try:
+            self.shm = ShmSegment(name, self.layout.size, create=True)
+            atexit.register(self.close)
+            self.rings = self.layout.rings(self.shm.buf)
+            self._efd = os.eventfd(0, os.EFD_CLOEXEC)
+            for s, topic in enumerate(self.topics):
+                self.procs.append(self._spawn(name, s, topic))
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self._thread = threading.Thread(target=self._run, name="perception_receivers",
+                                        daemon=True)
+        self._thread.start()
+
+    def _spawn(self, shm_name: str, sensor: int, topic: str) -> subprocess.Popen:
+        kind = "points" if sensor == self.layout.num_cameras else f"camera_{sensor}"
+        cmd = [self.python, "-m", RECEIVER_MODULE, "--shm", shm_name,
+               "--layout", *self.layout.to_args(), "--sensor", str(sensor), "--topic", topic,
+               "--event-fd", str(self._efd), "--parent-pid", str(os.getpid()),
+               "--frame-id", self.frame_id, "--ros-args", "-r",
+               f"__node:={self.node_name}_rx_{kind}", "-r", f"__ns:={self.namespace}",
+               *self.ros_args]
+        # stdin: a pipe only this process writes; its EOF ends the child
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(self._efd,),
+                                env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                         OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while not all(r.ready for r in self.rings):
+            for s, p in enumerate(self.procs):
+                if p.poll() is not None:
+                    raise ReceiverError(f"input receiver for '{self.topics[s]}' exited with "
+                                        f"code {p.returncode} at start (its output is in this "
+                                        "node's log)")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = [self.topics[s] for s, r in enumerate(self.rings) if not r.ready]
+                raise ReceiverError(f"input receivers for {waiting} did not start within "
+                                    f"{self.start_timeout_s:g} s (parameter "
+                                    "'receiver_start_timeout')")
+            # each child writes the eventfd once it has subscribed
+            if select.select([self._efd], [], [], min(left, 0.5))[0]:
+                os.eventfd_read(self._efd)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and the children (stdin EOF, then kill; bounded), unlink the
+        segment. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._efd >= 0:
+            os.eventfd_write(self._efd, 1)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        for p in self.procs:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout_s)
+        if self._efd >= 0:
+            os.close(self._efd)
+            self._efd = -1
+        self.rings = []
+        if self.shm is not None:
+            self.shm.unlink()
+            self.shm.close()
+        atexit.unregister(self.close)
+
+    # ---- diagnostics -------------------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """The receivers' drop counters summed over sensors (named as the node's own drops,
+        which the node adds them to), their message count as rx_received, and this side's
+        (rx_overwritten, rx_torn_reads, rx_handler_errors)."""
+        out: dict[str, int] = {}
+        for ring in self.rings:
+            for name, n in ring.counters().items():
+                key = "rx_received" if name == "received" else name
+                out[key] = out.get(key, 0) + n
+        out["rx_overwritten"] = self.overwritten
+        out["rx_torn_reads"] = sum(r.torn_reads for r in self.rings)
+        out["rx_handler_errors"] = self.handler_errors
+        return out
+
+    # ---- the reader thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        efd, stop = self._efd, self._stop
+        while not stop.is_set():
+            try:
+                os.eventfd_read(efd)  # blocks (GIL released) until a receiver wrote
+            except OSError:
+                return
+            if stop.is_set():
+                return
+            self.poll()
+
+    def poll(self) -> int:
+        """Hand over the newest message of every ring with a new one; returns how many."""
+        n = 0
+        cams = self.layout.num_cameras
+        for s, ring in enumerate(self.rings):
+            version = ring.version
+            if version == self._last[s]:
+                continue
+            buf = self._pools[s][self._next[s]]
+            item = ring.read_into(buf)
+            if item is None or item.version == self._last[s]:
+                continue
+            self.overwritten += max(0, item.version - self._last[s] - 1)
+            self._last[s] = item.version
+            self._next[s] = (self._next[s] + 1) % len(self._pools[s])
+            recv_s = item.recv_ns * 1e-9  # time.monotonic() scale
+            try:
+                if s < cams:
+                    rgb = buf[:item.nbytes].reshape(item.rows, item.cols, 3)
+                    self.on_image(s, item.stamp_ns, recv_s, rgb, item.frame_id)
+                else:
+                    xyz = buf[:item.nbytes].view(np.float32).reshape(item.rows, 3)
+                    self.on_points(item.stamp_ns, recv_s, xyz)
+            except Exception as exc:  # the node's handler; counted, the thread goes on
+                self.handler_errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            n += 1
+        self.delivered += n
+        return n

@@ -1,0 +1,136 @@
+"""perception receiver: one sensor topic -> the perception node's shared-memory ring.
+
+Not started by hand: the perception node starts one per camera image topic and one for the
+LiDAR cloud when its parameter `receive` is 'processes' (core/receivers.py). Why: in one
+Python process the node's executor takes a set's messages one after the other, and rclpy's
+take + deserialisation + conversion of a 640x640 image holds the GIL for ~1 ms; measured on
+the H200 machine, the last of 6 images + cloud reached the node 6.9 ms after the first
+(`input_spread`, docs/benchmarks/perception_node_h200.md). Here every sensor is received in
+its own interpreter, in parallel, and the node only copies the arrays out of shared memory.
+
+Per message: the same checks as the node's own callbacks (msg_inputs: encoding, size, cloud
+frame / point count / all-NaN; drops counted in the ring and added to the node's counters of
+the same name on its /diagnostics), then the array into the ring (core/input_rings.py) and one
+eventfd write to wake the node's receiver thread. It exits when its stdin closes (the node
+closed it, or died), or on SIGTERM; it ignores SIGINT (Ctrl-C reaches the whole process group:
+the node decides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+import rclpy
+from kestrel_common.base_node import SENSOR_QOS
+from kestrel_common.conversions import stamp_to_ns
+from kestrel_common.shm import ShmSegment
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.signals import SignalHandlerOptions
+from rclpy.utilities import remove_ros_args
+from sensor_msgs.msg import Image, PointCloud2
+
+from kestrel_perception.core.input_rings import RingLayout
+from kestrel_perception.msg_inputs import InputDrop, cloud_xyz, image_rgb
+
+
+def _log(message: str) -> None:
+    print(f"[perception receiver {os.getpid()}] {message}", file=sys.stderr, flush=True)
+
+
+class Receiver:
+    """Subscription callback of one sensor: message -> checks -> ring -> wake the node."""
+
+    def __init__(self, ring, layout: RingLayout, sensor: int, event_fd: int,
+                 frame_id: str) -> None:
+        self.ring, self.layout, self.efd, self.frame_id = ring, layout, event_fd, frame_id
+        self.is_cloud = sensor == layout.num_cameras
+        self.name = "cloud" if self.is_cloud else f"camera {sensor}"
+        self._logged: dict[str, float] = {}
+
+    def drop(self, counter: str, message: str) -> None:
+        self.ring.count(counter)
+        now = time.monotonic()
+        if now - self._logged.get(counter, -1e9) >= 1.0:  # at most once a second per reason
+            self._logged[counter] = now
+            _log(f"{self.name}: dropped ({counter}): {message}")
+
+    def __call__(self, msg) -> None:
+        recv_ns = time.monotonic_ns()
+        ring = self.ring
+        ring.count("received")
+        try:
+            if self.is_cloud:
+                array = cloud_xyz(msg, self.layout.max_points, self.frame_id)
+                encoding = "xyz32"
+            else:
+                array, encoding = image_rgb(msg), "rgb8"
+        except InputDrop as exc:
+            self.drop(exc.counter, str(exc))
+            return
+        if not ring.write(array, stamp_to_ns(msg.header.stamp), recv_ns, encoding,
+                          msg.header.frame_id):
+            lay = self.layout
+            self.drop("dropped_size_mismatch", f"image {msg.width}x{msg.height} is larger than "
+                                               f"warmup_size {lay.image_width}x{lay.image_height}")
+            return
+        os.eventfd_write(self.efd, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv if argv is None else argv)
+    ap = argparse.ArgumentParser(description="Kestrel perception input receiver (started by "
+                                             "the perception node)")
+    ap.add_argument("--shm", required=True)
+    ap.add_argument("--layout", nargs=4, required=True, metavar="N")
+    ap.add_argument("--sensor", type=int, required=True)
+    ap.add_argument("--topic", required=True)
+    ap.add_argument("--event-fd", type=int, required=True)
+    ap.add_argument("--parent-pid", type=int, required=True)
+    ap.add_argument("--frame-id", default="")
+    args = ap.parse_args(remove_ros_args(argv)[1:])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if os.getppid() != args.parent_pid:
+        return 0
+    layout = RingLayout.from_args(args.layout)
+    seg = ShmSegment(args.shm, layout.size, create=False)
+    ring = layout.rings(seg.buf)[args.sensor]
+    receiver = Receiver(ring, layout, args.sensor, args.event_fd, args.frame_id)
+    rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
+    node = rclpy.create_node("perception_receiver")  # named by the node's -r __node:=...
+    msg_type = PointCloud2 if receiver.is_cloud else Image
+    node.create_subscription(msg_type, args.topic, receiver, SENSOR_QOS)
+    ring.set_ready(os.getpid())
+    os.eventfd_write(args.event_fd, 1)
+
+    def watch_stdin() -> None:  # EOF: the node closed the pipe, or died
+        try:
+            sys.stdin.buffer.read()
+        finally:
+            stop.set()
+
+    threading.Thread(target=watch_stdin, name="stdin-watch", daemon=True).start()
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    try:
+        while not stop.is_set():
+            executor.spin_once(timeout_sec=0.1)
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown()
+        if os.getppid() != args.parent_pid:  # the node died without its cleanup
+            seg.unlink()
+        del ring, receiver
+        seg.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
