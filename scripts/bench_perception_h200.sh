@@ -34,14 +34,18 @@ wait "$envpid"
 [[ "$mode" == forward ]] && exit 0
 tail -3 "$out/ros_env.log"
 source scripts/device_ros_env.sh || exit 3
-# PUBLISHERS="one per-sensor" runs the node once per input-publisher mode (default: one)
+# PUBLISHERS="one per-sensor" runs the node once per input-publisher mode (default: one);
+# RECEIVE="executor processes" once per node parameter `receive` as well (default: the node's)
 for pubs in ${PUBLISHERS:-one}; do
+for rx in ${RECEIVE:-default}; do
   sfx=""; [[ "$pubs" != one ]] && sfx="_$pubs"
+  rx_args=""; [[ "$rx" != default ]] && { rx_args="--receive $rx"; sfx="${sfx}_rx_$rx"; }
   timeout 170 "$KPY" scripts/bench_perception_node.py --config r50 --device cuda --cams 6 \
     --image-hw 640 640 --points 120000 --rate 10 --frames "$frames" --publishers "$pubs" \
     --variant "${VARIANT:-whole_bf16w_fold_s2d_group_cudnn_graph}" --ready-timeout 110 \
-    --git-commit "$commit" ${NODE_ARGS:-} --out "$out/perception_node_h200$sfx${OUT_SFX:-}" \
-    > "$out/node$sfx${OUT_SFX:-}.log" 2>&1
-  echo "node bench ($pubs) rc $?"
+    --git-commit "$commit" $rx_args ${NODE_ARGS:-} \
+    --out "$out/perception_node_h200$sfx${OUT_SFX:-}" > "$out/node$sfx${OUT_SFX:-}.log" 2>&1
+  echo "node bench ($pubs, receive $rx) rc $?"
   tail -25 "$out/node$sfx${OUT_SFX:-}.log"
+done
 done
