@@ -4,11 +4,13 @@ counted drops of bad input on /diagnostics, run-time head switching and configur
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
 import pytest
-from diagnostic_msgs.msg import DiagnosticArray
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from kestrel_common.base_node import SENSOR_QOS
 from kestrel_common.conversions import (
     detection_arrays,
@@ -402,6 +404,16 @@ def test_receiver_processes(launch_node, probe):
     assert "camera 0: dropped (dropped_bad_encoding)" in node.output()
     assert node.alive() and "Traceback" not in node.output()
     pid = node.proc.pid
+    # a receiver that exits is reported (ERROR on /diagnostics), the node stays up. SIGTERM,
+    # not SIGKILL: a killed DDS participant leaves its shared-memory files (dds_guard)
+    children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    assert len(children) == 3, children  # 2 cameras + the cloud
+    os.kill(int(children[-1]), signal.SIGTERM)
+    msgs = diag.wait_for(lambda m: any(s.level == DiagnosticStatus.ERROR and "input receiver "
+                                       "process exited for ['/perception/input/"
+                                       in s.message for a in m for s in a.status), timeout=10.0)
+    assert any(s.level == DiagnosticStatus.ERROR for a in msgs for s in a.status)
+    assert node.alive()
     assert glob.glob(f"/dev/shm/kestrel_perception_{pid}_*")
     node.stop()
     assert node.group_gone(), "receiver processes outlived the node"

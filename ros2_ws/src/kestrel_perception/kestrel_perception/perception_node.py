@@ -430,6 +430,9 @@ class PerceptionNode(KestrelLifecycleNode):
         for stage, q in summary.items():
             values[f"latency_{stage}_p50_s"] = q["p50"]
             values[f"latency_{stage}_p99_s"] = q["p99"]
+        gone = self._receivers.exited() if self._receivers is not None else []
+        if gone:  # those inputs no longer arrive: no set can form
+            return DiagnosticStatus.ERROR, f"input receiver process exited for {gone}", values
         budget = 1.0 / float(self.params.get("target_fps", 10.0))
         p99 = summary["total"]["p99"]
         if p99 == p99 and p99 > budget:  # not NaN

@@ -157,6 +157,11 @@ class InputReceivers:
         atexit.unregister(self.close)
 
     # ---- diagnostics -------------------------------------------------------------------------
+    def exited(self) -> list[str]:
+        """Topics whose receiver process is gone (it crashed or was killed): their inputs no
+        longer arrive. The node reports it on /diagnostics (ERROR); it does not restart them."""
+        return [self.topics[s] for s, p in enumerate(self.procs) if p.poll() is not None]
+
     def counters(self) -> dict[str, int]:
         """The receivers' drop counters summed over sensors (named as the node's own drops,
         which the node adds them to), their message count as rx_received, and this side's
