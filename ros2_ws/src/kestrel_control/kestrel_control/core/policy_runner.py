@@ -130,6 +130,7 @@ class _Robot:
                                  f"{shape}")
         self.joint_states = buffers[0]  # [positions rad; velocities rad/s]
         self.target = buffers[1]  # joint position target, rad
+        self.target_version = 0  # version of the target now in `inputs` (0 = none: zeros)
         # [3, n]: positions rad, velocities rad/s, target rad: the obs row's first 3n values in
         # the same order, so one finite check and one copy cover all three
         self.inputs = np.zeros((3, n))
@@ -239,7 +240,9 @@ class PolicyRunner:
         if version == 0:
             info.status, info.valid, info.obs_age_s = SafetyStatus.NO_INPUT, False, math.nan
             return False
-        robot.target.read_into(robot.target_now)
+        target = robot.target
+        if target.version != robot.target_version:  # targets change rarely: copy only then
+            robot.target_version = target.read_into(robot.target_now)[0]
         age = (now_ns - stamp) * 1e-9
         info.obs_age_s = age
         # one check: stale (counted), else any NaN/inf in positions, velocities or the target

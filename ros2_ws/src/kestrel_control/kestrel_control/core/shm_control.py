@@ -49,6 +49,9 @@ class SharedLatestValue:
         if max_retries < 1:
             raise ValueError(f"parameter 'max_retries' = {max_retries!r}: must be >= 1")
         self._h = header  # int64 [_HEADER], in the segment
+        # the hot paths (write, read_into) index the header through a memoryview: plain
+        # int64 loads/stores at ~0.05 us instead of numpy scalar access at ~0.15 us
+        self._hv = memoryview(header).cast("B").cast("q")
         self._slots = (slots[0], slots[1])  # float64 [*shape] each, in the segment
         self._max_retries = int(max_retries)
         self._good = np.zeros_like(slots[0])  # this reader's last complete value (private)
@@ -66,7 +69,7 @@ class SharedLatestValue:
 
     @property
     def version(self) -> int:
-        return int(self._h[_H_VER])
+        return self._hv[_H_VER]
 
     @property
     def read_retries(self) -> int:
@@ -87,12 +90,12 @@ class SharedLatestValue:
     # ---- writer ------------------------------------------------------------------------------
     def write(self, value: np.ndarray, stamp_ns: int = 0) -> int:
         with self._write_lock:
-            h = self._h
-            idx = 1 - h.item(_H_PUB)
-            seq = h.item(_H_SEQ + idx)
+            h = self._hv
+            idx = 1 - h[_H_PUB]
+            seq = h[_H_SEQ + idx]
             h[_H_SEQ + idx] = seq + 1  # odd: being written
             self._slots[idx][...] = value  # unsafe casting, as np.copyto(..., "unsafe")
-            version = h.item(_H_VER) + 1
+            version = h[_H_VER] + 1
             h[_H_STAMP + idx] = stamp_ns
             h[_H_SLOTVER + idx] = version
             h[_H_SEQ + idx] = seq + 2  # even: complete
@@ -127,8 +130,8 @@ class SharedLatestValue:
     def read_into(self, out: np.ndarray) -> tuple[int, int]:
         """Copy the newest complete value into `out`; (version, stamp_ns). No lock, no
         allocation; version 0 = never written."""
-        h, slots = self._h, self._slots
-        item = h.item  # int64 element -> int, cheaper than int(h[i])
+        h, slots = self._hv, self._slots
+        item = h.__getitem__  # int64 element -> int (memoryview: no numpy scalar)
         for _ in range(self._max_retries):
             idx = item(_H_PUB)
             s1 = item(_H_SEQ + idx)
@@ -196,6 +199,37 @@ class SharedLoopStats(LoopStats):
         self.wake_error = _SharedRing(rings[1], ints, k + 1)
         self.step_latency = _SharedRing(rings[2], ints, k + 2)
         self._win_cycles = self._win_period = self._win_wake = self._win_latency = 0
+        # record(): element access through memoryviews (plain stores, ~0.1 us) instead of
+        # numpy scalar indexing behind properties (1.9 -> 0.6 us per cycle on the dev CPU)
+        self._iv = memoryview(ints).cast("B").cast("q")
+        self._rv = [memoryview(rings[i]).cast("B").cast("d") for i in range(3)]
+        self._cap = int(rings.shape[1])
+        self._k = k
+        self._ci = LoopStats.COUNTERS.index("cycles")
+
+    def record(self, wake_error_s: float, latency_s: float, period_s: float | None,
+               wake_ns: int = 0) -> None:
+        """LoopStats.record on the segment: the same stores in the same order (samples, then
+        their counts, then cycles)."""
+        iv, k, cap = self._iv, self._k, self._cap
+        iv[k + 3] = wake_ns  # last_wake_ns
+        c = iv[k + 1]
+        self._rv[1][c % cap] = wake_error_s
+        iv[k + 1] = c + 1
+        c = iv[k + 2]
+        self._rv[2][c % cap] = latency_s
+        iv[k + 2] = c + 1
+        if period_s is not None:
+            c = iv[k]
+            self._rv[0][c % cap] = period_s
+            iv[k] = c + 1
+        iv[self._ci] += 1
+
+    def release(self) -> None:
+        """Drop the memoryviews (before the segment's mmap is closed)."""
+        self._iv.release()
+        for v in self._rv:
+            v.release()
 
     def _window(self, advance: bool) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         # The writer is another process (no GIL between us): a snapshot can fall between its
@@ -273,6 +307,8 @@ class ShmViews:
 
     def release(self) -> None:
         """Drop every view (needed before the segment's mmap can be closed)."""
+        if self.stats is not None:
+            self.stats.release()
         for name in ("control", "aux", "joint_states", "targets", "commands", "stats",
                      "_arrays"):
             setattr(self, name, None)
