@@ -75,22 +75,18 @@ class ResultBuilder:
         res.image_stamps = [Time(sec=int(st) // 1_000_000_000, nanosec=int(st) % 1_000_000_000)
                             for st in image_stamps_ns]
         res.camera_frame_ids = [cam.frame_id for cam in cams]
-        dets = out.detections
-        if dets:
-            cam = np.array([d.camera_index for d in dets], np.uint32)  # [D]
-            boxes = np.stack([d.box_xyxy for d in dets]).astype(np.float32)  # [D,4] px
-            src = np.array([int(d.position_source) for d in dets], np.uint8)  # [D]
-            pos = np.stack([d.position if d.position is not None else np.full(3, np.nan)
-                            for d in dets]).astype(np.float64)  # [D,3] m
+        a = out.detection_arrays()
+        if len(a):
+            src, cam = a.position_source, a.camera_index  # [D] uint8, [D] uint32
+            pos = a.position  # [D,3] m, NaN rows where NONE
             cam_pos = np.stack([c.T_base_from_cam[:3, 3] for c in cams])[cam]  # [D,3] m
             std = np.where(src == int(PositionSource.LIDAR), POSITION_STD_LIDAR,
                            POSITION_STD_DEPTH_REL * np.linalg.norm(pos - cam_pos, axis=1))
-            none = src == int(PositionSource.NONE)
-            pos[none] = np.nan
-            std[none] = np.nan
+            std[src == int(PositionSource.NONE)] = np.nan
+            boxes = a.box_xyxy  # [D,4] px
             res.camera_index = _array("I", cam)
-            res.class_index = _array("H", np.array([d.class_index for d in dets], np.uint16))
-            res.score = _array("f", np.array([d.score for d in dets], np.float32))
+            res.class_index = _array("H", a.class_index)
+            res.score = _array("f", a.score)
             res.bbox = _array("f", np.concatenate([(boxes[:, :2] + boxes[:, 2:]) * 0.5,
                                                    boxes[:, 2:] - boxes[:, :2]], axis=1))
             res.position_source = _array("B", src)

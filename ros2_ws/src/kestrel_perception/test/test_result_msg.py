@@ -92,3 +92,30 @@ def test_inconsistent_arrays_are_a_conversion_error() -> None:
     with pytest.raises(ConversionError, match="disagree on the count") as err:
         detection_arrays(r)
     assert err.value.reason == "bad_detections"
+
+
+def test_arrays_and_list_give_the_same_message_and_round_trip() -> None:
+    """The core's DetectionArrays (no Detection objects) and a list of Detection give the same
+    result message; the list built lazily from the arrays equals the original list."""
+    from kestrel_perception.core.types import DetectionArrays
+
+    listed = output(0.0)
+    arrays = DetectionArrays.from_list(listed.detections)
+    assert len(arrays) == 3 and np.isnan(arrays.position[2]).all()
+    from_arrays = PerceptionOutput(7, None, listed.masks, listed.depths, {"model": 0.01},
+                                   depth_encoding="16UC1", output_stride=2, arrays=arrays,
+                                   class_names=CLASSES)
+    m_list = detection_arrays(ResultBuilder("world", CLASSES).build(1, [1, 1], cams(), listed))
+    m_arr = detection_arrays(ResultBuilder("world", CLASSES).build(1, [1, 1], cams(),
+                                                                   from_arrays))
+    for key in m_list:
+        np.testing.assert_array_equal(m_list[key], m_arr[key], err_msg=key)
+    back = from_arrays.detections  # built on first read, then the same list
+    assert back is from_arrays.detections
+    for a, b in zip(back, listed.detections, strict=True):
+        assert (a.camera_index, a.class_index, a.class_name, a.position_source) == \
+            (b.camera_index, b.class_index, b.class_name, b.position_source)
+        assert a.score == pytest.approx(b.score) and np.array_equal(a.box_xyxy, b.box_xyxy)
+        assert (a.position is None) == (b.position is None)
+        if a.position is not None:
+            np.testing.assert_array_equal(a.position, b.position)

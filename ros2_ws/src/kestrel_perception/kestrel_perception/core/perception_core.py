@@ -27,7 +27,7 @@ from .staging import InputStaging, StagedPoints
 from .types import (
     DEFAULT_CLASS_NAMES,
     CameraModel,
-    Detection,
+    DetectionArrays,
     FrameSet,
     PerceptionOutput,
     validate_frames,
@@ -35,7 +35,7 @@ from .types import (
 
 # preprocess: images + cloud to the device; model: forward; postprocess: decode + NMS, seg
 # argmax, depth encoding (device); lidar_fusion: projection + box positions (device);
-# download: the one device->host copy + sync wait; unpack: host Detection objects
+# download: the one device->host copy + sync wait; unpack: the host detection arrays
 STAGES: tuple[str, ...] = ("preprocess", "model", "postprocess", "lidar_fusion", "download",
                            "unpack")
 
@@ -336,22 +336,19 @@ class PerceptionCore:
         own = (lambda a: a) if cfg.zero_copy_maps else np.copy
         out.masks = [own(a) for a in res.masks] if res.masks is not None else []
         out.depths = [own(a) for a in res.depths] if res.depths is not None else []
-        names = cfg.class_names
-        sources = {int(p): p for p in PositionSource}
-        counts = res.valid.sum(axis=1).tolist()  # valid slots come first
-        for cam, n in enumerate(counts):
-            # one private copy per camera and field; scalars through tolist (no per-value
-            # numpy scalar conversions)
-            boxes, pos = res.boxes[cam, :n].copy(), res.pos[cam, :n].copy()
-            for k, (src, cls, score) in enumerate(zip(
-                    res.src[cam, :n].tolist(), res.classes[cam, :n].tolist(),
-                    res.scores[cam, :n].tolist(), strict=True)):
-                source = sources[src]
-                out.detections.append(Detection(
-                    camera_index=cam, class_index=cls, class_name=names[cls], score=score,
-                    box_xyxy=boxes[k],
-                    position=None if source == PositionSource.NONE else pos[k],
-                    position_source=source))
+        # valid slots come first in each camera's row: the boolean mask keeps camera order,
+        # then slot order; boolean indexing copies (the host views are reused next frame)
+        valid = res.valid  # [C,M] bool
+        src = res.src[valid].astype(np.uint8)  # [D]
+        pos = res.pos[valid].astype(np.float64)  # [D,3] m
+        pos[src == int(PositionSource.NONE)] = np.nan
+        out.arrays = DetectionArrays(
+            camera_index=np.nonzero(valid)[0].astype(np.uint32),
+            class_index=res.classes[valid].astype(np.uint16),
+            score=res.scores[valid].astype(np.float32),
+            box_xyxy=res.boxes[valid].astype(np.float32), position=pos, position_source=src)
+        out.class_names = tuple(cfg.class_names)
+        out.detections = None  # built from the arrays when read
         stages = res.stage_s
         out.timings = {"preprocess": stages.get("preprocess", 0.0),
                        "model": stages.get("model", 0.0),
