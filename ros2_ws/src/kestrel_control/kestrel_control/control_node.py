@@ -372,6 +372,7 @@ class ControlNode(KestrelLifecycleNode):
         values.update({f"rt_{k}": v for k, v in self._applied.items()})
         if proc is not None:
             values["commands_coalesced"] = proc.coalesced
+            values["publisher_scheduling"] = proc.publisher_priority
             values["publish_errors"] = proc.publish_errors
         if self._loop is not None:
             if self._loop.last_error:

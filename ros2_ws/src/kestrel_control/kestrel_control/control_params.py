@@ -75,7 +75,9 @@ SPECS = [
     # H200 cuda_graph loop p50 425 -> 121 us together with poll sync; 2-core CPU onnxruntime
     # loop p99.9 778 -> 385 us vs 200 us.
     ParamSpec("gil_switch_interval_us", 50.0, "sys.setswitchinterval while the loop runs, us "
-              "(bounds how long another thread can keep the GIL from the loop; 0 = unchanged).",
+              "(bounds how long another thread can keep the GIL from the loop; in loop_mode "
+              "process also in this node's process, from its command publisher thread; 0 = "
+              "unchanged).",
               min=0.0, max=100000.0, read_only=True),
     ParamSpec("loop_mode", "auto", "Where the real-time loop runs: 'thread' (this process), "
               "'process' (a child process sharing memory with the node) or 'auto' (process for "

@@ -144,9 +144,11 @@ def _config(**kw) -> RunnerConfig:
 def test_loop_process_commands_equal_the_in_process_runner() -> None:
     """Same observation every tick: the command after v ticks in the child equals the in-process
     runner's after v steps (same seeded weights); statistics and publisher reach the node side."""
-    proc = LoopProcess(_config(), LoopSettings(period_s=2e-3), start_timeout_s=60.0)
+    proc = LoopProcess(_config(), LoopSettings(period_s=2e-3, switch_interval_s=1e-4,
+                                               rt_priority=20), start_timeout_s=60.0)
     js = np.array([[0.3, -0.2, 0.1, 0.0, 0.5, -0.4], [0.0] * N])
     published: list[tuple[int, np.ndarray, int]] = []
+    switch_before = sys.getswitchinterval()
     try:
         info = proc.start()
         assert info["batch"] == 1 and info["backend"] == "cpu_eager"
@@ -154,8 +156,14 @@ def test_loop_process_commands_equal_the_in_process_runner() -> None:
         proc.joint_states[0].write(js, time.time_ns())
         applied = proc.activate(lambda r, c, s: published.append((r, c.copy(), s)))
         assert "gc" in applied
+        # the node process too (its publisher thread), while active
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
         assert _wait(lambda: len(published) >= 20, 20.0), "no commands published"
+        # the publisher thread: SCHED_FIFO below the loop where permitted (root here)
+        assert proc.publisher_priority == "SCHED_FIFO 10" or \
+            proc.publisher_priority.startswith("not applied"), proc.publisher_priority
         proc.deactivate()
+        assert sys.getswitchinterval() == switch_before
         cmd, version, stamp = proc.views.commands[0].read()
         stats = proc.stats.counters()
     finally:

@@ -43,6 +43,10 @@ from kestrel_control.core.shm_control import (CLOCK_SIM, CLOCK_SYSTEM, CTRL_CLOC
                                               ShmViews)
 
 CHILD_MODULE = "kestrel_control.core.loop_child"
+# With rt_priority > 0 the node's command publisher thread runs SCHED_FIFO this much below the
+# loop: on a loaded machine it then gets a core as soon as the loop wrote a command, instead of
+# waiting behind the other processes (measured in docs/benchmarks/foundation.md).
+PUBLISHER_PRIORITY_BELOW = 10
 
 
 class LoopProcessError(ValueError):
@@ -129,6 +133,8 @@ class LoopProcess:
         self.publish_errors = 0
         self.last_publish_error = ""
         self._closed = False
+        self._old_switch: float | None = None  # the node's GIL switch interval before activate
+        self.publisher_priority = "normal"  # the publisher thread's scheduling (diagnostics)
 
     # ---- views for the node --------------------------------------------------------------
     @property
@@ -204,6 +210,11 @@ class LoopProcess:
         """Start the publisher thread, then the child's loop (after it reset the policy state
         and the statistics). Returns the real-time settings it applied."""
         self._pub_stop.clear()
+        # this (node) process too: the publisher thread waits at most this long for the GIL
+        # while an executor thread runs Python (default 5 ms = 2.5 commands at 500 Hz)
+        if self.settings.switch_interval_s and self._old_switch is None:
+            self._old_switch = sys.getswitchinterval()
+            sys.setswitchinterval(self.settings.switch_interval_s)
         self._pub_thread = threading.Thread(target=self._publish_loop, args=(publish,),
                                             name="kestrel-control-publisher", daemon=True)
         self._pub_thread.start()
@@ -226,6 +237,9 @@ class LoopProcess:
             self._log(f"loop process deactivate: {exc}")
         finally:
             self._stop_publisher()
+            if self._old_switch is not None:
+                sys.setswitchinterval(self._old_switch)
+                self._old_switch = None
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the child (exit, then kill), close the eventfd, unlink the segment. Idempotent;
@@ -275,6 +289,13 @@ class LoopProcess:
         out = np.zeros((n_robots, self.layout.num_joints))  # rad
         last = [c.version for c in commands]
         efd, stop = self._efd, self._pub_stop
+        prio = self.settings.rt_priority - PUBLISHER_PRIORITY_BELOW
+        if self.settings.rt_priority > 0:  # this thread only; below the loop's priority
+            try:
+                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(max(1, prio)))
+                self.publisher_priority = f"SCHED_FIFO {max(1, prio)}"
+            except (PermissionError, OSError) as exc:
+                self.publisher_priority = f"not applied ({exc})"
         while True:
             try:
                 os.eventfd_read(efd)  # blocks (GIL released) until the loop wrote commands
