@@ -222,6 +222,7 @@ class LoopProcess:
         kind, payload = self._reply(timeout_s, "activate")
         if kind != "active":
             self._stop_publisher()
+            self._restore_switch_interval()
             raise LoopProcessError(f"loop process failed to activate: {payload}")
         self.views.stats.reset_window()
         self.applied = payload
@@ -237,9 +238,12 @@ class LoopProcess:
             self._log(f"loop process deactivate: {exc}")
         finally:
             self._stop_publisher()
-            if self._old_switch is not None:
-                sys.setswitchinterval(self._old_switch)
-                self._old_switch = None
+            self._restore_switch_interval()
+
+    def _restore_switch_interval(self) -> None:
+        if self._old_switch is not None:
+            sys.setswitchinterval(self._old_switch)
+            self._old_switch = None
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the child (exit, then kill), close the eventfd, unlink the segment. Idempotent;
