@@ -54,7 +54,7 @@ from sensor_msgs.msg import JointState
 from kestrel_common.base_node import COMMAND_QOS, SENSOR_QOS, KestrelLifecycleNode, run_node
 from kestrel_common.conversions import stamp_to_ns
 from kestrel_common.params import ParamError
-from kestrel_control.control_params import SPECS
+from kestrel_control.control_params import SPECS, resolve_loop_mode
 from kestrel_control.core import LoopStats, PolicyRunner, RealtimeLoop, RunnerConfig
 from kestrel_control.core.loop_process import LoopProcess, LoopSettings
 from kestrel_control.core.stats import window_end_ns
@@ -135,8 +135,7 @@ class ControlNode(KestrelLifecycleNode):
                 backend=p["backend"], weights_path=p["weights_path"], seed=p["seed"],
                 model=model, num_robots=max(1, len(p["robots"])),
                 latency_compensation=p["latency_compensation"], gpu_programs=p["gpu_programs"])
-            self.loop_mode = p["loop_mode"] if p["loop_mode"] != "auto" else (
-                "process" if p["backend"].startswith("cuda") else "thread")
+            self.loop_mode = resolve_loop_mode(p["loop_mode"], p["backend"], p["rt_priority"])
             if self.loop_mode == "process":
                 self._proc = LoopProcess(
                     config, self._loop_settings(p), start_timeout_s=p["loop_start_timeout"],

@@ -236,3 +236,13 @@ def test_loop_records_the_monotonic_wake_of_each_cycle() -> None:
     loop.stop()
     assert before < stats.last_wake_ns <= time.monotonic_ns()
     assert stats.last_wake_ns >= rec.deadline[-1]  # a wake-up is never before its deadline
+
+
+def test_loop_mode_auto_picks_process_for_cuda_or_realtime_priority() -> None:
+    from kestrel_control.control_params import resolve_loop_mode
+
+    assert resolve_loop_mode("auto", "cpu_eager", 0) == "thread"
+    assert resolve_loop_mode("auto", "onnxruntime", 80) == "process"
+    assert resolve_loop_mode("auto", "cuda_graph", 0) == "process"
+    assert resolve_loop_mode("thread", "cuda_graph", 80) == "thread"  # explicit wins
+    assert resolve_loop_mode("process", "cpu_eager", 0) == "process"
