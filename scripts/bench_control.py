@@ -50,7 +50,7 @@ for sub in ("models", "ros2_ws/src/kestrel_control"):
         [str(ROOT / sub)] + [p for p in [os.environ.get("PYTHONPATH", "")] if p])
 
 import bench_common  # noqa: E402 (scripts/ is on sys.path: this file's folder)
-from bench_control_report import markdown  # noqa: E402
+from bench_control_report import markdown, tail_pattern  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -183,34 +183,6 @@ def bench_steps(backends: list[str], iters: int, cache: str) -> dict:
         runner.close()  # cuda_persistent: end its resident kernel before the next backend
         del runner
     return results
-
-
-def tail_pattern(lat: np.ndarray, wake: np.ndarray, rate: float) -> dict:
-    """When the slow cycles happen: for steps above the run's p99 and wake-ups later than 200 us,
-    how many, and the most common spacings between them in cycles (a periodic disturbance, e.g.
-    a 10 Hz timer, shows up as a spacing of rate/10), plus the cycle indices of the 10 latest
-    wake-ups (the deadline misses)."""
-    out: dict = {}
-    if lat.size == 0:
-        return out
-    for name, idx in (("slow_steps", np.flatnonzero(lat > np.percentile(lat, 99))),
-                      ("late_wakes", np.flatnonzero(wake > 200e-6))):
-        gaps = np.diff(idx)
-        vals, counts = np.unique(gaps, return_counts=True) if gaps.size else ([], [])
-        top = sorted(zip(counts, vals, strict=True), reverse=True)[:5]
-        out[name] = {"count": int(idx.size),
-                     "common_spacing_cycles": [[int(v), int(c)] for c, v in top],
-                     "median_spacing_ms": float(np.median(gaps)) * 1e3 / rate if gaps.size
-                     else None}
-    worst = np.argsort(wake)[-10:][::-1]
-    out["latest_wakes"] = [[int(i), float(wake[i]) * 1e6] for i in worst]
-    # A once-a-second disturbance (a thread's 1 s timeout) puts the slow steps in one 100 ms
-    # bin of the cycle index modulo 1 s; spread evenly, each bin holds ~10 %.
-    slow = np.flatnonzero(lat > np.percentile(lat, 99.9))
-    per_s = max(1, int(round(rate)))
-    bins = np.bincount((slow % per_s) * 10 // per_s, minlength=10)
-    out["slowest_0.1pct_by_phase_of_1s"] = [int(b) for b in bins]
-    return out
 
 
 # ---- phase 2 -----------------------------------------------------------------------------------

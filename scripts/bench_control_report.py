@@ -1,9 +1,11 @@
 """The Markdown report of scripts/bench_control.py (step latency per backend, then the loops
-with ROS I/O live) from its JSON result."""
+with ROS I/O live) from its JSON result, and the loop traces' tail analysis it records."""
 
 from __future__ import annotations
 
 import json
+
+import numpy as np
 
 
 def markdown(report: dict) -> str:
@@ -49,3 +51,31 @@ def markdown(report: dict) -> str:
                      f"{w['p50']:.1f} | {w['p999']:.1f} | {w['max']:.1f} | {p['p999']:.1f} | "
                      f"{dcol} |")
     return "\n".join(lines) + "\n"
+
+
+def tail_pattern(lat: np.ndarray, wake: np.ndarray, rate: float) -> dict:
+    """When the slow cycles happen: for steps above the run's p99 and wake-ups later than 200 us,
+    how many, and the most common spacings between them in cycles (a periodic disturbance, e.g.
+    a 10 Hz timer, shows up as a spacing of rate/10), plus the cycle indices of the 10 latest
+    wake-ups (the deadline misses)."""
+    out: dict = {}
+    if lat.size == 0:
+        return out
+    for name, idx in (("slow_steps", np.flatnonzero(lat > np.percentile(lat, 99))),
+                      ("late_wakes", np.flatnonzero(wake > 200e-6))):
+        gaps = np.diff(idx)
+        vals, counts = np.unique(gaps, return_counts=True) if gaps.size else ([], [])
+        top = sorted(zip(counts, vals, strict=True), reverse=True)[:5]
+        out[name] = {"count": int(idx.size),
+                     "common_spacing_cycles": [[int(v), int(c)] for c, v in top],
+                     "median_spacing_ms": float(np.median(gaps)) * 1e3 / rate if gaps.size
+                     else None}
+    worst = np.argsort(wake)[-10:][::-1]
+    out["latest_wakes"] = [[int(i), float(wake[i]) * 1e6] for i in worst]
+    # A once-a-second disturbance (a thread's 1 s timeout) puts the slow steps in one 100 ms
+    # bin of the cycle index modulo 1 s; spread evenly, each bin holds ~10 %.
+    slow = np.flatnonzero(lat > np.percentile(lat, 99.9))
+    per_s = max(1, int(round(rate)))
+    bins = np.bincount((slow % per_s) * 10 // per_s, minlength=10)
+    out["slowest_0.1pct_by_phase_of_1s"] = [int(b) for b in bins]
+    return out
