@@ -392,8 +392,8 @@ def test_receiver_processes(launch_node, probe):
 
     bad("dropped_bad_encoding", lambda: rig.img[0].publish(
         rig.image(0, rig.next_stamp(), encoding="mono16")))
-    bad("dropped_size_mismatch", lambda: rig.img[1].publish(  # larger than warmup_size
-        rig.image(1, rig.next_stamp(), w=2 * W, h=H)))
+    bad("dropped_size_mismatch", lambda: rig.img[1].publish(  # wider than warmup_size (as
+        rig.image(1, rig.next_stamp(), w=2 * W, h=H // 2)))  # many bytes: by dimensions)
     bad("dropped_too_many_points", lambda: rig.cloud.publish(xyz_to_pointcloud2(
         np.zeros((10_001, 3), np.float32), make_header(rig.next_stamp(), "world"))))
     r = produce(rig, results)

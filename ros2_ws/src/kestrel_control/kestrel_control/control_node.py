@@ -343,12 +343,12 @@ class ControlNode(KestrelLifecycleNode):
         if self._stats is None:
             return
         stats = self._stats
-        wake_ns = stats.last_wake_ns  # the window's last cycle (read before the counters)
         snap = stats.snapshot()
         msg = LoopStatistics()
         now_ns = self._clock.now().nanoseconds
-        if not self._clock.ros_time_is_active:  # wall time: anchor the stamp to that cycle
-            now_ns = window_end_ns(now_ns, time.monotonic_ns(), wake_ns)
+        if not self._clock.ros_time_is_active:  # wall time: the wake-up of the window's last
+            # cycle, from the same count as the window (a stall anywhere here cannot skew it)
+            now_ns = window_end_ns(now_ns, time.monotonic_ns(), stats.window_end_wake_ns)
         msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(now_ns, 1_000_000_000)
         for field in dataclasses.fields(snap):
             setattr(msg, field.name, getattr(snap, field.name))

@@ -78,9 +78,9 @@ def test_shared_stats_written_by_one_view_read_by_another(segment) -> None:
         views.stats.record(1e-6 * i, 1e-4, 1e-3 if i else None, 5_000_000 + i)
     views.stats.stale_inputs += 3
     assert other.stats.counters()["cycles"] == 10 and other.stats.stale_inputs == 3
-    assert other.stats.last_wake_ns == 5_000_009  # the reporter's stamp anchor
     snap = other.stats.snapshot()
     assert snap.cycles_window == 10 and snap.step_latency_p50 == pytest.approx(1e-4)
+    assert other.stats.window_end_wake_ns == 5_000_009  # the reporter's stamp anchor
     assert other.stats.snapshot().cycles_window == 0  # the reader's own window marks
     other.release()
 
@@ -294,3 +294,25 @@ def test_only_the_loop_thread_runs_on_the_loop_cpu() -> None:
     for tid, c in cpus.items():
         if tid not in on_loop:
             assert str(loop_cpu) not in c.replace("-", ",").split(","), cpus
+
+
+def test_failed_activation_leaves_no_publisher_and_restores_the_gil_interval() -> None:
+    """The child not answering 'activate' (timeout, death) must not leave the publisher thread
+    or the node's GIL switch interval behind."""
+    proc = LoopProcess(_config(), LoopSettings(period_s=2e-3, switch_interval_s=1e-4),
+                       start_timeout_s=60.0)
+    before = sys.getswitchinterval()
+    try:
+        proc.start()
+
+        def no_answer(timeout, what):
+            raise LoopProcessError(f"loop process did not answer '{what}'")
+
+        proc._reply = no_answer
+        with pytest.raises(LoopProcessError, match="did not answer 'activate'"):
+            proc.activate(lambda r, c, s: None)
+        assert proc._pub_thread is None
+        assert sys.getswitchinterval() == before
+    finally:
+        del proc._reply
+        proc.close()

@@ -210,14 +210,15 @@ def test_window_stamps_ignore_a_stall_between_reading_and_stamping() -> None:
             stats.record(0.0, 1e-4, 2e-3, t)
 
     run_until(1_000_000_000)
-    wake_a = stats.last_wake_ns
     snap_a = stats.snapshot()
     run_until(7_000_000_000)  # the stall: the loop goes on
-    stamp_a = window_end_ns(7_000_000_000 + wall_offset, 7_000_000_000, wake_a)
+    assert stats.window_end_wake_ns == 1_000_000_000  # the window's own last cycle
+    stamp_a = window_end_ns(7_000_000_000 + wall_offset, 7_000_000_000,
+                            stats.window_end_wake_ns)
     run_until(8_000_000_000)
-    wake_b = stats.last_wake_ns
     snap_b = stats.snapshot()
-    stamp_b = window_end_ns(8_000_000_000 + wall_offset, 8_000_000_000, wake_b)
+    stamp_b = window_end_ns(8_000_000_000 + wall_offset, 8_000_000_000,
+                            stats.window_end_wake_ns)
     rate = (snap_b.cycles_total - snap_a.cycles_total) / ((stamp_b - stamp_a) * 1e-9)
     assert rate == pytest.approx(500.0)
     naive = (snap_b.cycles_total - snap_a.cycles_total) / 1.0  # stamped at publication: 1 s
@@ -234,8 +235,26 @@ def test_loop_records_the_monotonic_wake_of_each_cycle() -> None:
     loop.start()
     assert rec.done.wait(10.0)
     loop.stop()
-    assert before < stats.last_wake_ns <= time.monotonic_ns()
-    assert stats.last_wake_ns >= rec.deadline[-1]  # a wake-up is never before its deadline
+    stats.snapshot()
+    assert before < stats.window_end_wake_ns <= time.monotonic_ns()
+    assert stats.window_end_wake_ns >= rec.deadline[-1]  # never before its deadline
+
+
+def test_window_end_is_the_wake_of_the_windows_last_counted_cycle() -> None:
+    """Cycles recorded after a snapshot do not move its window's end (the stamp comes from the
+    same count as the window's samples)."""
+    stats = LoopStats(1e-3, capacity=64)
+    assert stats.snapshot().cycles_window == 0 and stats.window_end_wake_ns == 0
+    for i in range(1, 11):
+        stats.record(0.0, 1e-4, 1e-3, 1_000_000 * i)
+    assert stats.snapshot().cycles_window == 10 and stats.window_end_wake_ns == 10_000_000
+    for i in range(11, 16):
+        stats.record(0.0, 1e-4, 1e-3, 1_000_000 * i)
+    assert stats.window_end_wake_ns == 10_000_000
+    for i in range(16, 200):  # past the ring's capacity
+        stats.record(0.0, 1e-4, 1e-3, 1_000_000 * i)
+    assert stats.snapshot().cycles_window == 189 and stats.window_end_wake_ns == 199_000_000
+    assert stats.snapshot().cycles_window == 0 and stats.window_end_wake_ns == 199_000_000
 
 
 def test_loop_mode_auto_picks_process_for_cuda_or_realtime_priority() -> None:

@@ -138,12 +138,15 @@ class PerceptionNode(KestrelLifecycleNode):
         self._poses = [pose_to_matrix(poses[7 * i: 7 * i + 7]) if poses else np.eye(4)
                        for i in range(n)]
         self._runtime = {k: p[k] for k in RUNTIME_PARAMS}
+        in_node = p["receive"] == "executor"
+        if not in_node and not self._start_receivers(p):  # before any ROS entity exists:
+            self.core = self.sync = None  # a failed configure leaves nothing behind
+            return TransitionCallbackReturn.FAILURE
         self._result_pub = self.create_publisher(PerceptionResult, "~/output/result",
                                                  COMMAND_QOS)
         if p["publish_debug_image"]:
             self._debug_pub = self.create_publisher(Image, "~/output/debug_image", SENSOR_QOS)
         group = MutuallyExclusiveCallbackGroup()
-        in_node = p["receive"] == "executor"
         for i in range(n):
             if in_node:
                 self._subs.append(self.create_subscription(
@@ -160,8 +163,6 @@ class PerceptionNode(KestrelLifecycleNode):
             self._subs.append(self.create_subscription(PointCloud2, "~/input/points",
                                                        self._on_points, SENSOR_QOS,
                                                        callback_group=group))
-        elif not self._start_receivers(p):
-            return TransitionCallbackReturn.FAILURE
         graphs = self.core.region.graphs
         for why in (graphs.failed.values() if graphs is not None else ()):
             self.get_logger().warning(f"device region signature runs without a CUDA graph: {why}")
@@ -289,10 +290,18 @@ class PerceptionNode(KestrelLifecycleNode):
         sync = self.sync
         if not self._active or sync is None:
             return
-        sync.add_image(cam, Stamped(stamp_ns, recv_s, (rgb, frame_id)))
-        if self._inline and self.core is not None:  # copy to pinned memory on arrival: the
-            self.core.staging.prestage_image(cam, rgb)  # frame then skips it (staging.py)
-        self._ready()
+        if not self._inline:  # worker mode: no prestaging
+            sync.add_image(cam, Stamped(stamp_ns, recv_s, (rgb, frame_id)))
+            self._wake.set()
+            return
+        # callback mode: prestaging writes the staging buffer a frame reads, so it must never
+        # overlap processing. The executor's callbacks are serialised anyway; the receiver
+        # thread (receive: processes) is not, so all of it runs under the processing lock.
+        with self._proc_lock:
+            sync.add_image(cam, Stamped(stamp_ns, recv_s, (rgb, frame_id)))
+            if self.core is not None:  # copy to pinned memory on arrival: the frame then
+                self.core.staging.prestage_image(cam, rgb)  # skips it (staging.py)
+            self._drain()
 
     def _on_info(self, cam: int, msg: CameraInfo) -> None:
         if not self._active or self.sync is None:
@@ -333,9 +342,13 @@ class PerceptionNode(KestrelLifecycleNode):
         sync = self.sync
         if not self._active or sync is None:
             return
-        sync.add_cloud(Stamped(stamp_ns, recv_s, xyz))
-        if self._inline and self.core is not None:  # as the images (staging.py)
-            self.core.staging.prestage_points(xyz)
+        if not self._inline:
+            sync.add_cloud(Stamped(stamp_ns, recv_s, xyz))
+            return
+        with self._proc_lock:  # as the images: never while a frame is processed
+            sync.add_cloud(Stamped(stamp_ns, recv_s, xyz))
+            if self.core is not None:
+                self.core.staging.prestage_points(xyz)
 
     # ---- processing: in the completing callback, or in the worker thread ----------------------
     def _ready(self) -> None:
@@ -373,6 +386,11 @@ class PerceptionNode(KestrelLifecycleNode):
                 for i, (img, info) in enumerate(zip(s.images, s.infos, strict=True))]
         frames = FrameSet(s.stamp_ns, [img.data[0] for img in s.images], cams,
                           s.cloud.data if s.cloud is not None else None)
+        # worker thread + receiver processes: the receiver thread keeps filling the pool
+        # while this frame runs (in callback mode that thread is the one running it)
+        debug_images = [im.copy() for im in frames.images] if (
+            self._debug_pub is not None and self._receivers is not None
+            and not self._inline) else None
         try:
             out = self.core.process(frames, self._heads())
         except InputError as exc:
@@ -409,7 +427,10 @@ class PerceptionNode(KestrelLifecycleNode):
         self.timer.add("total", msg.latency)
         self.counters.inc("processed")
         if self._debug_pub is not None:
-            canvas = render_debug(frames.images, out.detections)
+            # (receive: processes: the images are pool buffers, reused after `pool` newer
+            # messages of their sensor; a slow frame could see them overwritten by now, so
+            # the debug image is drawn from copies taken when the frame started)
+            canvas = render_debug(debug_images or frames.images, out.detections)
             self._debug_pub.publish(numpy_to_image(
                 canvas, "rgb8", make_header(s.images[0].stamp_ns, cams[0].frame_id)))
 

@@ -72,11 +72,15 @@ class Receiver:
         except InputDrop as exc:
             self.drop(exc.counter, str(exc))
             return
-        if not ring.write(array, stamp_to_ns(msg.header.stamp), recv_ns, encoding,
-                          msg.header.frame_id):
-            lay = self.layout
+        lay = self.layout
+        if not self.is_cloud and (array.shape[0] > lay.image_height
+                                  or array.shape[1] > lay.image_width):
             self.drop("dropped_size_mismatch", f"image {msg.width}x{msg.height} is larger than "
                                                f"warmup_size {lay.image_width}x{lay.image_height}")
+            return
+        if not ring.write(array, stamp_to_ns(msg.header.stamp), recv_ns, encoding,
+                          msg.header.frame_id):  # a cloud within max_points always fits
+            self.drop("dropped_too_many_points", f"{array.shape[0]} points do not fit the ring")
             return
         os.eventfd_write(self.efd, 1)
 
@@ -96,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    if os.getppid() != args.parent_pid:
+    if os.getppid() != args.parent_pid:  # the node is already gone: remove its segment
+        try:
+            os.unlink(f"/dev/shm/{args.shm}")
+        except FileNotFoundError:
+            pass
         return 0
     layout = RingLayout.from_args(args.layout)
     seg = ShmSegment(args.shm, layout.size, create=False)

@@ -218,12 +218,15 @@ class LoopProcess:
         self._pub_thread = threading.Thread(target=self._publish_loop, args=(publish,),
                                             name="kestrel-control-publisher", daemon=True)
         self._pub_thread.start()
-        self._chan.send(("activate", None))
-        kind, payload = self._reply(timeout_s, "activate")
-        if kind != "active":
+        try:
+            self._chan.send(("activate", None))
+            kind, payload = self._reply(timeout_s, "activate")
+            if kind != "active":
+                raise LoopProcessError(f"loop process failed to activate: {payload}")
+        except BaseException:  # refused, timed out, or the child died: nothing left running
             self._stop_publisher()
             self._restore_switch_interval()
-            raise LoopProcessError(f"loop process failed to activate: {payload}")
+            raise
         self.views.stats.reset_window()
         self.applied = payload
         return dict(payload)

@@ -186,7 +186,7 @@ class SharedLoopStats(LoopStats):
     """LoopStats whose counters and rings live in the segment: the loop process records, the
     node's reporter takes windows and percentiles (its window marks are its own)."""
 
-    # counters, then the three ring counts, then last_wake_ns
+    # counters, then the four ring counts (period, wake_error, step_latency, wake_time)
     _N_INTS = len(LoopStats.COUNTERS) + 4
 
     def __init__(self, period_target_s: float, ints: np.ndarray, rings: np.ndarray) -> None:
@@ -198,11 +198,13 @@ class SharedLoopStats(LoopStats):
         self.period = _SharedRing(rings[0], ints, k)
         self.wake_error = _SharedRing(rings[1], ints, k + 1)
         self.step_latency = _SharedRing(rings[2], ints, k + 2)
+        self.wake_time = _SharedRing(rings[3], ints, k + 3)
+        self.window_end_wake_ns = 0  # reader side (this view's snapshots)
         self._win_cycles = self._win_period = self._win_wake = self._win_latency = 0
         # record(): element access through memoryviews (plain stores, ~0.1 us) instead of
         # numpy scalar indexing behind properties (1.9 -> 0.6 us per cycle on the dev CPU)
         self._iv = memoryview(ints).cast("B").cast("q")
-        self._rv = [memoryview(rings[i]).cast("B").cast("d") for i in range(3)]
+        self._rv = [memoryview(rings[i]).cast("B").cast("d") for i in range(4)]
         self._cap = int(rings.shape[1])
         self._k = k
         self._ci = LoopStats.COUNTERS.index("cycles")
@@ -212,7 +214,9 @@ class SharedLoopStats(LoopStats):
         """LoopStats.record on the segment: the same stores in the same order (samples, then
         their counts, then cycles)."""
         iv, k, cap = self._iv, self._k, self._cap
-        iv[k + 3] = wake_ns  # last_wake_ns
+        c = iv[k + 3]
+        self._rv[3][c % cap] = wake_ns * 1e-9  # wake_time first (see LoopStats.record)
+        iv[k + 3] = c + 1
         c = iv[k + 1]
         self._rv[1][c % cap] = wake_error_s
         iv[k + 1] = c + 1
@@ -247,7 +251,6 @@ class SharedLoopStats(LoopStats):
 
 for _i, _name in enumerate(LoopStats.COUNTERS):
     setattr(SharedLoopStats, _name, _counter(_i))
-SharedLoopStats.last_wake_ns = _counter(len(LoopStats.COUNTERS) + 3)
 
 
 @dataclass(frozen=True)
@@ -275,7 +278,7 @@ class ShmLayout:
                 views[key].append((arena.take(_HEADER, np.int64),
                                    arena.take((2, *shape), np.float64)))
         views["stats_ints"] = arena.take(SharedLoopStats._N_INTS, np.int64)
-        views["stats_rings"] = arena.take((3, self.stats_capacity), np.float64)
+        views["stats_rings"] = arena.take((4, self.stats_capacity), np.float64)
         return views
 
     @property

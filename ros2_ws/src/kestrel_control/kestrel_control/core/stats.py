@@ -47,7 +47,7 @@ class Ring:
 def window_end_ns(node_now_ns: int, mono_now_ns: int, last_wake_ns: int) -> int:
     """Node-clock time of a window's last cycle: `node_now_ns` (node clock) and `mono_now_ns`
     (time.monotonic_ns) read back to back, `last_wake_ns` the loop's monotonic wake-up of that
-    cycle (LoopStats.last_wake_ns; 0 = none yet -> `node_now_ns`).
+    cycle (LoopStats.window_end_wake_ns after the snapshot; 0 = none -> `node_now_ns`).
 
     Why not the node clock at publication: the reporter reads the counters and then stamps the
     message; a stall in between (the executor thread preempted or waiting for the GIL) would
@@ -109,7 +109,10 @@ class LoopStats:
         self.rejected_nonfinite = 0  # cycles with NaN/inf in observation or action
         self.clamped_actions = 0  # cycles where a command was clamped to the joint limits
         self.step_errors = 0  # exceptions raised by the step function (loop kept running)
-        self.last_wake_ns = 0  # time.monotonic_ns() of the newest recorded cycle's wake-up
+        self.wake_time = Ring(capacity)  # s, time.monotonic() of each cycle's wake-up
+        # time.monotonic_ns() of the wake-up of the last cycle in the last snapshot's window
+        # (0: none): the end of that window, from the same count as its samples
+        self.window_end_wake_ns = 0
         self._win_cycles = 0
         self._win_period = 0
         self._win_wake = 0
@@ -118,8 +121,9 @@ class LoopStats:
     def record(self, wake_error_s: float, latency_s: float, period_s: float | None,
                wake_ns: int = 0) -> None:
         """One cycle (loop thread). `period_s` None on the first cycle (no previous start);
-        `wake_ns`: the cycle's wake-up, time.monotonic_ns() (0: not known)."""
-        self.last_wake_ns = wake_ns
+        `wake_ns`: the cycle's wake-up, time.monotonic_ns() (0: not known). The wake time is
+        pushed first: a cycle counted in step_latency always has its wake time."""
+        self.wake_time.push(wake_ns * 1e-9)
         self.wake_error.push(wake_error_s)
         self.step_latency.push(latency_s)
         if period_s is not None:
@@ -128,11 +132,11 @@ class LoopStats:
 
     def reset(self) -> None:
         """Zero everything (on activation). Not to be called while the loop runs."""
-        for ring in (self.period, self.wake_error, self.step_latency):
+        for ring in (self.period, self.wake_error, self.step_latency, self.wake_time):
             ring.reset()
         for name in self.COUNTERS:
             setattr(self, name, 0)
-        self.last_wake_ns = 0
+        self.window_end_wake_ns = 0
         self._win_cycles = self._win_period = self._win_wake = self._win_latency = 0
 
     def _window(self, advance: bool) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
@@ -145,7 +149,15 @@ class LoopStats:
         if advance:
             self._win_cycles = cycles
             self._win_period, self._win_wake, self._win_latency = counts
+            self.window_end_wake_ns = self._wake_ns_of(counts[2] - 1)
         return n_window, period, wake, latency
+
+    def _wake_ns_of(self, cycle: int) -> int:
+        """time.monotonic_ns() of cycle `cycle`'s wake-up (0: none, or beyond the ring)."""
+        ring = self.wake_time
+        if cycle < 0 or cycle < ring.count - ring.capacity:
+            return 0
+        return int(round(float(ring.buf[cycle % ring.capacity]) * 1e9))
 
     def snapshot(self, advance_window: bool = True) -> LoopStatsSnapshot:
         """Statistics of the window since the previous snapshot; starts a new window."""

@@ -81,7 +81,8 @@ class SensorRing:
         seq = h.item(_SEQ + idx)
         h[_SEQ + idx] = seq + 1  # odd: being written
         np.copyto(self.data[idx, :nbytes].view(array.dtype).reshape(array.shape), array)
-        fid = frame_id.encode()[:FRAME_ID_BYTES]
+        fid = frame_id.encode()[:FRAME_ID_BYTES]  # cut longer ids (at a character boundary)
+        fid = fid.decode(errors="ignore").encode()
         self.frame[idx, :len(fid)] = np.frombuffer(fid, np.uint8)
         version = h.item(_VER) + 1
         rows = int(array.shape[0])
