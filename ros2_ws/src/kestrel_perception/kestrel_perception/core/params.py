@@ -89,9 +89,9 @@ SPECS: tuple[ParamSpec, ...] = (
               min=1, max=10000),
     ParamSpec("processing", "callback", "Where a complete input set is processed: 'callback' "
               "= in the subscription callback that completed it (no thread hand-off; the "
-              "input subscriptions take no message while a set is processed, so no other "
-              "Python thread competes for the GIL), 'worker' = in a dedicated worker thread "
-              "woken by the callbacks." + _CONF, choices=("callback", "worker"),
+              "input subscriptions take no message while a set is processed, and with receive "
+              "'processes' the receiver thread waits too), 'worker' = in a dedicated worker "
+              "thread woken by the callbacks." + _CONF, choices=("callback", "worker"),
               read_only=True),
     ParamSpec("executor", "single", "The node's executor: 'single' = SingleThreadedExecutor "
               "(no thread-pool hand-off per input message; H200, 6 x 1.2 MB images + a cloud: "
