@@ -418,3 +418,45 @@ def test_receiver_processes(launch_node, probe):
     node.stop()
     assert node.group_gone(), "receiver processes outlived the node"
     assert not glob.glob(f"/dev/shm/kestrel_perception_{pid}_*")
+
+
+def test_prestaging_never_overlaps_a_frame(ros_domain):
+    """Callback processing: an input arriving from another thread (the receiver thread of
+    receive 'processes') waits for the frame being processed before it writes the staging
+    buffers that frame reads. The node in this process; the test holds the processing lock as
+    a running frame would."""
+    import threading
+
+    import rclpy
+    from rclpy.parameter import Parameter
+
+    from kestrel_perception.perception_node import PerceptionNode
+
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx, domain_id=ros_domain)
+    params = {"num_cameras": 1, "base_width": 8, "fpn_channels": 32, "torch_threads": 1,
+              "warmup_size": [W, H], "autostart": False, "gc_freeze": False}
+    node = PerceptionNode(context=ctx, parameter_overrides=[
+        Parameter(k, value=v) for k, v in params.items()])
+    try:
+        node.trigger_configure()
+        node.trigger_activate()
+        staging = node.core.staging
+        rgb = np.full((H, W, 3), 7, np.uint8)
+        node._proc_lock.acquire()  # a frame is being processed
+        t = threading.Thread(target=node._take_image,
+                             args=(0, 1, time.monotonic(), rgb, "cam0"), daemon=True)
+        try:
+            t.start()
+            t.join(0.5)  # bounded: it must still be waiting
+            assert t.is_alive() and staging._staged[0] is not rgb
+        finally:
+            node._proc_lock.release()
+        t.join(10.0)
+        assert not t.is_alive() and staging._staged[0] is rgb  # staged once the frame ended
+        np.testing.assert_array_equal(staging._img_np[0], rgb)
+    finally:
+        node.trigger_deactivate()
+        node.trigger_cleanup()
+        node.destroy_node()
+        rclpy.try_shutdown(context=ctx)

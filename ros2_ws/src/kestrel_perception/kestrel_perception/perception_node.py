@@ -92,8 +92,8 @@ HISTORY = 8  # messages kept per input stream for stamp matching
 class PerceptionNode(KestrelLifecycleNode):
     """Lifecycle shell: parameters -> PerceptionCore; topics <-> FrameSet/PerceptionOutput."""
 
-    def __init__(self) -> None:
-        super().__init__("perception", SPECS)
+    def __init__(self, **kwargs: Any) -> None:  # kwargs: rclpy Node's (context, overrides)
+        super().__init__("perception", SPECS, **kwargs)
         for name in COUNTERS:
             self.counters.inc(name, 0)
         self.core: PerceptionCore | None = None
