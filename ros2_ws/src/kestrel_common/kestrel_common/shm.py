@@ -34,6 +34,15 @@ class Arena:
 SHM_DIR = "/dev/shm"
 
 
+def unlink_segment(name: str) -> None:
+    """Remove segment `name`'s file (idempotent): its creator's cleanup, or a child process
+    that finds its creator died without it."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
 class ShmSegment:
     """A named POSIX shared-memory segment (a file in /dev/shm), mapped read-write.
 
@@ -69,7 +78,4 @@ class ShmSegment:
             pass
 
     def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_segment(self.name)

@@ -28,7 +28,7 @@ import time
 import rclpy
 from kestrel_common.base_node import SENSOR_QOS
 from kestrel_common.conversions import stamp_to_ns
-from kestrel_common.shm import ShmSegment
+from kestrel_common.shm import ShmSegment, unlink_segment
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
@@ -101,10 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if os.getppid() != args.parent_pid:  # the node is already gone: remove its segment
-        try:
-            os.unlink(f"/dev/shm/{args.shm}")
-        except FileNotFoundError:
-            pass
+        unlink_segment(args.shm)
         return 0
     layout = RingLayout.from_args(args.layout)
     seg = ShmSegment(args.shm, layout.size, create=False)

@@ -24,6 +24,8 @@ import sys
 import time
 import traceback
 
+from kestrel_common.shm import unlink_segment
+
 from kestrel_control.core.loop_process import Channel
 from kestrel_control.core.shm_control import (AUX_COMPUTE_LATENCY, CLOCK_SIM, CTRL_CLOCK_MODE,
                                               CTRL_COMMANDS, CTRL_NO_CLOCK, CTRL_SIM_TIME_NS,
@@ -69,14 +71,6 @@ class _Tick:
         if wrote:
             ctrl[CTRL_COMMANDS] += 1
             os.eventfd_write(self.efd, 1)
-
-
-def _unlink_orphan(name: str) -> None:
-    """The node died without its cleanup: remove the segment's name (idempotent)."""
-    try:
-        os.unlink(f"/dev/shm/{name}")
-    except FileNotFoundError:
-        pass
 
 
 def keep_off_loop_cpus(loop_cpus) -> str:
@@ -126,11 +120,11 @@ def serve(chan: Channel, shm_name: str, event_fd: int, parent_pid: int) -> int:
             except TimeoutError:
                 if os.getppid() != parent_pid:
                     _log("parent process is gone: exiting")
-                    _unlink_orphan(shm_name)
+                    unlink_segment(shm_name)  # the node died without its cleanup
                     return 0
                 continue
             except EOFError:  # the node closed the pipe: it died, or it is exiting
-                _unlink_orphan(shm_name)
+                unlink_segment(shm_name)  # the node died without its cleanup
                 return 0
             if kind == "activate":
                 try:
