@@ -89,6 +89,8 @@ class SharedLatestValue:
 
     # ---- writer ------------------------------------------------------------------------------
     def write(self, value: np.ndarray, stamp_ns: int = 0) -> int:
+        # the loop process's tick writes every command here: `_finish`'s stores are inlined
+        # (calling it costs 0.1 us of the ~1 us write, profile_control_tick.py)
         with self._write_lock:
             h = self._hv
             idx = 1 - h[_H_PUB]
@@ -106,8 +108,8 @@ class SharedLatestValue:
     def write_with(self, fill, stamp_ns: int = 0) -> int:
         """`fill(slot)` writes the value in place; if it raises nothing is published."""
         with self._write_lock:
-            h = self._h
-            idx = 1 - int(h[_H_PUB])
+            h = self._hv
+            idx = 1 - h[_H_PUB]
             h[_H_SEQ + idx] += 1
             try:
                 fill(self._slots[idx])
@@ -117,8 +119,9 @@ class SharedLatestValue:
             return self._finish(idx, stamp_ns)
 
     def _finish(self, idx: int, stamp_ns: int) -> int:
-        h = self._h
-        version = int(h[_H_VER]) + 1
+        """Publish slot `idx` (written, its sequence odd): stamp, version, then even again."""
+        h = self._hv
+        version = h[_H_VER] + 1
         h[_H_STAMP + idx] = int(stamp_ns)
         h[_H_SLOTVER + idx] = version
         h[_H_SEQ + idx] += 1  # even: complete
