@@ -80,6 +80,24 @@ def summary(values: list[float]) -> dict:
             "p99": float(np.percentile(a, 99)), "max": float(a.max())}
 
 
+def time_calls(fn, iters: int, warmup: int = 0):
+    """Seconds per call of `fn()` (perf_counter_ns around each call), np.ndarray [iters],
+    after `warmup` untimed calls."""
+    import time
+
+    import numpy as np
+
+    for _ in range(warmup):
+        fn()
+    times = np.empty(iters)
+    clock = time.perf_counter_ns
+    for i in range(iters):
+        a = clock()
+        fn()
+        times[i] = (clock() - a) * 1e-9
+    return times
+
+
 def pct(values: list[float], q: float) -> float:
     """The q-th percentile by nearest rank on the sorted values (one of the samples, no
     interpolation); NaN when there are none."""

@@ -155,7 +155,6 @@ def bench_steps(backends: list[str], iters: int, cache: str) -> dict:
         build_s = time.perf_counter() - t0
         js = np.zeros((2, N_JOINTS))
         tick = np.empty(iters)
-        infer = np.empty(iters)
         clock = time.perf_counter_ns
         gc.collect()
         gc.disable()
@@ -167,11 +166,7 @@ def bench_steps(backends: list[str], iters: int, cache: str) -> dict:
                 a = clock()
                 runner.step(now + 1000)
                 tick[i] = (clock() - a) * 1e-9
-            step = runner.backend.step
-            for i in range(iters):
-                a = clock()
-                step()
-                infer[i] = (clock() - a) * 1e-9
+            infer = bench_common.time_calls(runner.backend.step, iters)
         finally:
             gc.enable()
         results[name] = {"build_s": build_s, "tick_us": pct(tick), "backend_step_us": pct(infer),

@@ -51,14 +51,7 @@ def profile_backend(name: str, iters: int, cache: str) -> dict:
     runner = bc.make_runner(name, cache)
     diff = max_diff_vs_eager(runner.backend)
     step = runner.backend.step
-    for _ in range(200):
-        step()
-    times = np.empty(iters)
-    clock = time.perf_counter_ns
-    for i in range(iters):
-        a = clock()
-        step()
-        times[i] = (clock() - a) * 1e-9
+    times = bench_common.time_calls(step, iters, warmup=200)
     if name == "cuda_persistent":  # one resident kernel: nothing per step for the profiler
         runner.close()
         return {"backend_step_us": bc.pct(times), "max_abs_diff_vs_fp32_eager": diff,

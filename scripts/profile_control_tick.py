@@ -36,15 +36,7 @@ N = 12  # joints, as the reference policy's 12 actions
 
 
 def measure(fn, iters: int) -> dict:
-    for _ in range(2000):
-        fn()
-    ts = np.empty(iters)
-    clock = time.perf_counter_ns
-    for i in range(iters):
-        t = clock()
-        fn()
-        ts[i] = clock() - t
-    p = np.percentile(ts, [50, 99, 99.9]) / 1000.0
+    p = np.percentile(bc.time_calls(fn, iters, warmup=2000), [50, 99, 99.9]) * 1e6
     return {"p50_us": float(p[0]), "p99_us": float(p[1]), "p999_us": float(p[2])}
 
 
