@@ -36,6 +36,7 @@ import dataclasses
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -290,18 +291,13 @@ class PerceptionNode(KestrelLifecycleNode):
         sync = self.sync
         if not self._active or sync is None:
             return
-        if not self._inline:  # worker mode: no prestaging
+
+        def store() -> None:
             sync.add_image(cam, Stamped(stamp_ns, recv_s, (rgb, frame_id)))
-            self._wake.set()
-            return
-        # callback mode: prestaging writes the staging buffer a frame reads, so it must never
-        # overlap processing. The executor's callbacks are serialised anyway; the receiver
-        # thread (receive: processes) is not, so all of it runs under the processing lock.
-        with self._proc_lock:
-            sync.add_image(cam, Stamped(stamp_ns, recv_s, (rgb, frame_id)))
-            if self.core is not None:  # copy to pinned memory on arrival: the frame then
-                self.core.staging.prestage_image(cam, rgb)  # skips it (staging.py)
-            self._drain()
+            if self._inline and self.core is not None:  # copy to pinned memory on arrival:
+                self.core.staging.prestage_image(cam, rgb)  # the frame skips it (staging.py)
+
+        self._ready(store)
 
     def _on_info(self, cam: int, msg: CameraInfo) -> None:
         if not self._active or self.sync is None:
@@ -351,13 +347,19 @@ class PerceptionNode(KestrelLifecycleNode):
                 self.core.staging.prestage_points(xyz)
 
     # ---- processing: in the completing callback, or in the worker thread ----------------------
-    def _ready(self) -> None:
-        """A message was stored: process the newest complete set now (callback mode) or
-        wake the worker."""
+    def _ready(self, store: Callable[[], None] | None = None) -> None:
+        """A message arrived: `store()` it (synchroniser, prestaging), then process the newest
+        complete set now (callback mode) or wake the worker. In callback mode both run under
+        the processing lock: prestaging writes the staging buffers a frame reads, and the
+        receiver thread (receive: processes) is not serialised with the executor's callbacks."""
         if not self._inline:
+            if store is not None:
+                store()
             self._wake.set()
             return
         with self._proc_lock:
+            if store is not None:
+                store()
             self._drain()
 
     def _drain(self) -> None:
