@@ -20,7 +20,11 @@ only), no_maps (dets only), empty (header + timings); variants: before (ResultBu
 became parallel arrays in the commit after 106ef39), be (subscriber best effort,
 depth 10, as the planner / the node bench's sink), freeze (the subscriber gc.collect() +
 gc.freeze()s its heap before receiving, as the Kestrel nodes do after configure: the cyclic
-collections that the ~2,300 objects per result trigger then skip the old heap). JSON + table:
+collections that the ~2,300 objects per result trigger then skip the old heap), cdr (the
+node's default path since session 9: ResultBuilder.build_cdr writes the CDR bytes, published
+with publish(bytes); "build" then includes the payload join, and serialize_message is not run;
+the header stamp is taken before the build, so its publish -> callback column counts from the
+publish() call as for the others). JSON + table:
 
     python scripts/bench_result_transport.py --messages 100 \
         --out docs/benchmarks/result_transport_cpu
@@ -47,8 +51,8 @@ RESULT_MSG = "ros2_ws/src/kestrel_perception/kestrel_perception/result_msg.py"
 PAYLOADS = ("full", "no_dets", "no_maps", "empty")
 DEFAULT_CASES = ("full:msg", "full:raw", "no_dets:msg", "no_dets:raw", "no_maps:msg",
                  "no_maps:raw", "empty:msg", "empty:raw", "full:msg:be", "full:msg:freeze",
-                 "full:raw:freeze")
-VARIANTS = ("", "before", "be", "freeze")
+                 "full:raw:freeze", "full:msg:cdr", "full:raw:cdr")
+VARIANTS = ("", "before", "be", "freeze", "cdr")
 
 
 def msg_type(payload: str):  # noqa: ANN201
@@ -198,10 +202,30 @@ def run_case(args: argparse.Namespace, node, case: str, k_case: int) -> dict:  #
         deadline = time.monotonic() + 15.0
         while pub.get_subscription_count() < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        pubs = []  # (stamp ns, publish end ns, build s, publish s, serialize s, bytes)
+        # (stamp ns, publish end ns, build s, publish s, serialize s, bytes, publish start ns)
+        pubs = []
         period = 1.0 / args.rate
         t_next = time.monotonic()
         for k in range(args.skip + args.messages):
+            if variant == "cdr":  # the node's path: CDR bytes, stamped when built
+                stamp = time.time_ns()
+                t0 = time.perf_counter()
+                w = builder.build_cdr(stamp, [stamp] * args.cams, cams, outs[k % len(outs)])
+                w.timings({**outs[k % len(outs)].timings, "wait": 1e-4})
+                w.f64(0.0)
+                payload_bytes = w.payload()
+                t_build = time.perf_counter() - t0
+                t_start = time.time_ns()
+                t1 = time.perf_counter()
+                pub.publish(payload_bytes)
+                t_pub = time.perf_counter() - t1
+                t_end = time.time_ns()
+                if k >= args.skip:
+                    pubs.append((stamp, t_end, t_build, t_pub, 0.0, len(payload_bytes),
+                                 t_start))
+                t_next += period
+                time.sleep(max(0.0, t_next - time.monotonic()))  # rate control
+                continue
             t0 = time.perf_counter()
             msg = build(k, 0)
             t_build = time.perf_counter() - t0
@@ -216,7 +240,7 @@ def run_case(args: argparse.Namespace, node, case: str, k_case: int) -> dict:  #
             t_pub = time.perf_counter() - t1
             t_end = time.time_ns()
             if k >= args.skip:
-                pubs.append((stamp, t_end, t_build, t_pub, t_ser, nbytes))
+                pubs.append((stamp, t_end, t_build, t_pub, t_ser, nbytes, stamp))
             t_next += period
             time.sleep(max(0.0, t_next - time.monotonic()))  # rate control
         # drain: the subscriber stops when stdin closes; a result older than this is lost
@@ -242,7 +266,7 @@ def run_case(args: argparse.Namespace, node, case: str, k_case: int) -> dict:  #
         # publish() returned -> callback entered: DDS (+ deserialisation in mode msg)
         "delivery_ms": bc.summary([(r[1] - p[1]) * 1e-6 for p, r in matched]),
         # publish() called -> callback entered
-        "publish_to_callback_ms": bc.summary([(r[1] - p[0]) * 1e-6 for p, r in matched]),
+        "publish_to_callback_ms": bc.summary([(r[1] - p[6]) * 1e-6 for p, r in matched]),
     })
     if mode == "raw":
         res["deserialize_ms"] = bc.summary([r[2] * 1e3 for _, r in matched])
@@ -275,7 +299,7 @@ def main() -> int:
     ap.add_argument("--mode", choices=["msg", "raw"], default="msg")
     ap.add_argument("--topic", default="/bench_result_transport/result")
     ap.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES),
-                    help="payload:mode[:before|be|freeze], see the module docstring")
+                    help="payload:mode[:before|be|freeze|cdr], see the module docstring")
     ap.add_argument("--executor", choices=["single", "multi"], default="single")
     ap.add_argument("--sub-qos", choices=["reliable", "best_effort"], default="reliable")
     ap.add_argument("--gc-freeze", action="store_true", help="subscriber: gc.freeze() first")
@@ -298,7 +322,7 @@ def main() -> int:
         p = c.split(":")
         if p[0] not in PAYLOADS or p[1:2] not in (["msg"], ["raw"]) or len(p) > 3 \
                 or (p[2:] or [""])[0] not in VARIANTS:
-            ap.error(f"--cases: {c!r} is not payload:mode[:before|be|freeze]")
+            ap.error(f"--cases: {c!r} is not payload:mode[:before|be|freeze|cdr]")
 
     import rclpy
     rclpy.init()

@@ -296,6 +296,7 @@ def test_depth_16uc1_strided_output(launch_node, probe, processing):
         # the depth head is bounded by max_depth (20 m): every pixel has a value in mm
         assert mm.size == ws * hs and (mm > 0).all() and (mm <= 20_000).all()
     check_result_content_timings(r)
+    assert "results published as CDR bytes" in node.output()  # result_cdr.py, checked at configure
     assert f"processing in the {processing}, GIL switch interval 200 us" in node.output(), \
         node.output()
     assert node.alive() and "Traceback" not in node.output()
@@ -403,6 +404,9 @@ def test_receiver_processes(launch_node, probe):
     # loaded machine discards that copy and counts it, which is the designed behaviour)
     assert int(values["rx_received"]) >= 6 and "rx_torn_reads" in values
     assert int(values["rx_handler_errors"]) == 0
+    # the receivers' pools are the staging's registered buffers: inputs go straight to their
+    # device slot (no host copy in the node)
+    assert int(values["prestaged_direct"]) > 0, values
     assert "camera 0: dropped (dropped_bad_encoding)" in node.output()
     assert node.alive() and "Traceback" not in node.output()
     pid = node.proc.pid

@@ -54,6 +54,7 @@ from kestrel_common.counters import StageTimer
 from kestrel_interfaces.msg import PerceptionResult, StageTiming
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
+from rclpy.serialization import deserialize_message, serialize_message
 from sensor_msgs.msg import CameraInfo, Image, PointCloud2
 
 from kestrel_perception.core import (
@@ -75,7 +76,7 @@ from kestrel_perception.core.params import (
     validate_perception_params,
 )
 from kestrel_perception.msg_inputs import InputDrop, cloud_xyz, image_rgb
-from kestrel_perception.result_msg import ResultBuilder
+from kestrel_perception.result_msg import ResultBuilder, matches_rmw
 
 # counters shown on /diagnostics from the start (value 0)
 COUNTERS = ("processed", "dropped_bad_encoding", "dropped_bad_image", "dropped_size_mismatch",
@@ -111,6 +112,7 @@ class PerceptionNode(KestrelLifecycleNode):
         self._inline = True  # parameter processing == "callback"
         self._proc_lock = threading.Lock()  # one set at a time; cleanup waits for it
         self._builder: ResultBuilder | None = None
+        self._result_cdr = False  # publish CDR bytes (result_cdr.py), checked at configure
         self._receivers: InputReceivers | None = None  # receive == "processes"
         self._runtime: dict[str, Any] = {}
         self.add_on_set_parameters_callback(self._check_runtime_params)
@@ -134,6 +136,13 @@ class PerceptionNode(KestrelLifecycleNode):
             # +0.5 us: CPython truncates the interval to whole microseconds
             sys.setswitchinterval((p["gil_switch_interval_us"] + 0.5) * 1e-6)
         self._builder = ResultBuilder(p["frame_id"], self.core.config.class_names)
+        # results go out as CDR bytes when this encoder writes what the rmw would
+        self._result_cdr = matches_rmw(self._builder, serialize_message,
+                                       deserialize_message)
+        if not self._result_cdr:
+            self.get_logger().warning(
+                "result CDR encoder differs from the rmw's serialisation of PerceptionResult "
+                "(changed .msg or rmw?): publishing message objects (slower)")
         self.sync = FrameSynchronizer(n, p["sync_slop"], HISTORY, count=self.counters.inc)
         poses = p["camera_poses"]
         self._poses = [pose_to_matrix(poses[7 * i: 7 * i + 7]) if poses else np.eye(4)
@@ -172,8 +181,8 @@ class PerceptionNode(KestrelLifecycleNode):
             f"configured: {n} camera(s), ResNet-{m.backbone_depth} width {m.base_width}, "
             f"FPN {m.fpn_channels}, device {p['device']}, heads {sorted(self._heads())}, "
             f"inputs received by the {p['receive']}, processing in the {p['processing']}, "
-            f"GIL switch interval "
-            f"{round(sys.getswitchinterval() * 1e6)} us")
+            f"GIL switch interval {round(sys.getswitchinterval() * 1e6)} us, results published "
+            f"as {'CDR bytes' if self._result_cdr else 'message objects'}")
         return TransitionCallbackReturn.SUCCESS
 
     def _start_receivers(self, p: dict[str, Any]) -> bool:
@@ -188,7 +197,8 @@ class PerceptionNode(KestrelLifecycleNode):
             RingLayout(n, h, w, p["max_points"]), topics, self._take_image, self._take_points,
             frame_id=p["frame_id"], node_name=self.get_name(), namespace=self.get_namespace(),
             ros_args=["-p", f"use_sim_time:={'true' if use_sim else 'false'}"],
-            pool=HISTORY + 3, start_timeout_s=p["receiver_start_timeout"])
+            pool=HISTORY + 3, start_timeout_s=p["receiver_start_timeout"],
+            allocate=self.core.staging.host_buffers if self.core is not None else None)
         try:
             self._receivers.start()
         except (ReceiverError, OSError) as exc:
@@ -418,15 +428,30 @@ class PerceptionNode(KestrelLifecycleNode):
         # input_spread: first -> last message of the set received (the node's serial takes
         # and callbacks when the sensors publish in parallel)
         extra["input_spread"] = s.newest_recv_s - s.oldest_recv_s
-        msg = self._builder.build(s.stamp_ns, [img.stamp_ns for img in s.images], cams, out,
-                                  extra)
-        build = time.monotonic() - t_build
-        msg.timings.append(StageTiming(name="build", duration=build))
-        msg.latency = time.monotonic() - s.newest_recv_s
-        self._result_pub.publish(msg)
+        rx = self._receivers
+        if rx is not None and self._inline and threading.current_thread() is rx.thread:
+            # receive: processes, this set completed by the receiver thread: receipt in the
+            # receiver -> hand-over started here (ring write, wake-up, earlier messages), and
+            # the copy of the completing message out of its ring
+            extra["rx_handoff"] = rx.handing_over_since - s.newest_recv_s
+            extra["rx_read"] = rx.read_s
+        stamps = [img.stamp_ns for img in s.images]
+        if self._result_cdr:  # CDR bytes: one copy of the maps (result_cdr.py)
+            w = self._builder.build_cdr(s.stamp_ns, stamps, cams, out)
+            build = time.monotonic() - t_build
+            w.timings({**out.timings, **extra, "build": build})
+            latency = time.monotonic() - s.newest_recv_s  # (the payload join follows)
+            w.f64(latency)
+            self._result_pub.publish(w.payload())
+        else:
+            msg = self._builder.build(s.stamp_ns, stamps, cams, out, extra)
+            build = time.monotonic() - t_build
+            msg.timings.append(StageTiming(name="build", duration=build))
+            msg.latency = latency = time.monotonic() - s.newest_recv_s
+            self._result_pub.publish(msg)
         for name, dt in {**out.timings, **extra, "build": build}.items():
             self.timer.add(name, dt)
-        self.timer.add("total", msg.latency)
+        self.timer.add("total", latency)
         self.counters.inc("processed")
         if self._debug_pub is not None:
             # (receive: processes: the images are pool buffers, reused after `pool` newer
@@ -445,6 +470,9 @@ class PerceptionNode(KestrelLifecycleNode):
             values["region_graphs_failed"] = len(graphs.failed)
         if self.core is not None:  # inputs copied on arrival and used by their frame
             values["prestaged_inputs"] = self.core.staging.prestaged_used
+            # of those, straight from the receivers' pinned pools (receive: processes)
+            values["prestaged_direct"] = self.core.staging.prestaged_direct
+        values["result_cdr"] = float(self._result_cdr)  # 1: results published as CDR bytes
         if self._receivers is not None:  # receive == "processes": drops in the receivers
             for name, n in self._receivers.counters().items():  # add to the node's own
                 values[name] = n + (self.counters.get(name) if name.startswith("dropped_")

@@ -20,6 +20,7 @@ from kestrel_models.perception import PositionSource
 from sensor_msgs.msg import Image
 
 from kestrel_perception.core import CameraModel, PerceptionOutput
+from kestrel_perception.result_cdr import CdrWriter
 
 # nominal (not calibrated) 1-sigma position uncertainty (position_variance = sigma^2), m
 POSITION_STD_LIDAR = 0.05
@@ -64,6 +65,25 @@ class ResultBuilder:
         self._masks: list[Image] = []
         self._depths: list[Image] = []
 
+    def detection_fields(self, cams: list[CameraModel], out: PerceptionOutput
+                         ) -> dict[str, np.ndarray] | None:
+        """The parallel detection arrays of the message, by field name (None: no detections).
+        bbox [D,4] px centre/size, position [D,3] m, position_variance [D] m^2."""
+        a = out.detection_arrays()
+        if not len(a):
+            return None
+        src, cam = a.position_source, a.camera_index  # [D] uint8, [D] uint32
+        pos = a.position  # [D,3] m, NaN rows where NONE
+        cam_pos = np.stack([c.T_base_from_cam[:3, 3] for c in cams])[cam]  # [D,3] m
+        std = np.where(src == int(PositionSource.LIDAR), POSITION_STD_LIDAR,
+                       POSITION_STD_DEPTH_REL * np.linalg.norm(pos - cam_pos, axis=1))
+        std[src == int(PositionSource.NONE)] = np.nan
+        boxes = a.box_xyxy  # [D,4] px
+        return {"camera_index": cam, "class_index": a.class_index, "score": a.score,
+                "bbox": np.concatenate([(boxes[:, :2] + boxes[:, 2:]) * 0.5,
+                                        boxes[:, 2:] - boxes[:, :2]], axis=1),
+                "position_source": src, "position": pos, "position_variance": std * std}
+
     def build(self, stamp_ns: int, image_stamps_ns: list[int], cams: list[CameraModel],
               out: PerceptionOutput, extra_timings: dict[str, float] | None = None
               ) -> PerceptionResult:
@@ -75,23 +95,10 @@ class ResultBuilder:
         res.image_stamps = [Time(sec=int(st) // 1_000_000_000, nanosec=int(st) % 1_000_000_000)
                             for st in image_stamps_ns]
         res.camera_frame_ids = [cam.frame_id for cam in cams]
-        a = out.detection_arrays()
-        if len(a):
-            src, cam = a.position_source, a.camera_index  # [D] uint8, [D] uint32
-            pos = a.position  # [D,3] m, NaN rows where NONE
-            cam_pos = np.stack([c.T_base_from_cam[:3, 3] for c in cams])[cam]  # [D,3] m
-            std = np.where(src == int(PositionSource.LIDAR), POSITION_STD_LIDAR,
-                           POSITION_STD_DEPTH_REL * np.linalg.norm(pos - cam_pos, axis=1))
-            std[src == int(PositionSource.NONE)] = np.nan
-            boxes = a.box_xyxy  # [D,4] px
-            res.camera_index = _array("I", cam)
-            res.class_index = _array("H", a.class_index)
-            res.score = _array("f", a.score)
-            res.bbox = _array("f", np.concatenate([(boxes[:, :2] + boxes[:, 2:]) * 0.5,
-                                                   boxes[:, 2:] - boxes[:, :2]], axis=1))
-            res.position_source = _array("B", src)
-            res.position = _array("d", pos)
-            res.position_variance = _array("d", std * std)
+        fields = self.detection_fields(cams, out)
+        if fields is not None:
+            for name, typecode in _TYPECODES.items():
+                setattr(res, name, _array(typecode, fields[name]))
         headers = [make_header(st, cam.frame_id)
                    for st, cam in zip(image_stamps_ns, cams, strict=True)]
         while len(self._masks) < len(out.masks):
@@ -106,3 +113,63 @@ class ResultBuilder:
         res.timings = [StageTiming(name=k, duration=float(v)) for k, v in timings.items()]
         return res
 
+    def build_cdr(self, stamp_ns: int, image_stamps_ns: list[int], cams: list[CameraModel],
+                  out: PerceptionOutput) -> CdrWriter:
+        """The same result as `build` written as CDR (result_cdr.py) up to and including the
+        depths; the caller appends `timings(...)` and `f64(latency)`, then takes `payload()`.
+        The arrays are referenced, not copied, until payload()."""
+        w = CdrWriter()
+        w.header(stamp_ns, self.frame_id)
+        w.strings(self.class_names)
+        w.u32(len(image_stamps_ns))
+        for st in image_stamps_ns:
+            w.time(st)
+        w.strings([cam.frame_id for cam in cams])
+        fields = self.detection_fields(cams, out)
+        for name, dtype in _CDR_DTYPES.items():
+            w.array(fields[name] if fields is not None else _EMPTY, dtype)
+        for maps, encoding in ((out.masks, "mono8"), (out.depths, out.depth_encoding)):
+            w.u32(len(maps))
+            for i, m in enumerate(maps):  # camera i's map (none without the head)
+                w.image(image_stamps_ns[i], cams[i].frame_id, m, encoding)
+        return w
+
+
+# the detection arrays: array.array typecodes (message objects) and CDR dtypes, in .msg order
+_TYPECODES = {"camera_index": "I", "class_index": "H", "score": "f", "bbox": "f",
+              "position_source": "B", "position": "d", "position_variance": "d"}
+_CDR_DTYPES = {"camera_index": "<u4", "class_index": "<u2", "score": "<f4", "bbox": "<f4",
+               "position_source": "u1", "position": "<f8", "position_variance": "<f8"}
+_EMPTY = np.zeros(0)
+
+
+def matches_rmw(builder: ResultBuilder, serialize, deserialize) -> bool:
+    """Whether `build_cdr` writes what the rmw's serialiser (`serialize`, e.g.
+    rclpy.serialization.serialize_message) makes of `build` for a sample result with
+    detections, masks, 16UC1 depths, non-ASCII frame ids and timings (same bytes outside the
+    padding), and `deserialize(payload, PerceptionResult)` gives back the same message."""
+    from kestrel_perception.core import Detection
+    K = np.array([[100.0, 0.0, 32.0], [0.0, 100.0, 24.0], [0.0, 0.0, 1.0]])
+    T = np.eye(4)
+    T[:3, 3] = (1.0, -2.0, 0.5)
+    cams = [CameraModel(K, 64, 48, "cam_0"), CameraModel(K, 64, 48, "kamera_ü", T)]
+    dets = [Detection(0, 1, builder.class_names[min(1, len(builder.class_names) - 1)], 0.75,
+                      np.array([1, 2, 30, 40], np.float32), np.array([0.5, 0.0, 3.0]),
+                      PositionSource.LIDAR),
+            Detection(1, 0, builder.class_names[0], 0.5, np.array([0, 0, 9, 7], np.float32),
+                      np.array([1.0, 2.0, 9.5]), PositionSource.PREDICTED_DEPTH)]  # no NaN:
+    # the round trip compares with ==
+    rng = np.random.default_rng(0)
+    masks = [rng.integers(0, 3, (5, 7), dtype=np.uint8) for _ in cams]
+    depths = [rng.integers(0, 60000, (5, 7), dtype=np.uint16) for _ in cams]
+    out = PerceptionOutput(123_456_789_012, dets, masks, depths, {"model": 0.25},
+                           depth_encoding="16UC1", output_stride=1)
+    stamps = [123_456_789_012, 123_456_789_999]
+    timings = {"model": 0.25, "build": 1e-3}
+    msg = builder.build(123_456_789_012, stamps, cams, out, {"build": 1e-3})
+    msg.latency = 0.0125
+    w = builder.build_cdr(123_456_789_012, stamps, cams, out)
+    w.timings(timings)
+    w.f64(0.0125)
+    payload = w.payload()
+    return w.same_as(bytes(serialize(msg))) and deserialize(payload, PerceptionResult) == msg

@@ -170,3 +170,90 @@ def test_core_results_equal_with_prestaged_inputs(core: PerceptionCore) -> None:
         assert x.score == y.score
     for m, r in zip(out.masks, ref.masks, strict=True):
         np.testing.assert_array_equal(m, r)
+
+
+def _from_buffers(st: InputStaging, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """Each array copied into a registered host buffer (as the input receivers' pools are
+    filled) and returned as the same kind of view the receivers hand over."""
+    out = []
+    for a in arrays:
+        buf = st.host_buffers(1, a.nbytes + 64)[0]
+        buf[:a.nbytes] = a.reshape(-1).view(np.uint8)
+        out.append(buf[:a.nbytes].view(a.dtype).reshape(a.shape))
+    return out
+
+
+def test_registered_buffers_are_prestaged_into_the_device_slot() -> None:
+    """Inputs that are views of host_buffers() go straight to the device slot on pre-staging
+    (on the CPU the device slot is the host slot); the frame then copies nothing for them and
+    still copies every other array. A strided view of such a buffer takes the host path."""
+    st = InputStaging(torch.device("cpu"), (64, 256))
+    st.configure_images(2, (4, 6))
+    rng = np.random.default_rng(1)
+    a, b, c = (rng.integers(0, 256, (4, 6, 3), dtype=np.uint8) for _ in range(3))
+    ra, rb = _from_buffers(st, [a, b])
+    assert st._registered_source(ra) is not None
+    assert st._registered_source(ra[:, :, ::-1]) is None  # not C-contiguous
+    assert st._registered_source(a) is None  # not from a registered buffer
+    assert st.prestage_image(0, ra) and st.prestage_image(1, rb)
+    assert st._dev_staged[0] is ra and st._staged[0] is None  # not through the host slot
+    out = st.images([ra, c])  # camera 1's frame image is c: copied
+    assert st.prestaged_used == 1
+    np.testing.assert_array_equal(out[0].permute(1, 2, 0).numpy(), a)
+    np.testing.assert_array_equal(out[1].permute(1, 2, 0).numpy(), c)
+    assert st._dev_staged == [None, None]  # consumed
+    pts = np.arange(100 * 3, dtype=np.float32).reshape(100, 3)
+    (rp,) = _from_buffers(st, [pts])
+    assert st.prestage_points(rp) and st._dev_staged_pts is rp
+    s = st.points(rp)
+    assert st.prestaged_used == 2 and (s.rows_in, s.pad, s.host_dropped) == (100, 156, None)
+    assert st.prestaged_direct == 2
+    np.testing.assert_array_equal(s.points[:100].numpy(), pts)
+    assert np.isnan(s.points[100:].numpy()).all()
+    assert st.prestage_points(rp)
+    other = st.points(pts + 1.0)  # a different cloud: the host path, same result layout
+    np.testing.assert_array_equal(other.points[:100].numpy(), pts + 1.0)
+    assert st.prestaged_used == 2
+
+
+def test_core_results_equal_with_inputs_from_registered_buffers(core: PerceptionCore) -> None:
+    """The node's `receive: processes` path: inputs in the staging's own host buffers,
+    pre-staged as they arrive, give the same output as the frame copied at frame time."""
+    fs = frames(points=wall_points(3.0, step=0.05))
+    ref = core.process(fs)
+    imgs = _from_buffers(core.staging, fs.images)
+    (pts,) = _from_buffers(core.staging, [fs.points])
+    for i, img in enumerate(imgs):
+        assert core.staging.prestage_image(i, img)
+    assert core.staging.prestage_points(pts)
+    out = core.process(type(fs)(fs.stamp_ns, imgs, fs.cameras, pts))
+    assert len(out.detections) == len(ref.detections) > 0
+    for x, y in zip(out.detections, ref.detections, strict=True):
+        np.testing.assert_array_equal(x.box_xyxy, y.box_xyxy)
+    for m, r in zip(out.masks + out.depths, ref.masks + ref.depths, strict=True):
+        np.testing.assert_array_equal(m, r)
+
+
+@pytest.mark.gpu
+def test_registered_buffers_on_cuda_skip_the_host_slot() -> None:
+    """CUDA: pinned registered buffers are copied to the device on the copy stream, the host
+    slot is never written, and the frame's stream waits for the copies."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (CI has none)")
+    st = InputStaging(torch.device("cuda"), (64, 256))
+    st.configure_images(2, (4, 6))
+    st._img_np[...] = 7  # sentinel: must survive
+    rng = np.random.default_rng(2)
+    a, b = (rng.integers(0, 256, (4, 6, 3), dtype=np.uint8) for _ in range(2))
+    ra, rb = _from_buffers(st, [a, b])
+    assert st._registered_source(ra).is_pinned()
+    assert st.prestage_image(0, ra) and st.prestage_image(1, rb)
+    out = st.images([ra, rb]).permute(0, 2, 3, 1).cpu().numpy()
+    np.testing.assert_array_equal(out, np.stack([a, b]))
+    assert (st._img_np == 7).all() and st.prestaged_used == 2
+    pts = rng.normal(size=(100, 3)).astype(np.float32)
+    (rp,) = _from_buffers(st, [pts])
+    assert st.prestage_points(rp)
+    s = st.points(rp).points.cpu().numpy()
+    np.testing.assert_array_equal(s[:100], pts)
+    assert np.isnan(s[100:]).all()

@@ -119,3 +119,65 @@ def test_arrays_and_list_give_the_same_message_and_round_trip() -> None:
         assert (a.position is None) == (b.position is None)
         if a.position is not None:
             np.testing.assert_array_equal(a.position, b.position)
+
+
+def _cdr(b: ResultBuilder, stamps: list[int], out: PerceptionOutput, timings: dict,
+         latency: float):
+    w = b.build_cdr(stamps[0], stamps, cams(), out)
+    w.timings({**out.timings, **timings})
+    w.f64(latency)
+    return w
+
+
+@pytest.mark.parametrize("case", ["full", "no_detections", "no_maps", "float_depth",
+                                  "one_map", "unicode"])
+def test_cdr_payload_equals_the_rmw_serialisation(case: str) -> None:
+    """build_cdr + timings + latency is byte for byte the rmw's serialisation of build()
+    (outside the padding the rmw leaves uninitialised), and deserialises to the same message."""
+    from rclpy.serialization import deserialize_message, serialize_message
+
+    out = output(0.0)
+    frame = "world"
+    if case == "no_detections":
+        out.detections = []
+    elif case == "no_maps":
+        out = output(0.0, n_maps=0)
+    elif case == "float_depth":
+        out.depths = [np.full((5, 3), 1.5 + i, np.float32) for i in range(2)]
+        out.depth_encoding = "32FC1"
+    elif case == "one_map":
+        out.depths = out.depths[:1]
+    elif case == "unicode":
+        frame = "wörld_ø"
+    b = ResultBuilder(frame, CLASSES)
+    stamps = [5_000_000_123, 5_000_000_456]
+    msg = b.build(stamps[0], stamps, cams(), out, {"wait": 0.001})
+    msg.latency = 0.0123
+    w = _cdr(b, stamps, out, {"wait": 0.001}, 0.0123)
+    payload = w.payload()
+    assert w.same_as(bytes(serialize_message(msg)))
+    back = deserialize_message(payload, PerceptionResult)
+    assert back.header.frame_id == frame and back.latency == 0.0123
+    assert [t.name for t in back.timings] == ["model", "wait"]
+    for k, v in detection_arrays(back).items():
+        np.testing.assert_array_equal(v, detection_arrays(msg)[k])
+    assert [bytes(m.data) for m in back.depths] == [bytes(m.data) for m in msg.depths]
+    assert [bytes(m.data) for m in back.masks] == [bytes(m.data) for m in msg.masks]
+
+
+def test_cdr_check_detects_a_different_serialisation() -> None:
+    """matches_rmw (the node's configure-time check) is False when the serialiser writes
+    anything else, e.g. another field layout; then the node publishes message objects."""
+    from rclpy.serialization import deserialize_message, serialize_message
+
+    from kestrel_perception.result_msg import matches_rmw
+
+    b = ResultBuilder("world", CLASSES)
+    assert matches_rmw(b, serialize_message, deserialize_message)
+    short = lambda m: bytes(serialize_message(m))[:-40]  # noqa: E731
+    assert not matches_rmw(b, short, deserialize_message)
+    flipped = lambda m: (lambda s: s[:40] + bytes([s[40] ^ 1]) + s[41:])(  # noqa: E731
+        bytes(serialize_message(m)))
+    assert not matches_rmw(b, flipped, deserialize_message)
+    # a payload the subscribers would read differently fails the round trip
+    assert not matches_rmw(b, serialize_message, lambda p, t: PerceptionResult())

@@ -46,7 +46,8 @@ class InputReceivers:
                  on_points: Callable[[int, float, np.ndarray], None], *, frame_id: str,
                  node_name: str, namespace: str = "/", ros_args: Sequence[str] = (),
                  pool: int = 11, start_timeout_s: float = 60.0,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable,
+                 allocate: Callable[[int, int], list[np.ndarray]] | None = None) -> None:
         if len(topics) != layout.num_sensors:
             raise ValueError(f"parameter 'topics' = {len(topics)} topics: expected "
                              f"{layout.num_sensors} (cameras, then the cloud)")
@@ -56,13 +57,19 @@ class InputReceivers:
         self.on_image, self.on_points = on_image, on_points
         self.frame_id, self.node_name, self.namespace = frame_id, node_name, namespace
         self.ros_args, self.start_timeout_s, self.python = list(ros_args), start_timeout_s, python
-        # per sensor: `pool` flat uint8 buffers of one ring slot each (allocated here, once)
-        self._pools = [[np.empty(layout.slot_bytes(s), np.uint8) for _ in range(pool)]
-                       for s in range(layout.num_sensors)]
+        # per sensor: `pool` flat uint8 buffers of one ring slot each (allocated here, once);
+        # allocate(count, bytes) -> buffers: the node passes InputStaging.host_buffers (pinned
+        # on CUDA, so its pre-staging copies them straight to the device)
+        alloc = allocate or (lambda n, b: [np.empty(b, np.uint8) for _ in range(n)])
+        self._pools = [alloc(pool, layout.slot_bytes(s)) for s in range(layout.num_sensors)]
         self._next = [0] * layout.num_sensors
         self._last = [0] * layout.num_sensors  # last version read per ring
         self.overwritten = 0  # messages replaced in a ring before the thread read them
         self.delivered = 0
+        # time.monotonic() when the thread started handing over its current message: the node
+        # reports (this - receipt in the receiver) = the hand-over delay (`rx_handoff`)
+        self.handing_over_since = 0.0
+        self.read_s = 0.0  # duration of the last copy out of a ring (`rx_read`)
         self.handler_errors = 0
         self.last_error = ""
         self.shm: ShmSegment | None = None
@@ -156,6 +163,11 @@ class InputReceivers:
             self.shm.close()
         atexit.unregister(self.close)
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The reader thread (it runs the node's handlers)."""
+        return self._thread
+
     # ---- diagnostics -------------------------------------------------------------------------
     def exited(self) -> list[str]:
         """Topics whose receiver process is gone (it crashed or was killed): their inputs no
@@ -197,13 +209,16 @@ class InputReceivers:
             if version == self._last[s]:
                 continue
             buf = self._pools[s][self._next[s]]
+            t_read = time.monotonic()
             item = ring.read_into(buf)
+            self.read_s = time.monotonic() - t_read  # the copy out of the ring
             if item is None or item.version == self._last[s]:
                 continue
             self.overwritten += max(0, item.version - self._last[s] - 1)
             self._last[s] = item.version
             self._next[s] = (self._next[s] + 1) % len(self._pools[s])
             recv_s = item.recv_ns * 1e-9  # time.monotonic() scale
+            self.handing_over_since = time.monotonic()
             try:
                 if s < cams:
                     rgb = buf[:item.nbytes].reshape(item.rows, item.cols, 3)

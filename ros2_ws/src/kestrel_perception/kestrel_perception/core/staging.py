@@ -13,6 +13,12 @@ Pre-staging (`prestage_image` / `prestage_points`): a caller that gets the input
 the copies overlap the arrival of the set's other messages instead of following the last one.
 Only for callers that never pre-stage while the device may still read the slots (the node's
 callback processing: each frame ends with a sync before the next callback runs).
+
+Host buffers of the caller (`host_buffers`): preallocated host memory (pinned on CUDA) that a
+caller fills itself (the input receivers' pools, `receive: processes`). An input pre-staged from
+such a buffer skips the host copy too: it goes straight to its device slot (one non_blocking
+host->device copy on the staging's copy stream, which the frame's stream waits for). On the CPU
+the device slot is the host slot, so the same path is one copy, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from kestrel_models.perception.lidar import bucket_size
 # camera matrices packed in one float64 buffer: name -> per-camera shape
 CAMERA_FIELDS: tuple[tuple[str, tuple[int, int]], ...] = (
     ("T_cam_from_base", (4, 4)), ("K", (3, 3)), ("K_inv", (3, 3)), ("T_base_from_cam", (4, 4)))
+# numpy dtype.str -> torch dtype of the inputs that can come from registered host buffers
+_TORCH_DTYPES = {"|u1": torch.uint8, "<f4": torch.float32}
 
 
 @dataclass
@@ -63,7 +71,15 @@ class InputStaging:
         self._img_dev: torch.Tensor | None = None
         self._staged: list[np.ndarray | None] = []  # per camera: the array now in its slot
         self._staged_pts: np.ndarray | None = None  # the cloud now in the points buffer
+        # data pointer -> (flat uint8 tensor, bytes) of each buffer from host_buffers()
+        self._registered: dict[int, tuple[torch.Tensor, int]] = {}
+        self._owners: list[torch.Tensor] = []
+        self._dev_staged: list[np.ndarray | None] = []  # per camera: array in its device slot
+        self._dev_staged_pts: np.ndarray | None = None  # cloud in the device points buffer
+        self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._pending_copies = False  # copies on _copy_stream the next frame must wait for
         self.prestaged_used = 0  # copies skipped at frame time (pre-staged inputs used)
+        self.prestaged_direct = 0  # of those, from registered buffers (no host copy at all)
         self._cam_count = -1
         self.configure_cameras(1)
 
@@ -76,9 +92,47 @@ class InputStaging:
         self._img_host = torch.empty(shape, dtype=torch.uint8, pin_memory=self.cuda)
         self._img_np = self._img_host.numpy()
         self._staged = [None] * cameras
+        self._dev_staged = [None] * cameras
         # NHWC memory seen as NCHW = channels_last [C,3,H,W]
-        self._img_dev = (torch.empty(shape, dtype=torch.uint8, device=self.device)
-                         if self.cuda else self._img_host).permute(0, 3, 1, 2)
+        self._img_dev_nhwc = (torch.empty(shape, dtype=torch.uint8, device=self.device)
+                              if self.cuda else self._img_host)
+        self._img_dev = self._img_dev_nhwc.permute(0, 3, 1, 2)
+
+    def host_buffers(self, count: int, nbytes: int) -> list[np.ndarray]:
+        """`count` flat uint8 host buffers of `nbytes` each (one pinned allocation on CUDA),
+        registered: an image or cloud that is a C-contiguous view from the start of one of them
+        is pre-staged straight into its device slot (module docstring). Allocate at configure."""
+        owner = torch.empty((count, nbytes), dtype=torch.uint8, pin_memory=self.cuda)
+        self._owners.append(owner)
+        out = []
+        for i in range(count):
+            arr = owner[i].numpy()
+            self._registered[arr.ctypes.data] = (owner[i], nbytes)
+            out.append(arr)
+        return out
+
+    def _registered_source(self, arr: np.ndarray) -> torch.Tensor | None:
+        """`arr` as a tensor on its registered host buffer (same memory), or None."""
+        reg = self._registered.get(arr.ctypes.data) if arr.flags.c_contiguous else None
+        if reg is None or arr.nbytes > reg[1]:
+            return None
+        dtype = _TORCH_DTYPES.get(arr.dtype.str)
+        return None if dtype is None else reg[0][:arr.nbytes].view(dtype).view(arr.shape)
+
+    def _device_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst (device slot) <- src (registered host memory): async on the copy stream."""
+        if self._copy_stream is None:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self._copy_stream):
+            dst.copy_(src, non_blocking=True)
+        self._pending_copies = True
+
+    def _join_copies(self) -> None:
+        """The frame's stream waits for the pre-staging copies (no host sync)."""
+        if self._pending_copies and self._copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            self._pending_copies = False
 
     def configure_cameras(self, cameras: int) -> None:
         if cameras == self._cam_count:
@@ -102,15 +156,24 @@ class InputStaging:
         device (channels_last memory): one copy each into the host buffer, one H2D copy."""
         self.configure_images(len(images), images[0].shape[:2])
         assert self._img_np is not None and self._img_dev is not None
+        on_device = [self._dev_staged[i] is img for i, img in enumerate(images)]
         for i, img in enumerate(images):
-            if self._staged[i] is img:  # copied on arrival (prestage_image)
+            if on_device[i] or self._staged[i] is img:  # copied on arrival (prestage_image)
                 self.prestaged_used += 1
+                self.prestaged_direct += on_device[i]
             else:
                 self._img_np[i] = img
         self._staged = [None] * len(images)  # consumed: the next frame stages again
+        self._dev_staged = [None] * len(images)
+        self._join_copies()
         if self.cuda:
             assert self._img_host is not None
-            self._img_dev.copy_(self._img_host.permute(0, 3, 1, 2), non_blocking=True)
+            if not any(on_device):  # one copy of all cameras
+                self._img_dev_nhwc.copy_(self._img_host, non_blocking=True)
+            else:  # only the cameras not already in their device slot
+                for i, done in enumerate(on_device):
+                    if not done:
+                        self._img_dev_nhwc[i].copy_(self._img_host[i], non_blocking=True)
         return self._img_dev
 
     def prestage_image(self, cam: int, img: np.ndarray) -> bool:
@@ -121,7 +184,12 @@ class InputStaging:
         if buf is None or not 0 <= cam < buf.shape[0] or img.dtype != np.uint8 or \
                 img.shape != buf.shape[1:]:
             return False
-        self._staged[cam] = None  # never trusted half-written
+        self._staged[cam] = self._dev_staged[cam] = None  # never trusted half-written
+        src = self._registered_source(img)
+        if src is not None:  # a registered buffer: straight into the device slot
+            self._device_copy(self._img_dev_nhwc[cam], src)
+            self._dev_staged[cam] = img
+            return True
         buf[cam] = img
         self._staged[cam] = img
         return True
@@ -131,9 +199,20 @@ class InputStaging:
         to its bucket; `points()` skips the copy for the same array object. False (nothing
         staged) for empty or larger clouds (the frame path handles them)."""
         n = int(pts.shape[0]) if pts.ndim == 2 and pts.shape[1] == 3 else 0
-        self._staged_pts = None
+        self._staged_pts = self._dev_staged_pts = None
         if n == 0 or n > self.buckets[-1]:
             return False
+        src = self._registered_source(pts) if pts.dtype == np.float32 else None
+        if src is not None:  # a registered buffer: straight into the device buffer
+            nb = bucket_size(n, self.buckets)
+            self._device_copy(self._pts_dev[:n], src)
+            if self._copy_stream is None:
+                self._pts_dev[n:nb] = float("nan")
+            else:
+                with torch.cuda.stream(self._copy_stream):
+                    self._pts_dev[n:nb].fill_(float("nan"))
+            self._dev_staged_pts = pts
+            return True
         self._fill_points(pts)
         self._staged_pts = pts
         return True
@@ -170,6 +249,13 @@ class InputStaging:
         n = int(pts.shape[0])
         nmax = self.buckets[-1]
         staged, self._staged_pts = self._staged_pts, None  # consumed either way
+        on_device, self._dev_staged_pts = self._dev_staged_pts is pts, None
+        self._join_copies()
+        if on_device and n <= nmax:  # in the device buffer already (registered source)
+            self.prestaged_used += 1
+            self.prestaged_direct += 1
+            nb = bucket_size(n, self.buckets)
+            return StagedPoints(self._pts_dev[:nb], n, nb - n, None, 0)
         if n <= nmax:
             if staged is pts:  # copied on arrival (prestage_points)
                 self.prestaged_used += 1
