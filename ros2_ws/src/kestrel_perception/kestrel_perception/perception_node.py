@@ -428,12 +428,13 @@ class PerceptionNode(KestrelLifecycleNode):
         # input_spread: first -> last message of the set received (the node's serial takes
         # and callbacks when the sensors publish in parallel)
         extra["input_spread"] = s.newest_recv_s - s.oldest_recv_s
-        k = self._receivers.current_sensor() if self._receivers is not None else None
-        if k is not None and self._inline:  # receive: processes, the set completed by sensor
-            # k's reader thread: receipt in the receiver -> hand-over started here (ring
-            # write, wake-up, copy), and that copy out of the ring
-            extra["rx_handoff"] = self._receivers.handing_over_since[k] - s.newest_recv_s
-            extra["rx_read"] = self._receivers.read_s[k]
+        rx = self._receivers
+        if rx is not None and self._inline and threading.current_thread() is rx.thread:
+            # receive: processes, this set completed by the receiver thread: receipt in the
+            # receiver -> hand-over started here (ring write, wake-up, earlier messages), and
+            # the copy of the completing message out of its ring
+            extra["rx_handoff"] = rx.handing_over_since - s.newest_recv_s
+            extra["rx_read"] = rx.read_s
         stamps = [img.stamp_ns for img in s.images]
         if self._result_cdr:  # CDR bytes: one copy of the maps (result_cdr.py)
             w = self._builder.build_cdr(s.stamp_ns, stamps, cams, out)

@@ -97,44 +97,6 @@ def test_receivers_hand_over_newest_count_overwritten_and_rotate_the_pool(segmen
     rx.rings = []
 
 
-def test_each_sensor_has_its_own_reader_thread(segment) -> None:
-    """A handler busy with camera 0 (e.g. the frame it completed being processed, or its copy)
-    does not hold back camera 1's message: each sensor's eventfd wakes its own thread, which
-    the node can identify (current_sensor) for its rx_handoff timing."""
-    import threading
-
-    busy, seen = threading.Event(), {}
-    release = threading.Event()
-
-    def on_image(cam, st, rs, rgb, fid) -> None:
-        seen[cam] = rx.current_sensor()
-        if cam == 0:
-            busy.set()
-            release.wait(10.0)  # bounded
-
-    rx = InputReceivers(LAYOUT, ["/a", "/b", "/c"], on_image, lambda *a: None,
-                        frame_id="world", node_name="t", pool=3)
-    rx.rings = LAYOUT.rings(segment.buf)
-    rx._efds = [os.eventfd(0, os.EFD_CLOEXEC) for _ in range(3)]
-    rx._start_threads()
-    try:
-        img = np.zeros((6, 8, 3), np.uint8)
-        rx.rings[0].write(img, 1, 0, "rgb8", "cam0")
-        os.eventfd_write(rx._efds[0], 1)
-        assert busy.wait(5.0)  # camera 0's thread is now inside its handler
-        rx.rings[1].write(img, 1, 0, "rgb8", "cam1")
-        os.eventfd_write(rx._efds[1], 1)
-        deadline = time.monotonic() + 5.0
-        while 1 not in seen and time.monotonic() < deadline:
-            time.sleep(0.01)  # polling the condition, bounded
-        assert seen.get(1) == 1, "camera 1 waited for camera 0's handler"
-        assert rx.current_sensor() is None  # this thread is not a reader thread
-    finally:
-        release.set()
-        rx.close(timeout_s=5.0)
-    assert seen == {0: 0, 1: 1} and rx.delivered == 2
-
-
 WRITER = textwrap.dedent("""
     import sys, time
     import numpy as np

@@ -3,17 +3,14 @@
 `InputReceivers.start()` creates the rings' segment (input_rings.RingLayout), starts one
 `python -m kestrel_perception.perception_receiver_node` per camera image topic and one for the
 cloud (each subscribes to its topic and writes every usable message into its ring), and waits
-(bounded) until all of them have subscribed. Then one thread per sensor sleeps on the eventfd
-that sensor's receiver writes after each message; woken, it copies the newest message of its
-ring into the next buffer of that sensor's pool (preallocated; a buffer is reused only after
-`pool` newer messages of its sensor, more than the node's synchroniser keeps) and calls
+(bounded) until all of them have subscribed. A thread then sleeps on the eventfd the receivers
+write after each message; woken, it copies the newest message of every ring that has one into
+the next buffer of that sensor's pool (preallocated; a buffer is reused only after `pool`
+newer messages of its sensor, more than the node's synchroniser keeps) and calls
 `on_image(cam, stamp_ns, recv_s, rgb [H,W,3] uint8, frame_id)` or
 `on_points(stamp_ns, recv_s, xyz [N,3] float32)`: the node's own handlers, as its
 subscription callbacks would. Messages overwritten in a ring before the thread got to them are
-counted (`overwritten`, newest wins). One thread per sensor, not one for all: the copies out of
-the rings release the GIL, so the sensors' copies overlap; with one thread the set's last
-message waited for the copies of the messages before it (rx_handoff 2.0 ms p50 for 6 cameras +
-the cloud on the H200 machine). `close()` ends the children through their stdin (bounded,
+counted (`overwritten`, newest wins). `close()` ends the children through their stdin (bounded,
 then kill) and unlinks the segment; it also runs at interpreter exit.
 """
 
@@ -67,23 +64,20 @@ class InputReceivers:
         self._pools = [alloc(pool, layout.slot_bytes(s)) for s in range(layout.num_sensors)]
         self._next = [0] * layout.num_sensors
         self._last = [0] * layout.num_sensors  # last version read per ring
-        n = layout.num_sensors
-        self._overwritten = [0] * n  # per sensor: messages replaced before they were read
-        self._delivered = [0] * n
-        # per sensor: time.monotonic() when its thread started handing over its current
-        # message (the node reports this - receipt in the receiver = `rx_handoff`), and the
-        # duration of that message's copy out of the ring (`rx_read`)
-        self.handing_over_since = [0.0] * n
-        self.read_s = [0.0] * n
-        self._handler_errors = [0] * n
+        self.overwritten = 0  # messages replaced in a ring before the thread read them
+        self.delivered = 0
+        # time.monotonic() when the thread started handing over its current message: the node
+        # reports (this - receipt in the receiver) = the hand-over delay (`rx_handoff`)
+        self.handing_over_since = 0.0
+        self.read_s = 0.0  # duration of the last copy out of a ring (`rx_read`)
+        self.handler_errors = 0
         self.last_error = ""
         self.shm: ShmSegment | None = None
         self.rings: list = []
         self.procs: list[subprocess.Popen] = []
-        self._efds: list[int] = []  # per sensor: the eventfd its receiver writes
+        self._efd = -1
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._local = threading.local()  # .sensor in each reader thread
+        self._thread: threading.Thread | None = None
         self._closed = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -95,32 +89,27 @@ class InputReceivers:
             self.shm = ShmSegment(name, self.layout.size, create=True)
             atexit.register(self.close)
             self.rings = self.layout.rings(self.shm.buf)
+            self._efd = os.eventfd(0, os.EFD_CLOEXEC)
             for s, topic in enumerate(self.topics):
-                self._efds.append(os.eventfd(0, os.EFD_CLOEXEC))
                 self.procs.append(self._spawn(name, s, topic))
             self._wait_ready()
         except BaseException:
             self.close()
             raise
-        self._start_threads()
-
-    def _start_threads(self) -> None:
-        for s in range(self.layout.num_sensors):
-            t = threading.Thread(target=self._run, args=(s,), name=f"perception_rx_{s}",
-                                 daemon=True)
-            self._threads.append(t)
-            t.start()
+        self._thread = threading.Thread(target=self._run, name="perception_receivers",
+                                        daemon=True)
+        self._thread.start()
 
     def _spawn(self, shm_name: str, sensor: int, topic: str) -> subprocess.Popen:
         kind = "points" if sensor == self.layout.num_cameras else f"camera_{sensor}"
         cmd = [self.python, "-m", RECEIVER_MODULE, "--shm", shm_name,
                "--layout", *self.layout.to_args(), "--sensor", str(sensor), "--topic", topic,
-               "--event-fd", str(self._efds[sensor]), "--parent-pid", str(os.getpid()),
+               "--event-fd", str(self._efd), "--parent-pid", str(os.getpid()),
                "--frame-id", self.frame_id, "--ros-args", "-r",
                f"__node:={self.node_name}_rx_{kind}", "-r", f"__ns:={self.namespace}",
                *self.ros_args]
         # stdin: a pipe only this process writes; its EOF ends the child
-        return subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(self._efds[sensor],),
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(self._efd,),
                                 env=dict(os.environ, PYTHONUNBUFFERED="1",
                                          OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
 
@@ -138,9 +127,9 @@ class InputReceivers:
                 raise ReceiverError(f"input receivers for {waiting} did not start within "
                                     f"{self.start_timeout_s:g} s (parameter "
                                     "'receiver_start_timeout')")
-            # each child writes its eventfd once it has subscribed
-            for fd in select.select(self._efds, [], [], min(left, 0.5))[0]:
-                os.eventfd_read(fd)
+            # each child writes the eventfd once it has subscribed
+            if select.select([self._efd], [], [], min(left, 0.5))[0]:
+                os.eventfd_read(self._efd)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the thread and the children (stdin EOF, then kill; bounded), unlink the
@@ -149,10 +138,10 @@ class InputReceivers:
             return
         self._closed = True
         self._stop.set()
-        for fd in self._efds:
-            os.eventfd_write(fd, 1)
-        for t in self._threads:
-            t.join(timeout_s)
+        if self._efd >= 0:
+            os.eventfd_write(self._efd, 1)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
         for p in self.procs:
             try:
                 p.stdin.close()
@@ -165,30 +154,19 @@ class InputReceivers:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout_s)
-        for fd in self._efds:
-            os.close(fd)
-        self._efds = []
+        if self._efd >= 0:
+            os.close(self._efd)
+            self._efd = -1
         self.rings = []
         if self.shm is not None:
             self.shm.unlink()
             self.shm.close()
         atexit.unregister(self.close)
 
-    def current_sensor(self) -> int | None:
-        """The sensor whose reader thread is calling (it runs the node's handlers), or None."""
-        return getattr(self._local, "sensor", None)
-
     @property
-    def overwritten(self) -> int:
-        return sum(self._overwritten)
-
-    @property
-    def delivered(self) -> int:
-        return sum(self._delivered)
-
-    @property
-    def handler_errors(self) -> int:
-        return sum(self._handler_errors)
+    def thread(self) -> threading.Thread | None:
+        """The reader thread (it runs the node's handlers)."""
+        return self._thread
 
     # ---- diagnostics -------------------------------------------------------------------------
     def exited(self) -> list[str]:
@@ -210,49 +188,47 @@ class InputReceivers:
         out["rx_handler_errors"] = self.handler_errors
         return out
 
-    # ---- the reader threads ------------------------------------------------------------------
-    def _run(self, s: int) -> None:
-        efd, stop = self._efds[s], self._stop
-        self._local.sensor = s
+    # ---- the reader thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        efd, stop = self._efd, self._stop
         while not stop.is_set():
             try:
-                os.eventfd_read(efd)  # blocks (GIL released) until the receiver wrote
+                os.eventfd_read(efd)  # blocks (GIL released) until a receiver wrote
             except OSError:
                 return
             if stop.is_set():
                 return
-            self.poll_ring(s)
+            self.poll()
 
     def poll(self) -> int:
         """Hand over the newest message of every ring with a new one; returns how many."""
-        return sum(self.poll_ring(s) for s in range(len(self.rings)))
-
-    def poll_ring(self, s: int) -> int:
-        """Hand over the newest message of ring `s` if it has a new one; returns 0 or 1.
-        One caller per ring at a time (its reader thread)."""
-        ring = self.rings[s]
-        if ring.version == self._last[s]:
-            return 0
-        buf = self._pools[s][self._next[s]]
-        t_read = time.monotonic()
-        item = ring.read_into(buf)  # the copy releases the GIL
-        self.read_s[s] = time.monotonic() - t_read
-        if item is None or item.version == self._last[s]:
-            return 0
-        self._overwritten[s] += max(0, item.version - self._last[s] - 1)
-        self._last[s] = item.version
-        self._next[s] = (self._next[s] + 1) % len(self._pools[s])
-        recv_s = item.recv_ns * 1e-9  # time.monotonic() scale
-        self.handing_over_since[s] = time.monotonic()
-        try:
-            if s < self.layout.num_cameras:
-                rgb = buf[:item.nbytes].reshape(item.rows, item.cols, 3)
-                self.on_image(s, item.stamp_ns, recv_s, rgb, item.frame_id)
-            else:
-                xyz = buf[:item.nbytes].view(np.float32).reshape(item.rows, 3)
-                self.on_points(item.stamp_ns, recv_s, xyz)
-        except Exception as exc:  # the node's handler; counted, the thread goes on
-            self._handler_errors[s] += 1
-            self.last_error = f"{type(exc).__name__}: {exc}"
-        self._delivered[s] += 1
-        return 1
+        n = 0
+        cams = self.layout.num_cameras
+        for s, ring in enumerate(self.rings):
+            version = ring.version
+            if version == self._last[s]:
+                continue
+            buf = self._pools[s][self._next[s]]
+            t_read = time.monotonic()
+            item = ring.read_into(buf)
+            self.read_s = time.monotonic() - t_read  # the copy out of the ring
+            if item is None or item.version == self._last[s]:
+                continue
+            self.overwritten += max(0, item.version - self._last[s] - 1)
+            self._last[s] = item.version
+            self._next[s] = (self._next[s] + 1) % len(self._pools[s])
+            recv_s = item.recv_ns * 1e-9  # time.monotonic() scale
+            self.handing_over_since = time.monotonic()
+            try:
+                if s < cams:
+                    rgb = buf[:item.nbytes].reshape(item.rows, item.cols, 3)
+                    self.on_image(s, item.stamp_ns, recv_s, rgb, item.frame_id)
+                else:
+                    xyz = buf[:item.nbytes].view(np.float32).reshape(item.rows, 3)
+                    self.on_points(item.stamp_ns, recv_s, xyz)
+            except Exception as exc:  # the node's handler; counted, the thread goes on
+                self.handler_errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            n += 1
+        self.delivered += n
+        return n
