@@ -66,6 +66,9 @@ def main() -> int:
     ap.add_argument("--points", type=int, default=120_000)
     ap.add_argument("--frames", type=int, default=30)
     ap.add_argument("--gap-ms", type=float, default=90.0)
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="then profile this many frames (torch.profiler, CUDA kernels): the top "
+                         "kernels per frame and one frame's kernel timeline into the JSON")
     ap.add_argument("--git-commit", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -114,6 +117,7 @@ def main() -> int:
             ms = (time.perf_counter() - t) * 1e3
         if i >= 3:
             run_ms.append(ms)
+    kernels = profile_kernels(core, fs, args.kernels, args.gap_ms) if args.kernels else None
     device = torch.cuda.get_device_name() if cuda else "cpu"
     res = {"command": "python " + " ".join(sys.argv), "git_commit": git_commit(args.git_commit),
            "torch": torch.__version__, "device": device, "machine": machine_info(device=device),
@@ -129,8 +133,58 @@ def main() -> int:
               for k, v in res["core_stage_ms"].items()]
     lines.append(f"| runtime.run alone (CUDA events) | {res['runtime_run_ms']['p50']:.3f} | "
                  f"{res['runtime_run_ms']['p99']:.3f} |")
+    if kernels is not None:
+        res["kernels"] = kernels
+        lines += ["", f"Kernels per frame ({args.kernels} profiled frames; us = device time per "
+                  "frame), top 40:", "", "| kernel | calls / frame | us / frame |", "|---|---|---|"]
+        lines += [f"| {k['name'][:90]} | {k['calls']:.1f} | {k['us']:.1f} |"
+                  for k in kernels["top"][:40]]
+        lines += ["", "One frame's kernels in issue order, grouped into runs of the same name "
+                  "(start us from the first kernel, duration us):", ""]
+        lines += [f"    {g['start_us']:9.1f} {g['us']:8.1f}  x{g['n']:<4d} {g['name'][:80]}"
+                  for g in kernels["timeline_runs"]]
     write_result(args.out, res, "\n".join(lines) + "\n")
     return 0
+
+
+def _kernels(core, fs, n: int, gap_ms: float) -> list:  # noqa: ANN001
+    """The CUDA kernel events of `n` frames of core.process under torch.profiler, by start."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            time.sleep(gap_ms * 1e-3)
+            core.process(fs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+    evs = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    return sorted(evs, key=lambda e: e.time_range.start)
+
+
+def profile_kernels(core, fs, n: int, gap_ms: float) -> dict:  # noqa: ANN001
+    """Device time per kernel name per frame over `n` profiled frames (top), and one more
+    frame's kernels in start order with consecutive same-name kernels merged (timeline_runs):
+    a kernel's stage shows from its place in the sequence."""
+    agg: dict[str, list[float]] = {}
+    for e in _kernels(core, fs, n, gap_ms):
+        a = agg.setdefault(e.name, [0, 0.0])
+        a[0] += 1
+        a[1] += e.time_range.elapsed_us()
+    top = sorted(({"name": k, "calls": v[0] / n, "us": v[1] / n} for k, v in agg.items()),
+                 key=lambda d: -d["us"])
+    one = _kernels(core, fs, 1, gap_ms)
+    runs: list[dict] = []
+    t0 = one[0].time_range.start if one else 0
+    for e in one:
+        if runs and runs[-1]["name"] == e.name:
+            runs[-1]["n"] += 1
+            runs[-1]["us"] += e.time_range.elapsed_us()
+        else:
+            runs.append({"name": e.name, "n": 1, "start_us": e.time_range.start - t0,
+                         "us": e.time_range.elapsed_us()})
+    return {"frames": n, "top": top[:80], "timeline_runs": runs}
 
 
 if __name__ == "__main__":
