@@ -73,6 +73,7 @@ from kestrel_perception.core.params import (
     SPECS,
     core_config,
     pose_to_matrix,
+    resolve_receive,
     validate_perception_params,
 )
 from kestrel_perception.msg_inputs import InputDrop, cloud_xyz, image_rgb
@@ -148,6 +149,7 @@ class PerceptionNode(KestrelLifecycleNode):
         self._poses = [pose_to_matrix(poses[7 * i: 7 * i + 7]) if poses else np.eye(4)
                        for i in range(n)]
         self._runtime = {k: p[k] for k in RUNTIME_PARAMS}
+        p["receive"] = resolve_receive(p["receive"], self.core.device.type, n)
         in_node = p["receive"] == "executor"
         if not in_node and not self._start_receivers(p):  # before any ROS entity exists:
             self.core = self.sync = None  # a failed configure leaves nothing behind

@@ -145,3 +145,16 @@ def test_no_torn_read_with_a_writer_process() -> None:
             writer.wait(5)
         seg.unlink()
     assert written > 1000 and reads > 100, (written, reads)
+
+
+def test_receive_auto_picks_processes_only_with_cuda_and_enough_cpus() -> None:
+    """receive 'auto': receiver processes where they were measured faster (CUDA device, many
+    cores), the executor on small or CPU-only machines (where they were slower)."""
+    from kestrel_perception.core.params import resolve_receive
+
+    assert resolve_receive("auto", "cuda", 6, cpus=16) == "processes"
+    assert resolve_receive("auto", "cuda", 6, cpus=13) == "executor"  # < 2 per receiver
+    assert resolve_receive("auto", "cpu", 6, cpus=64) == "executor"
+    assert resolve_receive("auto", "cuda", 1, cpus=4) == "processes"
+    for explicit in ("executor", "processes"):
+        assert resolve_receive(explicit, "cpu", 6, cpus=2) == explicit
