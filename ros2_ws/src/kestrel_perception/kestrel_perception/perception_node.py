@@ -83,7 +83,8 @@ from kestrel_perception.result_msg import ResultBuilder, matches_rmw
 COUNTERS = ("processed", "dropped_bad_encoding", "dropped_bad_image", "dropped_size_mismatch",
             "dropped_bad_camera_info", "dropped_bad_pose", "dropped_bad_cloud",
             "dropped_too_many_points", "out_of_sync", "skipped_stale", "processing_error",
-            "nan_points", "truncated_points", "runtime_shape_fallbacks", "nms_slow_path")
+            "nan_points", "truncated_points", "runtime_shape_fallbacks", "nms_slow_path",
+            "missing_cloud")
 # core InputError reason code -> counter
 REASON_COUNTER = {"bad_image": "dropped_bad_image", "size_mismatch": "dropped_size_mismatch",
                   "mixed_sizes": "dropped_size_mismatch", "bad_camera": "dropped_bad_camera_info",
@@ -144,7 +145,9 @@ class PerceptionNode(KestrelLifecycleNode):
             self.get_logger().warning(
                 "result CDR encoder differs from the rmw's serialisation of PerceptionResult "
                 "(changed .msg or rmw?): publishing message objects (slower)")
-        self.sync = FrameSynchronizer(n, p["sync_slop"], HISTORY, count=self.counters.inc)
+        self.sync = FrameSynchronizer(n, p["sync_slop"], HISTORY, count=self.counters.inc,
+                                      cloud_required=p["cloud_required"],
+                                      cloud_timeout_s=p["cloud_timeout"])
         poses = p["camera_poses"]
         self._poses = [pose_to_matrix(poses[7 * i: 7 * i + 7]) if poses else np.eye(4)
                        for i in range(n)]

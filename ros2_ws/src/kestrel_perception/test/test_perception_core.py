@@ -297,6 +297,55 @@ def test_sync_out_of_sync_and_bounded_history() -> None:
     assert counts["out_of_sync"] == 12 + 3 + 3
 
 
+def test_sync_waits_for_the_cloud_while_the_lidar_is_live() -> None:
+    """cloud_required: complete images do not make a set while a live LiDAR's cloud for them is
+    still on the way (it arrives after the images); a silent LiDAR (no cloud for
+    cloud_timeout) or cloud_required False lets sets go without one, counted missing_cloud."""
+    from kestrel_perception.core.sync import FrameSynchronizer
+
+    now = [0.0]
+    counts: dict[str, int] = {}
+    sync = FrameSynchronizer(2, 0.01, 4, count=lambda k, n: counts.__setitem__(
+        k, counts.get(k, 0) + n), cloud_timeout_s=0.5, clock=lambda: now[0])
+
+    def images(t: int) -> None:
+        for c in range(2):
+            sync.add_info(c, _st(t))
+            sync.add_image(c, _st(t))
+
+    images(100)
+    now[0] = 0.1
+    s = sync.pop_newest_set()  # no cloud ever: the LiDAR is not live, no waiting
+    assert s is not None and s.cloud is None and counts == {"missing_cloud": 1}
+    sync.add_cloud(_st(195, "c195"))  # the LiDAR is live from now on (receipt 0.195)
+    images(300)
+    now[0] = 0.30
+    assert sync.pop_newest_set() is None  # 300's cloud is on the way: wait
+    sync.add_cloud(_st(301, "c301"))
+    s = sync.pop_newest_set()
+    assert s is not None and s.stamp_ns == 300_000_000 and s.cloud.data == "c301"
+    assert s.newest_recv_s == pytest.approx(0.301)  # the cloud completed the set
+    images(400)  # its cloud is lost; 500 comes with its cloud: 400 is skipped, not waited on
+    now[0] = 0.45
+    assert sync.pop_newest_set() is None
+    images(500)
+    sync.add_cloud(_st(502, "c502"))
+    s = sync.pop_newest_set()
+    assert s.stamp_ns == 500_000_000 and s.cloud.data == "c502"
+    assert counts == {"missing_cloud": 1, "skipped_stale": 2}
+    images(600)  # the LiDAR fell silent: 0.502 + 0.5 s later the sets go without it
+    now[0] = 0.95
+    assert sync.pop_newest_set() is None
+    now[0] = 1.01
+    s = sync.pop_newest_set()
+    assert s.stamp_ns == 600_000_000 and s.cloud is None and counts["missing_cloud"] == 2
+    lax = FrameSynchronizer(1, 0.01, 4, cloud_required=False, clock=lambda: 0.0)
+    lax.add_cloud(_st(0, "c0"))  # live, but not required
+    lax.add_info(0, _st(700))
+    lax.add_image(0, _st(700))
+    assert lax.pop_newest_set().cloud is None
+
+
 def test_sync_needs_camera_info_within_slop() -> None:
     sync, counts = _sync(n=1)
     sync.add_image(0, _st(100))

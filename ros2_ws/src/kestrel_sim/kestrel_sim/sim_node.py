@@ -305,10 +305,16 @@ class SimNode(KestrelLifecycleNode):
                     break
                 now_ns = self.world.sim_time_ns
                 try:
-                    if cam_due.due(now_ns):
-                        self._publish_camera()
-                    if lidar_due.due(now_ns):
-                        self._publish_lidar()
+                    cam, lidar = cam_due.due(now_ns), lidar_due.due(now_ns)
+                    # due together: one snapshot for both, so the image and the cloud carry
+                    # the same stamp (a rig's hardware trigger; the perception node pairs
+                    # them within sync_slop). The render (~70 ms on the CPU) would else put
+                    # the scan's snapshot ~70 ms of sim time after the image's.
+                    snap = self.world.take_snapshot() if cam and lidar else (None, 0)
+                    if cam:
+                        self._publish_camera(*snap)
+                    if lidar:
+                        self._publish_lidar(*snap)
                 except Exception as exc:  # a render/scan failure must not kill the thread
                     if self._shutting_down():
                         break
@@ -320,10 +326,10 @@ class SimNode(KestrelLifecycleNode):
             if self.camera is not None:
                 self.camera.close()  # the GL context belongs to this thread
 
-    def _publish_camera(self) -> None:
+    def _publish_camera(self, source=None, stamp_ns: int = 0) -> None:  # noqa: ANN001
         p, cam = self.params, self.camera
         t0 = time.perf_counter()
-        frame = cam.render()
+        frame = cam.render(source, stamp_ns)
         self._sensor_ms["render_ms"] = (time.perf_counter() - t0) * 1e3
         header = make_header(frame.stamp_ns, p["camera_frame"])
         info = make_camera_info(cam.intrinsics(), cam.width, cam.height, header)
@@ -342,9 +348,9 @@ class SimNode(KestrelLifecycleNode):
         self._pubs["camera_pose"].publish(pose)
         self._meters["camera"].tick()
 
-    def _publish_lidar(self) -> None:
+    def _publish_lidar(self, source=None, stamp_ns: int = 0) -> None:  # noqa: ANN001
         t0 = time.perf_counter()
-        scan = self.lidar.scan()
+        scan = self.lidar.scan(source, stamp_ns)
         self._sensor_ms["scan_ms"] = (time.perf_counter() - t0) * 1e3
         header = make_header(scan.stamp_ns, self.params["world_frame"])
         self._pubs["points"].publish(xyz_to_pointcloud2(scan.points, header))

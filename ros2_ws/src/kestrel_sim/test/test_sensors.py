@@ -141,6 +141,25 @@ def test_render_follows_state_changes(world: SimWorld, camera: CameraSensor) -> 
     world.reset(0)
 
 
+def test_triggered_together_camera_and_lidar_share_the_snapshot(world: SimWorld,
+                                                                 camera: CameraSensor) -> None:
+    """A snapshot taken once (world.take_snapshot) and given to both sensors: the image and the
+    scan carry its stamp and show its state, even after the world moved on (what the sim node
+    does when both are due: the perception node pairs them by stamp)."""
+    lidar = LidarSensor(world)
+    world.reset(0)
+    snap, stamp = world.take_snapshot()
+    ref_frame, ref_scan = camera.render(), lidar.scan()  # the same state, own snapshots
+    world.reset(7)  # the cubes move
+    world.step(5)
+    frame, scan = camera.render(snap, stamp), lidar.scan(snap, stamp)
+    assert frame.stamp_ns == scan.stamp_ns == stamp < world.sim_time_ns
+    np.testing.assert_array_equal(frame.rgb, ref_frame.rgb)
+    np.testing.assert_array_equal(scan.points, ref_scan.points)
+    assert not np.array_equal(camera.render().rgb, frame.rgb)  # the world did move
+    world.reset(0)
+
+
 def test_render_on_other_thread_while_stepping(world: SimWorld, camera: CameraSensor) -> None:
     world.reset(0)
     stop = threading.Event()

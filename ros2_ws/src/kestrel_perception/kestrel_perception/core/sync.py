@@ -4,9 +4,13 @@ Pure Python (no rclpy). Every stream keeps a fixed-size history (deque with maxl
 never grows whatever the input rate; the consumer always takes the NEWEST complete set.
 
 A set is complete when, for the newest possible reference image of camera 0, every camera has
-an image whose stamp is within `slop` of it and a camera_info within `slop` of that image. The
-newest cloud within `slop` of the reference is attached, else none. Images that leave the
-history unprocessed are counted through `count(name, n)`:
+an image whose stamp is within `slop` of it and a camera_info within `slop` of that image, and
+(`cloud_required`, the default) a cloud within `slop` of the reference while the LiDAR is live
+(a cloud received within `cloud_timeout_s`): a set never goes out without the cloud that is
+still on its way (which the 1.9 MB cloud usually is, after the images). The newest cloud within
+`slop` is attached; a set without one (LiDAR silent, or cloud_required False) is counted as
+"missing_cloud". A LiDAR that falls silent holds the waiting set until the next message after
+the timeout. Images that leave the history unprocessed are counted through `count(name, n)`:
   "skipped_stale": it could have formed a set, but a newer set was taken (processing slower
                    than the input rate: newest wins), or it arrived older than the last set;
   "out_of_sync":   no set could be formed with it (a partner image or camera_info missing or
@@ -16,6 +20,7 @@ history unprocessed are counted through `count(name, n)`:
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +28,7 @@ from typing import Any
 
 SKIPPED_STALE = "skipped_stale"
 OUT_OF_SYNC = "out_of_sync"
+MISSING_CLOUD = "missing_cloud"
 
 
 @dataclass
@@ -50,13 +56,21 @@ class FrameSynchronizer:
     """Thread-safe: add_* from subscription callbacks, pop_newest_set from the worker."""
 
     def __init__(self, num_cameras: int, slop_s: float, history: int = 8,
-                 count: Callable[[str, int], Any] | None = None) -> None:
+                 count: Callable[[str, int], Any] | None = None, *,
+                 cloud_required: bool = True, cloud_timeout_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if num_cameras < 1:
             raise ValueError(f"parameter 'num_cameras' = {num_cameras}: must be >= 1")
         if slop_s < 0:
             raise ValueError(f"parameter 'sync_slop' = {slop_s}: must be >= 0")
         if history < 1:
             raise ValueError(f"parameter 'history' = {history}: must be >= 1")
+        if not cloud_timeout_s > 0:
+            raise ValueError(f"parameter 'cloud_timeout' = {cloud_timeout_s}: must be > 0")
+        self.cloud_required = bool(cloud_required)
+        self.cloud_timeout_s = float(cloud_timeout_s)
+        self._clock = clock  # same clock as the messages' recv_s (time.monotonic)
+        self._last_cloud_recv_s: float | None = None
         self.num_cameras = num_cameras
         self.slop_ns = int(round(slop_s * 1e9))
         self._images: list[deque[Stamped]] = [deque() for _ in range(num_cameras)]
@@ -85,6 +99,7 @@ class FrameSynchronizer:
     def add_cloud(self, msg: Stamped) -> None:
         with self._lock:
             self._clouds.append(msg)
+            self._last_cloud_recv_s = msg.recv_s
 
     # ---- matching -------------------------------------------------------------------------
     def _closest(self, q: deque[Stamped] | list[Stamped], stamp_ns: int) -> Stamped | None:
@@ -115,14 +130,32 @@ class FrameSynchronizer:
     def _discard(self, camera: int, img: Stamped) -> None:
         self._count(SKIPPED_STALE if self._match(camera, img) is not None else OUT_OF_SYNC, 1)
 
+    def _cloud_for(self, ref_ns: int) -> Stamped | None:
+        cloud = None
+        for m in self._clouds:  # newest within slop of the reference
+            if abs(m.stamp_ns - ref_ns) <= self.slop_ns and (
+                    cloud is None or m.stamp_ns >= cloud.stamp_ns):
+                cloud = m
+        return cloud
+
+    def lidar_live(self) -> bool:
+        """A cloud was received within cloud_timeout_s (sets then wait for theirs)."""
+        last = self._last_cloud_recv_s
+        return last is not None and self._clock() - last < self.cloud_timeout_s
+
     def pop_newest_set(self) -> SyncedSet | None:
         """The newest complete set, removed from the histories (older images are discarded and
         counted); None when no set is complete."""
         with self._lock:
+            wait_cloud = self.cloud_required and self.lidar_live()
             for ref in sorted(self._images[0], key=lambda m: m.stamp_ns, reverse=True):
                 found = self._match(0, ref)
-                if found is not None:
-                    break
+                if found is None:
+                    continue
+                cloud = self._cloud_for(ref.stamp_ns)
+                if cloud is None and wait_cloud:
+                    continue  # its cloud is still on the way
+                break
             else:
                 return None
             images, infos = found
@@ -135,11 +168,8 @@ class FrameSynchronizer:
                 self._images[c] = deque(m for m in self._images[c]
                                         if m.stamp_ns > used.stamp_ns)
                 self._last_ns[c] = used.stamp_ns
-            cloud = None
-            for m in self._clouds:  # newest within slop of the reference
-                if abs(m.stamp_ns - ref.stamp_ns) <= self.slop_ns and (
-                        cloud is None or m.stamp_ns >= cloud.stamp_ns):
-                    cloud = m
+            if cloud is None:
+                self._count(MISSING_CLOUD, 1)
             parts = [*images, *infos] + ([cloud] if cloud is not None else [])
             recv = [m.recv_s for m in parts]
             return SyncedSet(ref.stamp_ns, images, infos, cloud, max(recv), min(recv))

@@ -21,6 +21,15 @@ from kestrel_sim.core.world import SimWorld
 _MJCAM_FROM_OPTICAL = np.diag([1.0, -1.0, -1.0])
 
 
+
+def _snapshot(world, dst: mujoco.MjData, source: mujoco.MjData | None, stamp_ns: int) -> int:
+    """dst <- a new snapshot of the world (returns its sim time, ns), or a copy of `source`
+    (a snapshot the caller took at stamp_ns)."""
+    if source is None:
+        return world.snapshot_into(dst)
+    world.copy_snapshot(source, dst)
+    return stamp_ns
+
 @dataclass
 class CameraFrame:
     rgb: np.ndarray  # [H, W, 3] uint8, row 0 = top of the image
@@ -106,10 +115,12 @@ class CameraSensor:
         t[:3, 3] = data.cam_xpos[self._cam_id]
         return t
 
-    def render(self) -> CameraFrame:
-        """Render RGB + depth of a snapshot in one GL pass (~10 ms at 320x256, osmesa)."""
+    def render(self, source: mujoco.MjData | None = None, stamp_ns: int = 0) -> CameraFrame:
+        """Render RGB + depth of a snapshot in one GL pass (~10 ms at 320x256, osmesa).
+        source: a snapshot taken by the caller (stamp_ns its sim time) instead of a new one:
+        sensors triggered together see the same instant (take_snapshot)."""
         with self._render_lock:
-            stamp = self.world.snapshot_into(self._data)
+            stamp = _snapshot(self.world, self._data, source, stamp_ns)
             self._ensure_context()
             self._gl.make_current()
             mujoco.mjv_updateScene(self.world.model, self._data, self._opt, None, self._cam,
@@ -189,10 +200,11 @@ class LidarSensor:
     def n_rays(self) -> int:
         return self._dirs_local.shape[0]
 
-    def scan(self) -> LidarScan:
-        """Cast all rays from a snapshot; returns the hits (no-hit rays are dropped)."""
+    def scan(self, source: mujoco.MjData | None = None, stamp_ns: int = 0) -> LidarScan:
+        """Cast all rays from a snapshot; returns the hits (no-hit rays are dropped).
+        source / stamp_ns: as CameraSensor.render."""
         with self._lock:
-            stamp = self.world.snapshot_into(self._data)
+            stamp = _snapshot(self.world, self._data, source, stamp_ns)
             m, d = self.world.model, self._data
             origin = d.site_xpos[self._site].copy()
             rot = d.site_xmat[self._site].reshape(3, 3)

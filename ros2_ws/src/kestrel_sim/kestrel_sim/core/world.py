@@ -225,22 +225,35 @@ class SimWorld:
                                     self.data.xquat[ob.body_id].copy(), ob.size.copy()))
         return out
 
+    def take_snapshot(self) -> tuple[mujoco.MjData, int]:
+        """A new MjData holding a snapshot of the live state and its sim time (ns): sensors
+        triggered at the same instant render / scan this one (a hardware trigger)."""
+        dst = mujoco.MjData(self.model)
+        return dst, self.snapshot_into(dst)
+
     def snapshot_into(self, dst: mujoco.MjData) -> int:
         """Copy the live state into dst (a MjData of this model) and run mj_forward on it.
 
         Only the copy holds the lock; returns the snapshot's sim time, ns.
         """
         with self.lock:
-            src = self.data
-            dst.qpos[:] = src.qpos
-            dst.qvel[:] = src.qvel
-            dst.ctrl[:] = src.ctrl
-            if self.model.na:
-                dst.act[:] = src.act
-            if self.model.nmocap:
-                dst.mocap_pos[:] = src.mocap_pos
-                dst.mocap_quat[:] = src.mocap_quat
-            dst.time = src.time
+            self._copy_state(self.data, dst)
             stamp = self.sim_time_ns
         mujoco.mj_forward(self.model, dst)
         return stamp
+
+    def copy_snapshot(self, src: mujoco.MjData, dst: mujoco.MjData) -> None:
+        """dst <- the state of another snapshot `src` (no lock: snapshots are private)."""
+        self._copy_state(src, dst)
+        mujoco.mj_forward(self.model, dst)
+
+    def _copy_state(self, src: mujoco.MjData, dst: mujoco.MjData) -> None:
+        dst.qpos[:] = src.qpos
+        dst.qvel[:] = src.qvel
+        dst.ctrl[:] = src.ctrl
+        if self.model.na:
+            dst.act[:] = src.act
+        if self.model.nmocap:
+            dst.mocap_pos[:] = src.mocap_pos
+            dst.mocap_quat[:] = src.mocap_quat
+        dst.time = src.time
