@@ -169,7 +169,9 @@ def node_params(args: argparse.Namespace) -> dict:
                 ("processing", args.processing), ("gil_switch_interval_us", args.gil_switch_us),
                 ("executor", args.executor), ("receive", args.receive),
                 ("region_graph", None if args.region_graph is None
-                 else args.region_graph == "on")) if value is not None}}
+                 else args.region_graph == "on"),
+                ("cloud_required", None if args.cloud_required is None
+                 else args.cloud_required == "on")) if value is not None}}
 
 
 def summarise(rows: list[dict], stamps: list[int], pub_s: list[float],
@@ -405,7 +407,10 @@ def main() -> int:
                     help="node parameter executor (default: the node's, 'multi')")
     ap.add_argument("--processing", choices=("callback", "worker"), default=None,
                     help="node parameter processing (default: the node's, 'callback')")
-    ap.add_argument("--receive", choices=("executor", "processes"), default=None,
+    ap.add_argument("--cloud-required", choices=("on", "off"), default=None,
+                    help="node parameter cloud_required (default: the node's, on): a set "
+                         "waits for its cloud while the LiDAR is live")
+    ap.add_argument("--receive", choices=("auto", "executor", "processes"), default=None,
                     help="node parameter receive: images and cloud taken by the node's "
                          "executor, or by one receiver process per sensor (shared memory)")
     ap.add_argument("--gil-switch-us", type=int, default=None,

@@ -365,6 +365,34 @@ def test_bad_parameter_fails_configure(launch_node, params, fragment):
     assert "Traceback" not in node.output()
 
 
+def test_set_waits_for_a_late_cloud_and_goes_without_a_silent_lidar(launch_node, probe):
+    """cloud_required (default): a set whose cloud comes after its images waits for it and
+    gets LiDAR positions; once the LiDAR falls silent, a set goes out without a cloud after
+    the live window (released by the node's timer: no further message is sent), counted as
+    missing_cloud."""
+    diag = probe.subscribe(DiagnosticArray, "/diagnostics", 50)
+    node, results, rig = start_node(launch_node, probe, {**PARAMS, "cloud_timeout": 3.0,
+                                                         "publish_debug_image": False})
+    produce(rig, results, wall_points(), timeout=30.0,
+            check=lambda r: all(s == PerceptionResult.POSITION_LIDAR for s in sources(r)))
+    missing = counter(diag, "missing_cloud", 0)
+    late = rig.next_stamp()
+    rig.publish_set(late)  # images and infos first ...
+    cloud = xyz_to_pointcloud2(wall_points(), make_header(late, "world"))
+    rig.cloud.publish(cloud)  # ... then its cloud (within the live window)
+    r = results.wait_for(lambda m: result_for(results, late) is not None, timeout=15.0)
+    assert r, node.output()
+    check_lidar_positions(result_for(results, late))  # it waited for the cloud
+    silent = rig.next_stamp()
+    rig.publish_set(silent)  # no cloud ever again: released after the live window
+    assert results.wait_for(lambda m: result_for(results, silent) is not None,
+                            timeout=15.0), node.output()
+    assert all(s != PerceptionResult.POSITION_LIDAR for s in sources(result_for(results,
+                                                                              silent)))
+    assert counter(diag, "missing_cloud", missing + 1) >= missing + 1
+    assert node.alive() and "Traceback" not in node.output()
+
+
 def test_receiver_processes(launch_node, probe):
     """receive: processes: one receiver process per image topic and one for the cloud take
     the inputs off DDS and hand them over in shared memory; results, LiDAR positions and the

@@ -116,6 +116,7 @@ class PerceptionNode(KestrelLifecycleNode):
         self._builder: ResultBuilder | None = None
         self._result_cdr = False  # publish CDR bytes (result_cdr.py), checked at configure
         self._receivers: InputReceivers | None = None  # receive == "processes"
+        self._release_timer = None  # calls _ready() every cloud_timeout / 2
         self._runtime: dict[str, Any] = {}
         self.add_on_set_parameters_callback(self._check_runtime_params)
 
@@ -174,6 +175,10 @@ class PerceptionNode(KestrelLifecycleNode):
                 self.create_subscription(PoseStamped, f"~/input/camera_{i}/pose",
                                          lambda m, i=i: self._on_pose(i, m), SENSOR_QOS,
                                          callback_group=group)]
+        # releases a set that waits for the cloud of a LiDAR that fell silent (core/sync.py):
+        # no message may come to trigger it; in the subscriptions' group (never concurrent)
+        self._release_timer = self.create_timer(p["cloud_timeout"] / 2, self._ready,
+                                                callback_group=group)
         if in_node:
             self._subs.append(self.create_subscription(PointCloud2, "~/input/points",
                                                        self._on_points, SENSOR_QOS,
@@ -232,6 +237,9 @@ class PerceptionNode(KestrelLifecycleNode):
         for sub in self._subs:
             self.destroy_subscription(sub)
         self._subs = []
+        if self._release_timer is not None:
+            self.destroy_timer(self._release_timer)
+            self._release_timer = None
         for pub in (self._result_pub, self._debug_pub):
             if pub is not None:
                 self.destroy_publisher(pub)

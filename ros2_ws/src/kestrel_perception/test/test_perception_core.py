@@ -339,6 +339,14 @@ def test_sync_waits_for_the_cloud_while_the_lidar_is_live() -> None:
     now[0] = 1.01
     s = sync.pop_newest_set()
     assert s.stamp_ns == 600_000_000 and s.cloud is None and counts["missing_cloud"] == 2
+    # a 1 Hz LiDAR: the live window follows its period (1.5 x 1 s), not the 0.5 s timeout
+    slow = FrameSynchronizer(1, 0.01, 4, cloud_timeout_s=0.5, clock=lambda: now[0])
+    for k in range(3):
+        slow.add_cloud(_st(1000 * k))  # receipt k s
+    now[0] = 2.0 + 1.2
+    assert slow.live_window_s() == pytest.approx(1.5) and slow.lidar_live()
+    now[0] = 2.0 + 1.6
+    assert not slow.lidar_live()
     lax = FrameSynchronizer(1, 0.01, 4, cloud_required=False, clock=lambda: 0.0)
     lax.add_cloud(_st(0, "c0"))  # live, but not required
     lax.add_info(0, _st(700))

@@ -55,7 +55,8 @@ SPECS: tuple[ParamSpec, ...] = (
               "out as soon as its images are complete, with the newest cloud within sync_slop "
               "if one is there. Sets without a cloud are counted (missing_cloud)." + _CONF),
     ParamSpec("cloud_timeout", 0.5, "LiDAR silence after which sets stop waiting for a "
-              "cloud, s." + _CONF, min=0.01, max=60.0),
+              "cloud, s (at least 1.5 x the LiDAR's period, measured from the clouds' stamps); "
+              "a waiting set is released within half of it." + _CONF, min=0.01, max=60.0),
     ParamSpec("device", "cpu", "Torch device." + _CONF, choices=("cpu", "cuda")),
     ParamSpec("amp", False, "bf16 autocast (CUDA only)." + _CONF),
     ParamSpec("runtime_variant", "eager", "'eager' (plain model) or a prepared runtime "

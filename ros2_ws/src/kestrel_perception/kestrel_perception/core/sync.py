@@ -6,11 +6,13 @@ never grows whatever the input rate; the consumer always takes the NEWEST comple
 A set is complete when, for the newest possible reference image of camera 0, every camera has
 an image whose stamp is within `slop` of it and a camera_info within `slop` of that image, and
 (`cloud_required`, the default) a cloud within `slop` of the reference while the LiDAR is live
-(a cloud received within `cloud_timeout_s`): a set never goes out without the cloud that is
-still on its way (which the 1.9 MB cloud usually is, after the images). The newest cloud within
-`slop` is attached; a set without one (LiDAR silent, or cloud_required False) is counted as
-"missing_cloud". A LiDAR that falls silent holds the waiting set until the next message after
-the timeout. Images that leave the history unprocessed are counted through `count(name, n)`:
+(a cloud received within max(`cloud_timeout_s`, 1.5 x the LiDAR's period, estimated from the
+clouds' stamps)): a set never goes out without the cloud that is still on its way (which the
+1.9 MB cloud usually is, after the images). The newest cloud within `slop` is attached; a set
+without one (LiDAR silent, or cloud_required False) is counted as "missing_cloud". Nothing
+here runs on a timer: the node calls pop_newest_set again after the live window (a timer), so
+a waiting set is released when the LiDAR falls silent. Images that leave the history
+unprocessed are counted through `count(name, n)`:
   "skipped_stale": it could have formed a set, but a newer set was taken (processing slower
                    than the input rate: newest wins), or it arrived older than the last set;
   "out_of_sync":   no set could be formed with it (a partner image or camera_info missing or
@@ -71,6 +73,8 @@ class FrameSynchronizer:
         self.cloud_timeout_s = float(cloud_timeout_s)
         self._clock = clock  # same clock as the messages' recv_s (time.monotonic)
         self._last_cloud_recv_s: float | None = None
+        self._last_cloud_stamp_ns: int | None = None
+        self._cloud_period_s = 0.0  # EMA of the stamp differences of consecutive clouds
         self.num_cameras = num_cameras
         self.slop_ns = int(round(slop_s * 1e9))
         self._images: list[deque[Stamped]] = [deque() for _ in range(num_cameras)]
@@ -100,6 +104,13 @@ class FrameSynchronizer:
         with self._lock:
             self._clouds.append(msg)
             self._last_cloud_recv_s = msg.recv_s
+            last = self._last_cloud_stamp_ns
+            if last is not None and msg.stamp_ns > last:
+                dt = (msg.stamp_ns - last) * 1e-9
+                p = self._cloud_period_s
+                self._cloud_period_s = dt if p == 0.0 else 0.8 * p + 0.2 * dt
+            if last is None or msg.stamp_ns > last:
+                self._last_cloud_stamp_ns = msg.stamp_ns
 
     # ---- matching -------------------------------------------------------------------------
     def _closest(self, q: deque[Stamped] | list[Stamped], stamp_ns: int) -> Stamped | None:
@@ -138,10 +149,14 @@ class FrameSynchronizer:
                 cloud = m
         return cloud
 
+    def live_window_s(self) -> float:
+        """How long after the last cloud the LiDAR counts as live, s."""
+        return max(self.cloud_timeout_s, 1.5 * self._cloud_period_s)
+
     def lidar_live(self) -> bool:
-        """A cloud was received within cloud_timeout_s (sets then wait for theirs)."""
+        """A cloud was received within live_window_s() (sets then wait for theirs)."""
         last = self._last_cloud_recv_s
-        return last is not None and self._clock() - last < self.cloud_timeout_s
+        return last is not None and self._clock() - last < self.live_window_s()
 
     def pop_newest_set(self) -> SyncedSet | None:
         """The newest complete set, removed from the histories (older images are discarded and
