@@ -51,7 +51,7 @@ from kestrel_common.conversions import (
     stamp_to_ns,
 )
 from kestrel_common.counters import StageTimer
-from kestrel_interfaces.msg import PerceptionResult, StageTiming
+from kestrel_interfaces.msg import PerceptionResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from rclpy.serialization import deserialize_message, serialize_message
@@ -77,7 +77,7 @@ from kestrel_perception.core.params import (
     validate_perception_params,
 )
 from kestrel_perception.msg_inputs import InputDrop, cloud_xyz, image_rgb
-from kestrel_perception.result_msg import ResultBuilder, matches_rmw
+from kestrel_perception.result_msg import ResultBuilder, ResultPublisher, matches_rmw
 
 # counters shown on /diagnostics from the start (value 0)
 COUNTERS = ("processed", "dropped_bad_encoding", "dropped_bad_image", "dropped_size_mismatch",
@@ -113,8 +113,7 @@ class PerceptionNode(KestrelLifecycleNode):
         self._worker: threading.Thread | None = None
         self._inline = True  # parameter processing == "callback"
         self._proc_lock = threading.Lock()  # one set at a time; cleanup waits for it
-        self._builder: ResultBuilder | None = None
-        self._result_cdr = False  # publish CDR bytes (result_cdr.py), checked at configure
+        self._results: ResultPublisher | None = None  # CDR bytes or message objects
         self._receivers: InputReceivers | None = None  # receive == "processes"
         self._release_timer = None  # calls _ready() every cloud_timeout / 2
         self._runtime: dict[str, Any] = {}
@@ -138,14 +137,6 @@ class PerceptionNode(KestrelLifecycleNode):
         if p["gil_switch_interval_us"] > 0:  # process-wide: this process is the node
             # +0.5 us: CPython truncates the interval to whole microseconds
             sys.setswitchinterval((p["gil_switch_interval_us"] + 0.5) * 1e-6)
-        self._builder = ResultBuilder(p["frame_id"], self.core.config.class_names)
-        # results go out as CDR bytes when this encoder writes what the rmw would
-        self._result_cdr = matches_rmw(self._builder, serialize_message,
-                                       deserialize_message)
-        if not self._result_cdr:
-            self.get_logger().warning(
-                "result CDR encoder differs from the rmw's serialisation of PerceptionResult "
-                "(changed .msg or rmw?): publishing message objects (slower)")
         self.sync = FrameSynchronizer(n, p["sync_slop"], HISTORY, count=self.counters.inc,
                                       cloud_required=p["cloud_required"],
                                       cloud_timeout_s=p["cloud_timeout"])
@@ -158,8 +149,16 @@ class PerceptionNode(KestrelLifecycleNode):
         if not in_node and not self._start_receivers(p):  # before any ROS entity exists:
             self.core = self.sync = None  # a failed configure leaves nothing behind
             return TransitionCallbackReturn.FAILURE
+        builder = ResultBuilder(p["frame_id"], self.core.config.class_names)
+        # results go out as CDR bytes when this encoder writes what the rmw would
+        cdr = matches_rmw(builder, serialize_message, deserialize_message)
+        if not cdr:
+            self.get_logger().warning(
+                "result CDR encoder differs from the rmw's serialisation of PerceptionResult "
+                "(changed .msg or rmw?): publishing message objects (slower)")
         self._result_pub = self.create_publisher(PerceptionResult, "~/output/result",
                                                  COMMAND_QOS)
+        self._results = ResultPublisher(builder, self._result_pub, cdr)
         if p["publish_debug_image"]:
             self._debug_pub = self.create_publisher(Image, "~/output/debug_image", SENSOR_QOS)
         group = MutuallyExclusiveCallbackGroup()
@@ -192,7 +191,7 @@ class PerceptionNode(KestrelLifecycleNode):
             f"FPN {m.fpn_channels}, device {p['device']}, heads {sorted(self._heads())}, "
             f"inputs received by the {p['receive']}, processing in the {p['processing']}, "
             f"GIL switch interval {round(sys.getswitchinterval() * 1e6)} us, results published "
-            f"as {'CDR bytes' if self._result_cdr else 'message objects'}")
+            f"as {'CDR bytes' if cdr else 'message objects'}")
         return TransitionCallbackReturn.SUCCESS
 
     def _start_receivers(self, p: dict[str, Any]) -> bool:
@@ -244,6 +243,7 @@ class PerceptionNode(KestrelLifecycleNode):
             if pub is not None:
                 self.destroy_publisher(pub)
         self._result_pub = self._debug_pub = None
+        self._results = None
         with self._proc_lock:  # a set being processed in a callback finishes first
             self.core = None
             self.sync = None
@@ -448,20 +448,8 @@ class PerceptionNode(KestrelLifecycleNode):
             # the copy of the completing message out of its ring
             extra["rx_handoff"] = rx.handing_over_since - s.newest_recv_s
             extra["rx_read"] = rx.read_s
-        stamps = [img.stamp_ns for img in s.images]
-        if self._result_cdr:  # CDR bytes: one copy of the maps (result_cdr.py)
-            w = self._builder.build_cdr(s.stamp_ns, stamps, cams, out)
-            build = time.monotonic() - t_build
-            w.timings({**out.timings, **extra, "build": build})
-            latency = time.monotonic() - s.newest_recv_s  # (the payload join follows)
-            w.f64(latency)
-            self._result_pub.publish(w.payload())
-        else:
-            msg = self._builder.build(s.stamp_ns, stamps, cams, out, extra)
-            build = time.monotonic() - t_build
-            msg.timings.append(StageTiming(name="build", duration=build))
-            msg.latency = latency = time.monotonic() - s.newest_recv_s
-            self._result_pub.publish(msg)
+        build, latency = self._results.publish(s.stamp_ns, [img.stamp_ns for img in s.images],
+                                               cams, out, extra, t_build, s.newest_recv_s)
         for name, dt in {**out.timings, **extra, "build": build}.items():
             self.timer.add(name, dt)
         self.timer.add("total", latency)
@@ -485,7 +473,8 @@ class PerceptionNode(KestrelLifecycleNode):
             values["prestaged_inputs"] = self.core.staging.prestaged_used
             # of those, straight from the receivers' pinned pools (receive: processes)
             values["prestaged_direct"] = self.core.staging.prestaged_direct
-        values["result_cdr"] = float(self._result_cdr)  # 1: results published as CDR bytes
+        # 1: results published as CDR bytes (result_cdr.py)
+        values["result_cdr"] = float(self._results is not None and self._results.cdr)
         if self._receivers is not None:  # receive == "processes": drops in the receivers
             for name, n in self._receivers.counters().items():  # add to the node's own
                 values[name] = n + (self.counters.get(name) if name.startswith("dropped_")

@@ -11,6 +11,7 @@ publish from one thread, publish before the next build.
 from __future__ import annotations
 
 import array
+import time
 
 import numpy as np
 from builtin_interfaces.msg import Time
@@ -133,6 +134,35 @@ class ResultBuilder:
             for i, m in enumerate(maps):  # camera i's map (none without the head)
                 w.image(image_stamps_ns[i], cams[i].frame_id, m, encoding)
         return w
+
+
+class ResultPublisher:
+    """Builds and publishes one result per frame: as CDR bytes (result_cdr.py) when `cdr`
+    (the node sets it from `matches_rmw` at configure), else as a message object.
+    `publisher` is anything with publish(msg | bytes) (an rclpy Publisher)."""
+
+    def __init__(self, builder: ResultBuilder, publisher, cdr: bool) -> None:  # noqa: ANN001
+        self.builder, self.publisher, self.cdr = builder, publisher, cdr
+
+    def publish(self, stamp_ns: int, image_stamps_ns: list[int], cams: list[CameraModel],
+                out: PerceptionOutput, extra: dict[str, float], t_build: float,
+                newest_recv_s: float) -> tuple[float, float]:
+        """Build (timings: out.timings, extra, then "build" = now - t_build) and publish;
+        latency = now - newest_recv_s (time.monotonic). Returns (build s, latency s)."""
+        if self.cdr:  # one copy of the maps, in payload()
+            w = self.builder.build_cdr(stamp_ns, image_stamps_ns, cams, out)
+            build = time.monotonic() - t_build
+            w.timings({**out.timings, **extra, "build": build})
+            latency = time.monotonic() - newest_recv_s  # (the payload join follows)
+            w.f64(latency)
+            self.publisher.publish(w.payload())
+        else:
+            msg = self.builder.build(stamp_ns, image_stamps_ns, cams, out, extra)
+            build = time.monotonic() - t_build
+            msg.timings.append(StageTiming(name="build", duration=build))
+            msg.latency = latency = time.monotonic() - newest_recv_s
+            self.publisher.publish(msg)
+        return build, latency
 
 
 # the detection arrays: array.array typecodes (message objects) and CDR dtypes, in .msg order

@@ -181,3 +181,40 @@ def test_cdr_check_detects_a_different_serialisation() -> None:
     assert not matches_rmw(b, flipped, deserialize_message)
     # a payload the subscribers would read differently fails the round trip
     assert not matches_rmw(b, serialize_message, lambda p, t: PerceptionResult())
+
+
+def test_result_publisher_sends_the_same_result_either_way() -> None:
+    """ResultPublisher (the node's publish step): CDR bytes and the message object path give
+    the same message once deserialised, with the build timing and latency appended."""
+    import time as _time
+
+    from rclpy.serialization import deserialize_message, serialize_message
+
+    from kestrel_perception.result_msg import ResultPublisher
+
+    class Sink:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def publish(self, m) -> None:  # noqa: ANN001
+            self.sent.append(m)
+
+    got = []
+    for cdr in (True, False):
+        sink = Sink()
+        pub = ResultPublisher(ResultBuilder("world", CLASSES), sink, cdr)
+        t = _time.monotonic()
+        build, latency = pub.publish(5, [5, 5], cams(), output(0.0), {"wait": 0.001}, t, t)
+        assert 0 <= build <= latency
+        (m,) = sink.sent
+        assert isinstance(m, bytes) == cdr
+        got.append(deserialize_message(m, PerceptionResult) if cdr
+                   else deserialize_message(serialize_message(m), PerceptionResult))
+    a, b = got
+    assert [t.name for t in a.timings] == [t.name for t in b.timings] == ["model", "wait",
+                                                                          "build"]
+    for k, v in detection_arrays(a).items():  # NaN positions compare equal here
+        np.testing.assert_array_equal(v, detection_arrays(b)[k])
+    for m in (a, b):  # measured (differ), and NaN != NaN for ==
+        m.timings, m.latency, m.position, m.position_variance = [], 0.0, [], []
+    assert a == b
