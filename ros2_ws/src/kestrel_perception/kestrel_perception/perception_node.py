@@ -84,7 +84,7 @@ COUNTERS = ("processed", "dropped_bad_encoding", "dropped_bad_image", "dropped_s
             "dropped_bad_camera_info", "dropped_bad_pose", "dropped_bad_cloud",
             "dropped_too_many_points", "out_of_sync", "skipped_stale", "processing_error",
             "nan_points", "truncated_points", "runtime_shape_fallbacks", "nms_slow_path",
-            "missing_cloud")
+            "missing_cloud", "cloud_out_of_sync")
 # core InputError reason code -> counter
 REASON_COUNTER = {"bad_image": "dropped_bad_image", "size_mismatch": "dropped_size_mismatch",
                   "mixed_sizes": "dropped_size_mismatch", "bad_camera": "dropped_bad_camera_info",

@@ -301,7 +301,7 @@ def test_sync_waits_for_the_cloud_while_the_lidar_is_live() -> None:
     """cloud_required: complete images do not make a set while a live LiDAR's cloud for them is
     still on the way (it arrives after the images); a silent LiDAR (no cloud for
     cloud_timeout) or cloud_required False lets sets go without one, counted missing_cloud."""
-    from kestrel_perception.core.sync import FrameSynchronizer
+    from kestrel_perception.core.sync import FrameSynchronizer, Stamped
 
     now = [0.0]
     counts: dict[str, int] = {}
@@ -332,7 +332,8 @@ def test_sync_waits_for_the_cloud_while_the_lidar_is_live() -> None:
     sync.add_cloud(_st(502, "c502"))
     s = sync.pop_newest_set()
     assert s.stamp_ns == 500_000_000 and s.cloud.data == "c502"
-    assert counts == {"missing_cloud": 1, "skipped_stale": 2}
+    # 400 left without its cloud: camera 0's image says why (one count per set)
+    assert counts == {"missing_cloud": 1, "skipped_stale": 1, "cloud_out_of_sync": 1}
     images(600)  # the LiDAR fell silent: 0.502 + 0.5 s later the sets go without it
     now[0] = 0.95
     assert sync.pop_newest_set() is None
@@ -347,6 +348,18 @@ def test_sync_waits_for_the_cloud_while_the_lidar_is_live() -> None:
     assert slow.live_window_s() == pytest.approx(1.5) and slow.lidar_live()
     now[0] = 2.0 + 1.6
     assert not slow.lidar_live()
+    # LiDAR stamps 50 ms off the cameras' (beyond slop): no set forms while it is live, and
+    # the evicted camera sets are counted as cloud_out_of_sync, not as skipped
+    off: dict[str, int] = {}
+    skew = FrameSynchronizer(1, 0.01, 2, count=lambda k, n: off.__setitem__(
+        k, off.get(k, 0) + n), clock=lambda: now[0])
+    for k in range(5):
+        now[0] = 10.0 + 0.1 * k
+        skew.add_cloud(Stamped(k * 100_000_000 + 50_000_000, now[0], None))
+        skew.add_image(0, Stamped(k * 100_000_000, now[0], None))  # (image first: the
+        skew.add_info(0, Stamped(k * 100_000_000, now[0], None))  # evicted one keeps its info)
+        assert skew.pop_newest_set() is None
+    assert off == {"cloud_out_of_sync": 3}  # history 2: 3 of 5 evicted
     lax = FrameSynchronizer(1, 0.01, 4, cloud_required=False, clock=lambda: 0.0)
     lax.add_cloud(_st(0, "c0"))  # live, but not required
     lax.add_info(0, _st(700))

@@ -13,6 +13,9 @@ without one (LiDAR silent, or cloud_required False) is counted as "missing_cloud
 here runs on a timer: the node calls pop_newest_set again after the live window (a timer), so
 a waiting set is released when the LiDAR falls silent. Images that leave the history
 unprocessed are counted through `count(name, n)`:
+  "cloud_out_of_sync": (camera 0's image, one per set) its camera set was complete but no
+                   cloud within `slop` came while the LiDAR was live (a lost cloud, or LiDAR
+                   stamps that never fall within sync_slop of the cameras': no set forms);
   "skipped_stale": it could have formed a set, but a newer set was taken (processing slower
                    than the input rate: newest wins), or it arrived older than the last set;
   "out_of_sync":   no set could be formed with it (a partner image or camera_info missing or
@@ -31,6 +34,7 @@ from typing import Any
 SKIPPED_STALE = "skipped_stale"
 OUT_OF_SYNC = "out_of_sync"
 MISSING_CLOUD = "missing_cloud"
+CLOUD_OUT_OF_SYNC = "cloud_out_of_sync"
 
 
 @dataclass
@@ -75,6 +79,7 @@ class FrameSynchronizer:
         self._last_cloud_recv_s: float | None = None
         self._last_cloud_stamp_ns: int | None = None
         self._cloud_period_s = 0.0  # EMA of the stamp differences of consecutive clouds
+        self._last_set_ns = -1  # stamp of the last set handed out
         self.num_cameras = num_cameras
         self.slop_ns = int(round(slop_s * 1e9))
         self._images: list[deque[Stamped]] = [deque() for _ in range(num_cameras)]
@@ -139,7 +144,15 @@ class FrameSynchronizer:
         return images, infos
 
     def _discard(self, camera: int, img: Stamped) -> None:
-        self._count(SKIPPED_STALE if self._match(camera, img) is not None else OUT_OF_SYNC, 1)
+        if self._match(camera, img) is None:
+            self._count(OUT_OF_SYNC, 1)
+        elif (camera == 0 and self.cloud_required and self.lidar_live()
+              and self._cloud_for(img.stamp_ns) is None and img.stamp_ns > self._last_set_ns):
+            # a complete camera set that never got a cloud within slop of it: lost clouds, or
+            # LiDAR stamps that never fall within sync_slop of the cameras' (no set forms)
+            self._count(CLOUD_OUT_OF_SYNC, 1)
+        else:
+            self._count(SKIPPED_STALE, 1)
 
     def _cloud_for(self, ref_ns: int) -> Stamped | None:
         cloud = None
@@ -185,6 +198,7 @@ class FrameSynchronizer:
                 self._last_ns[c] = used.stamp_ns
             if cloud is None:
                 self._count(MISSING_CLOUD, 1)
+            self._last_set_ns = ref.stamp_ns
             parts = [*images, *infos] + ([cloud] if cloud is not None else [])
             recv = [m.recv_s for m in parts]
             return SyncedSet(ref.stamp_ns, images, infos, cloud, max(recv), min(recv))
