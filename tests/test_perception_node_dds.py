@@ -500,3 +500,40 @@ def test_prestaging_never_overlaps_a_frame(ros_domain):
         node.trigger_cleanup()
         node.destroy_node()
         rclpy.try_shutdown(context=ctx)
+
+
+def test_a_cloud_that_completes_its_set_processes_it(ros_domain):
+    """cloud_required: images + camera_info of a stamp wait for their cloud (the LiDAR is
+    live); the cloud's own arrival processes the set at once (callback processing), not the
+    release timer or the next image. The node in this process, no executor (no timers run)."""
+    import rclpy
+    from rclpy.parameter import Parameter
+
+    from kestrel_perception.perception_node import PerceptionNode
+
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx, domain_id=ros_domain)
+    params = {"num_cameras": 1, "base_width": 8, "fpn_channels": 32, "torch_threads": 1,
+              "warmup_size": [W, H], "autostart": False, "gc_freeze": False,
+              "sync_slop": 0.01, "camera_poses": POSES[:7]}
+    node = PerceptionNode(context=ctx, parameter_overrides=[
+        Parameter(k, value=v) for k, v in params.items()])
+    try:
+        node.trigger_configure()
+        node._active = True  # as activation would, without its timers (no executor here)
+        t0 = 1_000_000_000
+        pts = wall_points()
+        node._take_points(t0, time.monotonic(), pts)  # the LiDAR is live from now on
+        t1 = t0 + 100_000_000
+        node._on_info(0, make_camera_info(K, W, H, make_header(t1, "cam0_optical")))
+        node._take_image(0, t1, time.monotonic(), np.zeros((H, W, 3), np.uint8),
+                         "cam0_optical")
+        assert node.counters.get("processed") == 0  # waits for the cloud of t1
+        node._take_points(t1, time.monotonic(), pts)
+        assert node.counters.get("processed") == 1  # processed by the cloud's arrival
+        assert node.counters.get("missing_cloud") == 0
+    finally:
+        node._active = False
+        node.trigger_cleanup()
+        node.destroy_node()
+        rclpy.try_shutdown(context=ctx)

@@ -144,11 +144,6 @@ class PerceptionNode(KestrelLifecycleNode):
         self._poses = [pose_to_matrix(poses[7 * i: 7 * i + 7]) if poses else np.eye(4)
                        for i in range(n)]
         self._runtime = {k: p[k] for k in RUNTIME_PARAMS}
-        p["receive"] = resolve_receive(p["receive"], self.core.device.type, n)
-        in_node = p["receive"] == "executor"
-        if not in_node and not self._start_receivers(p):  # before any ROS entity exists:
-            self.core = self.sync = None  # a failed configure leaves nothing behind
-            return TransitionCallbackReturn.FAILURE
         builder = ResultBuilder(p["frame_id"], self.core.config.class_names)
         # results go out as CDR bytes when this encoder writes what the rmw would
         cdr = matches_rmw(builder, serialize_message, deserialize_message)
@@ -156,6 +151,11 @@ class PerceptionNode(KestrelLifecycleNode):
             self.get_logger().warning(
                 "result CDR encoder differs from the rmw's serialisation of PerceptionResult "
                 "(changed .msg or rmw?): publishing message objects (slower)")
+        p["receive"] = resolve_receive(p["receive"], self.core.device.type, n)
+        in_node = p["receive"] == "executor"
+        if not in_node and not self._start_receivers(p):  # before any ROS entity exists:
+            self.core = self.sync = None  # a failed configure leaves nothing behind
+            return TransitionCallbackReturn.FAILURE
         self._result_pub = self.create_publisher(PerceptionResult, "~/output/result",
                                                  COMMAND_QOS)
         self._results = ResultPublisher(builder, self._result_pub, cdr)
@@ -361,13 +361,13 @@ class PerceptionNode(KestrelLifecycleNode):
         sync = self.sync
         if not self._active or sync is None:
             return
-        if not self._inline:
+
+        def store() -> None:  # the cloud often completes its set (core/sync.py)
             sync.add_cloud(Stamped(stamp_ns, recv_s, xyz))
-            return
-        with self._proc_lock:  # as the images: never while a frame is processed
-            sync.add_cloud(Stamped(stamp_ns, recv_s, xyz))
-            if self.core is not None:
+            if self._inline and self.core is not None:  # as the images: pre-staged
                 self.core.staging.prestage_points(xyz)
+
+        self._ready(store)
 
     # ---- processing: in the completing callback, or in the worker thread ----------------------
     def _ready(self, store: Callable[[], None] | None = None) -> None:

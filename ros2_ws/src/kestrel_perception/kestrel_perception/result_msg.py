@@ -201,5 +201,8 @@ def matches_rmw(builder: ResultBuilder, serialize, deserialize) -> bool:
     w = builder.build_cdr(123_456_789_012, stamps, cams, out)
     w.timings(timings)
     w.f64(0.0125)
-    payload = w.payload()
-    return w.same_as(bytes(serialize(msg))) and deserialize(payload, PerceptionResult) == msg
+    try:  # a payload the rmw cannot read back (e.g. a field added to the .msg) is a "no"
+        return w.same_as(bytes(serialize(msg))) and \
+            deserialize(w.payload(), PerceptionResult) == msg
+    except Exception:  # noqa: BLE001 - any failure means: publish message objects
+        return False

@@ -257,3 +257,25 @@ def test_registered_buffers_on_cuda_skip_the_host_slot() -> None:
     s = st.points(rp).points.cpu().numpy()
     np.testing.assert_array_equal(s[:100], pts)
     assert np.isnan(s[100:]).all()
+
+
+@pytest.mark.gpu
+def test_cuda_mixed_sources_and_reused_pool_buffers() -> None:
+    """CUDA: in one frame camera 0 comes from a registered (pinned) buffer, straight to its
+    device slot, and camera 1 through the host slot; then the same pool buffers are refilled
+    and pre-staged again for the next frames (as the receivers reuse their pools)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (CI has none)")
+    st = InputStaging(torch.device("cuda"), (64,))
+    st.configure_images(2, (4, 6))
+    pool = st.host_buffers(2, 4 * 6 * 3)
+    rng = np.random.default_rng(3)
+    for k in range(6):
+        a, b = (rng.integers(0, 256, (4, 6, 3), dtype=np.uint8) for _ in range(2))
+        buf = pool[k % 2]
+        buf[:] = a.reshape(-1)
+        ra = buf.reshape(4, 6, 3)
+        assert st.prestage_image(0, ra) and st._dev_staged[0] is ra
+        out = st.images([ra, b]).permute(0, 2, 3, 1).cpu().numpy()
+        np.testing.assert_array_equal(out, np.stack([a, b]))
+    assert st.prestaged_direct == 6

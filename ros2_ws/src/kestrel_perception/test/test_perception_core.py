@@ -348,18 +348,21 @@ def test_sync_waits_for_the_cloud_while_the_lidar_is_live() -> None:
     assert slow.live_window_s() == pytest.approx(1.5) and slow.lidar_live()
     now[0] = 2.0 + 1.6
     assert not slow.lidar_live()
-    # LiDAR stamps 50 ms off the cameras' (beyond slop): no set forms while it is live, and
-    # the evicted camera sets are counted as cloud_out_of_sync, not as skipped
+    # LiDAR stamps 50 ms after the cameras' (beyond slop): a set stops waiting once a cloud
+    # stamped after it + slop has arrived (clouds come in stamp order), and goes without
     off: dict[str, int] = {}
     skew = FrameSynchronizer(1, 0.01, 2, count=lambda k, n: off.__setitem__(
         k, off.get(k, 0) + n), clock=lambda: now[0])
     for k in range(5):
         now[0] = 10.0 + 0.1 * k
+        skew.add_image(0, Stamped(k * 100_000_000, now[0], None))
+        skew.add_info(0, Stamped(k * 100_000_000, now[0], None))
+        if k:  # the previous cloud (stamp 50 ms before this set) is not beyond it: wait
+            assert skew.pop_newest_set() is None
         skew.add_cloud(Stamped(k * 100_000_000 + 50_000_000, now[0], None))
-        skew.add_image(0, Stamped(k * 100_000_000, now[0], None))  # (image first: the
-        skew.add_info(0, Stamped(k * 100_000_000, now[0], None))  # evicted one keeps its info)
-        assert skew.pop_newest_set() is None
-    assert off == {"cloud_out_of_sync": 3}  # history 2: 3 of 5 evicted
+        s = skew.pop_newest_set()
+        assert s is not None and s.cloud is None
+    assert off == {"missing_cloud": 5}
     lax = FrameSynchronizer(1, 0.01, 4, cloud_required=False, clock=lambda: 0.0)
     lax.add_cloud(_st(0, "c0"))  # live, but not required
     lax.add_info(0, _st(700))

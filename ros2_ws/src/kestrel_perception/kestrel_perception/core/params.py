@@ -186,7 +186,9 @@ def resolve_receive(receive: str, device: str, num_cameras: int,
     with fewer the receivers, the publishers and the node compete for the cores)."""
     if receive != "auto":
         return receive
-    cpus = os.cpu_count() if cpus is None else cpus
+    if cpus is None:  # the CPUs this process may use (affinity / cpuset), not the host's
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count()
     cuda = str(device).startswith("cuda")
     return "processes" if cuda and (cpus or 1) >= 2 * (num_cameras + 1) else "executor"
 

@@ -124,6 +124,9 @@ class InputStaging:
         if self._copy_stream is None:
             dst.copy_(src)
             return
+        # after whatever the frame stream queued (a frame still reading the slot), then the
+        # copy; the frame stream waits for it in _join_copies
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
             dst.copy_(src, non_blocking=True)
         self._pending_copies = True
@@ -154,6 +157,7 @@ class InputStaging:
     def images(self, images: list[np.ndarray]) -> torch.Tensor:
         """[H,W,3] uint8 arrays (any strides, e.g. a BGR view) -> [C,3,H,W] uint8 on the
         device (channels_last memory): one copy each into the host buffer, one H2D copy."""
+        self._join_copies()  # before configure_images may free a slot a copy still writes
         self.configure_images(len(images), images[0].shape[:2])
         assert self._img_np is not None and self._img_dev is not None
         on_device = [self._dev_staged[i] is img for i, img in enumerate(images)]
@@ -165,7 +169,6 @@ class InputStaging:
                 self._img_np[i] = img
         self._staged = [None] * len(images)  # consumed: the next frame stages again
         self._dev_staged = [None] * len(images)
-        self._join_copies()
         if self.cuda:
             assert self._img_host is not None
             if not any(on_device):  # one copy of all cameras

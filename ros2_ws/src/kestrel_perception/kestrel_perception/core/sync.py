@@ -5,9 +5,12 @@ never grows whatever the input rate; the consumer always takes the NEWEST comple
 
 A set is complete when, for the newest possible reference image of camera 0, every camera has
 an image whose stamp is within `slop` of it and a camera_info within `slop` of that image, and
-(`cloud_required`, the default) a cloud within `slop` of the reference while the LiDAR is live
-(a cloud received within max(`cloud_timeout_s`, 1.5 x the LiDAR's period, estimated from the
-clouds' stamps)): a set never goes out without the cloud that is still on its way (which the
+(`cloud_required`, the default) a cloud within `slop` of the reference while one may still
+come: the LiDAR is live (a cloud received within max(`cloud_timeout_s`, 1.5 x its period
+measured from the clouds' receipt times, at most MAX_LIVE_WINDOW_S)) and no cloud stamped
+after reference + slop has arrived yet (a LiDAR delivers its clouds in stamp order: after that
+one, no matching cloud comes; the set goes without). So a set never goes out without the cloud
+that is still on its way (which the
 1.9 MB cloud usually is, after the images). The newest cloud within `slop` is attached; a set
 without one (LiDAR silent, or cloud_required False) is counted as "missing_cloud". Nothing
 here runs on a timer: the node calls pop_newest_set again after the live window (a timer), so
@@ -35,6 +38,7 @@ SKIPPED_STALE = "skipped_stale"
 OUT_OF_SYNC = "out_of_sync"
 MISSING_CLOUD = "missing_cloud"
 CLOUD_OUT_OF_SYNC = "cloud_out_of_sync"
+MAX_LIVE_WINDOW_S = 5.0  # the LiDAR's live window never exceeds this (a slow or stalled one)
 
 
 @dataclass
@@ -77,8 +81,8 @@ class FrameSynchronizer:
         self.cloud_timeout_s = float(cloud_timeout_s)
         self._clock = clock  # same clock as the messages' recv_s (time.monotonic)
         self._last_cloud_recv_s: float | None = None
-        self._last_cloud_stamp_ns: int | None = None
-        self._cloud_period_s = 0.0  # EMA of the stamp differences of consecutive clouds
+        self._newest_cloud_ns: int | None = None  # newest cloud stamp received
+        self._cloud_period_s = 0.0  # EMA of the receipt intervals of consecutive clouds, s
         self._last_set_ns = -1  # stamp of the last set handed out
         self.num_cameras = num_cameras
         self.slop_ns = int(round(slop_s * 1e9))
@@ -108,14 +112,16 @@ class FrameSynchronizer:
     def add_cloud(self, msg: Stamped) -> None:
         with self._lock:
             self._clouds.append(msg)
+            last_recv = self._last_cloud_recv_s
             self._last_cloud_recv_s = msg.recv_s
-            last = self._last_cloud_stamp_ns
-            if last is not None and msg.stamp_ns > last:
-                dt = (msg.stamp_ns - last) * 1e-9
-                p = self._cloud_period_s
-                self._cloud_period_s = dt if p == 0.0 else 0.8 * p + 0.2 * dt
-            if last is None or msg.stamp_ns > last:
-                self._last_cloud_stamp_ns = msg.stamp_ns
+            if last_recv is not None and msg.recv_s > last_recv:
+                dt, p = msg.recv_s - last_recv, self._cloud_period_s
+                if p == 0.0:
+                    self._cloud_period_s = dt
+                elif dt < 4.0 * p:  # a gap after silence is not the period
+                    self._cloud_period_s = 0.8 * p + 0.2 * dt
+            if self._newest_cloud_ns is None or msg.stamp_ns > self._newest_cloud_ns:
+                self._newest_cloud_ns = msg.stamp_ns
 
     # ---- matching -------------------------------------------------------------------------
     def _closest(self, q: deque[Stamped] | list[Stamped], stamp_ns: int) -> Stamped | None:
@@ -164,7 +170,7 @@ class FrameSynchronizer:
 
     def live_window_s(self) -> float:
         """How long after the last cloud the LiDAR counts as live, s."""
-        return max(self.cloud_timeout_s, 1.5 * self._cloud_period_s)
+        return max(self.cloud_timeout_s, min(1.5 * self._cloud_period_s, MAX_LIVE_WINDOW_S))
 
     def lidar_live(self) -> bool:
         """A cloud was received within live_window_s() (sets then wait for theirs)."""
@@ -181,8 +187,10 @@ class FrameSynchronizer:
                 if found is None:
                     continue
                 cloud = self._cloud_for(ref.stamp_ns)
-                if cloud is None and wait_cloud:
-                    continue  # its cloud is still on the way
+                if cloud is None and wait_cloud and (
+                        self._newest_cloud_ns is None
+                        or self._newest_cloud_ns <= ref.stamp_ns + self.slop_ns):
+                    continue  # its cloud may still be on the way
                 break
             else:
                 return None
