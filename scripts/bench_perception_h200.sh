@@ -34,6 +34,12 @@ wait "$envpid"
 [[ "$mode" == forward ]] && exit 0
 tail -3 "$out/ros_env.log"
 source scripts/device_ros_env.sh || exit 3
+# GPU_TESTS=1: the perception GPU tests first (Triton NMS, pinned staging, region graphs)
+if [[ -n "${GPU_TESTS:-}" ]]; then
+  timeout 300 "$KPY" -m pytest -q -p no:cacheprovider -m gpu models/tests/test_nms_triton.py \
+    models/tests/test_box_median_triton.py ros2_ws/src/kestrel_perception/test 2>&1 \
+    | tail -15 | tee "$out/gpu_tests.txt"
+fi
 # PUBLISHERS="one per-sensor" runs the node once per input-publisher mode (default: one);
 # RECEIVE="executor processes" once per node parameter `receive` as well (default: the node's)
 for pubs in ${PUBLISHERS:-one}; do

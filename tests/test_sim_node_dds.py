@@ -138,6 +138,10 @@ def test_streams_clock_camera_lidar_joints(probe, launch_node):
     assert np.all(np.isfinite(xyz))
     assert np.count_nonzero(np.abs(xyz[:, 2] - 0.40) < 1e-3) > 200
     assert np.min(np.linalg.norm(xyz - (red + [0, 0, 0.025]), axis=1)) < 0.03
+    # camera and LiDAR at the same rate are triggered together: one snapshot, one stamp
+    # (the perception node pairs them within sync_slop)
+    assert {_ns(m.header.stamp) for m in img.snapshot()} & \
+        {_ns(m.header.stamp) for m in pts.snapshot()}, "no image and cloud share a stamp"
 
     # joint states: 6 named joints at the home pose
     jm = js.snapshot()[-1]

@@ -297,6 +297,7 @@ class SimNode(KestrelLifecycleNode):
     def _sensor_loop(self) -> None:
         cam_due = Periodic(self.params["camera_rate_hz"])
         lidar_due = Periodic(self.params["lidar_rate_hz"])
+        trigger = None  # the snapshot both sensors use when they are due together
         try:
             while not self._stop.is_set():
                 self._tick.wait(0.1)
@@ -310,7 +311,10 @@ class SimNode(KestrelLifecycleNode):
                     # the same stamp (a rig's hardware trigger; the perception node pairs
                     # them within sync_slop). The render (~70 ms on the CPU) would else put
                     # the scan's snapshot ~70 ms of sim time after the image's.
-                    snap = self.world.take_snapshot() if cam and lidar else (None, 0)
+                    snap = (None, 0)
+                    if cam and lidar:  # (the MjData is reused from the previous trigger)
+                        snap = self.world.take_snapshot(trigger)
+                        trigger = snap[0]
                     if cam:
                         self._publish_camera(*snap)
                     if lidar:

@@ -225,10 +225,11 @@ class SimWorld:
                                     self.data.xquat[ob.body_id].copy(), ob.size.copy()))
         return out
 
-    def take_snapshot(self) -> tuple[mujoco.MjData, int]:
-        """A new MjData holding a snapshot of the live state and its sim time (ns): sensors
-        triggered at the same instant render / scan this one (a hardware trigger)."""
-        dst = mujoco.MjData(self.model)
+    def take_snapshot(self, dst: mujoco.MjData | None = None) -> tuple[mujoco.MjData, int]:
+        """A snapshot of the live state (into `dst`, reused, or a new MjData) and its sim time
+        (ns): sensors triggered at the same instant render / scan this one (a hardware
+        trigger)."""
+        dst = mujoco.MjData(self.model) if dst is None else dst
         return dst, self.snapshot_into(dst)
 
     def snapshot_into(self, dst: mujoco.MjData) -> int:
