@@ -207,7 +207,7 @@ class PerceptionNode(KestrelLifecycleNode):
             frame_id=p["frame_id"], node_name=self.get_name(), namespace=self.get_namespace(),
             ros_args=["-p", f"use_sim_time:={'true' if use_sim else 'false'}"],
             pool=HISTORY + 3, start_timeout_s=p["receiver_start_timeout"],
-            allocate=self.core.staging.host_buffers if self.core is not None else None)
+            allocate=self.core.staging.host_buffers)
         try:
             self._receivers.start()
         except (ReceiverError, OSError) as exc:

@@ -17,12 +17,10 @@ then the elements (aligned to the element size; an empty sequence adds no paddin
 are not serialised. rmw_fastrtps's own serialisation (rclpy.serialization.serialize_message)
 leaves its padding bytes uninitialised and sizes its buffer by an upper-bound estimate, so it
 can end in garbage bytes past the data; `same_as` compares outside the padding, up to the end
-of this payload, and `result_msg.matches_rmw` also deserialises this payload and compares the
-message field by field.
-`matches_rmw` compares this encoder with the rmw's own serialisation of the same result; the
-node runs it at configure and publishes message objects if they ever differ (a changed .msg, a
-different rmw or encoding), so the fast path can never send a payload the subscribers
-misread. Message types only (no rclpy).
+of this payload. The node runs `result_msg.matches_rmw` at configure (that comparison plus a
+round trip through the rmw's deserialiser) and publishes message objects if they ever differ
+(a changed .msg, a different rmw or encoding), so the fast path can never send a payload the
+subscribers misread. Message types only (no rclpy).
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class ResultBuilder:
         res.camera_frame_ids = [cam.frame_id for cam in cams]
         fields = self.detection_fields(cams, out)
         if fields is not None:
-            for name, typecode in _TYPECODES.items():
+            for name, (typecode, _) in _DETECTION_FIELDS.items():
                 setattr(res, name, _array(typecode, fields[name]))
         headers = [make_header(st, cam.frame_id)
                    for st, cam in zip(image_stamps_ns, cams, strict=True)]
@@ -127,7 +127,7 @@ class ResultBuilder:
             w.time(st)
         w.strings([cam.frame_id for cam in cams])
         fields = self.detection_fields(cams, out)
-        for name, dtype in _CDR_DTYPES.items():
+        for name, (_, dtype) in _DETECTION_FIELDS.items():
             w.array(fields[name] if fields is not None else _EMPTY, dtype)
         for maps, encoding in ((out.masks, "mono8"), (out.depths, out.depth_encoding)):
             w.u32(len(maps))
@@ -165,11 +165,11 @@ class ResultPublisher:
         return build, latency
 
 
-# the detection arrays: array.array typecodes (message objects) and CDR dtypes, in .msg order
-_TYPECODES = {"camera_index": "I", "class_index": "H", "score": "f", "bbox": "f",
-              "position_source": "B", "position": "d", "position_variance": "d"}
-_CDR_DTYPES = {"camera_index": "<u4", "class_index": "<u2", "score": "<f4", "bbox": "<f4",
-               "position_source": "u1", "position": "<f8", "position_variance": "<f8"}
+# the detection arrays in .msg order: (array.array typecode for message objects, CDR dtype)
+_DETECTION_FIELDS = {"camera_index": ("I", "<u4"), "class_index": ("H", "<u2"),
+                     "score": ("f", "<f4"), "bbox": ("f", "<f4"),
+                     "position_source": ("B", "u1"), "position": ("d", "<f8"),
+                     "position_variance": ("d", "<f8")}
 _EMPTY = np.zeros(0)
 
 

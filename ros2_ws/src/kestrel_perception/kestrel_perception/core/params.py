@@ -51,12 +51,14 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("sync_slop", 0.02, "Max stamp difference between the images, camera_infos and "
               "cloud of one set, s." + _CONF, min=0.0, max=1.0),
     ParamSpec("cloud_required", True, "A set waits for its cloud (within sync_slop) while "
-              "the LiDAR is live (a cloud received within cloud_timeout); false = a set goes "
-              "out as soon as its images are complete, with the newest cloud within sync_slop "
-              "if one is there. Sets without a cloud are counted (missing_cloud)." + _CONF),
+              "one may still come: the LiDAR is live (see cloud_timeout) and no cloud stamped "
+              "after the set + sync_slop has arrived; false = a set goes out as soon as its "
+              "images are complete, with the newest cloud within sync_slop if one is there. "
+              "Sets without a cloud are counted (missing_cloud)." + _CONF),
     ParamSpec("cloud_timeout", 0.5, "LiDAR silence after which sets stop waiting for a "
-              "cloud, s (at least 1.5 x the LiDAR's period, measured from the clouds' stamps); "
-              "a waiting set is released within half of it." + _CONF, min=0.01, max=60.0),
+              "cloud, s (at least 1.5 x the LiDAR's period, measured from the clouds' receipt "
+              "times, at most 5 s); a waiting set is released within half of it." + _CONF,
+              min=0.01, max=60.0),
     ParamSpec("device", "cpu", "Torch device." + _CONF, choices=("cpu", "cuda")),
     ParamSpec("amp", False, "bf16 autocast (CUDA only)." + _CONF),
     ParamSpec("runtime_variant", "eager", "'eager' (plain model) or a prepared runtime "

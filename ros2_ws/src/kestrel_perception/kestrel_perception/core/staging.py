@@ -122,16 +122,22 @@ class InputStaging:
         dtype = _TORCH_DTYPES.get(arr.dtype.str)
         return None if dtype is None else reg[0][:arr.nbytes].view(dtype).view(arr.shape)
 
-    def _device_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst (device slot) <- src (registered host memory): async on the copy stream."""
+    def _device_copy(self, dst: torch.Tensor, src: torch.Tensor,
+                     nan_tail: torch.Tensor | None = None) -> None:
+        """dst (device slot) <- src (registered host memory), then `nan_tail` (the bucket's
+        padding rows) <- NaN: async on the copy stream."""
         if self._copy_stream is None:
             dst.copy_(src)
+            if nan_tail is not None:
+                nan_tail.fill_(float("nan"))
             return
         # after whatever the frame stream queued (a frame still reading the slot), then the
         # copy; the frame stream waits for it in _join_copies
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
             dst.copy_(src, non_blocking=True)
+            if nan_tail is not None:
+                nan_tail.fill_(float("nan"))
         self._pending_copies = True
 
     def _join_copies(self) -> None:
@@ -211,12 +217,7 @@ class InputStaging:
         src = self._registered_source(pts) if pts.dtype == np.float32 else None
         if src is not None:  # a registered buffer: straight into the device buffer
             nb = bucket_size(n, self.buckets)
-            self._device_copy(self._pts_dev[:n], src)
-            if self._copy_stream is None:
-                self._pts_dev[n:nb] = float("nan")
-            else:
-                with torch.cuda.stream(self._copy_stream):
-                    self._pts_dev[n:nb].fill_(float("nan"))
+            self._device_copy(self._pts_dev[:n], src, self._pts_dev[n:nb])
             self._dev_staged_pts = pts
             return True
         self._fill_points(pts)
