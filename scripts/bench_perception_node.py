@@ -121,9 +121,10 @@ def run_sink(args: argparse.Namespace) -> int:
     # start-up heap, so that a full collection triggered by a result's Python objects does not
     # walk it (78-85 ms seen for one result in an unfrozen process that had imported torch:
     # result_transport_cpu.md, section "Before")
-    from kestrel_common.heap import freeze_heap
+    from kestrel_common.heap import freeze_heap, tune_malloc
 
     freeze_heap()
+    print(tune_malloc(), file=sys.stderr)  # as run_node does (KESTREL_MALLOC=default: not)
     print("sink ready", flush=True)
     while not stop.is_set():
         rclpy.spin_once(node, timeout_sec=0.05)
@@ -257,7 +258,8 @@ def markdown(res: dict) -> str:
              f"{a.get('output_stride', 1)}, {s['frames_published']} timed frames (after the node's "
              f"warm-up and {a['publisher_warmup_s']} s of untimed frames). Fast DDS "
              f"profile: `{Path(a['fastdds_profile']).name}`; result subscription "
-             f"{a.get('result_qos', 'reliable')}.", "",
+             f"{a.get('result_qos', 'reliable')}; glibc heap of the node, its receivers and "
+             f"the sink: {a.get('malloc', 'default (before tune_malloc)')}.", "",
              f"Publishers: `{s.get('publishers', 'one')}`: " + PUB_MODE_TEXT[
                  s.get("publishers", "one")] + late_text(s), "",
              "Latency = result receipt (subscriber process) - result header stamp (= input "
@@ -297,6 +299,8 @@ def run_main(args: argparse.Namespace) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="kestrel_bench_perception_node_"))
     env = ros_env(lease.domain_id, run_dir)
     env["OMP_NUM_THREADS"] = str(max(1, args.threads))
+    if args.malloc == "default":  # node, its receivers and the sink keep glibc's defaults
+        env["KESTREL_MALLOC"] = "default"
     os.environ["ROS_DOMAIN_ID"] = str(lease.domain_id)
     node = spawn_node("kestrel_perception.perception_node", NODE, env, run_dir,
                       params=node_params(args))
@@ -417,6 +421,10 @@ def main() -> int:
                     help="node parameter gil_switch_interval_us (default: the node's, 200)")
     ap.add_argument("--region-graph", choices=("on", "off"), default=None,
                     help="node parameter region_graph (CUDA graphs of the device region)")
+    ap.add_argument("--malloc", choices=("tuned", "default"), default="tuned",
+                    help="tuned: the node, its receivers and the sink tune glibc's heap at start "
+                         "(kestrel_common.heap.tune_malloc, as every Kestrel process); default: "
+                         "glibc's settings (KESTREL_MALLOC=default), for the A/B")
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--fastdds-profile", default=str(FASTDDS_PROFILE),
                     help="Fast DDS XML profile for all three processes ('none' = defaults)")

@@ -24,7 +24,9 @@ collections that the ~2,300 objects per result trigger then skip the old heap), 
 node's default path since session 9: ResultBuilder.build_cdr writes the CDR bytes, published
 with publish(bytes); "build" then includes the payload join, and serialize_message is not run;
 the header stamp is taken before the build, so its publish -> callback column counts from the
-publish() call as for the others). JSON + table:
+publish() call as for the others), malloc (the subscriber tunes glibc's heap as every Kestrel
+process does: kestrel_common.heap.tune_malloc). Variants combine with "+", e.g. cdr+malloc.
+JSON + table:
 
     python scripts/bench_result_transport.py --messages 100 \
         --out docs/benchmarks/result_transport_cpu
@@ -51,8 +53,9 @@ RESULT_MSG = "ros2_ws/src/kestrel_perception/kestrel_perception/result_msg.py"
 PAYLOADS = ("full", "no_dets", "no_maps", "empty")
 DEFAULT_CASES = ("full:msg", "full:raw", "no_dets:msg", "no_dets:raw", "no_maps:msg",
                  "no_maps:raw", "empty:msg", "empty:raw", "full:msg:be", "full:msg:freeze",
-                 "full:raw:freeze", "full:msg:cdr", "full:raw:cdr")
-VARIANTS = ("", "before", "be", "freeze", "cdr")
+                 "full:raw:freeze", "full:msg:cdr", "full:raw:cdr", "full:msg:cdr+malloc",
+                 "full:raw:cdr+malloc")
+VARIANTS = ("", "before", "be", "freeze", "cdr", "malloc")
 
 
 def msg_type(payload: str):  # noqa: ANN201
@@ -89,6 +92,9 @@ def subscriber(args: argparse.Namespace) -> int:
         else:
             rows.append((m.header.stamp.sec * 10**9 + m.header.stamp.nanosec, t, 0.0, 0))
 
+    if args.tune_malloc:
+        from kestrel_common.heap import tune_malloc
+        print(tune_malloc(), file=sys.stderr)
     rclpy.init()
     node = rclpy.create_node("bench_result_transport_sub")
     node.create_subscription(mtype, args.topic, cb, sub_qos(args.sub_qos), raw=raw)
@@ -166,16 +172,17 @@ def run_case(args: argparse.Namespace, node, case: str, k_case: int) -> dict:  #
 
     payload, mode, *variant = case.split(":")
     variant = variant[0] if variant else ""
+    vs = set(variant.split("+"))
     res: dict = {"case": case, "payload": payload, "mode": mode, "variant": variant,
-                 "sub_qos": "best_effort" if variant == "be" else "reliable"}
+                 "sub_qos": "best_effort" if "be" in vs else "reliable"}
     try:
         mtype = msg_type(payload)
     except ImportError as exc:
         res["skipped"] = f"{exc}"
         return res
-    builder = load_builder(args.before_rev if variant == "before" else None)(
+    builder = load_builder(args.before_rev if "before" in vs else None)(
         "world", DEFAULT_CLASS_NAMES)
-    res["builder"] = args.before_rev if variant == "before" else "working tree"
+    res["builder"] = args.before_rev if "before" in vs else "working tree"
     K = np.array([[500.0, 0.0, 320.0], [0.0, 500.0, 320.0], [0.0, 0.0, 1.0]])
     cams = [CameraModel(K, args.image_hw[1], args.image_hw[0], f"camera_{i}_optical")
             for i in range(args.cams)]
@@ -192,8 +199,10 @@ def run_case(args: argparse.Namespace, node, case: str, k_case: int) -> dict:  #
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "sub", "--payload", payload,
            "--mode", mode, "--topic", topic, "--executor", args.executor,
            "--sub-qos", res["sub_qos"], "--sub-seconds", str(args.messages / args.rate + 60)]
-    if variant == "freeze":
+    if "freeze" in vs:
         cmd.append("--gc-freeze")
+    if "malloc" in vs:
+        cmd.append("--tune-malloc")
     sub = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         if not sub.stdout.readline().startswith("READY"):  # bounded: EOF if it dies
@@ -207,7 +216,7 @@ def run_case(args: argparse.Namespace, node, case: str, k_case: int) -> dict:  #
         period = 1.0 / args.rate
         t_next = time.monotonic()
         for k in range(args.skip + args.messages):
-            if variant == "cdr":  # the node's path: CDR bytes, stamped when built
+            if "cdr" in vs:  # the node's path: CDR bytes, stamped when built
                 stamp = time.time_ns()
                 t0 = time.perf_counter()
                 w = builder.build_cdr(stamp, [stamp] * args.cams, cams, outs[k % len(outs)])
@@ -299,10 +308,13 @@ def main() -> int:
     ap.add_argument("--mode", choices=["msg", "raw"], default="msg")
     ap.add_argument("--topic", default="/bench_result_transport/result")
     ap.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES),
-                    help="payload:mode[:before|be|freeze|cdr], see the module docstring")
+                    help="payload:mode[:before|be|freeze|cdr|malloc, + combines], see "
+                         "the module docstring")
     ap.add_argument("--executor", choices=["single", "multi"], default="single")
     ap.add_argument("--sub-qos", choices=["reliable", "best_effort"], default="reliable")
     ap.add_argument("--gc-freeze", action="store_true", help="subscriber: gc.freeze() first")
+    ap.add_argument("--tune-malloc", action="store_true",
+                    help="subscriber: kestrel_common.heap.tune_malloc() first")
     ap.add_argument("--cams", type=int, default=6)
     ap.add_argument("--image-hw", type=int, nargs=2, default=[640, 640])
     ap.add_argument("--output-stride", type=int, default=2)
@@ -321,8 +333,8 @@ def main() -> int:
     for c in args.cases:
         p = c.split(":")
         if p[0] not in PAYLOADS or p[1:2] not in (["msg"], ["raw"]) or len(p) > 3 \
-                or (p[2:] or [""])[0] not in VARIANTS:
-            ap.error(f"--cases: {c!r} is not payload:mode[:before|be|freeze|cdr]")
+                or not set((p[2:] or [""])[0].split("+")) <= set(VARIANTS):
+            ap.error(f"--cases: {c!r} is not payload:mode[:before|be|freeze|cdr|malloc[+...]]")
 
     import rclpy
     rclpy.init()

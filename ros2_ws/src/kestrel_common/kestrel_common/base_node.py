@@ -32,7 +32,7 @@ from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityP
 
 from kestrel_common.conversions import diagnostic_status
 from kestrel_common.counters import Counters
-from kestrel_common.heap import freeze_heap, thaw_heap
+from kestrel_common.heap import freeze_heap, thaw_heap, tune_malloc
 from kestrel_common.params import (ParamError, ParamSpec, check_known_names, check_unique_names,
                                    validate_value)
 
@@ -283,8 +283,10 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
     MultiThreadedExecutor until SIGINT/SIGTERM, then stop workers and shut down in order.
 
     Returns 0, or 2 when autostart configure/activate failed (the reason is logged)."""
+    malloc = tune_malloc()  # before the first message: received buffers reuse heap pages
     rclpy.init(args=args)
     node = node_cls()
+    node.get_logger().info(malloc)
     executor = make_executor(node, num_threads)
     executor.add_node(node)
     code = 0

@@ -28,6 +28,7 @@ import time
 import rclpy
 from kestrel_common.base_node import SENSOR_QOS
 from kestrel_common.conversions import stamp_to_ns
+from kestrel_common.heap import tune_malloc
 from kestrel_common.shm import ShmSegment, unlink_segment
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.signals import SignalHandlerOptions
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != args.parent_pid:  # the node is already gone: remove its segment
         unlink_segment(args.shm)
         return 0
+    # every image / cloud is received into fresh buffers: keep their pages (kestrel_common.heap)
+    tune_malloc()
     layout = RingLayout.from_args(args.layout)
     seg = ShmSegment(args.shm, layout.size, create=False)
     ring = layout.rings(seg.buf)[args.sensor]
