@@ -202,19 +202,23 @@ class PerceptionNode(KestrelLifecycleNode):
         topics.append(self.resolve_topic_name("~/input/points"))
         w, h = p["warmup_size"]
         use_sim = self.get_parameter("use_sim_time").value
+        # each sensor's ring: HISTORY + 3 slots held by this node (its synchroniser history,
+        # a set being processed, pending copies) + 2 for the receiver (input_rings.py)
         self._receivers = InputReceivers(
-            RingLayout(n, h, w, p["max_points"]), topics, self._take_image, self._take_points,
+            RingLayout(n, h, w, p["max_points"], slots=HISTORY + 5), topics, self._take_image,
+            self._take_points,
             frame_id=p["frame_id"], node_name=self.get_name(), namespace=self.get_namespace(),
             ros_args=["-p", f"use_sim_time:={'true' if use_sim else 'false'}"],
             pool=HISTORY + 3, start_timeout_s=p["receiver_start_timeout"],
-            allocate=self.core.staging.host_buffers)
+            pin=self.core.staging.pin_host_memory)
         try:
             self._receivers.start()
         except (ReceiverError, OSError) as exc:
             self._receivers = None
             self.get_logger().error(f"configure failed: parameter 'receive' = 'processes': {exc}")
             return False
-        self.get_logger().info(f"input receivers started: {topics}")
+        self.get_logger().info(f"input receivers started: {topics}; "
+                               f"{self._receivers.pin_status}")
         return True
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -411,7 +415,7 @@ class PerceptionNode(KestrelLifecycleNode):
                 for i, (img, info) in enumerate(zip(s.images, s.infos, strict=True))]
         frames = FrameSet(s.stamp_ns, [img.data[0] for img in s.images], cams,
                           s.cloud.data if s.cloud is not None else None)
-        # worker thread + receiver processes: the receiver thread keeps filling the pool
+        # worker thread + receiver processes: the receiver thread keeps claiming ring slots
         # while this frame runs (in callback mode that thread is the one running it)
         debug_images = [im.copy() for im in frames.images] if (
             self._debug_pub is not None and self._receivers is not None
@@ -445,7 +449,7 @@ class PerceptionNode(KestrelLifecycleNode):
         if rx is not None and self._inline and threading.current_thread() is rx.thread:
             # receive: processes, this set completed by the receiver thread: receipt in the
             # receiver -> hand-over started here (ring write, wake-up, earlier messages), and
-            # the copy of the completing message out of its ring
+            # the claim of the completing message's slot (no copy)
             extra["rx_handoff"] = rx.handing_over_since - s.newest_recv_s
             extra["rx_read"] = rx.read_s
         build, latency = self._results.publish(s.stamp_ns, [img.stamp_ns for img in s.images],
@@ -455,7 +459,7 @@ class PerceptionNode(KestrelLifecycleNode):
         self.timer.add("total", latency)
         self.counters.inc("processed")
         if self._debug_pub is not None:
-            # (receive: processes: the images are pool buffers, reused after `pool` newer
+            # (receive: processes: the images are ring slots, written again after `pool` newer
             # messages of their sensor; a slow frame could see them overwritten by now, so
             # the debug image is drawn from copies taken when the frame started)
             canvas = render_debug(debug_images or frames.images, out.detections)
@@ -471,7 +475,7 @@ class PerceptionNode(KestrelLifecycleNode):
             values["region_graphs_failed"] = len(graphs.failed)
         if self.core is not None:  # inputs copied on arrival and used by their frame
             values["prestaged_inputs"] = self.core.staging.prestaged_used
-            # of those, straight from the receivers' pinned pools (receive: processes)
+            # of those, straight from the receivers' page-locked slots (receive: processes)
             values["prestaged_direct"] = self.core.staging.prestaged_direct
         # 1: results published as CDR bytes (result_cdr.py)
         values["result_cdr"] = float(self._results is not None and self._results.cdr)

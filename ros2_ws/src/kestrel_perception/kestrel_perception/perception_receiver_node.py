@@ -6,19 +6,20 @@ Python process the node's executor takes a set's messages one after the other, a
 take + deserialisation + conversion of a 640x640 image holds the GIL for ~1 ms; measured on
 the H200 machine, the last of 6 images + cloud reached the node 6.9 ms after the first
 (`input_spread`, docs/benchmarks/perception_node_h200.md). Here every sensor is received in
-its own interpreter, in parallel, and the node only copies the arrays out of shared memory.
+its own interpreter, in parallel, and the node takes the arrays where they are written.
 
 Per message: the same checks as the node's own callbacks (msg_inputs: encoding, size, cloud
 frame / point count / all-NaN; drops counted in the ring and added to the node's counters of
-the same name on its /diagnostics), then the array into the ring (core/input_rings.py) and one
-eventfd write to wake the node's receiver thread. It exits when its stdin closes (the node
-closed it, or died), or on SIGTERM; it ignores SIGINT (Ctrl-C reaches the whole process group:
-the node decides).
+the same name on its /diagnostics), then the array into a free slot of the ring
+(core/input_rings.py: the node reads it there, no copy) and one eventfd write to wake the
+node's receiver thread. It exits when its stdin closes (the node closed it, or died), or on
+SIGTERM; it ignores SIGINT (Ctrl-C reaches the whole process group: the node decides).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Kestrel perception input receiver (started by "
                                              "the perception node)")
     ap.add_argument("--shm", required=True)
-    ap.add_argument("--layout", nargs=4, required=True, metavar="N")
+    ap.add_argument("--layout", nargs=len(dataclasses.fields(RingLayout)), required=True,
+                    metavar="N")
     ap.add_argument("--sensor", type=int, required=True)
     ap.add_argument("--topic", required=True)
     ap.add_argument("--event-fd", type=int, required=True)
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc()
     layout = RingLayout.from_args(args.layout)
     seg = ShmSegment(args.shm, layout.size, create=False)
-    ring = layout.rings(seg.buf)[args.sensor]
+    lock_fd = os.open(seg.path, os.O_RDWR | os.O_CLOEXEC)  # the rings' record locks
+    ring = layout.rings(seg.buf, lock_fd)[args.sensor]
     receiver = Receiver(ring, layout, args.sensor, args.event_fd, args.frame_id)
     rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
     node = rclpy.create_node("perception_receiver")  # named by the node's -r __node:=...
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.getppid() != args.parent_pid:  # the node died without its cleanup
             seg.unlink()
         del ring, receiver
+        os.close(lock_fd)
         seg.close()
     return 0
 

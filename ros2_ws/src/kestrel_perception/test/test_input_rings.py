@@ -1,6 +1,6 @@
 """Shared-memory input rings (receive: processes) and the node-side hand-over, without ROS:
-round trips, size limits, overwritten counts, pool reuse, and no torn read with a writer in
-another process."""
+round trips, size limits, overwritten counts, slot ownership (held slots are never written),
+and held data that stays intact while a writer process publishes as fast as it can."""
 
 from __future__ import annotations
 
@@ -14,59 +14,82 @@ import numpy as np
 import pytest
 from kestrel_common.shm import ShmSegment
 
-from kestrel_perception.core.input_rings import RingLayout
+from kestrel_perception.core.input_rings import FREE, HELD, PUBLISHED, RingLayout
 from kestrel_perception.core.receivers import InputReceivers
 
-LAYOUT = RingLayout(num_cameras=2, image_height=6, image_width=8, max_points=50)
+LAYOUT = RingLayout(num_cameras=2, image_height=6, image_width=8, max_points=50, slots=5)
 
 
 @pytest.fixture
-def segment():
+def rings():
     seg = ShmSegment(f"kestrel_perception_test_{os.getpid()}", LAYOUT.size, create=True)
+    fd = os.open(seg.path, os.O_RDWR)
     try:
-        yield seg
+        yield LAYOUT.rings(seg.buf, fd)
     finally:
+        os.close(fd)
         seg.unlink()
 
 
-def test_image_and_cloud_round_trip_and_limits(segment) -> None:
-    rings = LAYOUT.rings(segment.buf)
+def test_image_and_cloud_round_trip_and_limits(rings) -> None:
     assert len(rings) == 3 and rings[0].slot_bytes == 6 * 8 * 3 and rings[2].slot_bytes == 600
-    out = np.zeros(rings[0].slot_bytes, np.uint8)
-    assert rings[0].read_into(out) is None  # nothing yet
+    assert rings[0].claim() is None  # nothing yet
     bgr = np.arange(6 * 8 * 3, dtype=np.uint8).reshape(6, 8, 3)
     rgb_view = bgr[:, :, ::-1]  # strided, as image_to_numpy gives for bgr8
     assert rings[0].write(rgb_view, 123, 456, "rgb8", "cam0_optical")
-    item = rings[0].read_into(out)
+    item = rings[0].claim()
     assert (item.stamp_ns, item.recv_ns, item.rows, item.cols, item.encoding, item.version,
             item.frame_id) == (123, 456, 6, 8, "rgb8", 1, "cam0_optical")
-    np.testing.assert_array_equal(out[:item.nbytes].reshape(6, 8, 3), rgb_view)
+    view = rings[0].view(item)  # the slot itself, no copy
+    np.testing.assert_array_equal(view, rgb_view)
+    assert view.base is not None and rings[0].claim() is None  # claimed once
     small = np.full((3, 4, 3), 7, np.uint8)  # a smaller image fits (the core then rejects it)
     assert rings[0].write(small, 124, 457, "rgb8", "x")
-    item = rings[0].read_into(out)
-    assert (item.rows, item.cols, item.version, item.frame_id) == (3, 4, 2, "x")
+    item2 = rings[0].claim()
+    assert (item2.rows, item2.cols, item2.version, item2.frame_id) == (3, 4, 2, "x")
+    assert item2.slot != item.slot and (rings[0].view(item2) == 7).all()
     assert not rings[0].write(np.zeros((7, 8, 3), np.uint8), 1, 1, "rgb8", "")  # too large
     assert rings[0].version == 2
     xyz = np.random.default_rng(0).normal(size=(50, 3)).astype(np.float32)
-    cloud_out = np.zeros(rings[2].slot_bytes, np.uint8)
     assert rings[2].write(xyz[:, :3], 9, 10, "xyz32", "world")
-    item = rings[2].read_into(cloud_out)
+    item = rings[2].claim()
     assert (item.rows, item.cols, item.encoding) == (50, 0, "xyz32")
-    np.testing.assert_array_equal(cloud_out[:item.nbytes].view(np.float32).reshape(50, 3), xyz)
+    np.testing.assert_array_equal(rings[2].view(item), xyz)
     assert not rings[2].write(np.zeros((51, 3), np.float32), 1, 1, "xyz32", "")
     rings[1].count("dropped_bad_encoding", 2)
     assert rings[1].counters()["dropped_bad_encoding"] == 2
     assert rings[0].counters()["dropped_bad_encoding"] == 0
 
 
-def test_receivers_hand_over_newest_count_overwritten_and_rotate_the_pool(segment) -> None:
+def test_writer_never_writes_a_held_slot(rings) -> None:
+    """slots = held + 2: with 3 slots held and one published, every write finds the last
+    FREE one; an unclaimed message is replaced (its slot freed), never a held one."""
+    ring, img = rings[0], np.zeros((6, 8, 3), np.uint8)
+    held = []
+    for k in range(3):
+        img[...] = k
+        ring.write(img, k, 0, "rgb8", "")
+        held.append(ring.claim())
+    for k in range(10, 30):  # the node is busy: 20 messages, none claimed
+        img[...] = k
+        assert ring.write(img, k, 0, "rgb8", "")
+        assert sorted(ring.state.tolist()).count(HELD) == 3
+        assert sorted(ring.state.tolist()).count(PUBLISHED) == 1
+    for k, it in enumerate(held):  # intact
+        assert (ring.view(it) == k).all() and ring.state[it.slot] == HELD
+    newest = ring.claim(release=held[0].slot)  # the newest; the oldest held goes back
+    assert newest.stamp_ns == 29 and (ring.view(newest) == 29).all()
+    assert ring.state[held[0].slot] == FREE and newest.version == 23
+
+
+def test_receivers_hand_over_newest_count_overwritten_and_rotate_slots(rings) -> None:
     """InputReceivers.poll() on rings written in this process (no child processes)."""
     got: list = []
     rx = InputReceivers(LAYOUT, ["/a", "/b", "/c"],
                         lambda cam, st, rs, rgb, fid: got.append(("img", cam, st, rs, rgb, fid)),
                         lambda st, rs, xyz: got.append(("pts", st, rs, xyz)),
                         frame_id="world", node_name="t", pool=3)
-    rx.rings = LAYOUT.rings(segment.buf)
+    rx.rings = rings
     img = np.zeros((6, 8, 3), np.uint8)
     for k in range(1, 4):  # three images of camera 1 before the node looks: the newest wins
         img[...] = k
@@ -78,14 +101,15 @@ def test_receivers_hand_over_newest_count_overwritten_and_rotate_the_pool(segmen
     assert rgb.shape == (6, 8, 3) and (rgb == 3).all()
     assert pts[0] == "pts" and pts[3].shape == (5, 3) and (pts[3] == 1).all()
     assert rx.counters()["rx_overwritten"] == 2
-    arrays = []
-    for k in range(4, 8):  # one at a time: pool buffers rotate (3), never the same twice
+    arrays = [rgb]
+    for k in range(4, 12):  # one at a time: the node holds its 3 newest, each intact
         img[...] = k
         rx.rings[1].write(img, k, 0, "rgb8", "cam1")
         rx.poll()
         arrays.append(got[-1][4])
-    assert [int(a[0, 0, 0]) for a in arrays] == [7, 5, 6, 7]  # the 4th reused the 1st's buffer
-    assert arrays[0].base is arrays[3].base and arrays[1].base is not arrays[0].base
+        n = min(3, len(arrays))
+        assert [int(a[0, 0, 0]) for a in arrays[-n:]] == list(range(k - n + 1, k + 1))
+        assert (rings[1].state == HELD).sum() == n
     assert rx.counters()["rx_overwritten"] == 2 and rx.counters()["rx_handler_errors"] == 0
 
     def boom(*_):
@@ -98,16 +122,16 @@ def test_receivers_hand_over_newest_count_overwritten_and_rotate_the_pool(segmen
 
 
 WRITER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     import numpy as np
     from kestrel_common.shm import ShmSegment
     from kestrel_perception.core.input_rings import RingLayout
-    layout = RingLayout(*(int(v) for v in sys.argv[2:6]))
+    layout = RingLayout(*(int(v) for v in sys.argv[2:7]))
     seg = ShmSegment(sys.argv[1], layout.size, create=False)
-    ring = layout.rings(seg.buf)[0]
+    ring = layout.rings(seg.buf, os.open(seg.path, os.O_RDWR))[0]
     img = np.zeros((layout.image_height, layout.image_width, 3), np.uint8)
     k = 0
-    end = time.monotonic() + float(sys.argv[6])
+    end = time.monotonic() + float(sys.argv[7])
     while time.monotonic() < end:
         k += 1
         img[...] = k % 251
@@ -116,35 +140,39 @@ WRITER = textwrap.dedent("""
 """)
 
 
-def test_no_torn_read_with_a_writer_process() -> None:
+def test_held_slots_stay_intact_with_a_writer_process() -> None:
     """A writer process publishes images filled with k % 251 (stamp k, frame 'f<k>') as fast
-    as it can; every copy this process keeps is one complete message."""
-    layout = RingLayout(num_cameras=1, image_height=64, image_width=64, max_points=1)
-    seg = ShmSegment(f"kestrel_perception_torn_{os.getpid()}", layout.size, create=True)
-    ring = layout.rings(seg.buf)[0]
+    as it can; this process claims messages and holds the last 3 (as the node's receiver
+    thread does), checking every held message, again and again, while the writer goes on:
+    none is ever changed under it (the writer only writes FREE slots)."""
+    layout = RingLayout(num_cameras=1, image_height=64, image_width=64, max_points=1, slots=5)
+    seg = ShmSegment(f"kestrel_perception_held_{os.getpid()}", layout.size, create=True)
+    fd = os.open(seg.path, os.O_RDWR)
+    ring = layout.rings(seg.buf, fd)[0]
     writer = subprocess.Popen([sys.executable, "-c", WRITER, seg.name, *layout.to_args(), "1.0"],
                               stdout=subprocess.PIPE, text=True)
-    out = np.zeros(ring.slot_bytes, np.uint8)
-    reads, last = 0, 0
+    held: list = []
+    claims, last = 0, 0
     try:
         deadline = time.monotonic() + 10.0
         while writer.poll() is None and time.monotonic() < deadline:
-            item = ring.read_into(out)
-            if item is None:
-                continue
-            data = out[:item.nbytes]
-            assert (data == item.stamp_ns % 251).all(), item  # one message, not two halves
-            assert item.frame_id == f"f{item.stamp_ns}" and item.version == item.stamp_ns
-            assert item.version >= last
-            last = item.version
-            reads += 1
+            item = ring.claim(held.pop(0).slot if len(held) >= 3 else -1)
+            if item is not None:
+                assert item.frame_id == f"f{item.stamp_ns}" and item.version == item.stamp_ns
+                assert item.version > last
+                last = item.version
+                held.append(item)
+                claims += 1
+            for it in held:  # one message each, unchanged since it was claimed
+                assert (ring.view(it) == it.stamp_ns % 251).all(), it
         written = int(writer.communicate(timeout=10.0)[0])
     finally:
         if writer.poll() is None:
             writer.kill()
             writer.wait(5)
+        os.close(fd)
         seg.unlink()
-    assert written > 1000 and reads > 100, (written, reads)
+    assert written > 1000 and claims > 100, (written, claims)
 
 
 def test_receive_auto_picks_processes_only_with_cuda_and_enough_cpus() -> None:

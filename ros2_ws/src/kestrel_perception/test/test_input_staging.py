@@ -279,3 +279,58 @@ def test_cuda_mixed_sources_and_reused_pool_buffers() -> None:
         out = st.images([ra, b]).permute(0, 2, 3, 1).cpu().numpy()
         np.testing.assert_array_equal(out, np.stack([a, b]))
     assert st.prestaged_direct == 6
+
+
+def _shm_block(slots: int, nbytes: int):
+    """A [slots, nbytes] uint8 block in a MAP_SHARED mapping, as the receivers' rings."""
+    import mmap
+
+    m = mmap.mmap(-1, slots * nbytes)
+    return m, np.ndarray((slots, nbytes), np.uint8, buffer=m)
+
+
+def test_pinned_caller_memory_is_prestaged_directly_until_undone() -> None:
+    """pin_host_memory: rows of the caller's blocks become registered buffers (the receivers'
+    shared-memory slots); inputs that are views of them skip the host slot; after undo they
+    take the host path again."""
+    st = InputStaging(torch.device("cpu"), (64,))
+    st.configure_images(1, (4, 6))
+    _m, block = _shm_block(3, 4 * 6 * 3 + 64)
+    undo, how = st.pin_host_memory([block])
+    assert "3 input slots" in how and "registered" in how
+    a = np.random.default_rng(4).integers(0, 256, (4, 6, 3), dtype=np.uint8)
+    block[1, :a.nbytes] = a.reshape(-1)
+    view = block[1, :a.nbytes].reshape(4, 6, 3)
+    assert st.prestage_image(0, view) and st._dev_staged[0] is view
+    np.testing.assert_array_equal(st.images([view])[0].permute(1, 2, 0).numpy(), a)
+    assert st.prestaged_direct == 1
+    undo()
+    assert st._registered_source(view) is None
+    assert st.prestage_image(0, view) and st._staged[0] is view  # the host slot path
+
+
+@pytest.mark.gpu
+def test_cuda_pinned_shared_memory_goes_straight_to_the_device() -> None:
+    """CUDA: a MAP_SHARED block is page-locked with cudaHostRegister; its rows are copied to
+    the device slot on the copy stream (the host slot untouched), rewritten and copied again
+    for the next frames; undo unregisters it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (CI has none)")
+    st = InputStaging(torch.device("cuda"), (64,))
+    st.configure_images(1, (4, 6))
+    st._img_np[...] = 7  # sentinel: must survive
+    _m, block = _shm_block(4, 4 * 6 * 3)
+    undo, how = st.pin_host_memory([block])
+    assert "page-locked" in how, how
+    rng = np.random.default_rng(5)
+    for k in range(8):
+        a = rng.integers(0, 256, (4, 6, 3), dtype=np.uint8)
+        block[k % 4] = a.reshape(-1)
+        view = block[k % 4].reshape(4, 6, 3)
+        assert st._registered_source(view).is_pinned()
+        assert st.prestage_image(0, view)
+        out = st.images([view]).permute(0, 2, 3, 1).cpu().numpy()
+        np.testing.assert_array_equal(out[0], a)
+    assert st.prestaged_direct == 8 and (st._img_np == 7).all()
+    undo()
+    assert st._registered_source(view) is None

@@ -1,69 +1,89 @@
-"""Newest-message rings in shared memory between the perception node and its input receiver
-processes (parameter `receive: processes`; receivers.py starts them).
+"""Shared-memory input slots between the perception node and its input receiver processes
+(parameter `receive: processes`; receivers.py starts them). The node reads NO copy of an
+input: its arrays are views of the slot the receiver wrote, and on CUDA the node has
+page-locked the slots (cudaHostRegister) so they go straight to the device.
 
-One segment, one ring per sensor (cameras 0..C-1, then the LiDAR cloud):
-  header  int64 [16]: PUB (newest complete slot), VER (messages published), SEQ[3] (per slot,
-          odd while it is written), READY (the receiver subscribed), PID, then the receiver's
-          counters (RX_COUNTERS)
-  meta    int64 [3, 8]: per slot: stamp ns (header.stamp), receipt ns (time.monotonic_ns at the
-          receiver's callback entry: the same clock in every process), rows (image height / cloud
-          points), cols (image width / 3), encoding (ENCODINGS index), bytes, version, frame-id
-          length
-  frame   uint8 [3, FRAME_ID_BYTES]: per slot header.frame_id, utf-8
-  data    uint8 [3, slot_bytes]: the image [H, W, 3] uint8 or the cloud [N, 3] float32, packed
-One writer per ring (the sensor's receiver process, one thread) and one reader (the node's
-receiver thread). The writer fills slot (PUB + 1) % 3, never the published one; the reader
-copies the published slot and keeps the copy only if the slot's SEQ is even and unchanged
-across it (a seqlock, as kestrel_control.core.shm_control.SharedLatestValue, under the same
-x86-64 TSO argument: numpy element stores are plain stores, seen in program order).
+One segment, one ring of `slots` slots per sensor (cameras 0..C-1, then the LiDAR cloud):
+  header  int64 [16]: PUB (slot of the newest message not yet claimed, -1 none), VER (messages
+          published), READY (the receiver subscribed), PID, then the receiver's counters
+          (RX_COUNTERS)
+  state   int64 [slots]: FREE, WRITING (the receiver fills it), PUBLISHED (= PUB), HELD (the
+          node uses it: its synchroniser history, a pending host->device copy)
+  meta    int64 [slots, 8]: stamp ns (header.stamp), receipt ns (time.monotonic_ns at the
+          receiver's callback entry: the same clock in every process), rows (image height /
+          cloud points), cols (image width; 0 for a cloud), encoding (ENCODINGS index), bytes,
+          version, frame-id length
+  frame   uint8 [slots, FRAME_ID_BYTES]: header.frame_id, utf-8
+  data    uint8 [slots, slot_bytes]: the image [H, W, 3] uint8 or the cloud [N, 3] float32
+
+Ownership, so that no slot is written while the node reads it (no torn input, no copy to
+check one): one writer per ring (its receiver process) and one reader (the node's receiver
+thread). State changes happen under a POSIX record lock on one byte of the segment's file per
+ring (fcntl: microseconds, and the kernel drops the lock of a process that dies holding it):
+- writer: takes a FREE slot (-> WRITING), fills it WITHOUT the lock, then publishes it
+  (-> PUBLISHED, PUB, VER + 1); a newer message replaces an unclaimed one (that slot -> FREE;
+  the node counts the version gap as overwritten);
+- reader (`claim`): the PUBLISHED slot -> HELD, and its oldest held slot beyond `hold` -> FREE.
+With slots >= hold + 2 a FREE slot always exists: <= hold HELD, <= 1 PUBLISHED.
 """
 
 from __future__ import annotations
 
+import fcntl
 from dataclasses import dataclass
 
 import numpy as np
 
 from kestrel_common.shm import Arena
 
-SLOTS = 3
 FRAME_ID_BYTES = 128
 ENCODINGS = ("rgb8", "bgr8", "xyz32")  # meta ENC: image encodings, then the cloud's
 # receiver-side counters, named as the node's own (a drop in a receiver is the same drop)
 RX_COUNTERS = ("received", "dropped_bad_encoding", "dropped_bad_image", "dropped_size_mismatch",
                "dropped_bad_cloud", "dropped_too_many_points")
-_PUB, _VER, _SEQ, _READY, _PID, _CNT = 0, 1, 2, 5, 6, 8
+FREE, WRITING, PUBLISHED, HELD = 0, 1, 2, 3
+_PUB, _VER, _READY, _PID, _CNT = 0, 1, 2, 3, 8
 _HEADER = 16
 _M_STAMP, _M_RECV, _M_ROWS, _M_COLS, _M_ENC, _M_BYTES, _M_VER, _M_FID = range(8)
 
 
 @dataclass(frozen=True)
 class RingItem:
-    """One message copied out of a ring (the data went into the reader's buffer)."""
+    """One message claimed by the node: its data is `SensorRing.view(item)` (slot `slot`, held
+    until the node claimed `hold` newer messages of this sensor)."""
 
+    slot: int
     stamp_ns: int
     recv_ns: int  # time.monotonic_ns() when the receiver's callback started
     rows: int  # image height, or cloud points
     cols: int  # image width (0 for a cloud)
     encoding: str
     nbytes: int
-    version: int  # 1, 2, ... per ring: a gap = messages overwritten before the node read them
+    version: int  # 1, 2, ... per ring: a gap = messages replaced before the node claimed them
     frame_id: str
 
 
 class SensorRing:
-    """The ring of one sensor (views into the segment; see the module docstring)."""
+    """The ring of one sensor (views into the segment; see the module docstring). `lock_fd`:
+    an fd of the segment's file open in THIS process; byte `index` of it is this ring's lock."""
 
-    def __init__(self, header: np.ndarray, meta: np.ndarray, frame: np.ndarray,
-                 data: np.ndarray, *, max_retries: int = 16) -> None:
-        self.h, self.meta, self.frame, self.data = header, meta, frame, data
+    def __init__(self, index: int, lock_fd: int, header: np.ndarray, state: np.ndarray,
+                 meta: np.ndarray, frame: np.ndarray, data: np.ndarray) -> None:
+        self.index, self.lock_fd = index, lock_fd
+        self.h, self.state, self.meta, self.frame, self.data = header, state, meta, frame, data
         self.slot_bytes = int(data.shape[1])
-        self.max_retries = max_retries
-        self.torn_reads = 0  # reader side: copies discarded because the writer lapped them
+        self._writing = -1  # writer side: the slot being filled
+
+    def _lock(self) -> None:
+        fcntl.lockf(self.lock_fd, fcntl.LOCK_EX, 1, self.index)
+
+    def _unlock(self) -> None:
+        fcntl.lockf(self.lock_fd, fcntl.LOCK_UN, 1, self.index)
 
     # ---- writer (the receiver process) -------------------------------------------------------
     def set_ready(self, pid: int) -> None:
         self.h[_PID] = pid
+        self.h[_PUB] = -1
         self.h[_READY] = 1
 
     def count(self, name: str, n: int = 1) -> None:
@@ -76,22 +96,36 @@ class SensorRing:
         nbytes = int(array.size) * array.itemsize
         if nbytes > self.slot_bytes:
             return False
-        h = self.h
-        idx = (h.item(_PUB) + 1) % SLOTS if h.item(_VER) else 0
-        seq = h.item(_SEQ + idx)
-        h[_SEQ + idx] = seq + 1  # odd: being written
+        state = self.state
+        self._lock()
+        try:
+            free = np.flatnonzero(state == FREE)
+            if free.size == 0:  # cannot happen with slots >= hold + 2 (module docstring)
+                raise RuntimeError(f"ring {self.index}: no free slot (states {state.tolist()})")
+            idx = int(free[0])
+            state[idx] = WRITING
+        finally:
+            self._unlock()
         np.copyto(self.data[idx, :nbytes].view(array.dtype).reshape(array.shape), array)
         fid = frame_id.encode()[:FRAME_ID_BYTES]  # cut longer ids (at a character boundary)
         fid = fid.decode(errors="ignore").encode()
         self.frame[idx, :len(fid)] = np.frombuffer(fid, np.uint8)
-        version = h.item(_VER) + 1
         rows = int(array.shape[0])
         cols = int(array.shape[1]) if encoding != "xyz32" else 0
-        self.meta[idx] = (stamp_ns, recv_ns, rows, cols, ENCODINGS.index(encoding), nbytes,
-                          version, len(fid))
-        h[_SEQ + idx] = seq + 2  # even: complete
-        h[_PUB] = idx
-        h[_VER] = version
+        h = self.h
+        self._lock()
+        try:
+            version = h.item(_VER) + 1
+            self.meta[idx] = (stamp_ns, recv_ns, rows, cols, ENCODINGS.index(encoding), nbytes,
+                              version, len(fid))
+            old = h.item(_PUB)
+            if old >= 0 and state[old] == PUBLISHED:  # never claimed: replaced
+                state[old] = FREE
+            state[idx] = PUBLISHED
+            h[_PUB] = idx
+            h[_VER] = version
+        finally:
+            self._unlock()
         return True
 
     # ---- reader (the node) ---------------------------------------------------------------------
@@ -110,28 +144,34 @@ class SensorRing:
     def counters(self) -> dict[str, int]:
         return {name: self.h.item(_CNT + i) for i, name in enumerate(RX_COUNTERS)}
 
-    def read_into(self, out: np.ndarray) -> RingItem | None:
-        """Copy the newest complete message's data into `out` (uint8, >= slot_bytes) and return
-        its metadata; None if nothing was published yet or every try was torn (counted)."""
-        h = self.h
-        if not h.item(_VER):
-            return None
-        for _ in range(self.max_retries):
+    def claim(self, release: int = -1) -> RingItem | None:
+        """Take the newest published message (its slot -> HELD) and give slot `release` (one
+        this reader held, -1 none) back to the writer. None when nothing new was published
+        (`release` is still given back)."""
+        h, state = self.h, self.state
+        self._lock()
+        try:
+            if release >= 0:
+                state[release] = FREE
             idx = h.item(_PUB)
-            s1 = h.item(_SEQ + idx)
-            if s1 & 1:
-                self.torn_reads += 1
-                continue
+            if idx < 0 or state[idx] != PUBLISHED:
+                return None
+            state[idx] = HELD
+            h[_PUB] = -1
             m = self.meta[idx].tolist()
-            nbytes = m[_M_BYTES]
-            out[:nbytes] = self.data[idx, :nbytes]
-            fid = self.frame[idx, :m[_M_FID]].tobytes()
-            if h.item(_SEQ + idx) == s1:
-                return RingItem(m[_M_STAMP], m[_M_RECV], m[_M_ROWS], m[_M_COLS],
-                                ENCODINGS[m[_M_ENC]], nbytes, m[_M_VER],
-                                fid.decode(errors="replace"))
-            self.torn_reads += 1
-        return None
+        finally:
+            self._unlock()
+        fid = self.frame[idx, :m[_M_FID]].tobytes()
+        return RingItem(idx, m[_M_STAMP], m[_M_RECV], m[_M_ROWS], m[_M_COLS],
+                        ENCODINGS[m[_M_ENC]], m[_M_BYTES], m[_M_VER],
+                        fid.decode(errors="replace"))
+
+    def view(self, item: RingItem) -> np.ndarray:
+        """The claimed message's array, a view of its slot: [H, W, 3] uint8 or [N, 3] float32."""
+        flat = self.data[item.slot, :item.nbytes]
+        if item.encoding == "xyz32":
+            return flat.view(np.float32).reshape(item.rows, 3)
+        return flat.reshape(item.rows, item.cols, 3)
 
 
 @dataclass(frozen=True)
@@ -142,11 +182,14 @@ class RingLayout:
     image_height: int
     image_width: int
     max_points: int
+    slots: int = 4  # per sensor: >= the node's held messages + 2
 
     def __post_init__(self) -> None:
         for name in ("num_cameras", "image_height", "image_width", "max_points"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parameter '{name}' = {getattr(self, name)!r}: must be >= 1")
+        if self.slots < 3:
+            raise ValueError(f"ring slots = {self.slots!r}: must be >= 3")
 
     @property
     def num_sensors(self) -> int:
@@ -158,9 +201,10 @@ class RingLayout:
         return self.max_points * 12  # x, y, z float32
 
     def _build(self, arena: Arena) -> list[tuple]:
-        return [(arena.take(_HEADER, np.int64), arena.take((SLOTS, 8), np.int64),
-                 arena.take((SLOTS, FRAME_ID_BYTES), np.uint8),
-                 arena.take((SLOTS, self.slot_bytes(s)), np.uint8))
+        k = self.slots
+        return [(arena.take(_HEADER, np.int64), arena.take(k, np.int64),
+                 arena.take((k, 8), np.int64), arena.take((k, FRAME_ID_BYTES), np.uint8),
+                 arena.take((k, self.slot_bytes(s)), np.uint8))
                 for s in range(self.num_sensors)]
 
     @property
@@ -169,13 +213,15 @@ class RingLayout:
         self._build(arena)
         return arena.offset
 
-    def rings(self, buf) -> list[SensorRing]:
-        """Views on a mapped segment of `size` bytes, one ring per sensor."""
-        return [SensorRing(*views) for views in self._build(Arena(buf))]
+    def rings(self, buf, lock_fd: int) -> list[SensorRing]:
+        """Views on a mapped segment of `size` bytes, one ring per sensor; `lock_fd`: an fd of
+        the segment's file opened by this process (the rings' locks)."""
+        return [SensorRing(s, lock_fd, *views)
+                for s, views in enumerate(self._build(Arena(buf)))]
 
     def to_args(self) -> list[str]:
         return [str(v) for v in (self.num_cameras, self.image_height, self.image_width,
-                                 self.max_points)]
+                                 self.max_points, self.slots)]
 
     @classmethod
     def from_args(cls, values: list[str]) -> RingLayout:

@@ -1,17 +1,18 @@
 """Node side of `receive: processes`: input receiver processes and the thread that reads them.
 
-`InputReceivers.start()` creates the rings' segment (input_rings.RingLayout), starts one
-`python -m kestrel_perception.perception_receiver_node` per camera image topic and one for the
-cloud (each subscribes to its topic and writes every usable message into its ring), and waits
-(bounded) until all of them have subscribed. A thread then sleeps on the eventfd the receivers
-write after each message; woken, it copies the newest message of every ring that has one into
-the next buffer of that sensor's pool (preallocated; a buffer is reused only after `pool`
-newer messages of its sensor, more than the node's synchroniser keeps) and calls
-`on_image(cam, stamp_ns, recv_s, rgb [H,W,3] uint8, frame_id)` or
-`on_points(stamp_ns, recv_s, xyz [N,3] float32)`: the node's own handlers, as its
-subscription callbacks would. Messages overwritten in a ring before the thread got to them are
-counted (`overwritten`, newest wins). `close()` ends the children through their stdin (bounded,
-then kill) and unlinks the segment; it also runs at interpreter exit.
+`InputReceivers.start()` creates the rings' segment (input_rings.RingLayout), lets the caller
+page-lock the slots (`pin`: the node's InputStaging.pin_host_memory, so a slot goes straight to
+the device), starts one `python -m kestrel_perception.perception_receiver_node` per camera image
+topic and one for the cloud (each subscribes to its topic and writes every usable message into
+a free slot of its ring), and waits (bounded) until all of them have subscribed. A thread then
+sleeps on the eventfd the receivers write after each message; woken, it claims the newest
+message of every ring that has one (no copy: the handler gets a view of the slot, which stays
+the node's until it claimed `pool` newer messages of that sensor, more than the node's
+synchroniser keeps) and calls `on_image(cam, stamp_ns, recv_s, rgb [H,W,3] uint8, frame_id)`
+or `on_points(stamp_ns, recv_s, xyz [N,3] float32)`: the node's own handlers, as its
+subscription callbacks would. Messages replaced in a ring before the thread claimed them are
+counted (`overwritten`, newest wins). `close()` ends the children through their stdin
+(bounded, then kill), unpins and unlinks the segment; it also runs at interpreter exit.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -47,32 +49,36 @@ class InputReceivers:
                  node_name: str, namespace: str = "/", ros_args: Sequence[str] = (),
                  pool: int = 11, start_timeout_s: float = 60.0,
                  python: str = sys.executable,
-                 allocate: Callable[[int, int], list[np.ndarray]] | None = None) -> None:
+                 pin: Callable[[list[np.ndarray]], tuple[Callable[[], None], str]] | None = None
+                 ) -> None:
         if len(topics) != layout.num_sensors:
             raise ValueError(f"parameter 'topics' = {len(topics)} topics: expected "
                              f"{layout.num_sensors} (cameras, then the cloud)")
-        if pool < 2:
-            raise ValueError(f"parameter 'pool' = {pool!r}: must be >= 2")
+        if pool < 1 or layout.slots < pool + 2:
+            raise ValueError(f"pool = {pool!r} messages held per sensor: must be >= 1 and "
+                             f"<= the rings' slots - 2 ({layout.slots - 2})")
         self.layout, self.topics = layout, list(topics)
         self.on_image, self.on_points = on_image, on_points
         self.frame_id, self.node_name, self.namespace = frame_id, node_name, namespace
         self.ros_args, self.start_timeout_s, self.python = list(ros_args), start_timeout_s, python
-        # per sensor: `pool` flat uint8 buffers of one ring slot each (allocated here, once);
-        # allocate(count, bytes) -> buffers: the node passes InputStaging.host_buffers (pinned
-        # on CUDA, so its pre-staging copies them straight to the device)
-        alloc = allocate or (lambda n, b: [np.empty(b, np.uint8) for _ in range(n)])
-        self._pools = [alloc(pool, layout.slot_bytes(s)) for s in range(layout.num_sensors)]
-        self._next = [0] * layout.num_sensors
-        self._last = [0] * layout.num_sensors  # last version read per ring
+        # pin(blocks): the rings' data blocks [slots, slot_bytes] uint8, one per sensor, once;
+        # returns (undo, what was done); undo runs before the segment is unmapped. The node
+        # passes InputStaging.pin_host_memory (page-locked on CUDA: slots go to the device)
+        self.pool, self._pin = pool, pin
+        self._unpin: Callable[[], None] | None = None
+        self.pin_status = "not pinned"
+        self._held = [deque() for _ in range(layout.num_sensors)]  # slots held, oldest first
+        self._last = [0] * layout.num_sensors  # last version claimed per ring
         self.overwritten = 0  # messages replaced in a ring before the thread read them
         self.delivered = 0
         # time.monotonic() when the thread started handing over its current message: the node
         # reports (this - receipt in the receiver) = the hand-over delay (`rx_handoff`)
         self.handing_over_since = 0.0
-        self.read_s = 0.0  # duration of the last copy out of a ring (`rx_read`)
+        self.read_s = 0.0  # duration of the last claim of a slot (`rx_read`: lock, metadata)
         self.handler_errors = 0
         self.last_error = ""
         self.shm: ShmSegment | None = None
+        self._lock_fd = -1
         self.rings: list = []
         self.procs: list[subprocess.Popen] = []
         self._efd = -1
@@ -88,7 +94,10 @@ class InputReceivers:
         try:
             self.shm = ShmSegment(name, self.layout.size, create=True)
             atexit.register(self.close)
-            self.rings = self.layout.rings(self.shm.buf)
+            self._lock_fd = os.open(self.shm.path, os.O_RDWR | os.O_CLOEXEC)
+            self.rings = self.layout.rings(self.shm.buf, self._lock_fd)
+            if self._pin is not None:
+                self._unpin, self.pin_status = self._pin([r.data for r in self.rings])
             self._efd = os.eventfd(0, os.EFD_CLOEXEC)
             for s, topic in enumerate(self.topics):
                 self.procs.append(self._spawn(name, s, topic))
@@ -157,7 +166,13 @@ class InputReceivers:
         if self._efd >= 0:
             os.close(self._efd)
             self._efd = -1
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
         self.rings = []
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
         if self.shm is not None:
             self.shm.unlink()
             self.shm.close()
@@ -177,14 +192,13 @@ class InputReceivers:
     def counters(self) -> dict[str, int]:
         """The receivers' drop counters summed over sensors (named as the node's own drops,
         which the node adds them to), their message count as rx_received, and this side's
-        (rx_overwritten, rx_torn_reads, rx_handler_errors)."""
+        (rx_overwritten, rx_handler_errors)."""
         out: dict[str, int] = {}
         for ring in self.rings:
             for name, n in ring.counters().items():
                 key = "rx_received" if name == "received" else name
                 out[key] = out.get(key, 0) + n
         out["rx_overwritten"] = self.overwritten
-        out["rx_torn_reads"] = sum(r.torn_reads for r in self.rings)
         out["rx_handler_errors"] = self.handler_errors
         return out
 
@@ -205,27 +219,27 @@ class InputReceivers:
         n = 0
         cams = self.layout.num_cameras
         for s, ring in enumerate(self.rings):
-            version = ring.version
-            if version == self._last[s]:
+            if ring.version == self._last[s]:
                 continue
-            buf = self._pools[s][self._next[s]]
+            held = self._held[s]
             t_read = time.monotonic()
-            item = ring.read_into(buf)
-            self.read_s = time.monotonic() - t_read  # the copy out of the ring
-            if item is None or item.version == self._last[s]:
+            # the oldest held slot goes back with this claim once `pool` are held
+            item = ring.claim(held[0] if len(held) >= self.pool else -1)
+            self.read_s = time.monotonic() - t_read
+            if len(held) >= self.pool:
+                held.popleft()
+            if item is None:
                 continue
+            held.append(item.slot)
             self.overwritten += max(0, item.version - self._last[s] - 1)
             self._last[s] = item.version
-            self._next[s] = (self._next[s] + 1) % len(self._pools[s])
             recv_s = item.recv_ns * 1e-9  # time.monotonic() scale
             self.handing_over_since = time.monotonic()
             try:
                 if s < cams:
-                    rgb = buf[:item.nbytes].reshape(item.rows, item.cols, 3)
-                    self.on_image(s, item.stamp_ns, recv_s, rgb, item.frame_id)
+                    self.on_image(s, item.stamp_ns, recv_s, ring.view(item), item.frame_id)
                 else:
-                    xyz = buf[:item.nbytes].view(np.float32).reshape(item.rows, 3)
-                    self.on_points(item.stamp_ns, recv_s, xyz)
+                    self.on_points(item.stamp_ns, recv_s, ring.view(item))
             except Exception as exc:  # the node's handler; counted, the thread goes on
                 self.handler_errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"

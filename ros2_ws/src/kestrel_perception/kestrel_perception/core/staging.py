@@ -14,18 +14,21 @@ the copies overlap the arrival of the set's other messages instead of following 
 Only for callers that never pre-stage while the device may still read the slots (the node's
 callback processing: each frame ends with a sync before the next callback runs).
 
-Host buffers of the caller (`host_buffers`): preallocated host memory (pinned on CUDA) that a
-caller fills itself (the input receivers' pools, `receive: processes`). An input pre-staged from
+Host buffers of the caller (`host_buffers`, or the caller's own memory registered with
+`pin_host_memory`: the input receivers' shared-memory slots, `receive: processes`):
+preallocated host memory (pinned on CUDA) that a caller fills itself. An input pre-staged from
 such a buffer skips the host copy too: it goes straight to its device slot (one non_blocking
 host->device copy on the staging's copy stream, which the frame's stream waits for). On the CPU
 the device slot is the host slot, so the same path is one copy, as before. The caller must
-not rewrite a registered buffer while its copy may be pending: the receivers reuse a pool
-buffer only after `pool` newer messages of its sensor, and the copy (~60 us for 1.2 MB) is
-queued behind nothing but the frame stream's current work (no event per buffer is kept).
+not rewrite a registered buffer while its copy may be pending: a receiver's slot is written
+again only after the node claimed `pool` newer messages of its sensor (input_rings.py), and
+the copy (~60 us for 1.2 MB) is queued behind nothing but the frame stream's current work (no
+event per buffer is kept).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,12 +110,51 @@ class InputStaging:
         is pre-staged straight into its device slot (module docstring). Allocate at configure."""
         owner = torch.empty((count, nbytes), dtype=torch.uint8, pin_memory=self.cuda)
         self._owners.append(owner)
-        out = []
-        for i in range(count):
-            arr = owner[i].numpy()
-            self._registered[arr.ctypes.data] = (owner[i], nbytes)
-            out.append(arr)
-        return out
+        return self._register_rows(owner.numpy())
+
+    def _register_rows(self, block: np.ndarray) -> list[np.ndarray]:
+        rows = [block[i] for i in range(block.shape[0])]
+        for row in rows:
+            self._registered[row.ctypes.data] = (torch.from_numpy(row), row.nbytes)
+        return rows
+
+    def pin_host_memory(self, blocks: list[np.ndarray]) -> tuple[Callable[[], None], str]:
+        """Registers memory the caller owns, as `host_buffers` does its own: each block
+        [slots, bytes] uint8 (C-contiguous, e.g. the input receivers' shared-memory rings) is
+        page-locked on CUDA (cudaHostRegister) and its rows become registered buffers.
+        Returns (undo, what was done); undo (unregister, unlock) must run before the memory
+        is unmapped, with no copy from it pending. If the CUDA registration fails, nothing is
+        registered: inputs from those blocks take the host slot path (one more copy)."""
+        blocks = [b for b in blocks if b.size]
+        pinned: list[int] = []
+        if self.cuda:
+            rt = torch.cuda.cudart()
+            for b in blocks:
+                if not b.flags.c_contiguous:
+                    raise ValueError("pin_host_memory: blocks must be C-contiguous")
+                err = rt.cudaHostRegister(b.ctypes.data, b.nbytes, 0)
+                if err != rt.cudaError.success:
+                    for ptr in pinned:
+                        rt.cudaHostUnregister(ptr)
+                    return (lambda: None), (f"cudaHostRegister of {b.nbytes} bytes failed "
+                                            f"({rt.cudaGetErrorString(err)}): inputs take "
+                                            "one host copy more")
+                pinned.append(b.ctypes.data)
+        keys = [row.ctypes.data for b in blocks for row in self._register_rows(b)]
+
+        def undo() -> None:
+            if self._copy_stream is not None:  # no copy may still read the memory
+                self._copy_stream.synchronize()
+            for k in keys:
+                self._registered.pop(k, None)
+            if pinned:
+                rt = torch.cuda.cudart()
+                for ptr in pinned:
+                    rt.cudaHostUnregister(ptr)
+
+        total = sum(b.nbytes for b in blocks)
+        how = "page-locked (cudaHostRegister)" if self.cuda else "registered"
+        return undo, f"{len(keys)} input slots ({total / 2**20:.1f} MiB) {how}"
 
     def _registered_source(self, arr: np.ndarray) -> torch.Tensor | None:
         """`arr` as a tensor on its registered host buffer (same memory), or None."""
