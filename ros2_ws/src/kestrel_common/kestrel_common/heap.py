@@ -12,14 +12,15 @@ and thaws it before cleanup and shutdown.
 Native heap (`tune_malloc`): every large ROS message a process receives is put in fresh buffers
 (the DDS reader's sample, rmw's take, the Python bytes / arrays), freed after the callback. With
 glibc's defaults a buffer over the mmap threshold is mmap()ed and munmap()ed again, and freed
-memory at the heap top is trimmed, so each message's pages are faulted in anew: measured on the
-dev VM (Fast DDS SHM, reliable, raw subscriber) 2.1 MB from publish() to the callback took
-4.1-4.4 ms with the defaults or either setting alone, 1.7 ms with both in the SUBSCRIBING
-process (setting them in the publisher alone: no change; docs/benchmarks/malloc_tuning_cpu.md).
-So every Kestrel process (run_node, the perception receivers) keeps allocations up to 32 MiB
-on the heap and trims only above 256 MiB, as the ROS 2 real-time guides advise (there:
-mmap off and trimming off entirely; these bounds keep a process from holding gigabytes of freed
-memory after a large CPU-tensor burst).
+memory at the heap top is trimmed, so each message's pages are faulted in anew. Measured on the
+dev VM (scripts/bench_dds_sizes.py, Fast DDS SHM, reliable, raw subscriber): 2 MiB from
+publish() to the callback 4.1 ms p50 with the defaults, 4.4 with either setting alone, 1.7 with
+both, set in the SUBSCRIBING process (docs/benchmarks/malloc_tuning.md). The perception result
+(1.85 MB) to a consumer: 2.90 -> 1.56 ms on the H200 machine. So every Kestrel process
+(run_node, the perception receivers) keeps allocations up to 32 MiB on the heap and trims only
+above 256 MiB, as the ROS 2 real-time guides advise (there: mmap off and trimming off entirely;
+these bounds keep a process from holding gigabytes of freed memory after a large CPU-tensor
+burst).
 """
 
 from __future__ import annotations

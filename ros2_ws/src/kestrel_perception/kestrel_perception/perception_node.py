@@ -451,7 +451,9 @@ class PerceptionNode(KestrelLifecycleNode):
             # receiver -> hand-over started here (ring write, wake-up, earlier messages), and
             # the claim of the completing message's slot (no copy)
             extra["rx_handoff"] = rx.handing_over_since - s.newest_recv_s
+            extra["rx_write"] = rx.write_s  # of rx_handoff: receipt -> slot published
             extra["rx_read"] = rx.read_s
+            extra["rx_handler"] = rx.handler_s  # the previous input's hand-over
         build, latency = self._results.publish(s.stamp_ns, [img.stamp_ns for img in s.images],
                                                cams, out, extra, t_build, s.newest_recv_s)
         for name, dt in {**out.timings, **extra, "build": build}.items():

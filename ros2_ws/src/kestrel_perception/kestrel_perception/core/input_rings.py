@@ -9,10 +9,11 @@ One segment, one ring of `slots` slots per sensor (cameras 0..C-1, then the LiDA
           (RX_COUNTERS)
   state   int64 [slots]: FREE, WRITING (the receiver fills it), PUBLISHED (= PUB), HELD (the
           node uses it: its synchroniser history, a pending host->device copy)
-  meta    int64 [slots, 8]: stamp ns (header.stamp), receipt ns (time.monotonic_ns at the
+  meta    int64 [slots, 9]: stamp ns (header.stamp), receipt ns (time.monotonic_ns at the
           receiver's callback entry: the same clock in every process), rows (image height /
           cloud points), cols (image width; 0 for a cloud), encoding (ENCODINGS index), bytes,
-          version, frame-id length
+          version, frame-id length, published ns (time.monotonic_ns when the slot was
+          published)
   frame   uint8 [slots, FRAME_ID_BYTES]: header.frame_id, utf-8
   data    uint8 [slots, slot_bytes]: the image [H, W, 3] uint8 or the cloud [N, 3] float32
 
@@ -30,6 +31,7 @@ With slots >= hold + 2 a FREE slot always exists: <= hold HELD, <= 1 PUBLISHED.
 from __future__ import annotations
 
 import fcntl
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +46,7 @@ RX_COUNTERS = ("received", "dropped_bad_encoding", "dropped_bad_image", "dropped
 FREE, WRITING, PUBLISHED, HELD = 0, 1, 2, 3
 _PUB, _VER, _READY, _PID, _CNT = 0, 1, 2, 3, 8
 _HEADER = 16
-_M_STAMP, _M_RECV, _M_ROWS, _M_COLS, _M_ENC, _M_BYTES, _M_VER, _M_FID = range(8)
+_M_STAMP, _M_RECV, _M_ROWS, _M_COLS, _M_ENC, _M_BYTES, _M_VER, _M_FID, _M_PUBT = range(9)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class RingItem:
     nbytes: int
     version: int  # 1, 2, ... per ring: a gap = messages replaced before the node claimed them
     frame_id: str
+    published_ns: int = 0  # time.monotonic_ns() when the receiver published the slot
 
 
 class SensorRing:
@@ -117,7 +120,7 @@ class SensorRing:
         try:
             version = h.item(_VER) + 1
             self.meta[idx] = (stamp_ns, recv_ns, rows, cols, ENCODINGS.index(encoding), nbytes,
-                              version, len(fid))
+                              version, len(fid), time.monotonic_ns())
             old = h.item(_PUB)
             if old >= 0 and state[old] == PUBLISHED:  # never claimed: replaced
                 state[old] = FREE
@@ -164,7 +167,7 @@ class SensorRing:
         fid = self.frame[idx, :m[_M_FID]].tobytes()
         return RingItem(idx, m[_M_STAMP], m[_M_RECV], m[_M_ROWS], m[_M_COLS],
                         ENCODINGS[m[_M_ENC]], m[_M_BYTES], m[_M_VER],
-                        fid.decode(errors="replace"))
+                        fid.decode(errors="replace"), m[_M_PUBT])
 
     def view(self, item: RingItem) -> np.ndarray:
         """The claimed message's array, a view of its slot: [H, W, 3] uint8 or [N, 3] float32."""
@@ -203,7 +206,7 @@ class RingLayout:
     def _build(self, arena: Arena) -> list[tuple]:
         k = self.slots
         return [(arena.take(_HEADER, np.int64), arena.take(k, np.int64),
-                 arena.take((k, 8), np.int64), arena.take((k, FRAME_ID_BYTES), np.uint8),
+                 arena.take((k, 9), np.int64), arena.take((k, FRAME_ID_BYTES), np.uint8),
                  arena.take((k, self.slot_bytes(s)), np.uint8))
                 for s in range(self.num_sensors)]
 

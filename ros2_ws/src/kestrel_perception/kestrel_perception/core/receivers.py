@@ -75,6 +75,11 @@ class InputReceivers:
         # reports (this - receipt in the receiver) = the hand-over delay (`rx_handoff`)
         self.handing_over_since = 0.0
         self.read_s = 0.0  # duration of the last claim of a slot (`rx_read`: lock, metadata)
+        # the current message: receipt -> slot published, in its receiver (`rx_write`:
+        # conversion, checks, the copy into the slot); and the duration of the last handler
+        # call that returned (`rx_handler`: the node's store + pre-staging of one input)
+        self.write_s = 0.0
+        self.handler_s = 0.0
         self.handler_errors = 0
         self.last_error = ""
         self.shm: ShmSegment | None = None
@@ -234,7 +239,8 @@ class InputReceivers:
             self.overwritten += max(0, item.version - self._last[s] - 1)
             self._last[s] = item.version
             recv_s = item.recv_ns * 1e-9  # time.monotonic() scale
-            self.handing_over_since = time.monotonic()
+            self.write_s = (item.published_ns - item.recv_ns) * 1e-9
+            self.handing_over_since = t0 = time.monotonic()
             try:
                 if s < cams:
                     self.on_image(s, item.stamp_ns, recv_s, ring.view(item), item.frame_id)
@@ -243,6 +249,7 @@ class InputReceivers:
             except Exception as exc:  # the node's handler; counted, the thread goes on
                 self.handler_errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
+            self.handler_s = time.monotonic() - t0
             n += 1
         self.delivered += n
         return n
