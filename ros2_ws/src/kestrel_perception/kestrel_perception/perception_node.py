@@ -447,13 +447,7 @@ class PerceptionNode(KestrelLifecycleNode):
         extra["input_spread"] = s.newest_recv_s - s.oldest_recv_s
         rx = self._receivers
         if rx is not None and self._inline and threading.current_thread() is rx.thread:
-            # receive: processes, this set completed by the receiver thread: receipt in the
-            # receiver -> hand-over started here (ring write, wake-up, earlier messages), and
-            # the claim of the completing message's slot (no copy)
-            extra["rx_handoff"] = rx.handing_over_since - s.newest_recv_s
-            extra["rx_write"] = rx.write_s  # of rx_handoff: receipt -> slot published
-            extra["rx_read"] = rx.read_s
-            extra["rx_handler"] = rx.handler_s  # the previous input's hand-over
+            extra.update(rx.timings(s.newest_recv_s))  # this set completed by the receivers
         build, latency = self._results.publish(s.stamp_ns, [img.stamp_ns for img in s.images],
                                                cams, out, extra, t_build, s.newest_recv_s)
         for name, dt in {**out.timings, **extra, "build": build}.items():

@@ -111,6 +111,10 @@ def test_receivers_hand_over_newest_count_overwritten_and_rotate_slots(rings) ->
         assert [int(a[0, 0, 0]) for a in arrays[-n:]] == list(range(k - n + 1, k + 1))
         assert (rings[1].state == HELD).sum() == n
     assert rx.counters()["rx_overwritten"] == 2 and rx.counters()["rx_handler_errors"] == 0
+    t = rx.timings(0.0)  # the last hand-over's parts (s)
+    assert set(t) == {"rx_handoff", "rx_write", "rx_read", "rx_handler"}
+    assert t["rx_handoff"] == rx.handing_over_since and 0.0 <= t["rx_read"] < 1.0
+    assert 0.0 <= t["rx_handler"] < 1.0
 
     def boom(*_):
         raise RuntimeError("handler failed")

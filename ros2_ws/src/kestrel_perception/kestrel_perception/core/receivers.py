@@ -207,6 +207,16 @@ class InputReceivers:
         out["rx_handler_errors"] = self.handler_errors
         return out
 
+    def timings(self, newest_recv_s: float) -> dict[str, float]:
+        """Hand-over timings (s) of the message whose handler is running now (the node calls
+        this while processing the set that message completed): rx_handoff = its receipt in
+        the receiver (`newest_recv_s`) -> its hand-over started here (ring write, wake-up,
+        the messages handed over before it), of which rx_write = receipt -> slot published;
+        rx_read = the claim of its slot (no copy); rx_handler = the previous input's
+        hand-over (store + pre-staging)."""
+        return {"rx_handoff": self.handing_over_since - newest_recv_s, "rx_write": self.write_s,
+                "rx_read": self.read_s, "rx_handler": self.handler_s}
+
     # ---- the reader thread -------------------------------------------------------------------
     def _run(self) -> None:
         efd, stop = self._efd, self._stop
