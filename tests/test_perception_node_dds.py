@@ -408,7 +408,9 @@ def test_receiver_processes(launch_node, probe):
     check_result_content(r, stamp_to_ns(r.header.stamp))
     check_lidar_positions(r)
     assert "input receivers started: ['/perception/input/camera_0/image', " \
-           "'/perception/input/camera_1/image', '/perception/input/points']" in node.output()
+           "'/perception/input/camera_1/image', '/perception/input/points', " \
+           "'/perception/input/camera_0/camera_info', '/perception/input/camera_1/camera_info'" \
+           in node.output()  # the camera receivers take the CameraInfo topics too
 
     def bad(name: str, publish) -> None:
         before = counter(diag, name, 0)
@@ -425,6 +427,8 @@ def test_receiver_processes(launch_node, probe):
         rig.image(1, rig.next_stamp(), w=2 * W, h=H // 2)))  # many bytes: by dimensions)
     bad("dropped_too_many_points", lambda: rig.cloud.publish(xyz_to_pointcloud2(
         np.zeros((10_001, 3), np.float32), make_header(rig.next_stamp(), "world"))))
+    bad("dropped_bad_camera_info", lambda: rig.info[1].publish(make_camera_info(  # K unset
+        np.zeros((3, 3)), W, H, make_header(rig.next_stamp(), "cam1_optical"))))
     r = produce(rig, results)
     check_result_content(r, stamp_to_ns(r.header.stamp))
     values = diagnostics_values(diag.snapshot(), NODE)

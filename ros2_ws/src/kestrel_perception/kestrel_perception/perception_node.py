@@ -167,13 +167,12 @@ class PerceptionNode(KestrelLifecycleNode):
                 self._subs.append(self.create_subscription(
                     Image, f"~/input/camera_{i}/image", lambda m, i=i: self._on_image(i, m),
                     SENSOR_QOS, callback_group=group))
-            self._subs += [
-                self.create_subscription(CameraInfo, f"~/input/camera_{i}/camera_info",
-                                         lambda m, i=i: self._on_info(i, m), SENSOR_QOS,
-                                         callback_group=group),
-                self.create_subscription(PoseStamped, f"~/input/camera_{i}/pose",
-                                         lambda m, i=i: self._on_pose(i, m), SENSOR_QOS,
-                                         callback_group=group)]
+                self._subs.append(self.create_subscription(  # (else: the receivers take it)
+                    CameraInfo, f"~/input/camera_{i}/camera_info",
+                    lambda m, i=i: self._on_info(i, m), SENSOR_QOS, callback_group=group))
+            self._subs.append(self.create_subscription(
+                PoseStamped, f"~/input/camera_{i}/pose", lambda m, i=i: self._on_pose(i, m),
+                SENSOR_QOS, callback_group=group))
         # releases a set that waits for the cloud of a LiDAR that fell silent (core/sync.py):
         # no message may come to trigger it; in the subscriptions' group (never concurrent)
         self._release_timer = self.create_timer(p["cloud_timeout"] / 2, self._ready,
@@ -200,6 +199,7 @@ class PerceptionNode(KestrelLifecycleNode):
         n = p["num_cameras"]
         topics = [self.resolve_topic_name(f"~/input/camera_{i}/image") for i in range(n)]
         topics.append(self.resolve_topic_name("~/input/points"))
+        infos = [self.resolve_topic_name(f"~/input/camera_{i}/camera_info") for i in range(n)]
         w, h = p["warmup_size"]
         use_sim = self.get_parameter("use_sim_time").value
         # each sensor's ring: HISTORY + 3 slots held by this node (its synchroniser history,
@@ -210,14 +210,14 @@ class PerceptionNode(KestrelLifecycleNode):
             frame_id=p["frame_id"], node_name=self.get_name(), namespace=self.get_namespace(),
             ros_args=["-p", f"use_sim_time:={'true' if use_sim else 'false'}"],
             pool=HISTORY + 3, start_timeout_s=p["receiver_start_timeout"],
-            pin=self.core.staging.pin_host_memory)
+            pin=self.core.staging.pin_host_memory, info_topics=infos, on_info=self._take_info)
         try:
             self._receivers.start()
         except (ReceiverError, OSError) as exc:
             self._receivers = None
             self.get_logger().error(f"configure failed: parameter 'receive' = 'processes': {exc}")
             return False
-        self.get_logger().info(f"input receivers started: {topics}; "
+        self.get_logger().info(f"input receivers started: {topics + infos}; "
                                f"{self._receivers.pin_status}")
         return True
 
@@ -327,15 +327,20 @@ class PerceptionNode(KestrelLifecycleNode):
         self._ready(store)
 
     def _on_info(self, cam: int, msg: CameraInfo) -> None:
-        if not self._active or self.sync is None:
-            return
         try:
             k = camera_info_to_k(msg)
         except ConversionError as exc:
             self.drop("dropped_bad_camera_info", f"camera {cam}: {exc}")
             return
-        self.sync.add_info(cam, Stamped(stamp_to_ns(msg.header.stamp), time.monotonic(),
-                                        (k, int(msg.width), int(msg.height))))
+        self._take_info(cam, stamp_to_ns(msg.header.stamp), time.monotonic(), k,
+                        int(msg.width), int(msg.height))
+
+    def _take_info(self, cam: int, stamp_ns: int, recv_s: float, k: np.ndarray, width: int,
+                   height: int) -> None:
+        """One usable CameraInfo (from a callback, or a camera's receiver process)."""
+        if not self._active or self.sync is None:
+            return
+        self.sync.add_info(cam, Stamped(stamp_ns, recv_s, (k, width, height)))
         self._ready()
 
     def _on_pose(self, cam: int, msg: PoseStamped) -> None:

@@ -8,6 +8,10 @@ the H200 machine, the last of 6 images + cloud reached the node 6.9 ms after the
 (`input_spread`, docs/benchmarks/perception_node_h200.md). Here every sensor is received in
 its own interpreter, in parallel, and the node takes the arrays where they are written.
 
+A camera's receiver also takes its CameraInfo topic (`--info-topic`): K and size, checked as
+the node does, go into the ring's info record, handed over with the images (the node's
+executor then takes no per-frame message).
+
 Per message: the same checks as the node's own callbacks (msg_inputs: encoding, size, cloud
 frame / point count / all-NaN; drops counted in the ring and added to the node's counters of
 the same name on its /diagnostics), then the array into a free slot of the ring
@@ -28,13 +32,13 @@ import time
 
 import rclpy
 from kestrel_common.base_node import SENSOR_QOS
-from kestrel_common.conversions import stamp_to_ns
+from kestrel_common.conversions import ConversionError, camera_info_to_k, stamp_to_ns
 from kestrel_common.heap import tune_malloc
 from kestrel_common.shm import ShmSegment, unlink_segment
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
-from sensor_msgs.msg import Image, PointCloud2
+from sensor_msgs.msg import CameraInfo, Image, PointCloud2
 
 from kestrel_perception.core.input_rings import RingLayout
 from kestrel_perception.msg_inputs import InputDrop, cloud_xyz, image_rgb
@@ -86,6 +90,16 @@ class Receiver:
             return
         os.eventfd_write(self.efd, 1)
 
+    def on_info(self, msg) -> None:  # noqa: ANN001 - CameraInfo (camera receivers)
+        recv_ns = time.monotonic_ns()
+        try:
+            k = camera_info_to_k(msg)
+        except ConversionError as exc:
+            self.drop("dropped_bad_camera_info", str(exc))
+            return
+        self.ring.write_info(stamp_to_ns(msg.header.stamp), recv_ns, k, msg.width, msg.height)
+        os.eventfd_write(self.efd, 1)
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
@@ -99,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--event-fd", type=int, required=True)
     ap.add_argument("--parent-pid", type=int, required=True)
     ap.add_argument("--frame-id", default="")
+    ap.add_argument("--info-topic", default="", help="a camera's CameraInfo topic (optional)")
     args = ap.parse_args(remove_ros_args(argv)[1:])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = threading.Event()
@@ -117,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     node = rclpy.create_node("perception_receiver")  # named by the node's -r __node:=...
     msg_type = PointCloud2 if receiver.is_cloud else Image
     node.create_subscription(msg_type, args.topic, receiver, SENSOR_QOS)
+    if args.info_topic and not receiver.is_cloud:
+        node.create_subscription(CameraInfo, args.info_topic, receiver.on_info, SENSOR_QOS)
     ring.set_ready(os.getpid())
     os.eventfd_write(args.event_fd, 1)
 

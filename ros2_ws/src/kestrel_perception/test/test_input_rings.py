@@ -61,6 +61,18 @@ def test_image_and_cloud_round_trip_and_limits(rings) -> None:
     assert rings[0].counters()["dropped_bad_encoding"] == 0
 
 
+def test_camera_info_record_newest_wins(rings) -> None:
+    assert rings[0].read_info() is None and rings[0].info_version == 0
+    k = np.array([[500.0, 0, 320], [0, 510.0, 240], [0, 0, 1]])
+    rings[0].write_info(5, 6, k, 640, 480)
+    rings[0].write_info(7, 8, 2 * k, 1280, 960)  # before the node read: replaces it
+    info = rings[0].read_info()
+    assert (info.version, info.stamp_ns, info.recv_ns, info.width, info.height) == \
+        (2, 7, 8, 1280, 960)
+    np.testing.assert_array_equal(info.k, 2 * k)
+    assert rings[1].read_info() is None  # per camera
+
+
 def test_writer_never_writes_a_held_slot(rings) -> None:
     """slots = held + 2: with 3 slots held and one published, every write finds the last
     FREE one; an unclaimed message is replaced (its slot freed), never a held one."""
@@ -88,9 +100,15 @@ def test_receivers_hand_over_newest_count_overwritten_and_rotate_slots(rings) ->
     rx = InputReceivers(LAYOUT, ["/a", "/b", "/c"],
                         lambda cam, st, rs, rgb, fid: got.append(("img", cam, st, rs, rgb, fid)),
                         lambda st, rs, xyz: got.append(("pts", st, rs, xyz)),
-                        frame_id="world", node_name="t", pool=3)
+                        frame_id="world", node_name="t", pool=3, info_topics=["/ia", "/ib"],
+                        on_info=lambda cam, st, rs, k, w, h: got.append(("info", cam, st, w)))
     rx.rings = rings
     img = np.zeros((6, 8, 3), np.uint8)
+    rings[1].write_info(3, 0, np.eye(3), 8, 6)  # camera 1's info: handed over before its image
+    rings[1].write(img, 3, 0, "rgb8", "cam1")
+    assert rx.poll() == 2 and [g[0] for g in got] == ["info", "img"]
+    assert got[0] == ("info", 1, 3, 8) and rx.poll() == 0
+    got.clear()
     for k in range(1, 4):  # three images of camera 1 before the node looks: the newest wins
         img[...] = k
         rx.rings[1].write(img, k, k * 1_000_000_000, "rgb8", "cam1")
@@ -100,7 +118,7 @@ def test_receivers_hand_over_newest_count_overwritten_and_rotate_slots(rings) ->
     assert (kind, cam, stamp, recv_s, fid) == ("img", 1, 3, 3.0, "cam1")
     assert rgb.shape == (6, 8, 3) and (rgb == 3).all()
     assert pts[0] == "pts" and pts[3].shape == (5, 3) and (pts[3] == 1).all()
-    assert rx.counters()["rx_overwritten"] == 2
+    assert rx.counters()["rx_overwritten"] == 2  # k = 1, 2 replaced before the poll
     arrays = [rgb]
     for k in range(4, 12):  # one at a time: the node holds its 3 newest, each intact
         img[...] = k
@@ -109,7 +127,7 @@ def test_receivers_hand_over_newest_count_overwritten_and_rotate_slots(rings) ->
         arrays.append(got[-1][4])
         n = min(3, len(arrays))
         assert [int(a[0, 0, 0]) for a in arrays[-n:]] == list(range(k - n + 1, k + 1))
-        assert (rings[1].state == HELD).sum() == n
+        assert (rings[1].state == HELD).sum() == min(3, len(arrays) + 1)  # + the first one
     assert rx.counters()["rx_overwritten"] == 2 and rx.counters()["rx_handler_errors"] == 0
     t = rx.timings(0.0)  # the last hand-over's parts (s)
     assert set(t) == {"rx_handoff", "rx_write", "rx_read", "rx_handler"}

@@ -16,6 +16,9 @@ One segment, one ring of `slots` slots per sensor (cameras 0..C-1, then the LiDA
           published)
   frame   uint8 [slots, FRAME_ID_BYTES]: header.frame_id, utf-8
   data    uint8 [slots, slot_bytes]: the image [H, W, 3] uint8 or the cloud [N, 3] float32
+  info    int64 [4] + float64 [9]: a camera's newest CameraInfo (version, stamp ns, receipt
+          ns, width << 32 | height; K row-major), written and read under the ring's lock
+          (newest wins, as the images: the node's executor then takes no per-frame message)
 
 Ownership, so that no slot is written while the node reads it (no torn input, no copy to
 check one): one writer per ring (its receiver process) and one reader (the node's receiver
@@ -42,10 +45,11 @@ FRAME_ID_BYTES = 128
 ENCODINGS = ("rgb8", "bgr8", "xyz32")  # meta ENC: image encodings, then the cloud's
 # receiver-side counters, named as the node's own (a drop in a receiver is the same drop)
 RX_COUNTERS = ("received", "dropped_bad_encoding", "dropped_bad_image", "dropped_size_mismatch",
-               "dropped_bad_cloud", "dropped_too_many_points")
+               "dropped_bad_cloud", "dropped_too_many_points", "dropped_bad_camera_info")
 FREE, WRITING, PUBLISHED, HELD = 0, 1, 2, 3
 _PUB, _VER, _READY, _PID, _CNT = 0, 1, 2, 3, 8
-_HEADER = 16
+_HEADER = 16  # _CNT + len(RX_COUNTERS) <= _HEADER
+_I_VER, _I_STAMP, _I_RECV, _I_SIZE = range(4)
 _M_STAMP, _M_RECV, _M_ROWS, _M_COLS, _M_ENC, _M_BYTES, _M_VER, _M_FID, _M_PUBT = range(9)
 
 
@@ -66,14 +70,28 @@ class RingItem:
     published_ns: int = 0  # time.monotonic_ns() when the receiver published the slot
 
 
+@dataclass(frozen=True)
+class InfoItem:
+    """A camera's newest CameraInfo, as the node's synchroniser takes it."""
+
+    version: int
+    stamp_ns: int
+    recv_ns: int  # time.monotonic_ns() when the receiver's callback started
+    k: np.ndarray  # [3, 3] float64
+    width: int
+    height: int
+
+
 class SensorRing:
     """The ring of one sensor (views into the segment; see the module docstring). `lock_fd`:
     an fd of the segment's file open in THIS process; byte `index` of it is this ring's lock."""
 
     def __init__(self, index: int, lock_fd: int, header: np.ndarray, state: np.ndarray,
-                 meta: np.ndarray, frame: np.ndarray, data: np.ndarray) -> None:
+                 meta: np.ndarray, frame: np.ndarray, data: np.ndarray, info: np.ndarray,
+                 info_k: np.ndarray) -> None:
         self.index, self.lock_fd = index, lock_fd
         self.h, self.state, self.meta, self.frame, self.data = header, state, meta, frame, data
+        self.info, self.info_k = info, info_k
         self.slot_bytes = int(data.shape[1])
         self._writing = -1  # writer side: the slot being filled
 
@@ -131,7 +149,34 @@ class SensorRing:
             self._unlock()
         return True
 
+    def write_info(self, stamp_ns: int, recv_ns: int, k: np.ndarray, width: int,
+                   height: int) -> None:
+        """Publish a camera's CameraInfo (K [3,3]); a newer one replaces an unread one."""
+        self._lock()
+        try:
+            self.info_k[:] = np.asarray(k, np.float64).reshape(9)
+            self.info[_I_STAMP] = stamp_ns
+            self.info[_I_RECV] = recv_ns
+            self.info[_I_SIZE] = (int(width) << 32) | int(height)
+            self.info[_I_VER] += 1
+        finally:
+            self._unlock()
+
     # ---- reader (the node) ---------------------------------------------------------------------
+    @property
+    def info_version(self) -> int:
+        return self.info.item(_I_VER)
+
+    def read_info(self) -> InfoItem | None:
+        """The newest CameraInfo (a copy), or None if none was published."""
+        self._lock()
+        try:
+            ver, stamp, recv, size = self.info.tolist()
+            k = self.info_k.reshape(3, 3).copy()
+        finally:
+            self._unlock()
+        return None if ver == 0 else InfoItem(ver, stamp, recv, k, size >> 32, size & 0xFFFFFFFF)
+
     @property
     def ready(self) -> bool:
         return bool(self.h.item(_READY))
@@ -207,7 +252,8 @@ class RingLayout:
         k = self.slots
         return [(arena.take(_HEADER, np.int64), arena.take(k, np.int64),
                  arena.take((k, 9), np.int64), arena.take((k, FRAME_ID_BYTES), np.uint8),
-                 arena.take((k, self.slot_bytes(s)), np.uint8))
+                 arena.take((k, self.slot_bytes(s)), np.uint8), arena.take(4, np.int64),
+                 arena.take(9, np.float64))
                 for s in range(self.num_sensors)]
 
     @property

@@ -3,16 +3,17 @@
 `InputReceivers.start()` creates the rings' segment (input_rings.RingLayout), lets the caller
 page-lock the slots (`pin`: the node's InputStaging.pin_host_memory, so a slot goes straight to
 the device), starts one `python -m kestrel_perception.perception_receiver_node` per camera image
-topic and one for the cloud (each subscribes to its topic and writes every usable message into
-a free slot of its ring), and waits (bounded) until all of them have subscribed. A thread then
+topic and one for the cloud (each subscribes to its topic and writes every usable message into a
+free slot of its ring), and waits (bounded) until all of them have subscribed. A thread then
 sleeps on the eventfd the receivers write after each message; woken, it claims the newest
 message of every ring that has one (no copy: the handler gets a view of the slot, which stays
 the node's until it claimed `pool` newer messages of that sensor, more than the node's
-synchroniser keeps) and calls `on_image(cam, stamp_ns, recv_s, rgb [H,W,3] uint8, frame_id)`
-or `on_points(stamp_ns, recv_s, xyz [N,3] float32)`: the node's own handlers, as its
-subscription callbacks would. Messages replaced in a ring before the thread claimed them are
-counted (`overwritten`, newest wins). `close()` ends the children through their stdin
-(bounded, then kill), unpins and unlinks the segment; it also runs at interpreter exit.
+synchroniser keeps) and calls `on_image(cam, stamp_ns, recv_s, rgb [H,W,3] uint8, frame_id)` or
+`on_points(stamp_ns, recv_s, xyz [N,3] float32)`, and with `info_topics` each camera's newest
+CameraInfo first (`on_info(cam, stamp_ns, recv_s, K [3,3], width, height)`): the node's own
+handlers, as its subscription callbacks would. Messages replaced in a ring before the thread
+claimed them are counted (`overwritten`, newest wins). `close()` ends the children through their
+stdin (bounded, then kill), unpins and unlinks the segment; it also runs at interpreter exit.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class InputReceivers:
                  node_name: str, namespace: str = "/", ros_args: Sequence[str] = (),
                  pool: int = 11, start_timeout_s: float = 60.0,
                  python: str = sys.executable,
-                 pin: Callable[[list[np.ndarray]], tuple[Callable[[], None], str]] | None = None
+                 pin: Callable[[list[np.ndarray]], tuple[Callable[[], None], str]] | None = None,
+                 info_topics: Sequence[str] | None = None,
+                 on_info: Callable[[int, int, float, np.ndarray, int, int], None] | None = None
                  ) -> None:
         if len(topics) != layout.num_sensors:
             raise ValueError(f"parameter 'topics' = {len(topics)} topics: expected "
@@ -57,7 +60,14 @@ class InputReceivers:
         if pool < 1 or layout.slots < pool + 2:
             raise ValueError(f"pool = {pool!r} messages held per sensor: must be >= 1 and "
                              f"<= the rings' slots - 2 ({layout.slots - 2})")
+        if info_topics is not None and len(info_topics) != layout.num_cameras:
+            raise ValueError(f"parameter 'info_topics' = {len(info_topics)} topics: expected "
+                             f"{layout.num_cameras} (one per camera)")
         self.layout, self.topics = layout, list(topics)
+        # each camera's receiver also takes its CameraInfo topic (on_info(cam, stamp_ns,
+        # recv_s, K [3,3], width, height), handed over before that camera's image)
+        self.info_topics = list(info_topics) if info_topics is not None else None
+        self.on_info = on_info
         self.on_image, self.on_points = on_image, on_points
         self.frame_id, self.node_name, self.namespace = frame_id, node_name, namespace
         self.ros_args, self.start_timeout_s, self.python = list(ros_args), start_timeout_s, python
@@ -69,6 +79,7 @@ class InputReceivers:
         self.pin_status = "not pinned"
         self._held = [deque() for _ in range(layout.num_sensors)]  # slots held, oldest first
         self._last = [0] * layout.num_sensors  # last version claimed per ring
+        self._last_info = [0] * layout.num_cameras  # last CameraInfo version read per camera
         self.overwritten = 0  # messages replaced in a ring before the thread read them
         self.delivered = 0
         # time.monotonic() when the thread started handing over its current message: the node
@@ -119,7 +130,9 @@ class InputReceivers:
         cmd = [self.python, "-m", RECEIVER_MODULE, "--shm", shm_name,
                "--layout", *self.layout.to_args(), "--sensor", str(sensor), "--topic", topic,
                "--event-fd", str(self._efd), "--parent-pid", str(os.getpid()),
-               "--frame-id", self.frame_id, "--ros-args", "-r",
+               "--frame-id", self.frame_id,
+               *(["--info-topic", self.info_topics[sensor]] if self.info_topics is not None
+                 and sensor < self.layout.num_cameras else []), "--ros-args", "-r",
                f"__node:={self.node_name}_rx_{kind}", "-r", f"__ns:={self.namespace}",
                *self.ros_args]
         # stdin: a pipe only this process writes; its EOF ends the child
@@ -234,6 +247,8 @@ class InputReceivers:
         n = 0
         cams = self.layout.num_cameras
         for s, ring in enumerate(self.rings):
+            if s < cams and ring.info_version != self._last_info[s]:
+                n += self._hand_over_info(s, ring)  # before the image it belongs to
             if ring.version == self._last[s]:
                 continue
             held = self._held[s]
@@ -263,3 +278,16 @@ class InputReceivers:
             n += 1
         self.delivered += n
         return n
+
+    def _hand_over_info(self, cam: int, ring) -> int:  # noqa: ANN001
+        info = ring.read_info()
+        if info is None or self.on_info is None:
+            return 0
+        self._last_info[cam] = info.version
+        try:
+            self.on_info(cam, info.stamp_ns, info.recv_ns * 1e-9, info.k, info.width,
+                         info.height)
+        except Exception as exc:  # the node's handler; counted, the thread goes on
+            self.handler_errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+        return 1
