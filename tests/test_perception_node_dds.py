@@ -539,3 +539,50 @@ def test_a_cloud_that_completes_its_set_processes_it(ros_domain):
         node.trigger_cleanup()
         node.destroy_node()
         rclpy.try_shutdown(context=ctx)
+
+
+def test_reactivation_forgets_old_inputs_and_reused_slots_are_not_published(ros_domain):
+    """A set waiting for its cloud when the node is deactivated is gone after activation
+    (with receive 'processes' its slots were reused meanwhile); and a frame whose input slots
+    were reused while it was processed (InputReceivers.intact is False) is dropped, counted,
+    not published. The node in this process, no executor."""
+    from types import SimpleNamespace
+
+    import rclpy
+    from rclpy.parameter import Parameter
+
+    from kestrel_perception.perception_node import PerceptionNode
+
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx, domain_id=ros_domain)
+    params = {"num_cameras": 1, "base_width": 8, "fpn_channels": 32, "torch_threads": 1,
+              "warmup_size": [W, H], "autostart": False, "gc_freeze": False,
+              "sync_slop": 0.01, "camera_poses": POSES[:7]}
+    node = PerceptionNode(context=ctx, parameter_overrides=[
+        Parameter(k, value=v) for k, v in params.items()])
+    img = np.zeros((H, W, 3), np.uint8)
+    try:
+        node.trigger_configure()
+        node.trigger_activate()
+        t0, t1, t2 = 1_000_000_000, 1_100_000_000, 1_200_000_000
+        pts = wall_points()
+        node._take_points(t0, time.monotonic(), pts)  # the LiDAR is live from now on
+        node._on_info(0, make_camera_info(K, W, H, make_header(t1, "cam0_optical")))
+        node._take_image(0, t1, time.monotonic(), img, "cam0_optical")
+        assert node.counters.get("processed") == 0  # waits for the cloud of t1
+        node.trigger_deactivate()
+        node.trigger_activate()
+        node._take_points(t1, time.monotonic(), pts)  # its set was forgotten
+        assert node.counters.get("processed") == 0
+        node._receivers = SimpleNamespace(intact=lambda tickets: False, thread=None)
+        node._on_info(0, make_camera_info(K, W, H, make_header(t2, "cam0_optical")))
+        node._take_image(0, t2, time.monotonic(), img, "cam0_optical", (0, 3, 7))
+        node._take_points(t2, time.monotonic(), pts, (1, 2, 5))
+        assert node.counters.get("dropped_input_overwritten") == 1
+        assert node.counters.get("processed") == 0
+    finally:
+        node._receivers = None
+        node._active = False
+        node.trigger_cleanup()
+        node.destroy_node()
+        rclpy.try_shutdown(context=ctx)

@@ -68,10 +68,11 @@ def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD,
     except (OSError, AttributeError, TypeError):
         return f"malloc: not tuned (no glibc mallopt in {name!r})"
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
-    ok = mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1 and ok
-    if not ok:
-        return "malloc: not tuned (mallopt refused the values)"
+    refused = [name for name, param, value in (
+        ("mmap_threshold", _M_MMAP_THRESHOLD, mmap_threshold),
+        ("trim_threshold", _M_TRIM_THRESHOLD, trim_threshold)) if mallopt(param, value) != 1]
+    if refused:
+        return f"malloc: mallopt refused {refused} (the others were set)"
     return (f"malloc: mmap_threshold {mmap_threshold >> 20} MiB, trim_threshold "
             f"{trim_threshold >> 20} MiB (large messages reuse heap pages; {MALLOC_ENV}="
             "default turns this off)")

@@ -84,7 +84,7 @@ COUNTERS = ("processed", "dropped_bad_encoding", "dropped_bad_image", "dropped_s
             "dropped_bad_camera_info", "dropped_bad_pose", "dropped_bad_cloud",
             "dropped_too_many_points", "out_of_sync", "skipped_stale", "processing_error",
             "nan_points", "truncated_points", "runtime_shape_fallbacks", "nms_slow_path",
-            "missing_cloud", "cloud_out_of_sync")
+            "missing_cloud", "cloud_out_of_sync", "dropped_input_overwritten")
 # core InputError reason code -> counter
 REASON_COUNTER = {"bad_image": "dropped_bad_image", "size_mismatch": "dropped_size_mismatch",
                   "mixed_sizes": "dropped_size_mismatch", "bad_camera": "dropped_bad_camera_info",
@@ -223,6 +223,9 @@ class PerceptionNode(KestrelLifecycleNode):
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop.clear()
+        with self._proc_lock:  # nothing from before: receivers' slots were reused meanwhile
+            if self.sync is not None:
+                self.sync.clear()
         self._active = True
         if not self._inline:
             self._worker = threading.Thread(target=self._work, name="perception_worker",
@@ -312,7 +315,7 @@ class PerceptionNode(KestrelLifecycleNode):
         self._take_image(cam, stamp_to_ns(msg.header.stamp), recv_s, rgb, msg.header.frame_id)
 
     def _take_image(self, cam: int, stamp_ns: int, recv_s: float, rgb: np.ndarray,
-                    frame_id: str) -> None:
+                    frame_id: str, ticket: tuple | None = None) -> None:
         """One usable image (from a callback, or a receiver process: recv_s is its receipt
         there, on the same monotonic clock)."""
         sync = self.sync
@@ -320,7 +323,7 @@ class PerceptionNode(KestrelLifecycleNode):
             return
 
         def store() -> None:
-            sync.add_image(cam, Stamped(stamp_ns, recv_s, (rgb, frame_id)))
+            sync.add_image(cam, Stamped(stamp_ns, recv_s, (rgb, frame_id), ticket))
             if self._inline and self.core is not None:  # copy to pinned memory on arrival:
                 self.core.staging.prestage_image(cam, rgb)  # the frame skips it (staging.py)
 
@@ -366,13 +369,14 @@ class PerceptionNode(KestrelLifecycleNode):
             return
         self._take_points(stamp_to_ns(msg.header.stamp), recv_s, xyz)
 
-    def _take_points(self, stamp_ns: int, recv_s: float, xyz: np.ndarray) -> None:
+    def _take_points(self, stamp_ns: int, recv_s: float, xyz: np.ndarray,
+                     ticket: tuple | None = None) -> None:
         sync = self.sync
         if not self._active or sync is None:
             return
 
         def store() -> None:  # the cloud often completes its set (core/sync.py)
-            sync.add_cloud(Stamped(stamp_ns, recv_s, xyz))
+            sync.add_cloud(Stamped(stamp_ns, recv_s, xyz, ticket))
             if self._inline and self.core is not None:  # as the images: pre-staged
                 self.core.staging.prestage_points(xyz)
 
@@ -430,6 +434,11 @@ class PerceptionNode(KestrelLifecycleNode):
         except InputError as exc:
             self.drop(REASON_COUNTER.get(exc.reason_code, "dropped_bad_image"), str(exc))
             return
+        rx = self._receivers
+        if rx is not None and not rx.intact([m.ticket for m in (*s.images, s.cloud) if m]):
+            self.drop("dropped_input_overwritten", "an input's shared-memory slot was reused "
+                      "while its set was processed: result not published")
+            return
         if out.dropped_points:
             self.counters.inc("nan_points", out.dropped_points)
         if out.truncated_points:
@@ -450,7 +459,6 @@ class PerceptionNode(KestrelLifecycleNode):
         # input_spread: first -> last message of the set received (the node's serial takes
         # and callbacks when the sensors publish in parallel)
         extra["input_spread"] = s.newest_recv_s - s.oldest_recv_s
-        rx = self._receivers
         if rx is not None and self._inline and threading.current_thread() is rx.thread:
             extra.update(rx.timings(s.newest_recv_s))  # this set completed by the receivers
         build, latency = self._results.publish(s.stamp_ns, [img.stamp_ns for img in s.images],

@@ -98,8 +98,8 @@ def test_receivers_hand_over_newest_count_overwritten_and_rotate_slots(rings) ->
     """InputReceivers.poll() on rings written in this process (no child processes)."""
     got: list = []
     rx = InputReceivers(LAYOUT, ["/a", "/b", "/c"],
-                        lambda cam, st, rs, rgb, fid: got.append(("img", cam, st, rs, rgb, fid)),
-                        lambda st, rs, xyz: got.append(("pts", st, rs, xyz)),
+                        lambda cam, st, rs, rgb, fid, t: got.append(("img", cam, st, rs, rgb, fid)),
+                        lambda st, rs, xyz, t: got.append(("pts", st, rs, xyz)),
                         frame_id="world", node_name="t", pool=3, info_topics=["/ia", "/ib"],
                         on_info=lambda cam, st, rs, k, w, h: got.append(("info", cam, st, w)))
     rx.rings = rings
@@ -140,6 +140,31 @@ def test_receivers_hand_over_newest_count_overwritten_and_rotate_slots(rings) ->
     rx.on_image = boom
     rx.rings[0].write(img, 1, 0, "rgb8", "cam0")
     assert rx.poll() == 1 and rx.counters()["rx_handler_errors"] == 1
+    rx.rings = []
+
+
+def test_a_message_kept_past_its_slot_is_not_intact(rings) -> None:
+    """The reader gives a slot back after `pool` newer claims, whether the node kept those
+    messages or not (e.g. while inactive). A message the node kept longer may then be
+    overwritten: its ticket is no longer intact, so the node drops that frame (counted)."""
+    tickets: list = []
+    rx = InputReceivers(LAYOUT, ["/a", "/b", "/c"],
+                        lambda cam, st, rs, rgb, fid, t: tickets.append((t, rgb)),
+                        lambda *a: None, frame_id="world", node_name="t", pool=3)
+    rx.rings = rings
+    img = np.zeros((6, 8, 3), np.uint8)
+    img[...] = 1
+    rings[0].write(img, 1, 0, "rgb8", "")
+    rx.poll()
+    kept, view = tickets[0]  # the node keeps this one (its synchroniser)
+    assert rx.intact([kept]) and rx.intact([None])
+    for k in range(2, 6):  # 4 newer claims: the kept one's slot goes back after the 3rd
+        img[...] = k
+        rings[0].write(img, k, 0, "rgb8", "")
+        rx.poll()
+        if k == 4:
+            assert not rx.intact([kept])  # given back (FREE): not trusted any more
+    assert not rx.intact([kept]) and rx.intact([t for t, _ in tickets[-3:]])
     rx.rings = []
 
 

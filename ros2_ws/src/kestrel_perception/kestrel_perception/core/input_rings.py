@@ -214,6 +214,11 @@ class SensorRing:
                         ENCODINGS[m[_M_ENC]], m[_M_BYTES], m[_M_VER],
                         fid.decode(errors="replace"), m[_M_PUBT])
 
+    def holds(self, slot: int, version: int) -> bool:
+        """Slot `slot` still holds message `version`, claimed and untouched since: a slot is
+        written only when FREE, and its version changes when it is published again."""
+        return self.state.item(slot) == HELD and self.meta.item(slot, _M_VER) == version
+
     def view(self, item: RingItem) -> np.ndarray:
         """The claimed message's array, a view of its slot: [H, W, 3] uint8 or [N, 3] float32."""
         flat = self.data[item.slot, :item.nbytes]

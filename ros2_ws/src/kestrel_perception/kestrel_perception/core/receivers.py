@@ -8,12 +8,13 @@ free slot of its ring), and waits (bounded) until all of them have subscribed. A
 sleeps on the eventfd the receivers write after each message; woken, it claims the newest
 message of every ring that has one (no copy: the handler gets a view of the slot, which stays
 the node's until it claimed `pool` newer messages of that sensor, more than the node's
-synchroniser keeps) and calls `on_image(cam, stamp_ns, recv_s, rgb [H,W,3] uint8, frame_id)` or
-`on_points(stamp_ns, recv_s, xyz [N,3] float32)`, and with `info_topics` each camera's newest
-CameraInfo first (`on_info(cam, stamp_ns, recv_s, K [3,3], width, height)`): the node's own
-handlers, as its subscription callbacks would. Messages replaced in a ring before the thread
-claimed them are counted (`overwritten`, newest wins). `close()` ends the children through their
-stdin (bounded, then kill), unpins and unlinks the segment; it also runs at interpreter exit.
+synchroniser keeps) and calls `on_image(cam, stamp_ns, recv_s, rgb [H,W,3] uint8, frame_id,
+ticket)` or `on_points(stamp_ns, recv_s, xyz [N,3] float32, ticket)` (ticket: see `intact`), and
+with `info_topics` each camera's newest CameraInfo first (`on_info(cam, stamp_ns, recv_s, K
+[3,3], width, height)`): the node's own handlers, as its subscription callbacks would. Messages
+replaced in a ring before the thread claimed them are counted (`overwritten`, newest wins).
+`close()` ends the children through their stdin (bounded, then kill), unpins and unlinks the
+segment; it also runs at interpreter exit.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class InputReceivers:
     """See the module docstring. start/close from one (lifecycle) thread."""
 
     def __init__(self, layout: RingLayout, topics: Sequence[str],
-                 on_image: Callable[[int, int, float, np.ndarray, str], None],
-                 on_points: Callable[[int, float, np.ndarray], None], *, frame_id: str,
+                 on_image: Callable[[int, int, float, np.ndarray, str, tuple], None],
+                 on_points: Callable[[int, float, np.ndarray, tuple], None], *, frame_id: str,
                  node_name: str, namespace: str = "/", ros_args: Sequence[str] = (),
                  pool: int = 11, start_timeout_s: float = 60.0,
                  python: str = sys.executable,
@@ -266,11 +267,13 @@ class InputReceivers:
             recv_s = item.recv_ns * 1e-9  # time.monotonic() scale
             self.write_s = (item.published_ns - item.recv_ns) * 1e-9
             self.handing_over_since = t0 = time.monotonic()
+            ticket = (s, item.slot, item.version)  # checked after the frame: intact()
             try:
                 if s < cams:
-                    self.on_image(s, item.stamp_ns, recv_s, ring.view(item), item.frame_id)
+                    self.on_image(s, item.stamp_ns, recv_s, ring.view(item), item.frame_id,
+                                  ticket)
                 else:
-                    self.on_points(item.stamp_ns, recv_s, ring.view(item))
+                    self.on_points(item.stamp_ns, recv_s, ring.view(item), ticket)
             except Exception as exc:  # the node's handler; counted, the thread goes on
                 self.handler_errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
@@ -284,10 +287,21 @@ class InputReceivers:
         if info is None or self.on_info is None:
             return 0
         self._last_info[cam] = info.version
+        self.write_s = 0.0  # (timings() of a set this CameraInfo completes)
+        self.handing_over_since = t0 = time.monotonic()
         try:
             self.on_info(cam, info.stamp_ns, info.recv_ns * 1e-9, info.k, info.width,
                          info.height)
         except Exception as exc:  # the node's handler; counted, the thread goes on
             self.handler_errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
+        self.handler_s = time.monotonic() - t0
         return 1
+
+    def intact(self, tickets: list) -> bool:
+        """Every (sensor, slot, version) ticket's slot still holds its message, untouched
+        since it was handed over. The node checks its frame's inputs after processing them:
+        a slot is given back after `pool` newer claims of its sensor, kept by the node or
+        not, so a message the synchroniser kept longer could have been overwritten; that
+        frame is dropped (counted), never published."""
+        return all(t is None or self.rings[t[0]].holds(t[1], t[2]) for t in tickets)

@@ -41,6 +41,7 @@ CAMERA_FIELDS: tuple[tuple[str, tuple[int, int]], ...] = (
     ("T_cam_from_base", (4, 4)), ("K", (3, 3)), ("K_inv", (3, 3)), ("T_base_from_cam", (4, 4)))
 # numpy dtype.str -> torch dtype of the inputs that can come from registered host buffers
 _TORCH_DTYPES = {"|u1": torch.uint8, "<f4": torch.float32}
+_HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
 
 
 @dataclass
@@ -132,7 +133,9 @@ class InputStaging:
             for b in blocks:
                 if not b.flags.c_contiguous:
                     raise ValueError("pin_host_memory: blocks must be C-contiguous")
-                err = rt.cudaHostRegister(b.ctypes.data, b.nbytes, 0)
+                # portable: page-locked for every CUDA context (the node's device may not be
+                # the current one)
+                err = rt.cudaHostRegister(b.ctypes.data, b.nbytes, _HOST_REGISTER_PORTABLE)
                 if err != rt.cudaError.success:
                     for ptr in pinned:
                         rt.cudaHostUnregister(ptr)

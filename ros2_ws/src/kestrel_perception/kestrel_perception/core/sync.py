@@ -43,11 +43,14 @@ MAX_LIVE_WINDOW_S = 5.0  # the LiDAR's live window never exceeds this (a slow or
 
 @dataclass
 class Stamped:
-    """One received message: stamp (ns, message time), receipt time (s, monotonic), payload."""
+    """One received message: stamp (ns, message time), receipt time (s, monotonic), payload;
+    ticket: where the payload lives when it is not the message's own memory (the input
+    receivers' (sensor, slot, version), checked after the frame: InputReceivers.intact)."""
 
     stamp_ns: int
     recv_s: float
     data: Any
+    ticket: Any = None
 
 
 @dataclass
