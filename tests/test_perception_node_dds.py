@@ -4,6 +4,7 @@ counted drops of bad input on /diagnostics, run-time head switching and configur
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -462,13 +463,10 @@ def test_receiver_processes(launch_node, probe):
     assert not glob.glob(f"/dev/shm/kestrel_perception_{pid}_*")
 
 
-def test_prestaging_never_overlaps_a_frame(ros_domain):
-    """Callback processing: an input arriving from another thread (the receiver thread of
-    receive 'processes') waits for the frame being processed before it writes the staging
-    buffers that frame reads. The node in this process; the test holds the processing lock as
-    a running frame would."""
-    import threading
-
+@contextlib.contextmanager
+def local_node(ros_domain: int, **extra):
+    """A configured PerceptionNode in this process (no executor: no timers run); 1 camera,
+    the smallest model. Cleaned up afterwards."""
     import rclpy
     from rclpy.parameter import Parameter
 
@@ -477,11 +475,27 @@ def test_prestaging_never_overlaps_a_frame(ros_domain):
     ctx = rclpy.Context()
     rclpy.init(context=ctx, domain_id=ros_domain)
     params = {"num_cameras": 1, "base_width": 8, "fpn_channels": 32, "torch_threads": 1,
-              "warmup_size": [W, H], "autostart": False, "gc_freeze": False}
+              "warmup_size": [W, H], "autostart": False, "gc_freeze": False, **extra}
     node = PerceptionNode(context=ctx, parameter_overrides=[
         Parameter(k, value=v) for k, v in params.items()])
     try:
         node.trigger_configure()
+        yield node
+    finally:
+        node._active = False
+        node.trigger_cleanup()
+        node.destroy_node()
+        rclpy.try_shutdown(context=ctx)
+
+
+def test_prestaging_never_overlaps_a_frame(ros_domain):
+    """Callback processing: an input arriving from another thread (the receiver thread of
+    receive 'processes') waits for the frame being processed before it writes the staging
+    buffers that frame reads. The node in this process; the test holds the processing lock as
+    a running frame would."""
+    import threading
+
+    with local_node(ros_domain) as node:
         node._active = True  # as activation would, without its timers (no executor here)
         staging = node.core.staging
         rgb = np.full((H, W, 3), 7, np.uint8)
@@ -497,31 +511,13 @@ def test_prestaging_never_overlaps_a_frame(ros_domain):
         t.join(10.0)
         assert not t.is_alive() and staging._staged[0] is rgb  # staged once the frame ended
         np.testing.assert_array_equal(staging._img_np[0], rgb)
-    finally:
-        node._active = False
-        node.trigger_cleanup()
-        node.destroy_node()
-        rclpy.try_shutdown(context=ctx)
 
 
 def test_a_cloud_that_completes_its_set_processes_it(ros_domain):
     """cloud_required: images + camera_info of a stamp wait for their cloud (the LiDAR is
     live); the cloud's own arrival processes the set at once (callback processing), not the
     release timer or the next image. The node in this process, no executor (no timers run)."""
-    import rclpy
-    from rclpy.parameter import Parameter
-
-    from kestrel_perception.perception_node import PerceptionNode
-
-    ctx = rclpy.Context()
-    rclpy.init(context=ctx, domain_id=ros_domain)
-    params = {"num_cameras": 1, "base_width": 8, "fpn_channels": 32, "torch_threads": 1,
-              "warmup_size": [W, H], "autostart": False, "gc_freeze": False,
-              "sync_slop": 0.01, "camera_poses": POSES[:7]}
-    node = PerceptionNode(context=ctx, parameter_overrides=[
-        Parameter(k, value=v) for k, v in params.items()])
-    try:
-        node.trigger_configure()
+    with local_node(ros_domain, sync_slop=0.01, camera_poses=POSES[:7]) as node:
         node._active = True  # as activation would, without its timers (no executor here)
         t0 = 1_000_000_000
         pts = wall_points()
@@ -534,11 +530,6 @@ def test_a_cloud_that_completes_its_set_processes_it(ros_domain):
         node._take_points(t1, time.monotonic(), pts)
         assert node.counters.get("processed") == 1  # processed by the cloud's arrival
         assert node.counters.get("missing_cloud") == 0
-    finally:
-        node._active = False
-        node.trigger_cleanup()
-        node.destroy_node()
-        rclpy.try_shutdown(context=ctx)
 
 
 def test_reactivation_forgets_old_inputs_and_reused_slots_are_not_published(ros_domain):
@@ -548,21 +539,8 @@ def test_reactivation_forgets_old_inputs_and_reused_slots_are_not_published(ros_
     not published. The node in this process, no executor."""
     from types import SimpleNamespace
 
-    import rclpy
-    from rclpy.parameter import Parameter
-
-    from kestrel_perception.perception_node import PerceptionNode
-
-    ctx = rclpy.Context()
-    rclpy.init(context=ctx, domain_id=ros_domain)
-    params = {"num_cameras": 1, "base_width": 8, "fpn_channels": 32, "torch_threads": 1,
-              "warmup_size": [W, H], "autostart": False, "gc_freeze": False,
-              "sync_slop": 0.01, "camera_poses": POSES[:7]}
-    node = PerceptionNode(context=ctx, parameter_overrides=[
-        Parameter(k, value=v) for k, v in params.items()])
     img = np.zeros((H, W, 3), np.uint8)
-    try:
-        node.trigger_configure()
+    with local_node(ros_domain, sync_slop=0.01, camera_poses=POSES[:7]) as node:
         node.trigger_activate()
         t0, t1, t2 = 1_000_000_000, 1_100_000_000, 1_200_000_000
         pts = wall_points()
@@ -575,14 +553,11 @@ def test_reactivation_forgets_old_inputs_and_reused_slots_are_not_published(ros_
         node._take_points(t1, time.monotonic(), pts)  # its set was forgotten
         assert node.counters.get("processed") == 0
         node._receivers = SimpleNamespace(intact=lambda tickets: False, thread=None)
-        node._on_info(0, make_camera_info(K, W, H, make_header(t2, "cam0_optical")))
-        node._take_image(0, t2, time.monotonic(), img, "cam0_optical", (0, 3, 7))
-        node._take_points(t2, time.monotonic(), pts, (1, 2, 5))
+        try:
+            node._on_info(0, make_camera_info(K, W, H, make_header(t2, "cam0_optical")))
+            node._take_image(0, t2, time.monotonic(), img, "cam0_optical", (0, 3, 7))
+            node._take_points(t2, time.monotonic(), pts, (1, 2, 5))
+        finally:
+            node._receivers = None  # (a stub: cleanup would close it)
         assert node.counters.get("dropped_input_overwritten") == 1
         assert node.counters.get("processed") == 0
-    finally:
-        node._receivers = None
-        node._active = False
-        node.trigger_cleanup()
-        node.destroy_node()
-        rclpy.try_shutdown(context=ctx)

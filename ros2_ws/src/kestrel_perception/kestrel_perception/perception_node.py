@@ -66,6 +66,7 @@ from kestrel_perception.core import (
 )
 from kestrel_perception.core.draw import render_debug
 from kestrel_perception.core.input_rings import RingLayout
+from kestrel_perception.core.health import perception_status
 from kestrel_perception.core.receivers import InputReceivers, ReceiverError
 from kestrel_perception.core.sync import FrameSynchronizer, Stamped, SyncedSet
 from kestrel_perception.core.params import (
@@ -477,34 +478,11 @@ class PerceptionNode(KestrelLifecycleNode):
 
     # ---- diagnostics ----------------------------------------------------------------------------
     def _status(self) -> tuple[int, str, dict]:
-        values: dict[str, float] = {}
-        graphs = self.core.region.graphs if self.core is not None else None
-        if graphs is not None:  # captured region graphs / signatures left eager
-            values["region_graphs"] = len(graphs.entries)
-            values["region_graphs_failed"] = len(graphs.failed)
-        if self.core is not None:  # inputs copied on arrival and used by their frame
-            values["prestaged_inputs"] = self.core.staging.prestaged_used
-            # of those, straight from the receivers' page-locked slots (receive: processes)
-            values["prestaged_direct"] = self.core.staging.prestaged_direct
-        # 1: results published as CDR bytes (result_cdr.py)
-        values["result_cdr"] = float(self._results is not None and self._results.cdr)
-        if self._receivers is not None:  # receive == "processes": drops in the receivers
-            for name, n in self._receivers.counters().items():  # add to the node's own
-                values[name] = n + (self.counters.get(name) if name.startswith("dropped_")
-                                    else 0)
-        summary = self.timer.summary((50.0, 99.0))
-        for stage, q in summary.items():
-            values[f"latency_{stage}_p50_s"] = q["p50"]
-            values[f"latency_{stage}_p99_s"] = q["p99"]
-        gone = self._receivers.exited() if self._receivers is not None else []
-        if gone:  # those inputs no longer arrive: no set can form
-            return DiagnosticStatus.ERROR, f"input receiver process exited for {gone}", values
-        budget = 1.0 / float(self.params.get("target_fps", 10.0))
-        p99 = summary["total"]["p99"]
-        if p99 == p99 and p99 > budget:  # not NaN
-            return (DiagnosticStatus.WARN, f"p99 latency {p99:.3f} s > 1/target_fps "
-                                           f"{budget:.3f} s", values)
-        return DiagnosticStatus.OK, "ok", values
+        level, message, values = perception_status(
+            self.core, self._results, self._receivers, self.counters,
+            self.timer.summary((50.0, 99.0)), self.params.get("target_fps", 10.0))
+        return {"ok": DiagnosticStatus.OK, "warn": DiagnosticStatus.WARN,
+                "error": DiagnosticStatus.ERROR}[level], message, values
 
 
 def main(args: list[str] | None = None) -> int:
