@@ -68,7 +68,7 @@ def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD,
     except (OSError, AttributeError, TypeError):
         return f"malloc: not tuned (no glibc mallopt in {name!r})"
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    refused = [name for name, param, value in (
+    refused = [setting for setting, param, value in (
         ("mmap_threshold", _M_MMAP_THRESHOLD, mmap_threshold),
         ("trim_threshold", _M_TRIM_THRESHOLD, trim_threshold)) if mallopt(param, value) != 1]
     if refused:

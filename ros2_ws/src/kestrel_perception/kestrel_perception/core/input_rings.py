@@ -33,8 +33,10 @@ With slots >= hold + 2 a FREE slot always exists: <= hold HELD, <= 1 PUBLISHED.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,13 +95,15 @@ class SensorRing:
         self.h, self.state, self.meta, self.frame, self.data = header, state, meta, frame, data
         self.info, self.info_k = info, info_k
         self.slot_bytes = int(data.shape[1])
-        self._writing = -1  # writer side: the slot being filled
 
-    def _lock(self) -> None:
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """This ring's record lock, held for the block (released on an exception too)."""
         fcntl.lockf(self.lock_fd, fcntl.LOCK_EX, 1, self.index)
-
-    def _unlock(self) -> None:
-        fcntl.lockf(self.lock_fd, fcntl.LOCK_UN, 1, self.index)
+        try:
+            yield
+        finally:
+            fcntl.lockf(self.lock_fd, fcntl.LOCK_UN, 1, self.index)
 
     # ---- writer (the receiver process) -------------------------------------------------------
     def set_ready(self, pid: int) -> None:
@@ -118,15 +122,12 @@ class SensorRing:
         if nbytes > self.slot_bytes:
             return False
         state = self.state
-        self._lock()
-        try:
+        with self._locked():
             free = np.flatnonzero(state == FREE)
             if free.size == 0:  # cannot happen with slots >= hold + 2 (module docstring)
                 raise RuntimeError(f"ring {self.index}: no free slot (states {state.tolist()})")
             idx = int(free[0])
             state[idx] = WRITING
-        finally:
-            self._unlock()
         np.copyto(self.data[idx, :nbytes].view(array.dtype).reshape(array.shape), array)
         fid = frame_id.encode()[:FRAME_ID_BYTES]  # cut longer ids (at a character boundary)
         fid = fid.decode(errors="ignore").encode()
@@ -134,8 +135,7 @@ class SensorRing:
         rows = int(array.shape[0])
         cols = int(array.shape[1]) if encoding != "xyz32" else 0
         h = self.h
-        self._lock()
-        try:
+        with self._locked():
             version = h.item(_VER) + 1
             self.meta[idx] = (stamp_ns, recv_ns, rows, cols, ENCODINGS.index(encoding), nbytes,
                               version, len(fid), time.monotonic_ns())
@@ -145,22 +145,17 @@ class SensorRing:
             state[idx] = PUBLISHED
             h[_PUB] = idx
             h[_VER] = version
-        finally:
-            self._unlock()
         return True
 
     def write_info(self, stamp_ns: int, recv_ns: int, k: np.ndarray, width: int,
                    height: int) -> None:
         """Publish a camera's CameraInfo (K [3,3]); a newer one replaces an unread one."""
-        self._lock()
-        try:
+        with self._locked():
             self.info_k[:] = np.asarray(k, np.float64).reshape(9)
             self.info[_I_STAMP] = stamp_ns
             self.info[_I_RECV] = recv_ns
             self.info[_I_SIZE] = (int(width) << 32) | int(height)
             self.info[_I_VER] += 1
-        finally:
-            self._unlock()
 
     # ---- reader (the node) ---------------------------------------------------------------------
     @property
@@ -169,12 +164,9 @@ class SensorRing:
 
     def read_info(self) -> InfoItem | None:
         """The newest CameraInfo (a copy), or None if none was published."""
-        self._lock()
-        try:
+        with self._locked():
             ver, stamp, recv, size = self.info.tolist()
             k = self.info_k.reshape(3, 3).copy()
-        finally:
-            self._unlock()
         return None if ver == 0 else InfoItem(ver, stamp, recv, k, size >> 32, size & 0xFFFFFFFF)
 
     @property
@@ -197,8 +189,7 @@ class SensorRing:
         this reader held, -1 none) back to the writer. None when nothing new was published
         (`release` is still given back)."""
         h, state = self.h, self.state
-        self._lock()
-        try:
+        with self._locked():
             if release >= 0:
                 state[release] = FREE
             idx = h.item(_PUB)
@@ -207,8 +198,6 @@ class SensorRing:
             state[idx] = HELD
             h[_PUB] = -1
             m = self.meta[idx].tolist()
-        finally:
-            self._unlock()
         fid = self.frame[idx, :m[_M_FID]].tobytes()
         return RingItem(idx, m[_M_STAMP], m[_M_RECV], m[_M_ROWS], m[_M_COLS],
                         ENCODINGS[m[_M_ENC]], m[_M_BYTES], m[_M_VER],

@@ -253,12 +253,11 @@ class InputReceivers:
             if ring.version == self._last[s]:
                 continue
             held = self._held[s]
-            t_read = time.monotonic()
             # the oldest held slot goes back with this claim once `pool` are held
-            item = ring.claim(held[0] if len(held) >= self.pool else -1)
+            release = held.popleft() if len(held) >= self.pool else -1
+            t_read = time.monotonic()
+            item = ring.claim(release)
             self.read_s = time.monotonic() - t_read
-            if len(held) >= self.pool:
-                held.popleft()
             if item is None:
                 continue
             held.append(item.slot)
