@@ -172,19 +172,35 @@ def test_core_results_equal_with_prestaged_inputs(core: PerceptionCore) -> None:
         np.testing.assert_array_equal(m, r)
 
 
+def _shm_block(slots: int, nbytes: int):
+    """A [slots, nbytes] uint8 block in a MAP_SHARED mapping, as the receivers' rings."""
+    import mmap
+
+    m = mmap.mmap(-1, slots * nbytes)
+    return m, np.ndarray((slots, nbytes), np.uint8, buffer=m)
+
+
+def _pinned_rows(st: InputStaging, count: int, nbytes: int) -> list[np.ndarray]:
+    """`count` registered buffers of `nbytes`: rows of a shared-memory block given to
+    pin_host_memory (page-locked on CUDA), as the node does with the receivers' rings."""
+    _m, block = _shm_block(count, nbytes)  # (the rows keep the mapping alive)
+    st.pin_host_memory([block])
+    return [block[i] for i in range(count)]
+
+
 def _from_buffers(st: InputStaging, arrays: list[np.ndarray]) -> list[np.ndarray]:
-    """Each array copied into a registered host buffer (as the input receivers' pools are
-    filled) and returned as the same kind of view the receivers hand over."""
+    """Each array copied into a registered host buffer (as the input receivers fill their
+    slots) and returned as the same kind of view the receivers hand over."""
     out = []
     for a in arrays:
-        buf = st.host_buffers(1, a.nbytes + 64)[0]
+        buf = _pinned_rows(st, 1, a.nbytes + 64)[0]
         buf[:a.nbytes] = a.reshape(-1).view(np.uint8)
         out.append(buf[:a.nbytes].view(a.dtype).reshape(a.shape))
     return out
 
 
 def test_registered_buffers_are_prestaged_into_the_device_slot() -> None:
-    """Inputs that are views of host_buffers() go straight to the device slot on pre-staging
+    """Inputs that are views of registered buffers go straight to the device slot on pre-staging
     (on the CPU the device slot is the host slot); the frame then copies nothing for them and
     still copies every other array. A strided view of such a buffer takes the host path."""
     st = InputStaging(torch.device("cpu"), (64, 256))
@@ -268,7 +284,7 @@ def test_cuda_mixed_sources_and_reused_pool_buffers() -> None:
         pytest.skip("needs a CUDA GPU (CI has none)")
     st = InputStaging(torch.device("cuda"), (64,))
     st.configure_images(2, (4, 6))
-    pool = st.host_buffers(2, 4 * 6 * 3)
+    pool = _pinned_rows(st, 2, 4 * 6 * 3)
     rng = np.random.default_rng(3)
     for k in range(6):
         a, b = (rng.integers(0, 256, (4, 6, 3), dtype=np.uint8) for _ in range(2))
@@ -279,14 +295,6 @@ def test_cuda_mixed_sources_and_reused_pool_buffers() -> None:
         out = st.images([ra, b]).permute(0, 2, 3, 1).cpu().numpy()
         np.testing.assert_array_equal(out, np.stack([a, b]))
     assert st.prestaged_direct == 6
-
-
-def _shm_block(slots: int, nbytes: int):
-    """A [slots, nbytes] uint8 block in a MAP_SHARED mapping, as the receivers' rings."""
-    import mmap
-
-    m = mmap.mmap(-1, slots * nbytes)
-    return m, np.ndarray((slots, nbytes), np.uint8, buffer=m)
 
 
 def test_pinned_caller_memory_is_prestaged_directly_until_undone() -> None:

@@ -14,9 +14,9 @@ the copies overlap the arrival of the set's other messages instead of following 
 Only for callers that never pre-stage while the device may still read the slots (the node's
 callback processing: each frame ends with a sync before the next callback runs).
 
-Host buffers of the caller (`host_buffers`, or the caller's own memory registered with
-`pin_host_memory`: the input receivers' shared-memory slots, `receive: processes`):
-preallocated host memory (pinned on CUDA) that a caller fills itself. An input pre-staged from
+Host buffers of the caller (its own memory registered with `pin_host_memory`: the input
+receivers' shared-memory slots, `receive: processes`): preallocated host memory (page-locked
+on CUDA) that a caller fills itself. An input pre-staged from
 such a buffer skips the host copy too: it goes straight to its device slot (one non_blocking
 host->device copy on the staging's copy stream, which the frame's stream waits for). On the CPU
 the device slot is the host slot, so the same path is one copy, as before. The caller must
@@ -78,9 +78,8 @@ class InputStaging:
         self._img_dev: torch.Tensor | None = None
         self._staged: list[np.ndarray | None] = []  # per camera: the array now in its slot
         self._staged_pts: np.ndarray | None = None  # the cloud now in the points buffer
-        # data pointer -> (flat uint8 tensor, bytes) of each buffer from host_buffers()
+        # data pointer -> (flat uint8 tensor, bytes) of each row given to pin_host_memory()
         self._registered: dict[int, tuple[torch.Tensor, int]] = {}
-        self._owners: list[torch.Tensor] = []
         self._dev_staged: list[np.ndarray | None] = []  # per camera: array in its device slot
         self._dev_staged_pts: np.ndarray | None = None  # cloud in the device points buffer
         self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -105,14 +104,6 @@ class InputStaging:
                               if self.cuda else self._img_host)
         self._img_dev = self._img_dev_nhwc.permute(0, 3, 1, 2)
 
-    def host_buffers(self, count: int, nbytes: int) -> list[np.ndarray]:
-        """`count` flat uint8 host buffers of `nbytes` each (one pinned allocation on CUDA),
-        registered: an image or cloud that is a C-contiguous view from the start of one of them
-        is pre-staged straight into its device slot (module docstring). Allocate at configure."""
-        owner = torch.empty((count, nbytes), dtype=torch.uint8, pin_memory=self.cuda)
-        self._owners.append(owner)
-        return self._register_rows(owner.numpy())
-
     def _register_rows(self, block: np.ndarray) -> list[np.ndarray]:
         rows = [block[i] for i in range(block.shape[0])]
         for row in rows:
@@ -120,9 +111,11 @@ class InputStaging:
         return rows
 
     def pin_host_memory(self, blocks: list[np.ndarray]) -> tuple[Callable[[], None], str]:
-        """Registers memory the caller owns, as `host_buffers` does its own: each block
-        [slots, bytes] uint8 (C-contiguous, e.g. the input receivers' shared-memory rings) is
-        page-locked on CUDA (cudaHostRegister) and its rows become registered buffers.
+        """Registers memory the caller owns: each block [slots, bytes] uint8 (C-contiguous,
+        e.g. the input receivers' shared-memory rings) is page-locked on CUDA
+        (cudaHostRegister) and its rows become registered buffers: an image or cloud that is a
+        C-contiguous view from the start of a row is pre-staged straight into its device slot
+        (module docstring). Call at configure.
         Returns (undo, what was done); undo (unregister, unlock) must run before the memory
         is unmapped, with no copy from it pending. If the CUDA registration fails, nothing is
         registered: inputs from those blocks take the host slot path (one more copy)."""
