@@ -403,8 +403,9 @@ def main() -> int:
     ap.add_argument("--max-detections", type=int, default=20)
     ap.add_argument("--depth-encoding", choices=("16UC1", "32FC1"), default="16UC1",
                     help="node parameter depth_encoding (16UC1 = uint16 mm)")
-    ap.add_argument("--output-stride", type=int, choices=(1, 2, 4), default=2,
-                    help="node parameter output_stride of the published masks/depth maps")
+    ap.add_argument("--output-stride", type=int, choices=(1, 2, 4, 8), default=4,
+                    help="node parameter output_stride of the published masks/depth maps "
+                         "(4 = the node's default; session 10 and earlier ran 2)")
     ap.add_argument("--threads", type=int, default=0, help="node torch threads (0 = default)")
     # node latency options (not passed unless given: the node's defaults apply)
     ap.add_argument("--executor", choices=("multi", "single"), default=None,

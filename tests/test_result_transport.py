@@ -1,5 +1,5 @@
 """The perception result (~1.8 MB: 120 detections, 6 mono8 masks, 6 16UC1 depth maps, as the
-perception node publishes it with its default output_stride / depth_encoding) reaching the
+perception node publishes it at output_stride 2; its default 4 gives 0.47 MB) reaching the
 planner at 10 Hz, with the planner's other inputs at the stack's rates, and what it takes from
 it.
 

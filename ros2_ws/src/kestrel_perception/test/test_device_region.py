@@ -129,7 +129,7 @@ def test_16uc1_and_stride_match_the_float_full_resolution_maps() -> None:
     ref_core.region.static = False
     f = frames(points=wall_points(3.0))
     ref = ref_core.process(f)
-    for stride in (2, 4):
+    for stride in (2, 4, 8):
         core = PerceptionCore(core_config(num_threads=1, depth_encoding="16UC1",
                                           output_stride=stride))
         out = core.process(f)

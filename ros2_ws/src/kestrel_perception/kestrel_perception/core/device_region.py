@@ -22,7 +22,7 @@ from kestrel_models.perception.postprocess import (decode_detections_batched,
 from .region_graph import RegionGraphs
 
 DEPTH_ENCODINGS: tuple[str, ...] = ("32FC1", "16UC1")
-OUTPUT_STRIDES: tuple[int, ...] = (1, 2, 4)
+OUTPUT_STRIDES: tuple[int, ...] = (1, 2, 4, 8)
 _ALIGN = 64  # bytes, alignment of every field in the packed buffer
 
 

@@ -108,7 +108,7 @@ class PerceptionCoreConfig:
     # fall back to the plain model (PerceptionOutput.runtime_fallback)
     runtime_variant: str = "eager"
     depth_encoding: str = "32FC1"  # "32FC1" (m) or "16UC1" (mm, 0 = no value, REP 118)
-    output_stride: int = 1  # masks/depths subsampled [::s, ::s] (1, 2 or 4)
+    output_stride: int = 1  # masks/depths subsampled [::s, ::s] (1, 2, 4 or 8)
     nms_rounds: int = 8  # fixed-point NMS rounds in the device region before the slow path
     # True: PerceptionOutput.masks/depths are views into the (double-buffered) host buffers,
     # valid until the process() call after the next one (the node publishes before that);
