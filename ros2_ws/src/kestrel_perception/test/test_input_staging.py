@@ -180,11 +180,27 @@ def _shm_block(slots: int, nbytes: int):
     return m, np.ndarray((slots, nbytes), np.uint8, buffer=m)
 
 
+_UNDO: list = []  # pin_host_memory undos of the running test (run by the fixture below)
+
+
+@pytest.fixture(autouse=True)
+def _unpin_after_each_test():
+    """Unregister what a test page-locked while its mapping is still alive: a mapping freed
+    while registered leaves CUDA believing the range is registered, and the next test's
+    mapping at the same address then fails cudaHostRegister (as the node undoes before it
+    unmaps its rings)."""
+    yield
+    while _UNDO:
+        _UNDO.pop()()
+
+
 def _pinned_rows(st: InputStaging, count: int, nbytes: int) -> list[np.ndarray]:
     """`count` registered buffers of `nbytes`: rows of a shared-memory block given to
     pin_host_memory (page-locked on CUDA), as the node does with the receivers' rings."""
     _m, block = _shm_block(count, nbytes)  # (the rows keep the mapping alive)
-    st.pin_host_memory([block])
+    undo, how = st.pin_host_memory([block])
+    assert "failed" not in how, how
+    _UNDO.append(undo)  # the closure holds no block: the rows do, until the test ends
     return [block[i] for i in range(count)]
 
 
@@ -342,3 +358,28 @@ def test_cuda_pinned_shared_memory_goes_straight_to_the_device() -> None:
     assert st.prestaged_direct == 8 and (st._img_np == 7).all()
     undo()
     assert st._registered_source(view) is None
+
+
+@pytest.mark.gpu
+def test_cuda_failed_registration_falls_back_and_leaves_no_cuda_error() -> None:
+    """CUDA: page-locking a range that is already registered fails; pin_host_memory reports it
+    (inputs then take the host slot) and clears CUDA's last error, so the next torch CUDA
+    call does not raise it (it did: cudaErrorHostMemoryAlreadyRegistered surfaced in an
+    unrelated .to('cuda'))."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (CI has none)")
+    st = InputStaging(torch.device("cuda"), (64,))
+    st.configure_images(1, (4, 6))
+    _m, block = _shm_block(2, 4 * 6 * 3)
+    undo, how = st.pin_host_memory([block])
+    assert "page-locked" in how, how
+    try:
+        again, how2 = InputStaging(torch.device("cuda"), (64,)).pin_host_memory([block])
+        assert "failed" in how2 and "host copy" in how2, how2
+        again()  # a no-op: nothing was registered
+        x = torch.arange(4, device="cuda") * 2  # would raise the left-over error
+        torch.cuda.synchronize()
+        assert x.tolist() == [0, 2, 4, 6]
+        assert st._registered_source(block[0].reshape(4, 6, 3)) is not None  # still pinned
+    finally:
+        undo()

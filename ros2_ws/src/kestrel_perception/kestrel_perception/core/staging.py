@@ -130,6 +130,9 @@ class InputStaging:
                 # the current one)
                 err = rt.cudaHostRegister(b.ctypes.data, b.nbytes, _HOST_REGISTER_PORTABLE)
                 if err != rt.cudaError.success:
+                    # clear the runtime's last error: else torch's next CUDA call (any op,
+                    # anywhere in the process) raises it as its own
+                    rt.cudaGetLastError()
                     for ptr in pinned:
                         rt.cudaHostUnregister(ptr)
                     return (lambda: None), (f"cudaHostRegister of {b.nbytes} bytes failed "
@@ -146,7 +149,8 @@ class InputStaging:
             if pinned:
                 rt = torch.cuda.cudart()
                 for ptr in pinned:
-                    rt.cudaHostUnregister(ptr)
+                    if rt.cudaHostUnregister(ptr) != rt.cudaError.success:
+                        rt.cudaGetLastError()  # as above: never left for torch to find
 
         total = sum(b.nbytes for b in blocks)
         how = "page-locked (cudaHostRegister)" if self.cuda else "registered"
