@@ -7,7 +7,9 @@ reference, the pixel rectangles against the reference's pixel masks, and the dis
 back to the torch path without triton/CUDA. GPU (marked gpu): EXACT equality of the kernel
 (medians where count > 0, counts) and of box_positions_batched with the kernel vs the torch
 path at the node's sizes (6 cameras x 20 slots, 131072 points, 640x640 depth), random and
-adversarial inputs, and the kernel inside a torch.cuda.CUDAGraph (replay with new inputs)."""
+adversarial inputs, each LiDAR mode (points binned into the boxes first, the default; one
+program per box scanning every point, with and without compaction), and the kernels inside a
+torch.cuda.CUDAGraph (replay with new inputs)."""
 
 from __future__ import annotations
 
@@ -216,8 +218,9 @@ def real_inputs(seed: int, adversarial: bool):
 def test_kernel_equals_reference_real_sizes(seed, adversarial) -> None:
     z, uv, ok, boxes, dm = real_inputs(seed, adversarial)
     ref = ref_lidar(z, uv, ok, boxes)
-    for compact in (True, False):
-        assert_same(bmt.lidar_box_medians(z, uv, ok, boxes, compact=compact), ref)
+    for prebin, compact in ((True, True), (False, True), (False, False)):
+        assert_same(bmt.lidar_box_medians(z, uv, ok, boxes, compact=compact, prebin=prebin),
+                    ref)
     rect = bmt.pixel_rects(boxes, *HW)
     assert_same(bmt.depth_box_medians(dm, rect), ref_depth(dm, boxes))
     if seed == 1:  # another launch configuration: same values
@@ -225,7 +228,9 @@ def test_kernel_equals_reference_real_sizes(seed, adversarial) -> None:
         assert_same(bmt.depth_box_medians(dm, rect, block=4096, num_warps=16),
                     ref_depth(dm, boxes))
     need = torch.rand(C, D, device="cuda") < 0.5
-    assert_same(bmt.lidar_box_medians(z, uv, ok, boxes, need), ref_lidar(z, uv, ok, boxes), need)
+    for prebin in (True, False):
+        assert_same(bmt.lidar_box_medians(z, uv, ok, boxes, need, prebin=prebin),
+                    ref_lidar(z, uv, ok, boxes), need)
     assert_same(bmt.depth_box_medians(dm, rect, need), ref_depth(dm, boxes), need)
     # non-contiguous inputs (a strided depth map view, float64 uv) give the same values
     dm2 = torch.full((C, 2, *HW), 7.0, device="cuda")

@@ -24,8 +24,14 @@ the median's top byte; passes 1-3 histogram the next byte among the values that 
 bytes chosen so far. No sort, no [C,D,N] masks; the median is the key decoded back to float
 (bit exact). LiDAR mode (LIDAR_COMPACT): pass 0 also writes the box's inside keys, in order,
 to a scratch row, so passes 1-3 read `count` keys instead of all N points; the rectangle mode
-reads the rectangle 4 times (no scratch). `radix_select_torch` is the same algorithm in
-torch (CPU tests check it against the reference, the GPU tests check the kernel).
+reads the rectangle 4 times (no scratch). LiDAR mode with LIDAR_PREBIN (the default): a first
+kernel bins the points instead, over a grid of (point block, camera) programs: each loads its
+block of points ONCE, tests it against every box of its camera and appends the inside keys to
+the boxes' scratch rows (one atomic per program and box reserves the space; the order within a
+row is arbitrary, which a histogram does not see); the select kernel then runs all 4 passes
+over `count` keys. Before it, one program per box scanned all N points in pass 0 (~60 loop
+iterations of 2048 points, in one wave: latency bound). `radix_select_torch` is the same
+algorithm in torch (CPU tests check it against the reference, the GPU tests check the kernel).
 
 Launches are graph-capturable (fixed grid, no host reads) once compiled: call the function
 once outside the capture (the region graph's eager warm-up does). `import triton` is optional:
@@ -46,12 +52,14 @@ except ImportError:
 
 __all__ = ["HAVE_TRITON", "available", "lidar_box_medians", "depth_box_medians",
            "pixel_rects", "radix_select_torch", "BLOCK_LIDAR", "BLOCK_RECT", "NUM_WARPS",
-           "LIDAR_COMPACT"]
+           "LIDAR_COMPACT", "LIDAR_PREBIN", "BLOCK_BIN"]
 
 BLOCK_LIDAR = 2048  # points per loop iteration (LiDAR mode)
 BLOCK_RECT = 2048  # pixels per loop iteration (rectangle mode)
 NUM_WARPS = 8
 LIDAR_COMPACT = True  # LiDAR mode: compact the inside keys in pass 0 (see lidar_box_medians)
+LIDAR_PREBIN = True  # LiDAR mode: bin the points into the boxes first (module docstring)
+BLOCK_BIN = 1024  # points per program of the binning kernel
 
 if HAVE_TRITON:
     @triton.jit
@@ -84,10 +92,43 @@ if HAVE_TRITON:
         return _float_key(z), inside
 
     @triton.jit
+    def _bin_kernel(z_ptr, u_ptr, v_ptr, ok_ptr, box_ptr, need_ptr, scr_ptr, cnt_ptr, D, N,
+                    s_zc, s_zn, s_uc, s_un, s_oc, s_on, HAS_NEED: tl.constexpr,
+                    BLOCK: tl.constexpr):
+        """Grid (cdiv(N, BLOCK), C): the keys of block pid0 of camera pid1's points appended to
+        the scratch row (cam * D + box) of every box that holds them; cnt [C*D] int32 (zeroed
+        before) ends as each box's count."""
+        cam = tl.program_id(1)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inb = offs < N
+        u = tl.load(u_ptr + cam * s_uc + offs * s_un, mask=inb, other=0.0)
+        v = tl.load(v_ptr + cam * s_uc + offs * s_un, mask=inb, other=0.0)
+        ok = inb & (tl.load(ok_ptr + cam * s_oc + offs * s_on, mask=inb, other=0) != 0)
+        key = _float_key(tl.load(z_ptr + cam * s_zc + offs * s_zn, mask=inb, other=0.0))
+        for d in range(0, D):
+            row = cam * D + d
+            use = True
+            if HAS_NEED:
+                use = tl.load(need_ptr + row) != 0
+            if use:
+                bx0 = tl.load(box_ptr + row * 4 + 0)
+                by0 = tl.load(box_ptr + row * 4 + 1)
+                bx1 = tl.load(box_ptr + row * 4 + 2)
+                by1 = tl.load(box_ptr + row * 4 + 3)
+                inside = ok & (u >= bx0) & (u <= bx1) & (v >= by0) & (v <= by1)
+                n_in = tl.sum(inside.to(tl.int32), axis=0)
+                if n_in > 0:
+                    base = tl.atomic_add(cnt_ptr + row, n_in)
+                    dst = base + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+                    tl.store(scr_ptr + row.to(tl.int64) * N + dst, key, mask=inside)
+
+    @triton.jit
     def _box_median_kernel(z_ptr, u_ptr, v_ptr, ok_ptr, box_ptr, rect_ptr, need_ptr, scr_ptr,
                            med_ptr, cnt_ptr, D, N, s_zc, s_zn, s_uc, s_un, s_oc, s_on, s_h, s_w,
                            RECT: tl.constexpr, HAS_NEED: tl.constexpr, COMPACT: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PREBINNED: tl.constexpr = False):
+        # PREBINNED (LiDAR): scr row pid already holds the box's keys (_bin_kernel) and
+        # rect_ptr (unused in LiDAR mode) points at their int32 counts; all 4 passes read them
         pid = tl.program_id(0)  # = cam * D + box
         cam = pid // D
         bx0 = 0.0
@@ -117,16 +158,23 @@ if HAVE_TRITON:
             n_it = tl.where(tl.load(need_ptr + pid) != 0, n_it, 0)
         bins = tl.arange(0, 512)
         cnt = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
+        if PREBINNED:
+            cnt += tl.load(rect_ptr + pid)
         kk = cnt
         pref = cnt
         for p in tl.static_range(4):
             hist = tl.zeros([512], dtype=tl.int32)
             n_p = n_it
-            if p > 0:
-                if COMPACT:  # passes 1-3 read the inside keys that pass 0 compacted
+            if p > 0 or PREBINNED:
+                if COMPACT or PREBINNED:  # passes 1-3 (all 4: prebinned) read compacted keys
                     n_p = tl.cdiv(cnt, BLOCK)
             for it in range(0, n_p):
-                if p == 0:
+                if p == 0 and PREBINNED:
+                    offs = it * BLOCK + tl.arange(0, BLOCK)
+                    match = offs < cnt
+                    key = tl.load(scr_ptr + pid.to(tl.int64) * N + offs, mask=match, other=0)
+                    digit = (key >> 24) + 128
+                elif p == 0:
                     key, inside = _load_chunk(it, cam, z_ptr, u_ptr, v_ptr, ok_ptr, N, s_zc,
                                               s_zn, s_uc, s_un, s_oc, s_on, bx0, by0, bx1, by1,
                                               r0, c0, width, area, s_h, s_w, RECT, BLOCK)
@@ -137,10 +185,11 @@ if HAVE_TRITON:
                     match = inside
                     digit = (key >> 24) + 128  # top byte of the signed key -> [0, 255]
                 else:
-                    if COMPACT:
+                    if COMPACT or PREBINNED:
                         offs = it * BLOCK + tl.arange(0, BLOCK)
                         inside = offs < cnt
-                        key = tl.load(scr_ptr + pid * N + offs, mask=inside, other=0)
+                        key = tl.load(scr_ptr + pid.to(tl.int64) * N + offs, mask=inside,
+                                      other=0)
                     else:
                         key, inside = _load_chunk(it, cam, z_ptr, u_ptr, v_ptr, ok_ptr, N, s_zc,
                                                   s_zn, s_uc, s_un, s_oc, s_on, bx0, by0, bx1,
@@ -152,7 +201,7 @@ if HAVE_TRITON:
             if p == 0:
                 kk = (cnt + 1) // 2
                 n_it = tl.where(cnt > 0, n_it, 0)
-                if COMPACT:
+                if COMPACT and not PREBINNED:
                     tl.debug_barrier()  # the CTA's scratch stores before its loads
             cum = tl.cumsum(hist, axis=0)
             sel = tl.sum((cum < kk).to(tl.int32), axis=0)  # first bin with cum >= kk
@@ -189,12 +238,15 @@ def _need_arg(need: torch.Tensor | None, c: int, d: int, like: torch.Tensor) -> 
 def lidar_box_medians(depth: torch.Tensor, uv: torch.Tensor, valid: torch.Tensor,
                       boxes: torch.Tensor, need: torch.Tensor | None = None,
                       compact: bool | None = None, block: int | None = None,
-                      num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      num_warps: int | None = None, prebin: bool | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """depth [C,N] m, uv [C,N,2] px, valid [C,N] bool, boxes [C,D,4] xyxy px (inclusive)
     -> (median [C,D] float32 m, count [C,D] int64); see the module docstring.
-    compact (default LIDAR_COMPACT): pass 0 also writes each box's inside keys to a scratch
-    [C*D, N] int32 (allocated per call: 63 MB at the node's sizes) and passes 1-3 read only
-    those; block / num_warps default to BLOCK_LIDAR / NUM_WARPS."""
+    prebin (default LIDAR_PREBIN): bin the points into the boxes' scratch rows first (one
+    pass over the points for all boxes), then select; else compact (default LIDAR_COMPACT):
+    pass 0 of each box's program scans all N points and writes its inside keys to the scratch
+    and passes 1-3 read only those. The scratch is [C*D, N] int32 (allocated per call: 63 MB
+    at the node's sizes). block / num_warps default to BLOCK_LIDAR / NUM_WARPS."""
     _check(depth)
     c, n = depth.shape
     d = boxes.shape[1]
@@ -208,12 +260,21 @@ def lidar_box_medians(depth: torch.Tensor, uv: torch.Tensor, valid: torch.Tensor
     ok = valid.to(torch.bool).view(torch.uint8)
     bx = boxes.float().contiguous()
     nd = _need_arg(need, c, d, ok)
+    prebin = LIDAR_PREBIN if prebin is None else prebin
     compact = LIDAR_COMPACT if compact is None else compact
-    scr = torch.empty((c * d, n) if compact else (1,), dtype=torch.int32, device=z.device)
+    strides = (z.stride(0), z.stride(1), u.stride(0), u.stride(1), ok.stride(0), ok.stride(1))
+    scr = torch.empty((c * d, n) if compact or prebin else (1,), dtype=torch.int32,
+                      device=z.device)
+    counts = bx  # unused unless prebin
+    if prebin:
+        counts = torch.zeros(c * d, dtype=torch.int32, device=z.device)
+        _bin_kernel[(triton.cdiv(n, BLOCK_BIN), c)](
+            z, u, v, ok, bx, nd, scr, counts, d, n, *strides, HAS_NEED=need is not None,
+            BLOCK=BLOCK_BIN, num_warps=4)
     _box_median_kernel[(c * d,)](
-        z, u, v, ok, bx, bx, nd, scr, med, cnt, d, n, z.stride(0), z.stride(1), u.stride(0),
-        u.stride(1), ok.stride(0), ok.stride(1), 0, 0, RECT=False, HAS_NEED=need is not None,
-        COMPACT=compact, BLOCK=block or BLOCK_LIDAR, num_warps=num_warps or NUM_WARPS)
+        z, u, v, ok, bx, counts, nd, scr, med, cnt, d, n, *strides, 0, 0, RECT=False,
+        HAS_NEED=need is not None, COMPACT=compact and not prebin,
+        BLOCK=block or BLOCK_LIDAR, num_warps=num_warps or NUM_WARPS, PREBINNED=prebin)
     return med, cnt
 
 
