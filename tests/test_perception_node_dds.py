@@ -46,7 +46,7 @@ PARAMS = {
     "max_detections": 5, "max_points": 10_000, "sync_slop": 0.01, "torch_threads": 1,
     "warmup_size": [W, H], "camera_poses": POSES, "publish_debug_image": True,
     "diagnostics_period": 0.1, "frame_id": "world",
-    "depth_encoding": "32FC1", "output_stride": 1,  # full-size float maps (defaults: 16UC1, 2)
+    "depth_encoding": "32FC1", "output_stride": 1,  # full-size float maps (defaults: 16UC1, 4)
 }
 
 
@@ -152,7 +152,9 @@ def check_result_content(r: PerceptionResult, stamp: int) -> None:
     timings = {t.name: t.duration for t in r.timings}
     assert set(timings) >= {"preprocess", "model", "postprocess", "lidar_fusion", "download",
                             "unpack", "wait", "build", "input_age", "input_spread"}
-    assert all(v >= 0 for k, v in timings.items() if k != "input_age") and r.latency > 0
+    # (cloud_lag: cloud receipt - last image receipt, negative when the cloud came first)
+    assert all(v >= 0 for k, v in timings.items() if k not in ("input_age", "cloud_lag"))
+    assert r.latency > 0 and abs(timings.get("cloud_lag", 0.0)) < 30.0
     # input_age = node clock at receipt - header stamp: this test's stamps run 0.1 s apart
     # from its start time (they may lead the wall clock), so only a bound is checked
     assert abs(timings["input_age"]) < 30.0
@@ -277,7 +279,7 @@ def test_results_bad_inputs_and_runtime_heads(launch_node, probe):
 
 @pytest.mark.parametrize("processing", ["callback", "worker"])
 def test_depth_16uc1_strided_output(launch_node, probe, processing):
-    """The node's defaults: 16UC1 depth (mm, 0 = none) and masks/depths at stride 2, with
+    """The node's defaults: 16UC1 depth (mm, 0 = none) and masks/depths at stride 4, with
     the same detections and LiDAR positions; sets processed in the completing subscription
     callback (default) or in the worker thread."""
     params = {k: v for k, v in PARAMS.items() if k not in ("depth_encoding", "output_stride")}
@@ -287,7 +289,7 @@ def test_depth_16uc1_strided_output(launch_node, probe, processing):
                 check=lambda r: len(r.score) == 10 and all(
                     s == PerceptionResult.POSITION_LIDAR for s in sources(r)))
     check_lidar_positions(r)
-    hs, ws = (H + 1) // 2, (W + 1) // 2
+    hs, ws = -(-H // 4), -(-W // 4)
     assert len(r.masks) == 2 and len(r.depths) == 2
     for m, d in zip(r.masks, r.depths, strict=True):
         assert (m.encoding, m.width, m.height, m.step) == ("mono8", ws, hs, ws)

@@ -460,6 +460,8 @@ class PerceptionNode(KestrelLifecycleNode):
         # input_spread: first -> last message of the set received (the node's serial takes
         # and callbacks when the sensors publish in parallel)
         extra["input_spread"] = s.newest_recv_s - s.oldest_recv_s
+        if s.cloud is not None:  # cloud receipt - the last image's: > 0 when the cloud is last
+            extra["cloud_lag"] = s.cloud.recv_s - max(img.recv_s for img in s.images)
         if rx is not None and self._inline and threading.current_thread() is rx.thread:
             extra.update(rx.timings(s.newest_recv_s))  # this set completed by the receivers
         build, latency = self._results.publish(s.stamp_ns, [img.stamp_ns for img in s.images],

@@ -28,6 +28,7 @@ event per buffer is kept).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +43,30 @@ CAMERA_FIELDS: tuple[tuple[str, tuple[int, int]], ...] = (
 # numpy dtype.str -> torch dtype of the inputs that can come from registered host buffers
 _TORCH_DTYPES = {"|u1": torch.uint8, "<f4": torch.float32}
 _HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
+
+
+def clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call made through
+    torch.cuda.cudart() (cudaHostRegister): the runtime keeps it, and torch's next kernel
+    launch check (any op, anywhere in the process) would raise it as its own. torch binds no
+    cudaGetLastError, so it is called in the libcudart this process has loaded (torch's); if
+    none is found, one tiny torch op takes the error and it is dropped."""
+    rt = torch.cuda.cudart()
+    fn = getattr(rt, "cudaGetLastError", None)
+    if fn is None:
+        try:
+            with open("/proc/self/maps") as f:
+                path = next((ln.split()[-1] for ln in f if "libcudart.so" in ln), None)
+            fn = ctypes.CDLL(path).cudaGetLastError if path else None
+        except OSError:
+            fn = None
+    if fn is not None:
+        fn()
+        return
+    try:  # the launch check of a kernel reads (and resets) the last error
+        torch.zeros(1, device="cuda").add_(1)
+    except RuntimeError:
+        pass
 
 
 @dataclass
@@ -130,9 +155,7 @@ class InputStaging:
                 # the current one)
                 err = rt.cudaHostRegister(b.ctypes.data, b.nbytes, _HOST_REGISTER_PORTABLE)
                 if err != rt.cudaError.success:
-                    # clear the runtime's last error: else torch's next CUDA call (any op,
-                    # anywhere in the process) raises it as its own
-                    rt.cudaGetLastError()
+                    clear_cuda_error()
                     for ptr in pinned:
                         rt.cudaHostUnregister(ptr)
                     return (lambda: None), (f"cudaHostRegister of {b.nbytes} bytes failed "
@@ -150,7 +173,7 @@ class InputStaging:
                 rt = torch.cuda.cudart()
                 for ptr in pinned:
                     if rt.cudaHostUnregister(ptr) != rt.cudaError.success:
-                        rt.cudaGetLastError()  # as above: never left for torch to find
+                        clear_cuda_error()  # never left for torch to find
 
         total = sum(b.nbytes for b in blocks)
         how = "page-locked (cudaHostRegister)" if self.cuda else "registered"
