@@ -116,3 +116,21 @@ def write_result(stem: str | None, result: dict, markdown: str) -> None:
     if stem:
         Path(stem + ".json").write_text(json.dumps(result, indent=1))
         Path(stem + ".md").write_text(markdown)
+
+
+def pin_process(pid: int, cpus: set[int] | list[int]) -> int:
+    """Every current thread of process `pid` onto `cpus` (sched_setaffinity per thread: a
+    process's threads each have their own mask; threads created later inherit their
+    creator's). Returns the number of threads pinned (0 if the process is gone)."""
+    n = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return 0
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), set(cpus))
+            n += 1
+        except (ProcessLookupError, FileNotFoundError):
+            pass  # the thread ended meanwhile
+    return n

@@ -53,7 +53,7 @@ for sub in ("scripts", "tests", "models", "ros2_ws/src/kestrel_common",
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
-from bench_common import pct, write_result  # noqa: E402
+from bench_common import pct, pin_process, write_result  # noqa: E402
 from bench_perception_pub import (NODE, PUBLISHERS, InputConfig, SetPublisher,  # noqa: E402
                                   publish_inputs)
 
@@ -169,6 +169,7 @@ def node_params(args: argparse.Namespace) -> dict:
             **{name: value for name, value in (
                 ("processing", args.processing), ("gil_switch_interval_us", args.gil_switch_us),
                 ("executor", args.executor), ("receive", args.receive),
+                ("receiver_cpus", args.receiver_cpus),
                 ("region_graph", None if args.region_graph is None
                  else args.region_graph == "on"),
                 ("cloud_required", None if args.cloud_required is None
@@ -334,7 +335,11 @@ def run_main(args: argparse.Namespace) -> int:
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if sink_proc.stdout.readline().strip() != "sink ready":
             raise RuntimeError("the sink process did not start")
-        pub = publish_inputs(InputConfig.from_args(args), env, run_dir)
+        if args.node_cpus:  # every thread of the node (receivers excepted: own processes)
+            print(f"node pinned to CPUs {args.node_cpus} "
+                  f"({pin_process(node.proc.pid, args.node_cpus)} threads)", flush=True)
+        pub = publish_inputs(InputConfig.from_args(args), env, run_dir,
+                             cpus=tuple(args.publisher_cpus or ()))
         time.sleep(2.0)  # results still in flight after the last set (bounded, not a sync)
         sink_proc.stdin.close()  # the sink writes its rows and exits
         sink_proc.wait(30)
@@ -407,6 +412,13 @@ def main() -> int:
                     help="node parameter output_stride of the published masks/depth maps "
                          "(4 = the node's default; session 10 and earlier ran 2)")
     ap.add_argument("--threads", type=int, default=0, help="node torch threads (0 = default)")
+    ap.add_argument("--receiver-cpus", type=int, nargs="+", default=None,
+                    help="node parameter receiver_cpus (receiver i on the i-th, round robin)")
+    ap.add_argument("--publisher-cpus", type=int, nargs="+", default=None,
+                    help="per-sensor publisher processes pinned to these CPUs (all threads)")
+    ap.add_argument("--node-cpus", type=int, nargs="+", default=None,
+                    help="the node process pinned to these CPUs once it is ready (all "
+                         "threads; its receiver processes keep receiver_cpus)")
     # node latency options (not passed unless given: the node's defaults apply)
     ap.add_argument("--executor", choices=("multi", "single"), default=None,
                     help="node parameter executor (default: the node's, 'multi')")

@@ -327,10 +327,11 @@ def _wait_ready(procs: dict[str, subprocess.Popen], logs: dict[str, Path],
 
 
 def run_sensors(cfg: InputConfig, env: dict[str, str], run_dir: Path,
-                ready_timeout: float = 60.0) -> dict:
+                ready_timeout: float = 60.0, cpus: tuple[int, ...] = ()) -> dict:
     """Per-sensor mode, main side: start one process per sensor, wait until all are ready,
-    give them one start time, wait (bounded) for them and merge their JSONs. Returns
-    merge_sensor_runs(...) + start_ns, period_ns (the stamps are checked against them)."""
+    (cpus: pin them, every thread, to those CPUs), give them one start time, wait (bounded)
+    for them and merge their JSONs. Returns merge_sensor_runs(...) + start_ns, period_ns
+    (the stamps are checked against them)."""
     procs: dict[str, subprocess.Popen] = {}
     logs = {s: run_dir / f"sensor_{s}.log" for s in cfg.sensors()}
     outs = {s: run_dir / f"sensor_{s}.json" for s in cfg.sensors()}
@@ -343,6 +344,10 @@ def run_sensors(cfg: InputConfig, env: dict[str, str], run_dir: Path,
                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                     text=True)
         _wait_ready(procs, logs, ready_timeout)
+        if cpus:
+            from bench_common import pin_process
+            for p in procs.values():
+                pin_process(p.pid, cpus)
         start_ns = time.time_ns() + START_DELAY_NS
         for p in procs.values():
             p.stdin.write(f"{start_ns}\n")
@@ -377,12 +382,14 @@ def run_sensors(cfg: InputConfig, env: dict[str, str], run_dir: Path,
             "teardown_hung": hung}
 
 
-def publish_inputs(cfg: InputConfig, env: dict[str, str], run_dir: Path) -> dict:
+def publish_inputs(cfg: InputConfig, env: dict[str, str], run_dir: Path,
+                   cpus: tuple[int, ...] = ()) -> dict:
     """Run the timed publisher side in cfg.publishers mode (blocking, bounded). Returns
     stamps_ns [F], publish_s [F] (s, "publishing one input set" of the mode), publishers and,
-    per-sensor, trigger_lateness_s [F] and the rest of run_sensors' record."""
+    per-sensor, trigger_lateness_s [F] and the rest of run_sensors' record. cpus: the
+    per-sensor processes' CPUs (() = not pinned)."""
     if cfg.publishers == "per-sensor":
-        return {"publishers": cfg.publishers, **run_sensors(cfg, env, run_dir)}
+        return {"publishers": cfg.publishers, **run_sensors(cfg, env, run_dir, cpus=cpus)}
     out = run_dir / "stamps.json"
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--role",
                            "publisher", *cfg.cli(), "--stamps-out", str(out)], env=env,

@@ -404,8 +404,11 @@ def test_receiver_processes(launch_node, probe):
     import glob
 
     diag = probe.subscribe(DiagnosticArray, "/diagnostics", 50)
+    mine = sorted(os.sched_getaffinity(0))
+    rx_cpus = [mine[-1], mine[0]]  # receiver i on rx_cpus[i % 2]: cameras 0, 1, the cloud
     node, results, rig = start_node(launch_node, probe, {**PARAMS, "receive": "processes",
-                                                         "publish_debug_image": False})
+                                                         "publish_debug_image": False,
+                                                         "receiver_cpus": rx_cpus})
     r = produce(rig, results, wall_points(), timeout=30.0,
                 check=lambda r: all(s == PerceptionResult.POSITION_LIDAR for s in sources(r)))
     check_result_content(r, stamp_to_ns(r.header.stamp))
@@ -447,6 +450,11 @@ def test_receiver_processes(launch_node, probe):
     # not SIGKILL: a killed DDS participant leaves its shared-memory files (dds_guard)
     children = open(f"/proc/{pid}/task/{pid}/children").read().split()
     assert len(children) == 3, children  # 2 cameras + the cloud
+    # receiver_cpus: every thread of each receiver (its DDS threads too) on its one CPU
+    pinned = [{c for tid in os.listdir(f"/proc/{child}/task")
+               for c in os.sched_getaffinity(int(tid))} for child in children]
+    assert sorted(map(sorted, pinned)) == sorted([[rx_cpus[0]], [rx_cpus[1]], [rx_cpus[0]]])
+    assert f"on CPUs {[rx_cpus[0], rx_cpus[1], rx_cpus[0]]}" in node.output()
     os.kill(int(children[-1]), signal.SIGTERM)
     msgs = diag.wait_for(lambda m: any(s.level == DiagnosticStatus.ERROR and "input receiver "
                                        "process exited for ['/perception/input/"

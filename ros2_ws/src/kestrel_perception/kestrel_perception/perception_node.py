@@ -211,15 +211,19 @@ class PerceptionNode(KestrelLifecycleNode):
             frame_id=p["frame_id"], node_name=self.get_name(), namespace=self.get_namespace(),
             ros_args=["-p", f"use_sim_time:={'true' if use_sim else 'false'}"],
             pool=HISTORY + 3, start_timeout_s=p["receiver_start_timeout"],
-            pin=self.core.staging.pin_host_memory, info_topics=infos, on_info=self._take_info)
+            pin=self.core.staging.pin_host_memory, info_topics=infos, on_info=self._take_info,
+            cpus=p["receiver_cpus"])
         try:
             self._receivers.start()
         except (ReceiverError, OSError) as exc:
             self._receivers = None
             self.get_logger().error(f"configure failed: parameter 'receive' = 'processes': {exc}")
             return False
+        cpus = p["receiver_cpus"]
         self.get_logger().info(f"input receivers started: {topics + infos}; "
-                               f"{self._receivers.pin_status}")
+                               f"{self._receivers.pin_status}; "
+                               + (f"on CPUs {[cpus[i % len(cpus)] for i in range(n + 1)]}"
+                                  if cpus else "not pinned to CPUs"))
         return True
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:

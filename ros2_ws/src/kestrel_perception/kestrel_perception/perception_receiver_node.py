@@ -114,7 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-pid", type=int, required=True)
     ap.add_argument("--frame-id", default="")
     ap.add_argument("--info-topic", default="", help="a camera's CameraInfo topic (optional)")
+    ap.add_argument("--cpu", type=int, default=-1, help="run on this CPU alone (the node's "
+                    "receiver_cpus): every thread so far (imports start some), and DDS's "
+                    "threads, created later, inherit it")
     args = ap.parse_args(remove_ros_args(argv)[1:])
+    if args.cpu >= 0:
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), {args.cpu})
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

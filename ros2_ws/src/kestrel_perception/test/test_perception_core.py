@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -394,7 +395,9 @@ def test_param_cross_checks_and_core_config() -> None:
     for bad, name in (({"camera_poses": [0.0] * 7}, "camera_poses"),
                       ({"class_names": ["a", "a"]}, "class_names"),
                       ({"enable_detection": False, "enable_segmentation": False,
-                        "enable_depth": False}, "enable_detection")):
+                        "enable_depth": False}, "enable_detection"),
+                      ({"receiver_cpus": [max(os.sched_getaffinity(0)) + 1]},
+                       "receiver_cpus")):
         with pytest.raises(ParamError, match=f"parameter '{name}'"):
             validate_perception_params({**values, **bad})
     with pytest.raises(ParamError, match="parameter 'backbone_depth' = 101"):

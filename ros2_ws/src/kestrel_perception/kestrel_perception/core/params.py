@@ -127,6 +127,11 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("receiver_start_timeout", 60.0, "receive 'processes': how long configure waits "
               "for every receiver process to subscribe, s.", min=1.0, max=600.0,
               read_only=True),
+    ParamSpec("receiver_cpus", [], "receive 'processes': CPUs of the receiver processes, "
+              "receiver i (cameras, then the cloud) on receiver_cpus[i % len] alone "
+              "(sched_setaffinity); [] = they run where the node may. Give them CPUs the "
+              "sensor drivers and the node's threads do not use.", element_type=int, min=0,
+              max=4095, read_only=True),
     ParamSpec("gil_switch_interval_us", 200, "sys.setswitchinterval of the node process, us "
               "(Python's default 5000): a thread waiting for the GIL gets it after at most "
               "this long; every torch call releases the GIL, so with the default a busy "
@@ -182,6 +187,11 @@ def validate_perception_params(values: dict[str, Any]) -> None:
             pose_to_matrix(poses[7 * i: 7 * i + 7])
         except ValueError as exc:
             raise ParamError("camera_poses", poses, f"camera {i}: {exc}") from None
+    cpus = values.get("receiver_cpus", [])
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if cpus and allowed is not None and not set(cpus) <= allowed:
+        raise ParamError("receiver_cpus", cpus, f"CPUs {sorted(set(cpus) - allowed)} are not "
+                                                f"among this process's CPUs {sorted(allowed)}")
 
 
 def resolve_receive(receive: str, device: str, num_cameras: int,

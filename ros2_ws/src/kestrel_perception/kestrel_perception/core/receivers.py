@@ -53,8 +53,8 @@ class InputReceivers:
                  python: str = sys.executable,
                  pin: Callable[[list[np.ndarray]], tuple[Callable[[], None], str]] | None = None,
                  info_topics: Sequence[str] | None = None,
-                 on_info: Callable[[int, int, float, np.ndarray, int, int], None] | None = None
-                 ) -> None:
+                 on_info: Callable[[int, int, float, np.ndarray, int, int], None] | None = None,
+                 cpus: Sequence[int] = ()) -> None:
         if len(topics) != layout.num_sensors:
             raise ValueError(f"parameter 'topics' = {len(topics)} topics: expected "
                              f"{layout.num_sensors} (cameras, then the cloud)")
@@ -69,6 +69,7 @@ class InputReceivers:
         # recv_s, K [3,3], width, height), handed over before that camera's image)
         self.info_topics = list(info_topics) if info_topics is not None else None
         self.on_info = on_info
+        self.cpus = list(cpus)  # receiver i runs on cpus[i % len] alone ([]: not pinned)
         self.on_image, self.on_points = on_image, on_points
         self.frame_id, self.node_name, self.namespace = frame_id, node_name, namespace
         self.ros_args, self.start_timeout_s, self.python = list(ros_args), start_timeout_s, python
@@ -133,7 +134,9 @@ class InputReceivers:
                "--event-fd", str(self._efd), "--parent-pid", str(os.getpid()),
                "--frame-id", self.frame_id,
                *(["--info-topic", self.info_topics[sensor]] if self.info_topics is not None
-                 and sensor < self.layout.num_cameras else []), "--ros-args", "-r",
+                 and sensor < self.layout.num_cameras else []),
+               *(["--cpu", str(self.cpus[sensor % len(self.cpus)])] if self.cpus else []),
+               "--ros-args", "-r",
                f"__node:={self.node_name}_rx_{kind}", "-r", f"__ns:={self.namespace}",
                *self.ros_args]
         # stdin: a pipe only this process writes; its EOF ends the child
