@@ -43,15 +43,19 @@ fi
 # PUBLISHERS="one per-sensor" runs the node once per input-publisher mode (default: one);
 # RECEIVE="executor processes" once per node parameter `receive` as well (default: the node's);
 # STRIDES="2 4" once per output_stride of the published maps too (default: the bench's)
+# (a repeated setting gets the run's number appended to its file names, not overwritten; the
+# ready timeout covers the first run on a fresh machine: compile + capture ~100-120 s)
+k=0
 for pubs in ${PUBLISHERS:-one}; do
 for rx in ${RECEIVE:-default}; do
 for st in ${STRIDES:-default}; do
   sfx=""; [[ "$pubs" != one ]] && sfx="_$pubs"
   rx_args=""; [[ "$rx" != default ]] && { rx_args="--receive $rx"; sfx="${sfx}_rx_$rx"; }
   [[ "$st" != default ]] && { rx_args="$rx_args --output-stride $st"; sfx="${sfx}_s$st"; }
-  timeout 170 "$KPY" scripts/bench_perception_node.py --config r50 --device cuda --cams 6 \
+  k=$((k + 1)); [[ -e "$out/perception_node_h200$sfx${OUT_SFX:-}.json" ]] && sfx="${sfx}_$k"
+  timeout 240 "$KPY" scripts/bench_perception_node.py --config r50 --device cuda --cams 6 \
     --image-hw 640 640 --points 120000 --rate 10 --frames "$frames" --publishers "$pubs" \
-    --variant "${VARIANT:-whole_bf16w_fold_s2d_group_cudnn_graph}" --ready-timeout 110 \
+    --variant "${VARIANT:-whole_bf16w_fold_s2d_group_cudnn_graph}" --ready-timeout 160 \
     --git-commit "$commit" $rx_args ${NODE_ARGS:-} \
     --out "$out/perception_node_h200$sfx${OUT_SFX:-}" > "$out/node$sfx${OUT_SFX:-}.log" 2>&1
   echo "node bench ($pubs, receive $rx, output_stride $st) rc $?"
