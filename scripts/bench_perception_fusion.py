@@ -107,7 +107,8 @@ def graphed(inp: tuple, use_triton: bool):  # noqa: ANN201
 
 
 LIDAR_CFGS = [(True, 1024, 4), (True, 2048, 8), (True, 4096, 8), (True, 8192, 16),
-              (False, 2048, 8)]  # (compact, block, num_warps)
+              (False, 2048, 8)]  # (compact, block, num_warps), points scanned per box
+# (scripts/bench_box_median.py compares these with the default: points binned first)
 RECT_CFGS = [(1024, 4), (2048, 8), (4096, 8), (4096, 16)]
 
 
@@ -117,7 +118,8 @@ def sweep(a: argparse.Namespace, dev: torch.device) -> list[dict]:
     typ, nol, worst = (make_inputs(s, a, dev) for s in ("typical", "no_lidar", "worst"))
     boxes, bvalid, uv, z, ok = typ[:5]
     jobs = [(f"lidar typical compact={c} block={b} warps={w}",
-             lambda c=c, b=b, w=w: bmt.lidar_box_medians(z, uv, ok, boxes, bvalid, c, b, w))
+             lambda c=c, b=b, w=w: bmt.lidar_box_medians(z, uv, ok, boxes, bvalid, c, b, w,
+                                                         prebin=False))
             for c, b, w in LIDAR_CFGS]
     for name, inp in (("no_lidar", nol), ("worst", worst)):
         rect = bmt.pixel_rects(inp[0], a.size, a.size)

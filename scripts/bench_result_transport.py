@@ -4,7 +4,8 @@
 
 A publisher (this process) builds realistic results with kestrel_perception.result_msg (the
 node's ResultBuilder; sizes as the H200 run: `--cams` cameras, masks/depths at the node's
-default output_stride 2 and depth_encoding 16UC1, `--dets` detections) and publishes them at
+output_stride `--output-stride` (default 2: the node's default until session 11, now 4) and
+depth_encoding 16UC1, `--dets` detections) and publishes them at
 `--rate` Hz with the node's output QoS (COMMAND_QOS: reliable, keep last 10). Each message's
 header stamp is the wall clock taken just before its publish() (same host clock in both
 processes); the publisher records, per message: build (Python, s), the publish() call

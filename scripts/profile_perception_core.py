@@ -5,7 +5,7 @@ The node reports its model stage at ~4.4 ms on the H200, `bench_perception.py` t
 variant's forward at 3.56 ms back to back and 3.78 ms with the GPU idle 90 ms before each
 forward (docs/benchmarks/perception_node_h200.md). This script runs, in ONE process with the
 node's settings (core_config of the node's parameters, r50, 6 cameras, 120k points, 16UC1 at
-stride 2, zero-copy maps), on the same inputs:
+stride 4, zero-copy maps), on the same inputs:
   core     PerceptionCore.process(frames) every `--gap-ms` (sleep between frames, as the node at
            10 Hz): the core's own stage timings (CUDA events), i.e. the node's figures without
            ROS;
@@ -80,7 +80,7 @@ def main() -> int:
     values = {**{spec.name: spec.default for spec in SPECS}, **CONFIGS[args.config],
               "device": args.device, "num_cameras": args.cams, "warmup_size": [w, h],
               "runtime_variant": args.variant,
-              "depth_encoding": "16UC1", "output_stride": 2, "score_threshold": 0.0,
+              "depth_encoding": "16UC1", "output_stride": 4, "score_threshold": 0.0,
               "max_detections": 20, "max_points": max(500_000, args.points)}
     t0 = time.monotonic()
     core = PerceptionCore(core_config(values))

@@ -218,8 +218,9 @@ def real_inputs(seed: int, adversarial: bool):
 def test_kernel_equals_reference_real_sizes(seed, adversarial) -> None:
     z, uv, ok, boxes, dm = real_inputs(seed, adversarial)
     ref = ref_lidar(z, uv, ok, boxes)
-    for prebin, compact in ((True, True), (False, True), (False, False)):
-        assert_same(bmt.lidar_box_medians(z, uv, ok, boxes, compact=compact, prebin=prebin),
+    assert_same(bmt.lidar_box_medians(z, uv, ok, boxes, prebin=True), ref)
+    for compact in (True, False):
+        assert_same(bmt.lidar_box_medians(z, uv, ok, boxes, compact=compact, prebin=False),
                     ref)
     rect = bmt.pixel_rects(boxes, *HW)
     assert_same(bmt.depth_box_medians(dm, rect), ref_depth(dm, boxes))
@@ -237,6 +238,24 @@ def test_kernel_equals_reference_real_sizes(seed, adversarial) -> None:
     dm2[:, 1] = dm
     assert_same(bmt.depth_box_medians(dm2[:, 1], rect), ref_depth(dm, boxes))
     assert_same(bmt.lidar_box_medians(z, uv.double(), ok, boxes), ref_lidar(z, uv, ok, boxes))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 1000, 131073])
+def test_kernel_point_counts_off_the_block_size(n) -> None:
+    """Point counts that are not a multiple of BLOCK_BIN / BLOCK_LIDAR (the tail blocks'
+    masks), each mode, adversarial points and boxes."""
+    g = torch.Generator().manual_seed(n)
+    z, uv, ok = (t.cuda() for t in adversarial_points(g, C, n, HW))
+    boxes = adversarial_boxes(g, C, D, HW).cuda()
+    ref = ref_lidar(z, uv, ok, boxes)
+    assert_same(bmt.lidar_box_medians(z, uv, ok, boxes, prebin=True), ref)
+    for compact in (True, False):
+        assert_same(bmt.lidar_box_medians(z, uv, ok, boxes, compact=compact, prebin=False),
+                    ref)
+    with pytest.raises(ValueError, match="compact"):
+        bmt.lidar_box_medians(z, uv, ok, boxes, compact=True, prebin=True)
 
 
 def positions(inp, use_triton: bool):

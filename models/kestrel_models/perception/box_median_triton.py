@@ -180,7 +180,7 @@ if HAVE_TRITON:
                                               r0, c0, width, area, s_h, s_w, RECT, BLOCK)
                     if COMPACT:  # inside keys -> scratch row pid, in order, from 0
                         dst = cnt + tl.cumsum(inside.to(tl.int32), axis=0) - 1
-                        tl.store(scr_ptr + pid * N + dst, key, mask=inside)
+                        tl.store(scr_ptr + pid.to(tl.int64) * N + dst, key, mask=inside)
                     cnt += tl.sum(inside.to(tl.int32), axis=0)
                     match = inside
                     digit = (key >> 24) + 128  # top byte of the signed key -> [0, 255]
@@ -261,6 +261,8 @@ def lidar_box_medians(depth: torch.Tensor, uv: torch.Tensor, valid: torch.Tensor
     bx = boxes.float().contiguous()
     nd = _need_arg(need, c, d, ok)
     prebin = LIDAR_PREBIN if prebin is None else prebin
+    if prebin and compact is not None:
+        raise ValueError("lidar_box_medians: 'compact' applies to prebin=False only")
     compact = LIDAR_COMPACT if compact is None else compact
     strides = (z.stride(0), z.stride(1), u.stride(0), u.stride(1), ok.stride(0), ok.stride(1))
     scr = torch.empty((c * d, n) if compact or prebin else (1,), dtype=torch.int32,

@@ -154,6 +154,9 @@ class PerceptionNode(KestrelLifecycleNode):
                 "(changed .msg or rmw?): publishing message objects (slower)")
         p["receive"] = resolve_receive(p["receive"], self.core.device.type, n)
         in_node = p["receive"] == "executor"
+        if in_node and p["receiver_cpus"]:
+            self.get_logger().warning("receiver_cpus is set but the inputs are received by the "
+                                      "executor (receive resolved to 'executor'): not used")
         if not in_node and not self._start_receivers(p):  # before any ROS entity exists:
             self.core = self.sync = None  # a failed configure leaves nothing behind
             return TransitionCallbackReturn.FAILURE
@@ -219,11 +222,8 @@ class PerceptionNode(KestrelLifecycleNode):
             self._receivers = None
             self.get_logger().error(f"configure failed: parameter 'receive' = 'processes': {exc}")
             return False
-        cpus = p["receiver_cpus"]
         self.get_logger().info(f"input receivers started: {topics + infos}; "
-                               f"{self._receivers.pin_status}; "
-                               + (f"on CPUs {[cpus[i % len(cpus)] for i in range(n + 1)]}"
-                                  if cpus else "not pinned to CPUs"))
+                               f"{self._receivers.pin_status}; {self._receivers.cpu_status}")
         return True
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:

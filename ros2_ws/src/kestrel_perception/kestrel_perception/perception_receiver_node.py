@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(remove_ros_args(argv)[1:])
     if args.cpu >= 0:
         for tid in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(tid), {args.cpu})
+            try:
+                os.sched_setaffinity(int(tid), {args.cpu})
+            except ProcessLookupError:
+                pass  # that thread ended meanwhile
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

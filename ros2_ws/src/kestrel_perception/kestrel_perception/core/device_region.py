@@ -153,7 +153,7 @@ class DeviceRegion:
     """Preallocated buffers + the one-sync post-processing of a frame (not thread-safe)."""
 
     def __init__(self, device: torch.device, depth_encoding: str = "16UC1",
-                 output_stride: int = 2, nms_rounds: int = 8,
+                 output_stride: int = 4, nms_rounds: int = 8,
                  fusion_chunk_elems: int = 1 << 24, static: bool | None = None,
                  graphs: RegionGraphs | None = None) -> None:
         validate_output_params(depth_encoding, output_stride)

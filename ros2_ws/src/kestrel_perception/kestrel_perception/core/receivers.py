@@ -104,6 +104,13 @@ class InputReceivers:
         self._thread: threading.Thread | None = None
         self._closed = False
 
+    @property
+    def cpu_status(self) -> str:
+        """Where the receivers run, for the node's log."""
+        if not self.cpus:
+            return "not pinned to CPUs"
+        return f"on CPUs {[self.cpus[i % len(self.cpus)] for i in range(len(self.topics))]}"
+
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         """Segment, children, wait until every child subscribed (ReceiverError on failure or

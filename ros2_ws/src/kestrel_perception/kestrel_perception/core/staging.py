@@ -29,6 +29,7 @@ event per buffer is kept).
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,18 +48,17 @@ _HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
 
 def clear_cuda_error() -> None:
     """Reset the CUDA runtime's last error after a failed call made through
-    torch.cuda.cudart() (cudaHostRegister): the runtime keeps it, and torch's next kernel
-    launch check (any op, anywhere in the process) would raise it as its own. torch binds no
-    cudaGetLastError, so it is called in the libcudart this process has loaded (torch's); if
-    none is found, one tiny torch op takes the error and it is dropped."""
-    rt = torch.cuda.cudart()
-    fn = getattr(rt, "cudaGetLastError", None)
+    torch.cuda.cudart() (cudaHostRegister) on this thread: the runtime keeps it, and torch's
+    next kernel launch check on this thread would raise it as its own. torch binds no
+    cudaGetLastError, so it is looked up through torch's own libtorch_cuda (dlsym searches its
+    dependencies: torch's libcudart, not another runtime loaded beside it, e.g. ONNX
+    Runtime's for another CUDA major); failing that, one tiny torch op takes the error."""
+    fn = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
     if fn is None:
-        try:
-            with open("/proc/self/maps") as f:
-                path = next((ln.split()[-1] for ln in f if "libcudart.so" in ln), None)
-            fn = ctypes.CDLL(path).cudaGetLastError if path else None
-        except OSError:
+        lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so")
+        try:  # RTLD_NOLOAD: only the copy torch already loaded
+            fn = ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).cudaGetLastError
+        except (OSError, AttributeError):
             fn = None
     if fn is not None:
         fn()
