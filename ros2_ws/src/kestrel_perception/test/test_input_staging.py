@@ -383,3 +383,31 @@ def test_cuda_failed_registration_falls_back_and_leaves_no_cuda_error() -> None:
         assert st._registered_source(block[0].reshape(4, 6, 3)) is not None  # still pinned
     finally:
         undo()
+
+
+def test_clear_cuda_error_uses_torchs_own_runtime(monkeypatch) -> None:
+    """clear_cuda_error looks cudaGetLastError up through torch's libtorch_cuda (RTLD_NOLOAD:
+    the copy torch loaded; dlsym then searches its dependencies, i.e. torch's libcudart), and
+    falls back to a tiny CUDA op (whose launch check takes the error) when that fails. Faked
+    here: CI has no CUDA."""
+    import os
+
+    from kestrel_perception.core import staging
+
+    calls: list = []
+    monkeypatch.setattr(staging.torch.cuda, "cudart", lambda: SimpleNamespace())
+    monkeypatch.setattr(staging.ctypes, "CDLL", lambda path, mode: (
+        calls.append((os.path.basename(path), mode))
+        or SimpleNamespace(cudaGetLastError=lambda: calls.append("cleared"))))
+    staging.clear_cuda_error()
+    assert calls == [("libtorch_cuda.so", os.RTLD_NOLOAD | os.RTLD_LAZY), "cleared"]
+
+    def not_loaded(path, mode):
+        raise OSError("not loaded")
+
+    monkeypatch.setattr(staging.ctypes, "CDLL", not_loaded)
+    ops: list = []
+    monkeypatch.setattr(staging.torch, "zeros", lambda *a, **k: SimpleNamespace(
+        add_=lambda v: ops.append(k.get("device"))))
+    staging.clear_cuda_error()
+    assert ops == ["cuda"]
