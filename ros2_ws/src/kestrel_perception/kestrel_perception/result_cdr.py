@@ -35,6 +35,21 @@ ENCAPSULATION_CDR_LE = b"\x00\x01\x00\x00"
 _ZEROS = bytes(8)
 _U32, _I32, _U8, _F64 = struct.Struct("<I"), struct.Struct("<i"), struct.Struct("<B"), \
     struct.Struct("<d")
+_TIME, _U32X2 = struct.Struct("<iI"), struct.Struct("<II")  # 4-byte fields back to back
+# str -> its CDR string (uint32 length incl. the NUL, UTF-8 bytes, NUL): the same few names
+# (frames, classes, encodings, stage names) come every frame; bounded for arbitrary strings
+_STRINGS: dict[str, bytes] = {}
+_STRINGS_MAX = 4096
+
+
+def _cdr_string(value: str) -> bytes:
+    data = _STRINGS.get(value)
+    if data is None:
+        raw = value.encode() + b"\x00"
+        data = _U32.pack(len(raw)) + raw
+        if len(_STRINGS) < _STRINGS_MAX:
+            _STRINGS[value] = data
+    return data
 
 
 class CdrWriter:
@@ -72,8 +87,8 @@ class CdrWriter:
         self._scalar(_F64, value)
 
     def string(self, value: str) -> None:
-        data = value.encode() + b"\x00"
-        self.u32(len(data))
+        self._align(4)  # the length prefix
+        data = _cdr_string(value)
         self.parts.append(data)
         self.pos += len(data)
 
@@ -92,9 +107,11 @@ class CdrWriter:
             self.parts.append(memoryview(a).cast("B"))
             self.pos += a.nbytes
 
-    def time(self, stamp_ns: int) -> None:  # builtin_interfaces/Time
-        self.i32(int(stamp_ns) // 1_000_000_000)
-        self.u32(int(stamp_ns) % 1_000_000_000)
+    def time(self, stamp_ns: int) -> None:  # builtin_interfaces/Time: int32 sec, uint32 ns
+        sec, nsec = divmod(int(stamp_ns), 1_000_000_000)
+        self._align(4)
+        self.parts.append(_TIME.pack(sec, nsec))
+        self.pos += 8
 
     def header(self, stamp_ns: int, frame_id: str) -> None:  # std_msgs/Header
         self.time(stamp_ns)
@@ -104,12 +121,14 @@ class CdrWriter:
         """sensor_msgs/Image of an [H,W] map (mono8 / 16UC1 / 32FC1), little endian."""
         a = np.ascontiguousarray(data)
         self.header(stamp_ns, frame_id)
-        self.u32(a.shape[0])
-        self.u32(a.shape[1])
+        self._align(4)
+        self.parts.append(_U32X2.pack(a.shape[0], a.shape[1]))  # height, width
+        self.pos += 8
         self.string(encoding)
         self.u8(0)  # is_bigendian
-        self.u32(a.shape[1] * a.itemsize)  # step, bytes
-        self.u32(a.nbytes)
+        self._align(4)
+        self.parts.append(_U32X2.pack(a.shape[1] * a.itemsize, a.nbytes))  # step, data count
+        self.pos += 8
         if a.nbytes:
             self.parts.append(memoryview(a).cast("B"))
             self.pos += a.nbytes
