@@ -116,24 +116,3 @@ def write_result(stem: str | None, result: dict, markdown: str) -> None:
     if stem:
         Path(stem + ".json").write_text(json.dumps(result, indent=1))
         Path(stem + ".md").write_text(markdown)
-
-
-def pin_process(pid: int, cpus: set[int] | list[int]) -> int:
-    """Every current thread of process `pid` onto `cpus` (sched_setaffinity per thread: a
-    process's threads each have their own mask; threads created later inherit their
-    creator's). Returns the number of threads pinned (0 if the process is gone)."""
-    done: set[str] = set()
-    for _ in range(10):  # again while threads appear (one started meanwhile by a thread
-        try:             # not yet pinned would escape)
-            tids = set(os.listdir(f"/proc/{pid}/task")) - done
-        except FileNotFoundError:
-            break
-        if not tids:
-            break
-        for tid in tids:
-            try:
-                os.sched_setaffinity(int(tid), set(cpus))
-            except (ProcessLookupError, FileNotFoundError):
-                pass  # the thread ended meanwhile
-        done |= tids
-    return len(done)

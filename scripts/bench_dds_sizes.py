@@ -28,8 +28,12 @@ import subprocess
 import sys
 import time
 
-SETTINGS = {"default": {}, "mmap": {-3: 32 << 20}, "trim": {-1: 256 << 20},
-            "both": {-3: 32 << 20, -1: 256 << 20}}  # mallopt parameter -> value
+from kestrel_common.heap import MMAP_THRESHOLD, TRIM_THRESHOLD
+
+# mallopt parameter (glibc malloc.h: -3 M_MMAP_THRESHOLD, -1 M_TRIM_THRESHOLD) -> value: each
+# of tune_malloc's two settings alone, and both (= tune_malloc)
+SETTINGS = {"default": {}, "mmap": {-3: MMAP_THRESHOLD}, "trim": {-1: TRIM_THRESHOLD},
+            "both": {-3: MMAP_THRESHOLD, -1: TRIM_THRESHOLD}}
 
 
 def qos(reliability: str):  # noqa: ANN201

@@ -53,9 +53,10 @@ for sub in ("scripts", "tests", "models", "ros2_ws/src/kestrel_common",
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
-from bench_common import pct, pin_process, write_result  # noqa: E402
+from bench_common import pct, write_result  # noqa: E402
 from bench_perception_pub import (NODE, PUBLISHERS, InputConfig, SetPublisher,  # noqa: E402
                                   publish_inputs)
+from kestrel_common.affinity import pin_threads  # noqa: E402
 
 # Fast DDS profile with a large shared-memory segment (the default 512 KB segment loses
 # best-effort camera-sized samples); 'none' keeps Fast DDS's defaults
@@ -337,7 +338,7 @@ def run_main(args: argparse.Namespace) -> int:
             raise RuntimeError("the sink process did not start")
         if args.node_cpus:  # every thread of the node (receivers excepted: own processes)
             print(f"node pinned to CPUs {args.node_cpus} "
-                  f"({pin_process(node.proc.pid, args.node_cpus)} threads)", flush=True)
+                  f"({pin_threads(node.proc.pid, args.node_cpus)} threads)", flush=True)
         pub = publish_inputs(InputConfig.from_args(args), env, run_dir,
                              cpus=tuple(args.publisher_cpus or ()))
         time.sleep(2.0)  # results still in flight after the last set (bounded, not a sync)

@@ -345,9 +345,9 @@ def run_sensors(cfg: InputConfig, env: dict[str, str], run_dir: Path,
                     text=True)
         _wait_ready(procs, logs, ready_timeout)
         if cpus:
-            from bench_common import pin_process
+            from kestrel_common.affinity import pin_threads
             for p in procs.values():
-                pin_process(p.pid, cpus)
+                pin_threads(p.pid, cpus)
         start_ns = time.time_ns() + START_DELAY_NS
         for p in procs.values():
             p.stdin.write(f"{start_ns}\n")

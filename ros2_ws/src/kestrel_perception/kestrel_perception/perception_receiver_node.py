@@ -31,6 +31,7 @@ import threading
 import time
 
 import rclpy
+from kestrel_common.affinity import pin_threads
 from kestrel_common.base_node import SENSOR_QOS
 from kestrel_common.conversions import ConversionError, camera_info_to_k, stamp_to_ns
 from kestrel_common.heap import tune_malloc
@@ -119,11 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                     "threads, created later, inherit it")
     args = ap.parse_args(remove_ros_args(argv)[1:])
     if args.cpu >= 0:
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), {args.cpu})
-            except ProcessLookupError:
-                pass  # that thread ended meanwhile
+        pin_threads(0, {args.cpu})
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -5,10 +5,9 @@ they are).
 Why: publishing the message object makes rclpy convert it to its C struct (one memcpy of every
 array: 1.85 MB for 6 cameras' masks and 16-bit depths at stride 2, 0.47 MB at the default 4)
 and then serialise the struct (a second memcpy), holding the GIL in both; and building the
-message object costs the
-Python objects of the nested Images, Headers, Times and StageTimings. Here every field goes
-into a list of parts (struct-packed scalars, memoryviews of the numpy arrays) and ONE
-`b"".join` copies them into the payload.
+message object costs the Python objects of the nested Images, Headers, Times and
+StageTimings. Here every field goes into a list of parts (struct-packed scalars, memoryviews
+of the numpy arrays) and ONE `b"".join` copies them into the payload.
 
 The layout is plain CDR (OMG XTypes 1.3, XCDR version 1, little endian) as Fast DDS's Fast CDR
 writes it for ROS 2 types: a 4-byte encapsulation header (0x0001 = CDR_LE), then each field in

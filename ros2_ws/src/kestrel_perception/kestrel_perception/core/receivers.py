@@ -104,12 +104,16 @@ class InputReceivers:
         self._thread: threading.Thread | None = None
         self._closed = False
 
+    def _cpu(self, sensor: int) -> int | None:
+        """The CPU receiver `sensor` runs on alone, or None (not pinned)."""
+        return self.cpus[sensor % len(self.cpus)] if self.cpus else None
+
     @property
     def cpu_status(self) -> str:
         """Where the receivers run, for the node's log."""
         if not self.cpus:
             return "not pinned to CPUs"
-        return f"on CPUs {[self.cpus[i % len(self.cpus)] for i in range(len(self.topics))]}"
+        return f"on CPUs {[self._cpu(s) for s in range(len(self.topics))]}"
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -142,7 +146,7 @@ class InputReceivers:
                "--frame-id", self.frame_id,
                *(["--info-topic", self.info_topics[sensor]] if self.info_topics is not None
                  and sensor < self.layout.num_cameras else []),
-               *(["--cpu", str(self.cpus[sensor % len(self.cpus)])] if self.cpus else []),
+               *(["--cpu", str(self._cpu(sensor))] if self.cpus else []),
                "--ros-args", "-r",
                f"__node:={self.node_name}_rx_{kind}", "-r", f"__ns:={self.namespace}",
                *self.ros_args]
