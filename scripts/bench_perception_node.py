@@ -173,6 +173,8 @@ def node_params(args: argparse.Namespace) -> dict:
                 ("receiver_cpus", args.receiver_cpus),
                 ("region_graph", None if args.region_graph is None
                  else args.region_graph == "on"),
+                ("region_compile", None if args.region_compile is None
+                 else args.region_compile == "on"),
                 ("cloud_required", None if args.cloud_required is None
                  else args.cloud_required == "on")) if value is not None}}
 
@@ -433,6 +435,8 @@ def main() -> int:
                          "executor, or by one receiver process per sensor (shared memory)")
     ap.add_argument("--gil-switch-us", type=int, default=None,
                     help="node parameter gil_switch_interval_us (default: the node's, 200)")
+    ap.add_argument("--region-compile", choices=("on", "off"), default=None,
+                    help="node parameter region_compile (torch.compile'd region steps)")
     ap.add_argument("--region-graph", choices=("on", "off"), default=None,
                     help="node parameter region_graph (CUDA graphs of the device region)")
     ap.add_argument("--malloc", choices=("tuned", "default"), default="tuned",

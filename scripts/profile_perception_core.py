@@ -69,6 +69,8 @@ def main() -> int:
     ap.add_argument("--kernels", type=int, default=0,
                     help="then profile this many frames (torch.profiler, CUDA kernels): the top "
                          "kernels per frame and one frame's kernel timeline into the JSON")
+    ap.add_argument("--region-compile", choices=("on", "off"), default="on",
+                    help="node parameter region_compile (torch.compile'd region steps)")
     ap.add_argument("--git-commit", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -81,7 +83,8 @@ def main() -> int:
               "device": args.device, "num_cameras": args.cams, "warmup_size": [w, h],
               "runtime_variant": args.variant,
               "depth_encoding": "16UC1", "output_stride": 4, "score_threshold": 0.0,
-              "max_detections": 20, "max_points": max(500_000, args.points)}
+              "max_detections": 20, "max_points": max(500_000, args.points),
+              "region_compile": args.region_compile == "on"}
     t0 = time.monotonic()
     core = PerceptionCore(core_config(values))
     ready_s = time.monotonic() - t0
@@ -122,12 +125,14 @@ def main() -> int:
     res = {"command": "python " + " ".join(sys.argv), "git_commit": git_commit(args.git_commit),
            "torch": torch.__version__, "device": device, "machine": machine_info(device=device),
            "ready_s": ready_s, "gap_ms": args.gap_ms, "frames": args.frames,
+           "region_compile": args.region_compile,
            "core_stage_ms": {k: {"p50": pct(v, 50), "p99": pct(v, 99)} for k, v in
                              stages.items()},
            "runtime_run_ms": {"p50": pct(run_ms, 50), "p99": pct(run_ms, 99)}}
     lines = [f"# Perception core vs runtime.run, one process ({res['device']})", "",
              f"`{res['command']}`, git {res['git_commit']}, gap {args.gap_ms} ms before each "
-             f"frame, {args.frames} frames, ready after {ready_s:.1f} s.", "",
+             f"frame, {args.frames} frames, ready after {ready_s:.1f} s, region_compile "
+             f"{args.region_compile}.", "",
              "| measure | p50 ms | p99 ms |", "|---|---|---|"]
     lines += [f"| core stage {k} | {v['p50']:.3f} | {v['p99']:.3f} |"
               for k, v in res["core_stage_ms"].items()]

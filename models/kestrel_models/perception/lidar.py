@@ -8,12 +8,14 @@ projection is inside an image of size (H, W) when -0.5 <= u < W - 0.5 and -0.5 <
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import IntEnum
 
 import numpy as np
 import torch
 
 from kestrel_models.perception import box_median_triton as _bmt
+from kestrel_models.perception.compiled import compiled
 
 DEFAULT_BUCKETS: tuple[int, ...] = (16384, 32768, 65536, 131072)
 # static medians on CUDA with triton importable run the Triton kernel (box_median_triton.py,
@@ -30,15 +32,19 @@ class PositionSource(IntEnum):
 
 
 def project_points(points_xyz: torch.Tensor, T_cam_from_base: torch.Tensor, K: torch.Tensor,
-                   image_hw: tuple[int, int], min_depth: float = 1e-3
+                   image_hw: tuple[int, int], min_depth: float = 1e-3, compile: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Project N points into C cameras in one batched op.
+    """Project N points into C cameras in one batched op (compile=True: one fused kernel,
+    `_project_elementwise`, same values up to float64 rounding).
 
     points_xyz: [N,3] m (base frame; NaN rows allowed, e.g. bucket padding, they are invalid)
     T_cam_from_base: [C,4,4]; K: [C,3,3]; image_hw: (H, W) px, shared by the cameras.
     Returns uv [C,N,2] px, depth [C,N] m (z in the camera frame), valid [C,N] bool: finite,
     in front of the camera (z > min_depth) and inside the image.
     """
+    if compile:
+        return compiled(_project_elementwise)(points_xyz, T_cam_from_base, K, image_hw,
+                                              min_depth)
     pts = points_xyz.to(T_cam_from_base.dtype)
     R, t = T_cam_from_base[:, :3, :3], T_cam_from_base[:, :3, 3]
     pc = torch.einsum("cij,nj->cni", R, pts) + t[:, None, :]  # [C,N,3] camera frame, m
@@ -51,6 +57,25 @@ def project_points(points_xyz: torch.Tensor, T_cam_from_base: torch.Tensor, K: t
     u, v = uv[..., 0], uv[..., 1]
     valid = front & (u >= -0.5) & (u < w - 0.5) & (v >= -0.5) & (v < h - 0.5)
     return uv, z, valid
+
+
+def _project_elementwise(points_xyz: torch.Tensor, T_cam_from_base: torch.Tensor,
+                         K: torch.Tensor, image_hw: tuple[int, int], min_depth: float
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`project_points` written as per-coordinate multiply-adds: compiled, one fused kernel
+    (the einsum form runs as two [C,N,3] float64 GEMMs with K = 3, 90 us on the H200)."""
+    dt = T_cam_from_base.dtype
+    x, y, zb = (points_xyz[:, i].to(dt)[None] for i in range(3))  # each [1,N]
+    T, Kd = T_cam_from_base[:, :3, :, None], K.to(dt)[..., None]  # [C,3,4,1], [C,3,3,1]
+    pc = [T[:, i, 0] * x + T[:, i, 1] * y + T[:, i, 2] * zb + T[:, i, 3] for i in range(3)]
+    z = pc[2]  # [C,N] m, camera frame
+    front = z > min_depth  # False for NaN
+    safe_z = torch.where(front, z, torch.ones_like(z))  # no division by ~0 / negative z
+    u = (Kd[:, 0, 0] * pc[0] + Kd[:, 0, 1] * pc[1] + Kd[:, 0, 2] * z) / safe_z
+    v = (Kd[:, 1, 0] * pc[0] + Kd[:, 1, 1] * pc[1] + Kd[:, 1, 2] * z) / safe_z
+    h, w = image_hw
+    valid = front & (u >= -0.5) & (u < w - 0.5) & (v >= -0.5) & (v < h - 0.5)
+    return torch.stack([u, v], dim=2), z, valid
 
 
 def bucket_size(n: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> int:
@@ -195,8 +220,8 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
                           depth: torch.Tensor, valid: torch.Tensor,
                           depth_map: torch.Tensor | None, K_inv: torch.Tensor,
                           T_base_from_cam: torch.Tensor, min_points: int = 5,
-                          chunk_elems: int = 1 << 24, static: bool = True
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          chunk_elems: int = 1 << 24, static: bool = True,
+                          compile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`box_positions` for all C cameras x D detection slots at once, no host sync.
 
     boxes [C,D,4] xyxy px, box_valid [C,D] bool (unused slots get NONE); uv [C,N,2] px,
@@ -213,14 +238,16 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
     shapes); static=True costs O(C * D * (N + H * W)) but reads nothing on the host, or,
     on CUDA with triton (USE_TRITON), one radix-select kernel per source: O(C * D * N) for the
     LiDAR and O(box area) per box for the depth map, skipping the slots not needed.
+    compile=True (with static): the element-wise steps between the medians run
+    torch.compile'd (compiled.py; same math, a few fused kernels).
     """
     dt = torch.float64
     c, d = boxes.shape[:2]
     dev = boxes.device
-    z = torch.full((c, d), float("nan"), dtype=dt, device=dev)
-    src = torch.zeros((c, d), dtype=torch.long, device=dev)
+    fn = compiled if compile and static else _plain  # see compiled.py
     bf = boxes.float()
     triton = static and USE_TRITON and _bmt.available(boxes)
+    med = count = None
     if d > 0 and uv.shape[1] > 0 and triton:  # skips the unused slots (count 0 there)
         med, count = _bmt.lidar_box_medians(depth, uv, valid, bf, need=box_valid)
     elif d > 0 and uv.shape[1] > 0 and static:
@@ -238,21 +265,21 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
                                                 q[None, :, 1], ok, bf[cam:cam + 1, :, 0:2],
                                                 bf[cam:cam + 1, :, 2:4], chunk_elems)
                 med[cam], count[cam] = mc[0], cc[0]
-    if d > 0 and uv.shape[1] > 0:
-        use = box_valid & (count >= max(1, min_points))
-        z = torch.where(use, med.to(dt), z)
-        src = torch.where(use, int(PositionSource.LIDAR), src)
+    z, src = fn(_lidar_choice)(med, count, box_valid, min_points)
     if d > 0 and depth_map is not None:
         h, w = depth_map.shape[-2:]
-        b64 = boxes.to(dt)
-        c0 = b64[..., 0].floor().clamp(min=0)
-        c1 = b64[..., 2].ceil().clamp(max=w)
-        r0 = b64[..., 1].floor().clamp(min=0)
-        r1 = b64[..., 3].ceil().clamp(max=h)
         if triton:  # only each needed box's own pixel rectangle is read
             need = box_valid & (src == int(PositionSource.NONE))
-            med, count = _bmt.depth_box_medians(depth_map, _bmt.pixel_rects(boxes, h, w), need)
-        elif static:  # every pixel is a "point" (x, y, depth); one [C, d, H*W] pass per chunk
+            med, count = _bmt.depth_box_medians(depth_map, fn(_bmt.pixel_rects)(boxes, h, w),
+                                                need)
+        else:
+            b64 = boxes.to(dt)
+            c0 = b64[..., 0].floor().clamp(min=0)
+            c1 = b64[..., 2].ceil().clamp(max=w)
+            r0 = b64[..., 1].floor().clamp(min=0)
+            r1 = b64[..., 3].ceil().clamp(max=h)
+        if static and not triton:  # every pixel is a "point" (x, y, depth); one [C, d, H*W]
+            # pass per chunk
             lo = torch.stack([c0, r0], dim=2).float()
             hi = torch.stack([c1 - 1, r1 - 1], dim=2).float()  # integer px: < c1 <=> <= c1-1
             rows = torch.arange(h, device=dev, dtype=torch.float32)
@@ -261,8 +288,8 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
             pv = rows.repeat_interleave(w)[None].expand(c, -1)  # [C,HW] pixel y
             dm = depth_map.reshape(c, h * w).float()
             med, count = _lower_median_in_boxes(dm, pu, pv, ~dm.isnan(), lo, hi, chunk_elems)
-        else:  # host loop over the boxes without a LiDAR position (the previous CPU path):
-            # nan-median over each box's own pixel rectangle, O(box area) instead of O(H*W)
+        elif not static:  # host loop over the boxes without a LiDAR position (the previous
+            # CPU path): nan-median over each box's own pixel rectangle, O(box area)
             med = torch.full((c, d), float("nan"), dtype=torch.float32, device=dev)
             count = torch.zeros((c, d), dtype=torch.long, device=dev)
             need = box_valid & (src == int(PositionSource.NONE))
@@ -272,11 +299,42 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
                 if x1 > x0 and y1 > y0:
                     med[cam, k] = torch.nanmedian(depth_map[cam, y0:y1, x0:x1].reshape(-1))
                     count[cam, k] = 1
-        med = med.to(dt)
-        use = box_valid & (src == int(PositionSource.NONE)) & (count > 0) & \
-            med.isfinite() & (med > 0)
-        z = torch.where(use, med, z)
-        src = torch.where(use, int(PositionSource.PREDICTED_DEPTH), src)
+        z, src = fn(_depth_choice)(z, src, med, count, box_valid)
+    return fn(_backproject)(boxes, z, K_inv, T_base_from_cam), src
+
+
+def _plain(fn: Callable) -> Callable:
+    return fn
+
+
+def _lidar_choice(med: torch.Tensor | None, count: torch.Tensor | None,
+                  box_valid: torch.Tensor, min_points: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth z [C,D] float64 m (NaN: none yet) and source [C,D] int64 from the LiDAR medians
+    (med [C,D] float32 m, count [C,D]; None: no points or no slots)."""
+    z = torch.full(box_valid.shape, float("nan"), dtype=torch.float64, device=box_valid.device)
+    src = torch.zeros(box_valid.shape, dtype=torch.long, device=box_valid.device)
+    if med is None or count is None:
+        return z, src
+    use = box_valid & (count >= max(1, min_points))
+    z = torch.where(use, med.to(torch.float64), z)
+    return z, torch.where(use, int(PositionSource.LIDAR), src)
+
+
+def _depth_choice(z: torch.Tensor, src: torch.Tensor, med: torch.Tensor, count: torch.Tensor,
+                  box_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The predicted-depth median (med [C,D] m, count [C,D]) where the LiDAR gave none."""
+    med = med.to(torch.float64)
+    use = box_valid & (src == int(PositionSource.NONE)) & (count > 0) & \
+        med.isfinite() & (med > 0)
+    return torch.where(use, med, z), torch.where(use, int(PositionSource.PREDICTED_DEPTH), src)
+
+
+def _backproject(boxes: torch.Tensor, z: torch.Tensor, K_inv: torch.Tensor,
+                 T_base_from_cam: torch.Tensor) -> torch.Tensor:
+    """Box centres (boxes [C,D,4] px) at depth z [C,D] m -> base-frame points [C,D,3] float64
+    (NaN rows where z is NaN)."""
+    dt = torch.float64
     b64 = boxes.to(dt)
     cu = (b64[..., 0] + b64[..., 2]) * 0.5
     cv = (b64[..., 1] + b64[..., 3]) * 0.5
@@ -284,5 +342,4 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
     rays = torch.einsum("cij,cdj->cdi", K_inv.to(dt), pix)
     p_cam = rays * z[..., None]
     T = T_base_from_cam.to(dt)
-    pos = torch.einsum("cij,cdj->cdi", T[:, :3, :3], p_cam) + T[:, None, :3, 3]
-    return pos, src
+    return torch.einsum("cij,cdj->cdi", T[:, :3, :3], p_cam) + T[:, None, :3, 3]

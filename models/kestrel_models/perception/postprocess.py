@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from . import nms_triton as _nms_triton
+from .compiled import compiled
 from .model import DET_STRIDES
 
 # the static (graphed) NMS on CUDA with triton importable runs nms_triton's two kernels (same
@@ -75,6 +76,18 @@ def level_points(h: int, w: int, stride: int, device: torch.device) -> torch.Ten
     xs = torch.arange(w, device=device, dtype=torch.float32) * stride + stride // 2
     yy, xx = torch.meshgrid(ys, xs, indexing="ij")
     return torch.stack([xx.reshape(-1), yy.reshape(-1)], dim=1)
+
+
+_LEVEL_POINTS: dict[tuple, torch.Tensor] = {}
+
+
+def _cached_level_points(h: int, w: int, stride: int, device: torch.device) -> torch.Tensor:
+    """`level_points`, computed once per (shape, stride, device): read-only afterwards."""
+    key = (h, w, stride, str(device))
+    pts = _LEVEL_POINTS.get(key)
+    if pts is None:
+        pts = _LEVEL_POINTS[key] = level_points(h, w, stride, device)
+    return pts
 
 
 def decode_detections(raw: dict, image_size: tuple[int, int], score_thr: float,
@@ -213,56 +226,77 @@ def decode_detections_batched(raw: dict, image_size: tuple[int, int], score_thr:
                               iou_thr: float, max_det: int, *, pre_nms_top_k: int = 1000,
                               class_offset: int = 0, strides: tuple[int, ...] = DET_STRIDES,
                               nms_rounds: int = 8, points: list[torch.Tensor] | None = None,
-                              static: bool = True, exact: bool = False) -> BatchedDetections:
+                              static: bool = True, exact: bool = False,
+                              compile: bool = False) -> BatchedDetections:
     """`decode_detections` for all B images at once, static shapes, no host sync.
 
     Same candidates, scores, boxes and class-wise NMS as `decode_detections` (ties in the
-    scores aside): per level the top `pre_nms_top_k` (location, class) pairs, those <=
-    `score_thr` or with an empty box masked out, the best `pre_nms_top_k` over all levels,
+    scores aside): the top `pre_nms_top_k` (location, class) pairs over all levels (one
+    top-k, see `_candidates`), those <= `score_thr` or with an empty box masked out,
     greedy class-wise NMS (`nms_rounds` rounds + a convergence flag, see
     `batched_nms_dense`), the best `max_det` kept into static slots.
-    points: optional per-level [HW, 2] px locations (precomputed at configure).
+    points: optional per-level [HW, 2] px locations (default: cached per level shape).
+    compile=True: the element-wise parts run torch.compile'd (`compiled.py`: fused kernels
+    instead of ~100 small ones on CUDA; same math).
     static=False (CPU, where a host read is no device sync): the NMS matrix is trimmed to the
     candidates above the threshold and NMS runs per image to its fixed point with a
     convergence check per round (same result and cost as the per-image path).
     exact=True: NMS iterated to its fixed point with host-synced convergence checks
     (`finish_nms`; the slow path after a False `nms_converged`).
     """
-    h_img, w_img = image_size
     cls_l, ltrb_l, ctr_l = raw["det_cls"], raw["det_ltrb"], raw["det_ctr"]
-    device = cls_l[0].device
-    all_s, all_b, all_c = [], [], []
-    for lvl, (cls, ltrb, ctr, stride) in enumerate(zip(cls_l, ltrb_l, ctr_l, strides,
-                                                       strict=True)):
-        bsz, nc, h, w = cls.shape
-        pts = points[lvl] if points is not None else level_points(h, w, stride, device)
+    if points is None:
+        points = [_cached_level_points(c.shape[2], c.shape[3], s, c.device)
+                  for c, s in zip(cls_l, strides, strict=True)]
+    cand = compiled(_candidates) if compile else _candidates
+    scores, boxes, classes = cand(cls_l, ltrb_l, ctr_l, points, image_size, score_thr,
+                                  pre_nms_top_k)
+    return _nms_select(scores, boxes, classes, iou_thr, max_det, pre_nms_top_k, class_offset,
+                       nms_rounds, static, exact, compile)
+
+
+def _candidates(cls_l: list[torch.Tensor], ltrb_l: list[torch.Tensor],
+                ctr_l: list[torch.Tensor], points: list[torch.Tensor],
+                image_size: tuple[int, int], score_thr: float, top_k: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best `top_k` (location, class) pairs over ALL levels at once: scores [B,k] (-1 where
+    <= score_thr or the box is empty; not sorted), boxes [B,k,4] px clipped, classes [B,k].
+
+    One top-k over the levels' concatenated scores selects the same pairs as a top-k per level
+    followed by a top-k over their union: a pair among the best k overall is among the best k
+    of its own level (ties aside; the per-image reference `decode_detections` drops empty boxes
+    before the union's top-k, and an FCOS box of a location inside the image is never empty).
+    One top-k instead of one per level (H200, 6 x 640x640, 5 levels: 5 top-k + 5 sorts).
+    """
+    h_img, w_img = image_size
+    nc = cls_l[0].shape[1]
+    s_l, d_l = [], []
+    for cls, ltrb, ctr, pts in zip(cls_l, ltrb_l, ctr_l, points, strict=True):
+        bsz = cls.shape[0]
         inside = (pts[:, 0] < w_img) & (pts[:, 1] < h_img)  # [HW]
         score = torch.sqrt(torch.sigmoid(cls.float()) * torch.sigmoid(ctr.float()))
         score = score.flatten(2).transpose(1, 2) * inside[None, :, None]  # [B,HW,C]
-        dist = ltrb.float().flatten(2).transpose(1, 2)  # [B,HW,4] px
-        k = min(pre_nms_top_k, h * w * nc)
-        top_s, top_i = score.reshape(bsz, -1).topk(k, dim=1)  # [B,k]
-        loc, c = top_i // nc, top_i % nc
-        p = pts[loc]  # [B,k,2]
-        d = torch.gather(dist, 1, loc[..., None].expand(-1, -1, 4))  # [B,k,4]
-        boxes = torch.cat([p - d[..., :2], p + d[..., 2:]], dim=2)
-        boxes[..., 0::2] = boxes[..., 0::2].clamp(0, w_img)
-        boxes[..., 1::2] = boxes[..., 1::2].clamp(0, h_img)
-        ok = (top_s > score_thr) & (boxes[..., 2] > boxes[..., 0]) & \
-            (boxes[..., 3] > boxes[..., 1])
-        all_s.append(torch.where(ok, top_s, torch.full_like(top_s, -1.0)))
-        all_b.append(boxes)
-        all_c.append(c)
-    scores, boxes, classes = torch.cat(all_s, 1), torch.cat(all_b, 1), torch.cat(all_c, 1)
-    return _nms_select(scores, boxes, classes, iou_thr, max_det, pre_nms_top_k, class_offset,
-                       nms_rounds, static, exact)
+        s_l.append(score.reshape(bsz, -1))  # [B, HW*C], index = loc * C + class
+        d_l.append(ltrb.float().flatten(2).transpose(1, 2))  # [B,HW,4] px
+    score, dist = torch.cat(s_l, 1), torch.cat(d_l, 1)  # [B, L*C], [B,L,4] (L: all levels)
+    pts = torch.cat(points, 0)  # [L,2] px
+    k = min(top_k, score.shape[1])
+    top_s, top_i = score.topk(k, dim=1, sorted=False)  # [B,k]; `_nms_select` sorts
+    loc, c = top_i // nc, top_i % nc
+    p = pts[loc]  # [B,k,2]
+    d = torch.gather(dist, 1, loc[..., None].expand(-1, -1, 4))  # [B,k,4]
+    boxes = torch.cat([p - d[..., :2], p + d[..., 2:]], dim=2)
+    boxes = torch.stack([boxes[..., 0].clamp(0, w_img), boxes[..., 1].clamp(0, h_img),
+                         boxes[..., 2].clamp(0, w_img), boxes[..., 3].clamp(0, h_img)], dim=2)
+    ok = (top_s > score_thr) & (boxes[..., 2] > boxes[..., 0]) & (boxes[..., 3] > boxes[..., 1])
+    return torch.where(ok, top_s, torch.full_like(top_s, -1.0)), boxes, c
 
 
 def detections_from_decoded(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
                             image_size: tuple[int, int], num_classes: int, score_thr: float,
                             iou_thr: float, max_det: int, *, pre_nms_top_k: int = 1000,
                             class_offset: int = 0, nms_rounds: int = 8, static: bool = True,
-                            exact: bool = False) -> BatchedDetections:
+                            exact: bool = False, compile: bool = False) -> BatchedDetections:
     """A user model's decoded detections (boxes [B,N,4] xyxy px, scores [B,N], labels [B,N])
     through the same threshold, class-wise NMS and static slots as our own head's.
 
@@ -281,19 +315,17 @@ def detections_from_decoded(boxes: torch.Tensor, scores: torch.Tensor, labels: t
     boxes = torch.where(ok[..., None], boxes, torch.zeros_like(boxes))
     labels = torch.where(ok, labels, torch.zeros_like(labels))
     return _nms_select(scores, boxes, labels, iou_thr, max_det, pre_nms_top_k, class_offset,
-                       nms_rounds, static, exact)
+                       nms_rounds, static, exact, compile)
 
 
 def _nms_select(scores: torch.Tensor, boxes: torch.Tensor, classes: torch.Tensor, iou_thr: float,
                 max_det: int, pre_nms_top_k: int, class_offset: int, nms_rounds: int,
-                static: bool, exact: bool) -> BatchedDetections:
+                static: bool, exact: bool, compile: bool = False) -> BatchedDetections:
     """Candidates (score -1 = invalid) -> the best `pre_nms_top_k`, class-wise NMS, slots."""
     device = scores.device
     k2 = min(pre_nms_top_k, scores.shape[1])
-    scores, idx = scores.topk(k2, dim=1)  # [B,k2], descending
-    boxes = torch.gather(boxes, 1, idx[..., None].expand(-1, -1, 4))
-    classes = torch.gather(classes, 1, idx)
-    valid = scores >= 0.0
+    best = compiled(_best_candidates) if compile and static and not exact else _best_candidates
+    scores, boxes, classes, valid = best(scores, boxes, classes, k2)
     if not static:  # valid candidates come first (sorted by score, invalid = -1)
         n = max(1, int(valid.sum(dim=1).max()))
         scores, boxes, classes, valid = scores[:, :n], boxes[:, :n], classes[:, :n], valid[:, :n]
@@ -311,13 +343,26 @@ def _nms_select(scores: torch.Tensor, boxes: torch.Tensor, classes: torch.Tensor
             keep[b, :nb] = finish_nms(boxes[b:b + 1, :nb], classes[b:b + 1, :nb],
                                       valid[b:b + 1, :nb], valid[b:b + 1, :nb], iou_thr)[0]
         converged = torch.ones((), dtype=torch.bool, device=device)
-    return _select_slots(boxes, scores, classes, keep, converged, max_det, class_offset)
+    select = compiled(_select_slots) if compile and static and not exact else _select_slots
+    return BatchedDetections(*select(boxes, scores, classes, keep, max_det, class_offset),
+                             converged)
+
+
+def _best_candidates(scores: torch.Tensor, boxes: torch.Tensor, classes: torch.Tensor, k: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best k candidates, by descending score (scores [B,k], boxes [B,k,4], classes [B,k],
+    valid [B,k] = score >= 0; invalid candidates carry score -1)."""
+    scores, idx = scores.topk(k, dim=1)  # [B,k], descending
+    boxes = torch.gather(boxes, 1, idx[..., None].expand(-1, -1, 4))
+    classes = torch.gather(classes, 1, idx)
+    return scores, boxes, classes, scores >= 0.0
 
 
 def _select_slots(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor,
-                  keep: torch.Tensor, converged: torch.Tensor, max_det: int,
-                  class_offset: int) -> BatchedDetections:
-    """First `max_det` kept candidates (in score order) of each image -> static slots."""
+                  keep: torch.Tensor, max_det: int, class_offset: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """First `max_det` kept candidates (in score order) of each image -> static slots
+    (boxes [B,M,4], scores [B,M], classes [B,M], valid [B,M])."""
     n = keep.shape[1]
     ar = torch.arange(n, device=keep.device)
     key = torch.where(keep, ar, ar + n)  # kept first, in score order
@@ -333,4 +378,4 @@ def _select_slots(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tens
         out_s = torch.nn.functional.pad(out_s, (0, pad))
         out_c = torch.nn.functional.pad(out_c, (0, pad))
         valid = torch.nn.functional.pad(valid, (0, pad))
-    return BatchedDetections(out_b, out_s, out_c, valid, converged)
+    return out_b, out_s, out_c, valid

@@ -52,6 +52,7 @@ from kestrel_common.conversions import (
 )
 from kestrel_common.counters import StageTimer
 from kestrel_interfaces.msg import PerceptionResult
+from kestrel_models.perception.compiled import errors as compiled_errors
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from rclpy.serialization import deserialize_message, serialize_message
@@ -188,6 +189,8 @@ class PerceptionNode(KestrelLifecycleNode):
         graphs = self.core.region.graphs
         for why in (graphs.failed.values() if graphs is not None else ()):
             self.get_logger().warning(f"device region signature runs without a CUDA graph: {why}")
+        for why in (compiled_errors if self.core.region.compile else ()):
+            self.get_logger().warning(f"device region runs uncompiled (region_compile): {why}")
         m = self.core.config.model
         self.get_logger().info(
             f"configured: {n} camera(s), ResNet-{m.backbone_depth} width {m.base_width}, "

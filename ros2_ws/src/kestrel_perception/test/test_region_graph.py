@@ -114,11 +114,15 @@ def test_core_builds_no_graphs_on_the_cpu(core: PerceptionCore) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graphed_core_equals_the_launched_region() -> None:
-    """Real CUDA graphs: captured at warm-up for every head set x bucket, validated, and the
-    node-facing outputs equal those of the same core without graphs."""
+    """Real CUDA graphs of the compiled region (both defaults): captured at warm-up for every
+    head set x bucket, validated, and the node-facing outputs equal those of the same core
+    without graphs and without compilation."""
+    from kestrel_models.perception import compiled
     kw = dict(num_threads=1, device="cuda", point_buckets=(1024, 4096))
     graphed = PerceptionCore(core_config(**kw))
-    plain = PerceptionCore(core_config(region_graph=False, **kw))
+    plain = PerceptionCore(core_config(region_graph=False, region_compile=False, **kw))
+    assert graphed.region.compile and not plain.region.compile
+    assert compiled.errors == [], compiled.errors
     g = graphed.region.graphs
     assert g is not None and not g.failed, g.failed
     assert len(g.entries) == 3 * 7  # (no cloud + 2 buckets) x head subsets, at warm-up

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from kestrel_models.perception.compiled import compiled
 from kestrel_models.perception.lidar import box_positions_batched, project_points
 from kestrel_models.perception.postprocess import (decode_detections_batched,
                                                    detections_from_decoded)
@@ -52,6 +53,21 @@ def encode_depth(depth: torch.Tensor, encoding: str) -> torch.Tensor:
     ok = torch.isfinite(mm) & (mm > 0) & (mm <= 65535)
     # int32 first: float -> uint16 casts are not defined for all values on every backend
     return torch.where(ok, mm, torch.zeros_like(mm)).to(torch.int32).to(torch.uint16)
+
+
+def _maps(seg: torch.Tensor | None, depth: torch.Tensor | None, stride: int, encoding: str
+          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """seg logits [C,K,H,W] -> class mask [C,Hs,Ws] int64, depth [C,1,H,W] m -> encoded
+    [C,Hs,Ws], both subsampled [::stride, ::stride] (None stays None)."""
+    s = stride
+    mask = None if seg is None else seg[:, :, ::s, ::s].argmax(dim=1)
+    enc = None if depth is None else encode_depth(depth[:, 0, ::s, ::s].float(), encoding)
+    return mask, enc
+
+
+def _bad_rows(points: torch.Tensor) -> torch.Tensor:
+    """Number of non-finite rows of points [N,3] as a [1] int64 tensor."""
+    return (~torch.isfinite(points).all(dim=1)).sum().reshape(1)
 
 
 @dataclass(frozen=True)
@@ -155,7 +171,7 @@ class DeviceRegion:
     def __init__(self, device: torch.device, depth_encoding: str = "16UC1",
                  output_stride: int = 4, nms_rounds: int = 8,
                  fusion_chunk_elems: int = 1 << 24, static: bool | None = None,
-                 graphs: RegionGraphs | None = None) -> None:
+                 graphs: RegionGraphs | None = None, compile: bool = False) -> None:
         validate_output_params(depth_encoding, output_stride)
         if not 1 <= nms_rounds <= 10000:
             raise _fail("nms_rounds", nms_rounds, "must be in [1, 10000]")
@@ -176,6 +192,9 @@ class DeviceRegion:
         # CUDA graphs of the static region (one post + one fusion graph per input signature,
         # region_graph.py); None = every op launched from Python each frame
         self.graphs = graphs if self.static else None
+        # static mode: the element-wise steps torch.compile'd (kestrel_models compiled.py;
+        # a compile failure switches them back to plain torch and is reported)
+        self.compile = compile and self.static
 
     def configure(self, cameras: int, image_hw: tuple[int, int], max_det: int) -> None:
         """Allocate for this shape (at configure / warm-up; again only if the shape changes)."""
@@ -234,13 +253,14 @@ class DeviceRegion:
                 dets = decode_detections_batched(
                     raw, image_hw, det["score_thr"], det["iou_thr"], m,
                     pre_nms_top_k=det["pre_nms_top_k"], class_offset=det["class_offset"],
-                    nms_rounds=self.nms_rounds, static=self.static, exact=exact_nms)
+                    nms_rounds=self.nms_rounds, static=self.static, exact=exact_nms,
+                    compile=self.compile)
             else:  # a user model's decoded boxes (kestrel_models.perception.external)
                 dets = detections_from_decoded(
                     raw["det_boxes"], raw["det_scores"], raw["det_labels"], image_hw,
                     det["num_classes"], det["score_thr"], det["iou_thr"], m,
                     pre_nms_top_k=det["pre_nms_top_k"], nms_rounds=self.nms_rounds,
-                    static=self.static, exact=exact_nms)
+                    static=self.static, exact=exact_nms, compile=self.compile)
             v["boxes"].copy_(dets.boxes)
             v["scores"].copy_(dets.scores)
             v["classes"].copy_(dets.classes)
@@ -250,12 +270,14 @@ class DeviceRegion:
             dets = None
             v["valid"].zero_()
             v["flags"].fill_(True)
-        s = self.stride
-        if "seg" in raw:
-            v["mask"].copy_(raw["seg"][:, :, ::s, ::s].argmax(dim=1))
-        if "depth" in raw:
-            depth = raw["depth"][:, 0, ::s, ::s].float()
-            v["depth"].copy_(encode_depth(depth, self.depth_encoding))
+        if "seg" in raw or "depth" in raw:
+            maps = compiled(_maps) if self.compile else _maps
+            mask, depth = maps(raw.get("seg"), raw.get("depth"), self.stride,
+                               self.depth_encoding)
+            if mask is not None:
+                v["mask"].copy_(mask)
+            if depth is not None:
+                v["depth"].copy_(depth)
         return dets
 
     def _fusion(self, dets, raw: dict, image_hw: tuple[int, int], det: dict,
@@ -268,7 +290,7 @@ class DeviceRegion:
             c = dets.boxes.shape[0]
             if points is not None:
                 uv, z, ok = project_points(points, cams["T_cam_from_base"], cams["K"],
-                                           image_hw)
+                                           image_hw, compile=self.compile)
             else:
                 uv = torch.zeros((c, 0, 2), device=self.device)
                 z, ok = uv[..., 0], uv[..., 0].bool()
@@ -278,7 +300,8 @@ class DeviceRegion:
                 boxes, bvalid = boxes[:, :n_used(bvalid)], bvalid[:, :n_used(bvalid)]
             pos, src = box_positions_batched(
                 boxes, bvalid, uv, z, ok, depth_full, cams["K_inv"],
-                cams["T_base_from_cam"], det["min_points"], self.chunk, self.static)
+                cams["T_base_from_cam"], det["min_points"], self.chunk, self.static,
+                self.compile)
             d = pos.shape[1]
             v["pos"][:, :d].copy_(pos)
             v["src"][:, :d].copy_(src)
@@ -286,7 +309,8 @@ class DeviceRegion:
                 v["pos"][:, d:].fill_(float("nan"))
                 v["src"][:, d:].zero_()
         if points is not None:  # counted here: no host pass over the cloud
-            v["bad_points"].copy_((~torch.isfinite(points).all(dim=1)).sum().reshape(1))
+            bad = compiled(_bad_rows) if self.compile else _bad_rows
+            v["bad_points"].copy_(bad(points))
         else:
             v["bad_points"].zero_()
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kestrel_models.perception.compiled import errors as compiled_errors
+
 
 def perception_status(core: Any, results: Any, receivers: Any, counters: Any,
                       summary: dict[str, dict[str, float]], target_fps: float
@@ -20,6 +22,8 @@ def perception_status(core: Any, results: Any, receivers: Any, counters: Any,
     if graphs is not None:  # captured region graphs / signatures left eager
         values["region_graphs"] = len(graphs.entries)
         values["region_graphs_failed"] = len(graphs.failed)
+    if core is not None and getattr(core.region, "compile", False):  # 1: compile failed
+        values["region_compile_failed"] = float(bool(compiled_errors))
     if core is not None:  # inputs copied on arrival and used by their frame
         values["prestaged_inputs"] = core.staging.prestaged_used
         # of those, straight from the receivers' page-locked slots (receive: processes)

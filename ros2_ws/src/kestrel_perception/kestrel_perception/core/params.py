@@ -141,6 +141,12 @@ SPECS: tuple[ParamSpec, ...] = (
               "(static shapes) in CUDA graphs at configure, one pair per head set x point "
               "bucket, each validated against the launched ops (a failing one stays "
               "launched, logged, counted as region_graphs_failed)." + _CONF),
+    ParamSpec("region_compile", True, "CUDA: torch.compile the element-wise steps of the "
+              "post-processing + LiDAR fusion (decode candidates, slot selection, mask / "
+              "depth encoding, projection, box positions): fused kernels instead of ~300 "
+              "small ones per frame; compiled at configure (warm-up). A compile failure "
+              "switches them back to plain torch (region_compile_failed on /diagnostics)."
+              + _CONF),
     ParamSpec("publish_debug_image", False, "Publish ~/output/debug_image." + _CONF),
     ParamSpec("target_fps", 10.0, "Diagnostics warn when p99 latency > 1/target_fps, Hz.",
               min=0.1, max=1000.0),
@@ -232,4 +238,4 @@ def core_config(values: dict[str, Any]) -> PerceptionCoreConfig:
         num_threads=values["torch_threads"], runtime_variant=values["runtime_variant"],
         depth_encoding=values["depth_encoding"], output_stride=values["output_stride"],
         nms_rounds=values["nms_rounds"], zero_copy_maps=True,
-        region_graph=values["region_graph"])
+        region_graph=values["region_graph"], region_compile=values["region_compile"])

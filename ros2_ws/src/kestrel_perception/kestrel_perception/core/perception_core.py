@@ -117,6 +117,9 @@ class PerceptionCoreConfig:
     # CUDA: capture the static device region (post-processing + LiDAR fusion) in CUDA graphs,
     # one pair per heads x point bucket, prepared at warm-up (core/region_graph.py)
     region_graph: bool = True
+    # CUDA: the static region's element-wise steps torch.compile'd (kestrel_models
+    # perception/compiled.py), compiled during the warm-up
+    region_compile: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "class_names", tuple(self.class_names))
@@ -194,7 +197,9 @@ class PerceptionCore:
         graphs = RegionGraphs() if config.region_graph and self.device.type == "cuda" \
             else None
         self.region = DeviceRegion(self.device, config.depth_encoding, config.output_stride,
-                                   config.nms_rounds, graphs=graphs)
+                                   config.nms_rounds, graphs=graphs,
+                                   compile=config.region_compile and
+                                   self.device.type == "cuda")
         self.runtime: PerceptionRuntime | None = None
         if config.warmup_image_hw is not None:
             self.warmup(config.warmup_image_hw, config.warmup_cameras)
