@@ -34,7 +34,7 @@ except ImportError:
 __all__ = ["HAVE_TRITON", "available", "nms_dense"]
 
 BI, BJ = 32, 128  # suppress tile (rows i, columns j)
-RI, RJ = 64, 128  # round kernel: rows per loop step, columns per program
+RI, RJ = 512, 16  # round kernel: rows per loop step, columns per program (bench_nms_rounds.py)
 NUM_WARPS = 4
 
 if HAVE_TRITON:
