@@ -89,6 +89,44 @@ def test_one_capture_per_signature(core: PerceptionCore) -> None:
     assert len(graphs.entries) == 5
 
 
+def test_inputs_at_fixed_addresses_are_not_copied(core: PerceptionCore,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's region inputs live in fixed buffers (the runtime's CUDA-graph outputs, the
+    input staging): the graph adopts them as its static inputs, a frame written into the same
+    buffers is replayed without copying them, and the result is that frame's."""
+    graphs = RegionGraphs(EmulatedCapture())
+    region = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True, graphs=graphs)
+    eager = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True)
+    det = det_settings(core)
+    raw, pts, cams = region_inputs(core, 41, wall_points(3.0, step=0.05))
+    first = fields(region.run(raw, (H, W), det, pts, cams))  # captures on these tensors
+    raw2, pts2, cams2 = region_inputs(core, 42, wall_points(2.0, step=0.05))
+    assert pts2.shape == pts.shape  # same bucket: the same graph
+    with torch.inference_mode():  # the next frame written in place, as the buffers are
+        for key, v in raw.items():
+            for dst, src in (zip(v, raw2[key], strict=True) if isinstance(v, list)
+                             else ((v, raw2[key]),)):
+                dst.copy_(src)
+        pts.copy_(pts2)
+    inputs = [t for x in (raw, pts, cams) for t in
+              (x.values() if isinstance(x, dict) else [x])]
+    ptrs = {t.data_ptr() for x in inputs for t in (x if isinstance(x, list) else [x])}
+    copies = []
+    real_copy = torch.Tensor.copy_
+
+    def spy(self, src, *a, **k):  # an input copied anywhere (into a static copy of it)
+        if isinstance(src, torch.Tensor) and src.data_ptr() in ptrs:
+            copies.append(tuple(src.shape))
+        return real_copy(self, src, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    got = fields(region.run(raw, (H, W), det, pts, cams))
+    monkeypatch.undo()
+    assert copies == [] and graphs.replays == 2 and len(graphs.entries) == 1
+    assert_same(got, fields(eager.run(raw, (H, W), det, pts, cams)))
+    assert not np.array_equal(got["pos"], first["pos"])  # frame 42's, not a repeat of 41
+
+
 class FailingCapture(EmulatedCapture):
     def capture(self, fn):
         raise RuntimeError("operation not permitted when stream is capturing")
