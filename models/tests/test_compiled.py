@@ -29,7 +29,7 @@ def test_a_failure_is_recorded_and_plain_torch_runs_from_then_on(
         monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def broken_compile(fn):
+    def broken_compile(fn, **kw):
         def run(*a, **k):
             calls.append(1)
             raise RuntimeError("inductor exploded")
@@ -44,3 +44,30 @@ def test_a_failure_is_recorded_and_plain_torch_runs_from_then_on(
     torch.testing.assert_close(f(x, 3.0), _affine(x, 3.0))
     assert len(calls) == 1  # the compiled path is not retried
     assert comp.compiled(_affine) is _affine  # new lookups get the plain function
+
+
+def test_a_failure_to_create_the_compiled_function_falls_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def unsupported(fn, **kw):  # torch.compile itself raises (e.g. Dynamo unsupported)
+        raise RuntimeError("Dynamo is not supported on this Python")
+
+    monkeypatch.setattr(torch, "compile", unsupported)
+    f = comp.compiled(_affine)  # creating the wrapper never raises
+    x = torch.randn(8)
+    torch.testing.assert_close(f(x, 2.0), _affine(x, 2.0))
+    assert "not supported" in comp.errors[0]
+
+
+def test_an_error_of_the_plain_function_too_propagates_and_compile_stays_on() -> None:
+    """Bad input (here a shape mismatch) is not a compile problem: it raises as the plain
+    function would, nothing is recorded, the next good call runs compiled."""
+    f = comp.compiled(_add)
+    with pytest.raises(RuntimeError):
+        f(torch.randn(3), torch.randn(4))
+    assert comp.enabled() and comp.errors == []
+    torch.testing.assert_close(f(torch.ones(3), torch.ones(3)), torch.full((3,), 2.0))
+    assert comp.enabled()
+
+
+def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b

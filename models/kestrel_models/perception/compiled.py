@@ -1,16 +1,20 @@
 """torch.compile for the small element-wise functions of the per-frame post-processing.
 
-Why: on CUDA the static decode / NMS preparation / LiDAR projection / box positions are
+Why: on CUDA the static decode / NMS preparation / LiDAR projection / box positions were
 ~300 kernels of 1-3 us each per frame (6 cameras, H200: 1.17 ms of kernel time,
 docs/benchmarks/perception_core_kernels_h200_s11.md). Inductor fuses each function's
 element-wise chain into one or two kernels; top-k, sorts and our Triton kernels stay as they
 are (they are called outside the compiled functions or as inductor fallbacks).
 
-`compiled(fn)` is memoised per function (one Dynamo cache per function, so a new shape, e.g.
-another point bucket, recompiles that function once, then as a dynamic-shape kernel). If
-compiling or running a compiled function raises, the error is kept in `errors` (the node
-reports it), compilation is switched off for the whole process and the plain function runs
-instead: a compile problem costs speed, never a frame.
+`compiled(fn)` is memoised per function and compiled with fullgraph=True: a graph break or
+Dynamo's recompile limit raises instead of silently running eager. When compiling or running
+a compiled function raises and the plain function then succeeds on the same arguments, the
+error is kept in `errors` (the node logs it and reports `region_compile_failed`), compilation
+is switched off for the whole process and the plain functions run from then on: a compile
+problem costs speed, never a frame. An error the plain function raises too (bad input, out of
+memory, a CUDA error) is not a compile problem: it propagates and compilation stays on.
+A function's first call compiles it (static shapes); a call with new shapes or changed Python
+constants (e.g. a decode threshold set at run time) recompiles it once, then as dynamic.
 """
 
 from __future__ import annotations
@@ -33,23 +37,26 @@ def enabled() -> bool:
 
 
 def compiled(fn: F) -> F:
-    """`fn` compiled (dynamic=None: static first, dynamic dims after a shape change), falling
-    back to `fn` itself for good if compiling or running it raises."""
+    """`fn` compiled (see the module docstring), falling back to `fn` itself for good if
+    compiling or running it raises where `fn` does not."""
     if errors:
         return fn
     c = _CACHE.get(fn)
     if c is None:
-        inner = torch.compile(fn)
+        inner: list[Callable] = []  # built on first use, inside the guarded call
 
         @functools.wraps(fn)
         def c(*args: Any, **kwargs: Any) -> Any:
             if errors:
                 return fn(*args, **kwargs)
             try:
-                return inner(*args, **kwargs)
-            except Exception as exc:  # compile or run failure: never lose the frame
+                if not inner:
+                    inner.append(torch.compile(fn, fullgraph=True))
+                return inner[0](*args, **kwargs)
+            except Exception as exc:
+                out = fn(*args, **kwargs)  # raises too: not a compile problem, propagate
                 errors.append(f"{fn.__qualname__}: {type(exc).__name__}: {str(exc)[:300]}")
-                return fn(*args, **kwargs)
+                return out
 
         _CACHE[fn] = c
     return c  # type: ignore[return-value]

@@ -34,7 +34,7 @@ class PerceptionConfig:
     score_threshold: float = 0.3  # detection score threshold, in [0, 1]
     nms_iou: float = 0.5  # class-wise NMS IoU threshold, in [0, 1]
     max_detections: int = 100  # per image, after NMS
-    pre_nms_top_k: int = 1000  # candidates kept per FPN level before NMS
+    pre_nms_top_k: int = 1000  # best (location, class) candidates over all levels before NMS
     image_mean: tuple[float, float, float] = (0.485, 0.456, 0.406)  # RGB, of x / 255
     image_std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     # optional BEV fusion block (bev.py): LiDAR pillars + camera features -> BEV occupancy

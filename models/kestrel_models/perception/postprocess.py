@@ -86,7 +86,10 @@ def _cached_level_points(h: int, w: int, stride: int, device: torch.device) -> t
     key = (h, w, stride, str(device))
     pts = _LEVEL_POINTS.get(key)
     if pts is None:
-        pts = _LEVEL_POINTS[key] = level_points(h, w, stride, device)
+        pts = level_points(h, w, stride, device)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:  # a tensor made inside a graph capture holds no values yet
+            _LEVEL_POINTS[key] = pts
     return pts
 
 
@@ -248,7 +251,7 @@ def decode_detections_batched(raw: dict, image_size: tuple[int, int], score_thr:
     if points is None:
         points = [_cached_level_points(c.shape[2], c.shape[3], s, c.device)
                   for c, s in zip(cls_l, strides, strict=True)]
-    cand = compiled(_candidates) if compile else _candidates
+    cand = compiled(_candidates) if compile and static and not exact else _candidates
     scores, boxes, classes = cand(cls_l, ltrb_l, ctr_l, points, image_size, score_thr,
                                   pre_nms_top_k)
     return _nms_select(scores, boxes, classes, iou_thr, max_det, pre_nms_top_k, class_offset,
@@ -264,8 +267,10 @@ def _candidates(cls_l: list[torch.Tensor], ltrb_l: list[torch.Tensor],
 
     One top-k over the levels' concatenated scores selects the same pairs as a top-k per level
     followed by a top-k over their union: a pair among the best k overall is among the best k
-    of its own level (ties aside; the per-image reference `decode_detections` drops empty boxes
-    before the union's top-k, and an FCOS box of a location inside the image is never empty).
+    of its own level (ties aside). The reference `decode_detections` drops empty boxes and
+    NaN scores before the union's top-k, this after the one top-k, so the two differ only when
+    such a pair is among the best k: an FCOS box (exp distances > 0) of a location inside the
+    image is never empty, and a NaN score means a broken model.
     One top-k instead of one per level (H200, 6 x 640x640, 5 levels: 5 top-k + 5 sorts).
     """
     h_img, w_img = image_size

@@ -52,7 +52,7 @@ from kestrel_common.conversions import (
 )
 from kestrel_common.counters import StageTimer
 from kestrel_interfaces.msg import PerceptionResult
-from kestrel_models.perception.compiled import errors as compiled_errors
+from kestrel_models.perception import compiled as region_compiled
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from rclpy.serialization import deserialize_message, serialize_message
@@ -105,6 +105,7 @@ class PerceptionNode(KestrelLifecycleNode):
         self.core: PerceptionCore | None = None
         self.sync: FrameSynchronizer | None = None
         self.timer = StageTimer((*STAGES, "wait", "total"))
+        self._compile_errors_logged = 0  # region_compile failures already logged
         self._subs: list[Any] = []
         self._result_pub = None
         self._debug_pub = None
@@ -189,8 +190,7 @@ class PerceptionNode(KestrelLifecycleNode):
         graphs = self.core.region.graphs
         for why in (graphs.failed.values() if graphs is not None else ()):
             self.get_logger().warning(f"device region signature runs without a CUDA graph: {why}")
-        for why in (compiled_errors if self.core.region.compile else ()):
-            self.get_logger().warning(f"device region runs uncompiled (region_compile): {why}")
+        self._log_compile_errors()
         m = self.core.config.model
         self.get_logger().info(
             f"configured: {n} camera(s), ResNet-{m.backbone_depth} width {m.base_width}, "
@@ -486,7 +486,17 @@ class PerceptionNode(KestrelLifecycleNode):
                 canvas, "rgb8", make_header(s.images[0].stamp_ns, cams[0].frame_id)))
 
     # ---- diagnostics ----------------------------------------------------------------------------
+    def _log_compile_errors(self) -> None:
+        """Log (once each) why the region's compiled steps were switched off, if they were."""
+        errs = region_compiled.errors
+        if self.core is not None and self.core.region.compile:
+            for why in errs[self._compile_errors_logged:]:
+                self.get_logger().warning(f"device region runs uncompiled (region_compile): "
+                                          f"{why}")
+        self._compile_errors_logged = len(errs)
+
     def _status(self) -> tuple[int, str, dict]:
+        self._log_compile_errors()  # a failure after configure shows in the log too
         level, message, values = perception_status(
             self.core, self._results, self._receivers, self.counters,
             self.timer.summary((50.0, 99.0)), self.params.get("target_fps", 10.0))

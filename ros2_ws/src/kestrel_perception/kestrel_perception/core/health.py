@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kestrel_models.perception.compiled import errors as compiled_errors
+from kestrel_models.perception import compiled
 
 
 def perception_status(core: Any, results: Any, receivers: Any, counters: Any,
@@ -23,7 +23,7 @@ def perception_status(core: Any, results: Any, receivers: Any, counters: Any,
         values["region_graphs"] = len(graphs.entries)
         values["region_graphs_failed"] = len(graphs.failed)
     if core is not None and getattr(core.region, "compile", False):  # 1: compile failed
-        values["region_compile_failed"] = float(bool(compiled_errors))
+        values["region_compile_failed"] = float(bool(compiled.errors))
     if core is not None:  # inputs copied on arrival and used by their frame
         values["prestaged_inputs"] = core.staging.prestaged_used
         # of those, straight from the receivers' page-locked slots (receive: processes)

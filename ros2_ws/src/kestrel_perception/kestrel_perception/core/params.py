@@ -144,8 +144,12 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("region_compile", True, "CUDA: torch.compile the element-wise steps of the "
               "post-processing + LiDAR fusion (decode candidates, slot selection, mask / "
               "depth encoding, projection, box positions): fused kernels instead of ~300 "
-              "small ones per frame; compiled at configure (warm-up). A compile failure "
-              "switches them back to plain torch (region_compile_failed on /diagnostics)."
+              "small ones per frame; compiled at configure (warm-up, every head set x point "
+              "bucket). Changing score_threshold, max_detections or min_lidar_points at run "
+              "time recompiles the affected steps "
+              "once (a one-off stall of ~1-5 s), as the region graph recaptures. A compile "
+              "failure switches them back to plain torch (logged, region_compile_failed on "
+              "/diagnostics)."
               + _CONF),
     ParamSpec("publish_debug_image", False, "Publish ~/output/debug_image." + _CONF),
     ParamSpec("target_fps", 10.0, "Diagnostics warn when p99 latency > 1/target_fps, Hz.",

@@ -118,7 +118,7 @@ class PerceptionCoreConfig:
     # one pair per heads x point bucket, prepared at warm-up (core/region_graph.py)
     region_graph: bool = True
     # CUDA: the static region's element-wise steps torch.compile'd (kestrel_models
-    # perception/compiled.py), compiled during the warm-up
+    # perception/compiled.py), compiled during the warm-up (_prepare_region)
     region_compile: bool = True
 
     def __post_init__(self) -> None:
@@ -250,16 +250,18 @@ class PerceptionCore:
         pts = np.array([[0.0, 0.0, 2.0]] * 8, dtype=np.float32)
         for _ in range(iterations):
             self.process(FrameSet(0, imgs, cams, pts))
-        if self.region.graphs is not None and self.external is None:  # capture them now
-            self._capture_region_graphs(imgs, cams)
+        if self.region.graphs is not None or self.region.compile:  # capture / compile now
+            self._prepare_region(imgs, cams)
 
-    def _capture_region_graphs(self, imgs: list[np.ndarray], cams: list[CameraModel]) -> None:
-        """One process() per enabled-head subset x (no cloud, each point bucket: a cloud of
-        exactly the bucket size in front of the cameras), so the hot path never captures
-        (a changed decode setting, e.g. `ros2 param set score_threshold`, captures once)."""
+    def _prepare_region(self, imgs: list[np.ndarray], cams: list[CameraModel]) -> None:
+        """One process() per enabled-head subset (a user model: its one head set) x (no cloud,
+        each point bucket: a cloud of exactly the bucket size in front of the cameras), so the
+        hot path never captures a region graph nor compiles a region step (a changed decode
+        setting, e.g. `ros2 param set score_threshold`, captures / recompiles once)."""
         built = sorted(self.heads)
         subsets = [frozenset(h for i, h in enumerate(built) if mask >> i & 1)
-                   for mask in range(1, 2 ** len(built))]
+                   for mask in range(1, 2 ** len(built))] if self.external is None else \
+            [frozenset(self.heads)]
         rng = np.random.default_rng(0)
         for nb in (0, *sorted(self.config.point_buckets)):  # 0: a set without a cloud
             pts = None if nb == 0 else np.stack(
