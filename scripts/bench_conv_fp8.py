@@ -76,8 +76,10 @@ def time_fn(fn, iters: int, warmup: int) -> tuple[float, bool]:
     return float(np.percentile([a.elapsed_time(b) * 1e3 for a, b in ev], 50)), graph is not None
 
 
-def cudnn_conv(cudnn, handle, x: torch.Tensor, w: torch.Tensor, pad: int, kind: str):
-    """A built cuDNN graph conv for x, w (8-bit) -> (run(), y)."""
+def cudnn_conv(cudnn, handle, x: torch.Tensor, w: torch.Tensor, pad: int, kind: str,
+               all_plans: bool = False):
+    """A built cuDNN graph conv for x, w (8-bit) -> (run(plan index or None), y); with
+    all_plans every plan cuDNN offers is built (run.plans of them)."""
     dt = cudnn.data_type
     io, acc, out_dt, out_torch = ((dt.FP8_E4M3, dt.FLOAT, dt.BFLOAT16, torch.bfloat16)
                                   if kind == "fp8" else
@@ -92,22 +94,46 @@ def cudnn_conv(cudnn, handle, x: torch.Tensor, w: torch.Tensor, pad: int, kind: 
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     g.check_support()
-    g.build_plans()
+    g.build_plans(*([cudnn.build_plan_policy.ALL] if all_plans else []))
     n, _, h, wd = x.shape
     y = torch.empty((n, w.shape[0], h, wd), dtype=out_torch, device=x.device
                     ).to(memory_format=torch.channels_last)
-    ws = torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8, device=x.device)
+    ws = torch.empty(max(1, g.get_workspace_size(), 1 << 28 if all_plans else 1),
+                     dtype=torch.uint8, device=x.device)
 
-    def run() -> None:
+    def run(index: int | None = None) -> None:
         cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)
-        g.execute({X: x, W: w, Y: y}, ws, handle=handle)
+        if index is None:
+            g.execute({X: x, W: w, Y: y}, ws, handle=handle)
+        else:
+            g.execute_plan_at_index({X: x, W: w, Y: y}, ws, index, handle=handle)
+    run.plans = g.get_execution_plan_count() if all_plans else 1  # type: ignore[attr-defined]
     return run, y
+
+
+def best_plan(run, iters: int, warmup: int) -> tuple[float, int, int]:
+    """(p50 us of the fastest plan, its index, plans that ran) over every built plan."""
+    best, best_i, ran = float("inf"), -1, 0
+    for i in range(run.plans):
+        try:
+            us, _ = time_fn(lambda i=i: run(i), iters, warmup)
+        except Exception:  # noqa: BLE001 (a plan that did not build or run)
+            torch.cuda.synchronize()
+            continue
+        ran += 1
+        if us < best:
+            best, best_i = us, i
+    return best, best_i, ran
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--all-plans", nargs="*", default=[], choices=("fp8", "int8"),
+                    help="also build and time every plan cuDNN offers for these kinds")
+    ap.add_argument("--shapes", type=int, nargs="*", default=None,
+                    help="indices into SHAPES (default: all)")
     ap.add_argument("--git-commit", default=None)
     ap.add_argument("--out", default=None, help="path stem: writes STEM.json and STEM.md")
     args = ap.parse_args()
@@ -125,7 +151,8 @@ def main() -> int:
     handle = cudnn.create_handle()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for name, n, c, h, wd, k, ks, pad in SHAPES:
+    shapes = SHAPES if args.shapes is None else [SHAPES[i] for i in args.shapes]
+    for name, n, c, h, wd, k, ks, pad in shapes:
         gflop = 2 * n * h * wd * k * c * ks * ks / 1e9
         x = (torch.rand(n, c, h, wd, device="cuda", generator=g) * 2).to(
             memory_format=torch.channels_last)
@@ -146,6 +173,11 @@ def main() -> int:
                 w8 = w8.contiguous(memory_format=torch.channels_last)
                 run, y = cudnn_conv(cudnn, handle, x8, w8, pad, kind)
                 row[f"{kind}_us"], row[f"{kind}_graph"] = time_fn(run, args.iters, args.warmup)
+                if args.all_plans and kind in args.all_plans:
+                    run_all, _ = cudnn_conv(cudnn, handle, x8, w8, pad, kind, all_plans=True)
+                    us, i, ran = best_plan(run_all, args.iters // 4, args.warmup)
+                    row[f"{kind}_best_plan_us"], row[f"{kind}_best_plan"] = us, i
+                    row[f"{kind}_plans"] = f"{ran} of {run_all.plans}"
                 if kind == "fp8":
                     ref = F.conv2d(x8.float(), w8.float(), padding=pad)
                     err = (y.float() - ref).abs().max() / ref.abs().max()
@@ -170,11 +202,14 @@ def main() -> int:
              f"`{cmd}`, git {commit}, torch {machine['torch']}, cuDNN "
              f"{machine['cudnn_backend']}; p50 device us per conv over {args.iters} replays.", "",
              "| conv | GFLOP | bf16 us (TF/s) | fp8 us (TF/s, x bf16) | int8 us (TOP/s, x bf16) "
-             "| fp8 max rel err |", "|---|---|---|---|---|---|"]
+             "| fp8 max rel err | best of all plans us (plans run) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
+        best = "; ".join(f"{kd} {r[f'{kd}_best_plan_us']:.1f} ({r[f'{kd}_plans']})"
+                         for kd in ("fp8", "int8") if f"{kd}_best_plan_us" in r) or "-"
         lines.append(f"| {r['shape']} | {r['gflop']:.1f} | {r['bf16_us']:.1f} "
                      f"({r['gflop'] / r['bf16_us'] * 1e3:.0f}) | {cell(r, 'fp8')} | "
-                     f"{cell(r, 'int8')} | {r.get('fp8_rel_err', float('nan')):.2g} |")
+                     f"{cell(r, 'int8')} | {r.get('fp8_rel_err', float('nan')):.2g} | {best} |")
     print("\n".join(lines))
     if args.out:
         with open(args.out + ".json", "w") as f:
