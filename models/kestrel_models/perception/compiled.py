@@ -51,6 +51,7 @@ def compiled(fn: F) -> F:
                 return fn(*args, **kwargs)
             try:
                 if not inner:
+                    _raise_recompile_limit()
                     inner.append(torch.compile(fn, fullgraph=True))
                 return inner[0](*args, **kwargs)
             except Exception as exc:
@@ -60,3 +61,15 @@ def compiled(fn: F) -> F:
 
         _CACHE[fn] = c
     return c  # type: ignore[return-value]
+
+
+def _raise_recompile_limit(at_least: int = 64) -> None:
+    """Dynamo recompiles a function at most `recompile_limit` times (default 8) per process.
+    A region step is specialised on its head set, point bucket and output settings; a node
+    reconfigured a few times with other settings could pass 8, and with fullgraph=True that
+    raises (compile switched off). Raised, never lowered; it only bounds recompiles."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # (the older name)
+        if isinstance(getattr(cfg, name, None), int) and getattr(cfg, name) < at_least:
+            setattr(cfg, name, at_least)
+            return
