@@ -99,14 +99,17 @@ def test_contract_mistakes_fail_at_load_naming_the_parameter(files, tmp_path) ->
                                                                       input_name="img"))
 
 
-@pytest.mark.parametrize("static", [True, False])
-def test_decoded_detections_get_threshold_nms_and_label_checks(static) -> None:
+@pytest.mark.parametrize("static,compile", [(True, False), (False, False), (True, True)])
+def test_decoded_detections_get_threshold_nms_and_label_checks(static, compile) -> None:
+    """(compile: the static path's compiled steps, as the node runs them on CUDA.)"""
+    from kestrel_models.perception import compiled
     boxes = torch.tensor([[[10.0, 10, 50, 50], [12, 12, 52, 52], [60, 20, 90, 60],
                            [0, 0, 5, 5], [1, 1, 30, 30], [200, 200, 300, 300]]])
     scores = torch.tensor([[0.9, 0.8, 0.7, 0.2, float("nan"), 0.95]])
     labels = torch.tensor([[1, 1, 2, 1, 1, 9]])  # label 9 is out of range (K = 4)
     d = detections_from_decoded(boxes, scores, labels, (64, 96), K, 0.3, 0.5, 8,
-                                static=static)
+                                static=static, compile=compile)
+    assert compiled.errors == []
     kept = [(round(float(s), 3), int(c)) for s, c, v in
             zip(d.scores[0], d.classes[0], d.valid[0], strict=True) if v]
     # overlapping class-1 pair -> the 0.9 one; 0.2 under the threshold; NaN score and
