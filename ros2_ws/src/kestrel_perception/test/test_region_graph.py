@@ -99,7 +99,7 @@ def test_inputs_at_fixed_addresses_are_not_copied(core: PerceptionCore,
     eager = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True)
     det = det_settings(core)
     raw, pts, cams = region_inputs(core, 41, wall_points(3.0, step=0.05))
-    first = fields(region.run(raw, (H, W), det, pts, cams))  # captures on these tensors
+    first = fields(region.run(raw, (H, W), det, pts, cams, persistent=True))  # adopted
     raw2, pts2, cams2 = region_inputs(core, 42, wall_points(2.0, step=0.05))
     assert pts2.shape == pts.shape  # same bucket: the same graph
     with torch.inference_mode():  # the next frame written in place, as the buffers are
@@ -120,11 +120,29 @@ def test_inputs_at_fixed_addresses_are_not_copied(core: PerceptionCore,
         return real_copy(self, src, *a, **k)
 
     monkeypatch.setattr(torch.Tensor, "copy_", spy)
-    got = fields(region.run(raw, (H, W), det, pts, cams))
+    got = fields(region.run(raw, (H, W), det, pts, cams, persistent=True))
     monkeypatch.undo()
     assert copies == [] and graphs.replays == 2 and len(graphs.entries) == 1
     assert_same(got, fields(eager.run(raw, (H, W), det, pts, cams)))
     assert not np.array_equal(got["pos"], first["pos"])  # frame 42's, not a repeat of 41
+
+
+def test_inputs_not_declared_persistent_are_never_written(core: PerceptionCore) -> None:
+    """Without `persistent` the graph keeps copies: frames X, Y, X again give X's, Y's and
+    X's results, and the caller's X tensors are untouched (adopted inputs would have been
+    overwritten by Y's values)."""
+    graphs = RegionGraphs(EmulatedCapture())
+    region = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True, graphs=graphs)
+    eager = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True)
+    det = det_settings(core)
+    x = region_inputs(core, 51, wall_points(3.0, step=0.05))
+    y = region_inputs(core, 52, wall_points(2.0, step=0.05))
+    seg_before = x[0]["seg"].clone()
+    want = [fields(eager.run(*f[:1], (H, W), det, *f[1:])) for f in (x, y)]
+    for f, ref in ((x, want[0]), (y, want[1]), (x, want[0])):
+        assert_same(fields(region.run(f[0], (H, W), det, f[1], f[2])), ref)
+    assert torch.equal(x[0]["seg"], seg_before)
+    assert len(graphs.entries) == 1 and graphs.replays == 3
 
 
 class FailingCapture(EmulatedCapture):
@@ -181,3 +199,38 @@ def test_cuda_graphed_core_equals_the_launched_region() -> None:
             assert np.abs(m.astype(np.int64) - n.astype(np.int64)).max() <= 1
     assert len(g.entries) == n0 and g.replays >= 3  # no capture in the hot path
     assert compiled.errors == [], compiled.errors  # still compiled after the frames
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_region_graphs_adopt_the_runtime_graph_outputs() -> None:
+    """A CUDA-graph runtime variant (its outputs are fixed buffers, one set per head set, in
+    one shared pool): the region graphs adopt those outputs (no copy per frame) and, with the
+    head sets alternating, every frame equals the launched region on the same outputs."""
+    from kestrel_models.perception import compiled
+    core = PerceptionCore(core_config(num_threads=1, device="cuda", point_buckets=(1024, 4096),
+                                      runtime_variant="eager_bf16w_graph"))
+    g, rt = core.region.graphs, core.runtime
+    assert g is not None and not g.failed and rt is not None and rt.spec.cuda_graph
+    every = frozenset(core.heads)
+    for i, hs in enumerate((every, frozenset({"depth"}), frozenset({"detection"}), every,
+                            frozenset({"segmentation", "detection"}))):
+        f = frames(stamp=60 + i, points=wall_points(3.0, step=0.05))
+        a = core.process(f, hs)
+        core.region.graphs = None  # the launched region, on the same runtime outputs
+        try:
+            b = core.process(f, hs)
+        finally:
+            core.region.graphs = g
+        assert [(d.camera_index, d.class_index, d.score, int(d.position_source))
+                for d in a.detections] == [(d.camera_index, d.class_index, d.score,
+                                            int(d.position_source)) for d in b.detections]
+        for m, n in zip(a.masks + a.depths, b.masks + b.depths, strict=True):
+            np.testing.assert_array_equal(m, n)
+    out = rt._graphs[every][1]  # the all-heads graph's output tensors
+    adopted = [e for e in g.entries.values()
+               if e.inputs[0].get("det_cls") is not None
+               and e.inputs[0]["det_cls"][0].data_ptr() == out["det_cls"][0].data_ptr()
+               and e.inputs[0]["seg"].data_ptr() == out["seg"].data_ptr()]
+    assert len(adopted) == 3  # no cloud + 2 buckets, all heads
+    assert compiled.errors == [], compiled.errors

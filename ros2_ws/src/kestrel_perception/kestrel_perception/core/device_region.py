@@ -218,12 +218,14 @@ class DeviceRegion:
 
     def run(self, raw: dict, image_hw: tuple[int, int], det: dict, points: torch.Tensor | None,
             cams: dict[str, torch.Tensor], clock: _Clock | None = None,
-            exact_nms: bool = False) -> RegionResult:
+            exact_nms: bool = False, persistent: bool = False) -> RegionResult:
         """raw: the model's outputs ([C,..] on the device); det: decode settings
         (score_thr, iou_thr, max_det, pre_nms_top_k, class_offset); points [Nb,3] m base
         frame on the device (NaN padded) or None; cams: T_cam_from_base, K, K_inv,
         T_base_from_cam [C,..] float64 on the device. exact_nms: the slow path after a
-        frame whose NMS did not converge in `nms_rounds` (host-synced iterations)."""
+        frame whose NMS did not converge in `nms_rounds` (host-synced iterations).
+        persistent: raw, points and cams are fixed buffers refilled every frame, which the
+        region graphs may adopt and later write into (`RegionGraphs.run`)."""
         first = raw["det_cls"][0] if "det_cls" in raw else next(
             raw[k] for k in ("det_boxes", "seg", "depth") if k in raw)
         c = first.shape[0]
@@ -234,7 +236,7 @@ class DeviceRegion:
         with torch.inference_mode():
             if self.graphs is not None and self.static and not exact_nms and \
                     self._stage is not None and \
-                    self.graphs.run(self, raw, image_hw, det, points, cams, clock):
+                    self.graphs.run(self, raw, image_hw, det, points, cams, clock, persistent):
                 return self._download(raw, clock)
             buf = self._stage if self._stage is not None else self._host[self._flip]
             dets = self._post(raw, image_hw, det, buf.views, exact_nms)

@@ -254,14 +254,13 @@ class PerceptionCore:
             self._prepare_region(imgs, cams)
 
     def _prepare_region(self, imgs: list[np.ndarray], cams: list[CameraModel]) -> None:
-        """One process() per enabled-head subset (a user model: its one head set) x (no cloud,
+        """One process() per enabled-head subset (of a user model's heads too) x (no cloud,
         each point bucket: a cloud of exactly the bucket size in front of the cameras), so the
         hot path never captures a region graph nor compiles a region step (a changed decode
         setting, e.g. `ros2 param set score_threshold`, captures / recompiles once)."""
         built = sorted(self.heads)
         subsets = [frozenset(h for i, h in enumerate(built) if mask >> i & 1)
-                   for mask in range(1, 2 ** len(built))] if self.external is None else \
-            [frozenset(self.heads)]
+                   for mask in range(1, 2 ** len(built))]
         rng = np.random.default_rng(0)
         for nb in (0, *sorted(self.config.point_buckets)):  # 0: a set without a cloud
             pts = None if nb == 0 else np.stack(
@@ -308,6 +307,8 @@ class PerceptionCore:
         fallback = rt is not None and (tuple(x.shape) != rt.input_shape
                                        or heads not in rt.head_sets)
         out.runtime_fallback = fallback
+        # the runtime's CUDA-graph outputs are fixed buffers, as the staged points and cameras
+        persistent = rt is not None and not fallback and rt.spec.cuda_graph
         if rt is not None and not fallback:
             raw = rt.run(x, heads=heads)  # static buffers: consumed before the next call
         else:
@@ -322,7 +323,7 @@ class PerceptionCore:
                "max_det": m.max_detections, "pre_nms_top_k": m.pre_nms_top_k,
                "class_offset": m.det_class_offset, "min_points": cfg.min_lidar_points,
                "num_classes": len(cfg.class_names)}
-        res = self.region.run(raw, hw, det, points, cams, clock)
+        res = self.region.run(raw, hw, det, points, cams, clock, persistent=persistent)
         if not res.nms_converged:  # exact slow path (rare, counted): NMS to its fixed point
             out.nms_fallback = True
             first, first_host = res.stage_s, res.host_s

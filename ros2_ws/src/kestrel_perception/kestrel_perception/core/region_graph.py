@@ -8,7 +8,9 @@ graph launches per frame (post, then fusion, so the two stages keep their own CU
 timings). One pair of graphs per input signature (which heads ran = the raw outputs' shapes
 and dtypes, point bucket size, camera count, decode settings), all in ONE memory pool: each
 pair is replayed alone and consumes its own intermediates, only its static inputs (allocated
-outside the pool) and the post graph's detections (kept alive) persist.
+outside this pool: copies, or the caller's fixed buffers when it says they are `persistent`,
+e.g. the runtime's CUDA-graph outputs in the runtime's pool) and the post graph's detections
+(kept alive) persist.
 
 Every new signature is validated once: the eager region runs first on the same inputs, the
 captured pair is replayed, and the packed staging bytes must be identical; otherwise (or if
@@ -27,6 +29,17 @@ import torch
 
 if TYPE_CHECKING:  # no import cycle at run time
     from .device_region import DeviceRegion, _Clock
+
+
+def _clone(x: Any) -> Any:
+    """Static copy of a nested structure of tensors (dict / list / tuple / None)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone(v) for v in x)
+    return x
 
 
 def _shallow(x: Any) -> Any:
@@ -126,7 +139,7 @@ class RegionGraphs:
         self._capture = capture
         self.entries: dict[tuple, _Entry] = {}
         self.failed: dict[tuple, str] = {}  # signature -> why it runs eager
-        self._static: dict[Any, Any] = {}  # input signature -> static copy
+        self._static: dict[Any, Any] = {}  # input signature -> static inputs
         self.replays = 0
 
     def clear(self) -> None:
@@ -140,15 +153,21 @@ class RegionGraphs:
                 signature(points), signature(cams))
 
     def run(self, region: DeviceRegion, raw: dict, image_hw: tuple[int, int], det: dict,
-            points: torch.Tensor | None, cams: dict[str, torch.Tensor], clock: _Clock) -> bool:
+            points: torch.Tensor | None, cams: dict[str, torch.Tensor], clock: _Clock,
+            persistent: bool = False) -> bool:
         """Replay (capturing first if new) into region's staging buffer; marks postprocess and
-        lidar_fusion on `clock`. False: this signature runs eager (nothing was written)."""
+        lidar_fusion on `clock`. False: this signature runs eager (nothing was written).
+        persistent=True: raw, points and cams are fixed buffers that the caller refills
+        every frame (the runtime's CUDA-graph outputs, the input staging); a new signature
+        then adopts them as its static inputs instead of copies, and a replay copies nothing.
+        Later inputs of that signature that are other tensors are copied INTO them, so only
+        buffers whose earlier contents nobody needs may be passed as persistent."""
         key = self.key(raw, image_hw, det, points, cams)
         if key in self.failed:
             return False
         entry = self.entries.get(key)
         if entry is None:
-            entry = self._build(key, region, raw, image_hw, det, points, cams)
+            entry = self._build(key, region, raw, image_hw, det, points, cams, persistent)
             if entry is None:
                 return False
         _copy_into(entry.inputs, (raw, points, cams))
@@ -160,20 +179,20 @@ class RegionGraphs:
         return True
 
     def _build(self, key: tuple, region: DeviceRegion, raw: dict, image_hw: tuple[int, int],
-               det: dict, points: torch.Tensor | None, cams: dict[str, torch.Tensor]
-               ) -> _Entry | None:
+               det: dict, points: torch.Tensor | None, cams: dict[str, torch.Tensor],
+               persistent: bool = False) -> _Entry | None:
         if self._capture is None:
             self._capture = CudaCapture()
         cap = self._capture
         stage = region._stage
         assert stage is not None
         # static inputs shared by the entries of one input shape (replayed one at a time,
-        # each replay copies its frame's values in first): the first tensors seen with that
-        # shape, not copies. The node's inputs are fixed buffers (the runtime's CUDA-graph
-        # outputs, the input staging's point and camera buffers), so a replay copies nothing
-        # (H200: the 7 copies of the model outputs, ~45 us per frame, went); other tensors
-        # (an eager model's fresh outputs) are copied into them.
-        inputs = tuple(self._static.setdefault(signature(x), _shallow(x))
+        # each replay copies its frame's values in first): copies, or with `persistent` the
+        # caller's fixed buffers themselves (the node's runtime CUDA-graph outputs and input
+        # staging: a replay then copies nothing; H200: 7 copies of the model outputs, ~70 us
+        # of the postprocess stage per frame)
+        keep = _shallow if persistent else _clone
+        inputs = tuple(self._static.setdefault(signature(x), keep(x))
                        for x in (raw, points, cams))
         sraw, spts, scams = inputs
         v = stage.views
