@@ -18,18 +18,16 @@ table:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import subprocess
 import sys
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "models"))
 from kestrel_models.perception import box_median_triton as bmt  # noqa: E402
+from bench_common import cuda_graph_us, git_commit, us_stats, write_result  # noqa: E402
 
 MODES = {"prebin": {"prebin": True}, "compact": {"prebin": False, "compact": True},
          "scan": {"prebin": False, "compact": False}}
@@ -48,28 +46,9 @@ def inputs(c: int, d: int, n: int, hw: tuple[int, int], valid: float, seed: int)
 
 def time_mode(args, inp, kw: dict) -> tuple[dict, tuple[torch.Tensor, torch.Tensor]]:
     z, uv, ok, boxes = inp
-    bmt.lidar_box_medians(z, uv, ok, boxes, **kw)  # compiles outside the capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        bmt.lidar_box_medians(z, uv, ok, boxes, **kw)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = bmt.lidar_box_medians(z, uv, ok, boxes, **kw)
-    for _ in range(args.warmup):
-        graph.replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(args.iters)]
-    for a, b in ev:
-        a.record()
-        graph.replay()
-        b.record()
-    torch.cuda.synchronize()
-    us = np.array([a.elapsed_time(b) * 1e3 for a, b in ev])
-    stats = {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)),
-             "p999_us": float(np.percentile(us, 99.9)), "mean_us": float(us.mean())}
-    return stats, (out[0].clone(), out[1].clone())
+    us, out, _ = cuda_graph_us(lambda: bmt.lidar_box_medians(z, uv, ok, boxes, **kw),
+                               args.iters, args.warmup)
+    return us_stats(us), (out[0].clone(), out[1].clone())
 
 
 def main() -> int:
@@ -89,8 +68,7 @@ def main() -> int:
     if not (torch.cuda.is_available() and bmt.HAVE_TRITON):
         print("bench_box_median: needs a CUDA GPU and triton; skipped")
         return 0
-    commit = args.git_commit or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit(args.git_commit or "")
     rows = []
     for d in args.dets:
         inp = inputs(args.cams, d, args.points, tuple(args.image_hw), args.valid, seed=d)
@@ -115,13 +93,8 @@ def main() -> int:
     for r in rows:
         lines.append(f"| {r['dets']} | {r['mode']} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | "
                      f"{r['p999_us']:.1f} | {r['mean_count']:.0f} | {r['equal_to_first']} |")
-    print("\n".join(lines))
-    if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump({"command": cmd, "commit": commit, "machine": machine,
-                       "args": vars(args), "rows": rows}, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_result(args.out, {"command": cmd, "commit": commit, "machine": machine,
+                            "args": vars(args), "rows": rows}, "\n".join(lines) + "\n")
     return 0 if all(r["equal_to_first"] for r in rows) else 1
 
 

@@ -116,3 +116,48 @@ def write_result(stem: str | None, result: dict, markdown: str) -> None:
     if stem:
         Path(stem + ".json").write_text(json.dumps(result, indent=1))
         Path(stem + ".md").write_text(markdown)
+
+
+def cuda_graph_us(fn, iters: int, warmup: int, eager_fallback: bool = False):
+    """Device time of `fn()` replayed as a CUDA graph: one eager call (compiles, lazy init,
+    outside the capture), one on a side stream, the capture, `warmup` untimed replays, then
+    `iters` replays each between two CUDA events. Returns (us np.ndarray [iters], the
+    captured call's output, captured: bool). eager_fallback: when the capture raises, time
+    eager calls instead (captured False) rather than raise."""
+    import numpy as np
+    import torch
+
+    out = fn()
+    run, captured = fn, False
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        run, captured = graph.replay, True
+    except Exception:  # noqa: BLE001 (not capturable)
+        if not eager_fallback:
+            raise
+        torch.cuda.synchronize()
+    for _ in range(warmup):
+        run()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(iters)]
+    for a, b in ev:
+        a.record()
+        run()
+        b.record()
+    torch.cuda.synchronize()
+    return np.array([a.elapsed_time(b) * 1e3 for a, b in ev]), out, captured
+
+
+def us_stats(us) -> dict:
+    """p50 / p99 / p99.9 / mean of device times in us (keys p50_us, p99_us, p999_us, mean_us)."""
+    import numpy as np
+
+    return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)),
+            "p999_us": float(np.percentile(us, 99.9)), "mean_us": float(np.mean(us))}

@@ -21,15 +21,14 @@ against the bf16 conv of the same (dequantised) values. JSON + a table:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import subprocess
 import sys
 import traceback
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from bench_common import cuda_graph_us, git_commit, write_result
 
 # name, N, C, H, W, K, kernel, padding (stride 1): the head convs at P3 are ~40 % of the FLOPs
 SHAPES = [
@@ -47,33 +46,8 @@ SHAPES = [
 
 def time_fn(fn, iters: int, warmup: int) -> tuple[float, bool]:
     """p50 us per call: CUDA-graph replays if fn can be captured, else an eager loop."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph, replay = None, fn
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        replay = graph.replay
-    except Exception:  # noqa: BLE001 (not capturable: time it eagerly)
-        torch.cuda.synchronize()
-        graph = None
-    for _ in range(warmup):
-        replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(iters)]
-    for a, b in ev:
-        a.record()
-        replay()
-        b.record()
-    torch.cuda.synchronize()
-    return float(np.percentile([a.elapsed_time(b) * 1e3 for a, b in ev], 50)), graph is not None
+    us, _, captured = cuda_graph_us(fn, iters, warmup, eager_fallback=True)
+    return float(np.percentile(us, 50)), captured
 
 
 def cudnn_conv(cudnn, handle, x: torch.Tensor, w: torch.Tensor, pad: int, kind: str,
@@ -146,8 +120,7 @@ def main() -> int:
         print(f"bench_conv_fp8: needs nvidia-cudnn-frontend ({exc}); skipped")
         return 0
     torch.backends.cudnn.benchmark = True
-    commit = args.git_commit or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit(args.git_commit or "")
     handle = cudnn.create_handle()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -210,13 +183,8 @@ def main() -> int:
         lines.append(f"| {r['shape']} | {r['gflop']:.1f} | {r['bf16_us']:.1f} "
                      f"({r['gflop'] / r['bf16_us'] * 1e3:.0f}) | {cell(r, 'fp8')} | "
                      f"{cell(r, 'int8')} | {r.get('fp8_rel_err', float('nan')):.2g} | {best} |")
-    print("\n".join(lines))
-    if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump({"command": cmd, "commit": commit, "machine": machine,
-                       "args": vars(args), "rows": rows}, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_result(args.out, {"command": cmd, "commit": commit, "machine": machine,
+                            "args": vars(args), "rows": rows}, "\n".join(lines) + "\n")
     return 0
 
 

@@ -16,18 +16,16 @@ node's sizes, `--cams` images x `--cands` candidates sorted by score, boxes of 1
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import subprocess
 import sys
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "models"))
 from kestrel_models.perception import nms_triton as nt  # noqa: E402
+from bench_common import cuda_graph_us, git_commit, us_stats, write_result  # noqa: E402
 
 
 def inputs(c: int, n: int, classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,28 +40,9 @@ def inputs(c: int, n: int, classes: int, seed: int) -> tuple[torch.Tensor, torch
 
 def time_tiling(args, boxes, valid, ri: int, rj: int):
     nt.RI, nt.RJ = ri, rj
-    run = lambda: nt.nms_dense(boxes, valid, args.iou, args.rounds)  # noqa: E731
-    run()  # compiles outside the capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        keep, conv = run()
-    for _ in range(args.warmup):
-        graph.replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(args.iters)]
-    for a, b in ev:
-        a.record()
-        graph.replay()
-        b.record()
-    torch.cuda.synchronize()
-    us = np.array([a.elapsed_time(b) * 1e3 for a, b in ev])
-    return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)),
-            "p999_us": float(np.percentile(us, 99.9))}, keep.clone(), bool(conv)
+    us, (keep, conv), _ = cuda_graph_us(
+        lambda: nt.nms_dense(boxes, valid, args.iou, args.rounds), args.iters, args.warmup)
+    return us_stats(us), keep.clone(), bool(conv)
 
 
 def main() -> int:
@@ -84,8 +63,7 @@ def main() -> int:
     if not (torch.cuda.is_available() and nt.HAVE_TRITON):
         print("bench_nms_rounds: needs a CUDA GPU and triton; skipped")
         return 0
-    commit = args.git_commit or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit(args.git_commit or "")
     default = (nt.RI, nt.RJ)
     boxes, valid = inputs(args.cams, args.cands, args.classes, seed=0)
     rows, first = [], None
@@ -112,13 +90,8 @@ def main() -> int:
         lines.append(f"| {r['tiling']} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | "
                      f"{r['p999_us']:.1f} | {r['kept']} | {r['converged']} | "
                      f"{r['equal_to_first']} |")
-    print("\n".join(lines))
-    if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump({"command": cmd, "commit": commit, "machine": machine,
-                       "args": vars(args), "rows": rows}, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_result(args.out, {"command": cmd, "commit": commit, "machine": machine,
+                            "args": vars(args), "rows": rows}, "\n".join(lines) + "\n")
     return 0 if all(r["equal_to_first"] for r in rows) else 1
 
 
