@@ -20,6 +20,7 @@ def _affine(x: torch.Tensor, a: float) -> torch.Tensor:
 def test_memoised_and_equal_to_the_plain_function() -> None:
     f = comp.compiled(_affine)
     assert comp.compiled(_affine) is f  # one Dynamo cache per function
+    assert comp.compiled(_affine, on=False) is _affine  # switched off: the plain function
     x = torch.randn(64)
     torch.testing.assert_close(f(x, 2.0), _affine(x, 2.0))
     assert comp.enabled() and comp.errors == []

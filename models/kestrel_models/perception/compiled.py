@@ -36,10 +36,10 @@ def enabled() -> bool:
     return not errors
 
 
-def compiled(fn: F) -> F:
+def compiled(fn: F, on: bool = True) -> F:
     """`fn` compiled (see the module docstring), falling back to `fn` itself for good if
-    compiling or running it raises where `fn` does not."""
-    if errors:
+    compiling or running it raises where `fn` does not; `fn` itself when `on` is False."""
+    if errors or not on:
         return fn
     c = _CACHE.get(fn)
     if c is None:

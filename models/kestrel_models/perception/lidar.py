@@ -8,7 +8,6 @@ projection is inside an image of size (H, W) when -0.5 <= u < W - 0.5 and -0.5 <
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from enum import IntEnum
 
 import numpy as np
@@ -244,7 +243,7 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
     dt = torch.float64
     c, d = boxes.shape[:2]
     dev = boxes.device
-    fn = compiled if compile and static else _plain  # see compiled.py
+    on = compile and static  # the element-wise steps compiled (compiled.py)
     bf = boxes.float()
     triton = static and USE_TRITON and _bmt.available(boxes)
     med = count = None
@@ -265,13 +264,13 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
                                                 q[None, :, 1], ok, bf[cam:cam + 1, :, 0:2],
                                                 bf[cam:cam + 1, :, 2:4], chunk_elems)
                 med[cam], count[cam] = mc[0], cc[0]
-    z, src = fn(_lidar_choice)(med, count, box_valid, min_points)
+    z, src = compiled(_lidar_choice, on)(med, count, box_valid, min_points)
     if d > 0 and depth_map is not None:
         h, w = depth_map.shape[-2:]
         if triton:  # only each needed box's own pixel rectangle is read
             need = box_valid & (src == int(PositionSource.NONE))
-            med, count = _bmt.depth_box_medians(depth_map, fn(_bmt.pixel_rects)(boxes, h, w),
-                                                need)
+            rects = compiled(_bmt.pixel_rects, on)(boxes, h, w)
+            med, count = _bmt.depth_box_medians(depth_map, rects, need)
         else:
             b64 = boxes.to(dt)
             c0 = b64[..., 0].floor().clamp(min=0)
@@ -299,12 +298,8 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
                 if x1 > x0 and y1 > y0:
                     med[cam, k] = torch.nanmedian(depth_map[cam, y0:y1, x0:x1].reshape(-1))
                     count[cam, k] = 1
-        z, src = fn(_depth_choice)(z, src, med, count, box_valid)
-    return fn(_backproject)(boxes, z, K_inv, T_base_from_cam), src
-
-
-def _plain(fn: Callable) -> Callable:
-    return fn
+        z, src = compiled(_depth_choice, on)(z, src, med, count, box_valid)
+    return compiled(_backproject, on)(boxes, z, K_inv, T_base_from_cam), src
 
 
 def _lidar_choice(med: torch.Tensor | None, count: torch.Tensor | None,

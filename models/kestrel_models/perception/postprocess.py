@@ -251,7 +251,7 @@ def decode_detections_batched(raw: dict, image_size: tuple[int, int], score_thr:
     if points is None:
         points = [_cached_level_points(c.shape[2], c.shape[3], s, c.device)
                   for c, s in zip(cls_l, strides, strict=True)]
-    cand = compiled(_candidates) if compile and static and not exact else _candidates
+    cand = compiled(_candidates, compile and static and not exact)
     scores, boxes, classes = cand(cls_l, ltrb_l, ctr_l, points, image_size, score_thr,
                                   pre_nms_top_k)
     return _nms_select(scores, boxes, classes, iou_thr, max_det, pre_nms_top_k, class_offset,
@@ -329,7 +329,7 @@ def _nms_select(scores: torch.Tensor, boxes: torch.Tensor, classes: torch.Tensor
     """Candidates (score -1 = invalid) -> the best `pre_nms_top_k`, class-wise NMS, slots."""
     device = scores.device
     k2 = min(pre_nms_top_k, scores.shape[1])
-    best = compiled(_best_candidates) if compile and static and not exact else _best_candidates
+    best = compiled(_best_candidates, compile and static and not exact)
     scores, boxes, classes, valid = best(scores, boxes, classes, k2)
     if not static:  # valid candidates come first (sorted by score, invalid = -1)
         n = max(1, int(valid.sum(dim=1).max()))
@@ -348,7 +348,7 @@ def _nms_select(scores: torch.Tensor, boxes: torch.Tensor, classes: torch.Tensor
             keep[b, :nb] = finish_nms(boxes[b:b + 1, :nb], classes[b:b + 1, :nb],
                                       valid[b:b + 1, :nb], valid[b:b + 1, :nb], iou_thr)[0]
         converged = torch.ones((), dtype=torch.bool, device=device)
-    select = compiled(_select_slots) if compile and static and not exact else _select_slots
+    select = compiled(_select_slots, compile and static and not exact)
     return BatchedDetections(*select(boxes, scores, classes, keep, max_det, class_offset),
                              converged)
 

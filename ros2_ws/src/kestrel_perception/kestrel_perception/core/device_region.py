@@ -273,7 +273,7 @@ class DeviceRegion:
             v["valid"].zero_()
             v["flags"].fill_(True)
         if "seg" in raw or "depth" in raw:
-            maps = compiled(_maps) if self.compile else _maps
+            maps = compiled(_maps, self.compile)
             mask, depth = maps(raw.get("seg"), raw.get("depth"), self.stride,
                                self.depth_encoding)
             if mask is not None:
@@ -311,7 +311,7 @@ class DeviceRegion:
                 v["pos"][:, d:].fill_(float("nan"))
                 v["src"][:, d:].zero_()
         if points is not None:  # counted here: no host pass over the cloud
-            bad = compiled(_bad_rows) if self.compile else _bad_rows
+            bad = compiled(_bad_rows, self.compile)
             v["bad_points"].copy_(bad(points))
         else:
             v["bad_points"].zero_()
