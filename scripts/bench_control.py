@@ -11,12 +11,14 @@ a separate process publishes sensor_msgs/JointState at `--pub-rate` Hz, this pro
 subscription writes them into the runner's double buffer (executor thread), and every tick
 publishes the command (sensor_msgs/JointState) directly from the loop thread, as the node does.
 Reported: wake error, period jitter, step latency percentiles, deadline misses, stale inputs.
-Loop mode per entry (`backend@rate_hz:cycles[:thread|process]`, default `--loop-mode`):
+Loop mode per entry (`backend@rate_hz:cycles[:thread|process|process_py]`, default
+`--loop-mode`):
 thread = the loop on a thread of this process, publishing directly (the node's thread mode);
 process = the node's process mode (kestrel_control.core.loop_process): the loop in a child
 interpreter over shared memory, this process's subscription writing the shared buffer and a
 publisher thread, woken by the loop's eventfd, publishing the commands; there the delivery
-latency (tick start -> publish call) is reported too.
+latency (tick start -> publish call) is reported too. process runs the loop process's C tick
+(`native_tick`, the node's default); process_py the same with the Python tick (A/B in one run).
 Phase 1 also times a window-form reference (ActorCritic.forward over 8 observations: 8 LSTM
 steps) captured in a CUDA graph, beside the stateful backends (one LSTM cell step per tick).
 The loop here is the node's core + I/O path with standard messages only (kestrel_interfaces is
@@ -288,12 +290,13 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
     """The loop with ROS I/O live, in `mode` 'thread' or 'process' (see the module docstring)."""
     proc = runner = None
     try:
-        if mode == "process":
+        if mode in ("process", "process_py"):
             cpus = tuple(int(c) for c in args.loop_cpus.split(",")) if args.loop_cpus else ()
             proc = LoopProcess(make_config(backend, cache), LoopSettings(
                 period_s=1.0 / rate, spin_s=args.spin_us * 1e-6, rt_priority=args.rt_priority,
                 cpu_affinity=cpus, lock_memory=args.lock_memory, manage_gc=True,
-                switch_interval_s=args.gil_switch_us * 1e-6), start_timeout_s=300.0,
+                switch_interval_s=args.gil_switch_us * 1e-6,
+                native_tick=mode == "process"), start_timeout_s=300.0,
                 stats_capacity=cycles + 1000)
             info = proc.start()
         else:
@@ -357,6 +360,7 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
                                 step_us=(lat * 1e6).astype(np.float32))
         if proc is not None:
             out["child_pid"] = info["pid"]
+            out["native_tick"] = info.get("native_tick", "")
             out["commands_coalesced"] = proc.coalesced
             out["delivery_us"] = pct(io.delivery[:io.n_delivery])  # tick start -> publish()
         else:
@@ -398,7 +402,8 @@ def main() -> int:
     ap.add_argument("--backends", default="all", help="comma list or 'all'")
     ap.add_argument("--step-iters", type=int, default=5000)
     ap.add_argument("--loops", default="cpu_eager@1000:10000",
-                    help="comma list of backend@rate_hz:cycles[:thread|process] ('' = none)")
+                    help="comma list of backend@rate_hz:cycles[:thread|process|process_py] "
+                         "('' = none)")
     ap.add_argument("--loop-mode", choices=("thread", "process"), default="thread",
                     help="loop mode of --loops entries without their own ':mode'")
     ap.add_argument("--node-cpus", default="",
@@ -455,8 +460,9 @@ def main() -> int:
             backend, rest = spec.split("@")
             rate, cycles, *mode = rest.split(":")
             mode = mode[0] if mode else args.loop_mode
-            if mode not in ("thread", "process"):
-                raise SystemExit(f"--loops {spec!r}: mode {mode!r} must be thread or process")
+            if mode not in ("thread", "process", "process_py"):
+                raise SystemExit(f"--loops {spec!r}: mode {mode!r} must be thread, process or "
+                                 "process_py")
             result = bench_loop(backend, float(rate), int(cycles), mode, args, cache)
             result["spec"] = spec
             report["loops"].append(result)

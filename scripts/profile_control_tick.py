@@ -11,7 +11,8 @@ each host-side part on the machine it runs on, with the backend's step replaced 
                        command/finite/clamped row a POST backend (cuda_graph_compiled /
                        cuda_graph_triton / cuda_persistent) computes on the GPU
   child tick           loop_child._Tick: step_all (post path) + command into shared memory
-                       + eventfd write
+                       + eventfd write; and the same with the C tick (native_tick.py:
+                       prepare and finish in C, the no-op step between them in Python)
   parts                shared-memory reads/writes, LoopStats.record (in-process; in shared
                        memory through memoryviews; and through numpy element access as before
                        session 8, for comparison), eventfd_write, time.time_ns.
@@ -91,6 +92,19 @@ def main() -> int:
                 pass
 
         rows["child tick (+ one eventfd_read)"] = measure(child_tick, args.iters)
+        ctick = _Tick(run, views, efd, native=True)  # the C tick (native_tick.py)
+        if ctick.native is not None:
+            def child_tick_c() -> None:
+                ctick(0)
+                try:
+                    os.eventfd_read(efd)
+                except BlockingIOError:
+                    pass
+
+            rows["child tick, C: prepare + finish in C, the step in Python (+ eventfd_read)"] = \
+                measure(child_tick_c, args.iters)
+        else:
+            print(f"C tick not measured: {ctick.native_status}", file=sys.stderr)
         robot = run.robots[0]
         rows["shm joint-state read_into"] = measure(
             lambda: views.joint_states[0].read_into(robot.js), args.iters)

@@ -46,6 +46,7 @@ def host_side(idle_s: float = 5.0, timeout_s: float = 2.0, first_retires: bool =
     b = PersistentTritonBackend.__new__(PersistentTritonBackend)
     b._ctrl = np.zeros(64, dtype=np.int32)
     b._reset_np = np.zeros(2, dtype=np.int32)
+    b._mb = np.zeros(4, dtype=np.int64)  # host state (S_*), as __init__ makes it
     b._reset_pending = False
     b.out_np = np.zeros((2, 3), dtype=np.float32)
     b._next, b._error, b.timeout_s, b.relaunches = 1, "", timeout_s, -1

@@ -49,6 +49,9 @@ from kestrel_models.control.triton_step import _lower, _pow2, check_triton, libd
 NAME = "cuda_persistent"
 REQ, DONE, RETIRED = 0, 16, 32  # int32 slots of ctrl, 64 bytes apart (own cache lines)
 STOP = -1  # ctrl[REQ] value that ends the kernel (close())
+# host state (int64 [4], `_mb`), shared with the loop process's C tick (native_tick.c): the next
+# request number, a state reset pending, the backend failed, the number of a late request
+S_NEXT, S_RESET, S_FAILED, S_LATE = 0, 1, 2, 3
 SEQ_MAX = 2**31 - 1  # request numbers run 1 .. SEQ_MAX, then wrap to 1
 MAX_LAYERS = 3
 
@@ -368,7 +371,7 @@ class PersistentTritonBackend(PolicyBackend):
         self.act_host = self.out_host[:, :A]
         self.act_np = self.out_np[:, :A]  # [B, A] view
         self.post_np = self.out_np[:, A:] if post is not None else None  # [B, n + 2] view
-        self._reset_pending = False
+        self._mb = np.zeros(4, dtype=np.int64)  # S_* (host state, see mailbox())
         # device scratch: barrier counter, tick command, staged obs, layer outputs, h, c, h'
         self._bar = zeros(1, dtype=torch.int64, device=dev)
         self._cmd = zeros(1, dtype=torch.int32, device=dev)
@@ -425,14 +428,39 @@ class PersistentTritonBackend(PolicyBackend):
                                                  **self._meta)
         self.relaunches += 1
 
+    # request numbering and the reset flag live in `_mb`, which the C tick also reads/writes
+    @property
+    def _next(self) -> int:
+        return int(self._mb[S_NEXT])
+
+    @_next.setter
+    def _next(self, seq: int) -> None:
+        self._mb[S_NEXT] = seq
+
+    @property
+    def _reset_pending(self) -> bool:
+        return bool(self._mb[S_RESET])
+
+    @_reset_pending.setter
+    def _reset_pending(self, pending: bool) -> None:
+        self._mb[S_RESET] = int(pending)
+
+    def mailbox(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ctrl int32 [64] in pinned memory: REQ/DONE/RETIRED, host state int64 [4]: S_*) for
+        the loop process's C tick (native_tick.c), which posts a request and waits for its
+        answer itself when the kernel is resident, no reset is pending and the backend has not
+        failed; else it leaves the step to step(). A request it gave up on (no answer within
+        its spin limit) is finished by `finish_late()`."""
+        return self._ctrl, self._mb
+
     def step(self) -> None:
         if self._error:
             raise RuntimeError(self._error)
-        ctrl = self._ctrl
+        ctrl, mb = self._ctrl, self._mb
         if ctrl[RETIRED]:
             self._launch()
-        seq = self._next
-        self._next = _next_seq(seq)
+        seq = int(mb[S_NEXT])
+        mb[S_NEXT] = _next_seq(seq)
         ctrl[REQ] = seq  # after the caller's obs_host writes (x86: stores stay in order)
         spins = 0
         while ctrl[DONE] != seq:
@@ -440,9 +468,16 @@ class PersistentTritonBackend(PolicyBackend):
             if spins & 1023 == 0:
                 self._slow_wait(seq)
                 break
-        if self._reset_pending:
+        if mb[S_RESET]:
             self._reset_np[:] = 0
-            self._reset_pending = False
+            mb[S_RESET] = 0
+
+    def finish_late(self) -> None:
+        """Finish the step whose request the C tick posted and gave up waiting for (its number
+        in `_mb[S_LATE]`): wait, relaunch or fail as step() does."""
+        seq = int(self._mb[S_LATE])
+        if self._ctrl[DONE] != seq:
+            self._slow_wait(seq)
 
     def _slow_wait(self, seq: int) -> None:
         """The answer is late (> ~1024 polls): relaunch a kernel that retired before seeing the
@@ -457,6 +492,7 @@ class PersistentTritonBackend(PolicyBackend):
             if time.monotonic() > end:
                 self._error = (f"{NAME}: no answer from the GPU within {self.timeout_s} s; the "
                                "backend stays failed (reconfigure the node)")
+                self._mb[S_FAILED] = 1
                 raise RuntimeError(self._error)
 
     def reset_state(self, index: int | None = None) -> None:

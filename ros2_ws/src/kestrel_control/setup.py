@@ -14,7 +14,7 @@ setup(
         ('share/' + package_name + '/launch', glob('launch/*.launch.py')),
         ('share/' + package_name + '/config', glob('config/*.yaml')),
     ],
-    package_data={package_name: ['worlds/*.xml']},
+    package_data={package_name: ['worlds/*.xml', 'core/*.c']},
     include_package_data=True,
     install_requires=['setuptools'],
     zip_safe=True,

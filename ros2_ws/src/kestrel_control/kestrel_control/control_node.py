@@ -200,7 +200,8 @@ class ControlNode(KestrelLifecycleNode):
             period_s=1.0 / p["rate_hz"], spin_s=p["spin_us"] * 1e-6,
             rt_priority=p["rt_priority"], cpu_affinity=tuple(p["cpu_affinity"]),
             lock_memory=p["lock_memory"], manage_gc=p["disable_gc"],
-            switch_interval_s=(p["gil_switch_interval_us"] * 1e-6) or None)
+            switch_interval_s=(p["gil_switch_interval_us"] * 1e-6) or None,
+            native_tick=p["native_tick"])
 
     def _close_process(self) -> None:
         if self._proc is not None:

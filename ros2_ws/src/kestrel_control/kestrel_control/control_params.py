@@ -85,6 +85,11 @@ SPECS = [
               choices=("auto", "thread", "process"), read_only=True),
     ParamSpec("loop_start_timeout", 120.0, "Bound on the loop process start (policy load, "
               "warm-up, graph capture / compile), s.", min=1.0, max=3600.0, read_only=True),
+    ParamSpec("native_tick", True, "loop_mode process: run the tick's common case (inputs, "
+              "checks, the cuda_persistent step, command, clamp) in C, compiled once with the "
+              "system C compiler (CC, else cc) into ~/.cache/kestrel/native; without a compiler "
+              "the Python tick runs and the loop process logs why. Same commands and counters "
+              "either way (test_native_tick.py).", read_only=True),
     ParamSpec("disable_gc", True, "gc.freeze + gc.disable (process-wide) while the loop runs.",
               read_only=True),
 ]

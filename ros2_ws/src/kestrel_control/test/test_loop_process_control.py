@@ -232,9 +232,11 @@ def test_killed_node_child_exits_and_unlinks_the_segment() -> None:
             parent.wait(5)
 
 
-def test_child_tick_on_shared_buffers_does_not_allocate(segment) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["python_tick", "c_tick"])
+def test_child_tick_on_shared_buffers_does_not_allocate(segment, native: bool) -> None:
     """The loop process's tick (runner on shared buffers, command write, eventfd) retains no
-    memory in steady state; the shared stats record into the segment."""
+    memory in steady state, in Python and with the C tick (native_tick.py: prepare and finish
+    in C around the CPU backend's step); the shared stats record into the segment."""
     import tracemalloc
 
     from kestrel_control.core.loop_child import _Tick
@@ -243,7 +245,9 @@ def test_child_tick_on_shared_buffers_does_not_allocate(segment) -> None:
     runner = PolicyRunner(_config(num_robots=2), counters=views.stats,
                           buffers=list(zip(views.joint_states, views.targets, strict=True)))
     efd = os.eventfd(0, os.EFD_NONBLOCK)
-    tick = _Tick(runner, views, efd)
+    tick = _Tick(runner, views, efd, native=native)
+    if native and tick.native is None:
+        pytest.skip(f"C tick unavailable: {tick.native_status}")
     js = np.zeros((2, N))
     try:
         for r in range(2):

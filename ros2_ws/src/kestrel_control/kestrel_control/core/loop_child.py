@@ -12,7 +12,8 @@ it ignores SIGINT (sent to the whole process group by Ctrl-C: the node decides).
 Per tick (the loop thread): now = node clock (time.time_ns(), or the /clock value the node
 writes into the segment under use_sim_time; 0 -> no command, counted), PolicyRunner.step_all,
 each valid robot's command into its shared command buffer (stamp = now), then one eventfd
-write to wake the node's publisher thread.
+write to wake the node's publisher thread. With `native_tick` (default) the common case of
+all that runs in one C call (native_tick.py) and Python runs only what C hands back.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import traceback
 from kestrel_common.shm import unlink_segment
 
 from kestrel_control.core.loop_process import Channel
+from kestrel_control.core.native_tick import (KT_DONE, KT_PY_ALL, KT_PY_FINISH, KT_PY_INFER,
+                                              KT_PY_LATE)
 from kestrel_control.core.shm_control import (AUX_COMPUTE_LATENCY, CLOCK_SIM, CTRL_CLOCK_MODE,
                                               CTRL_COMMANDS, CTRL_NO_CLOCK, CTRL_SIM_TIME_NS,
                                               CTRL_STATE, STATE_READY, STATE_RUNNING,
@@ -45,14 +48,26 @@ def _log(message: str) -> None:
 
 
 class _Tick:
-    """The loop's step function (preallocated state; no allocation per call)."""
+    """The loop's step function (preallocated state; no allocation per call).
 
-    def __init__(self, runner, views: ShmViews, event_fd: int) -> None:
+    native: run the tick's common case in C (native_tick.py); its status string says whether
+    it could (`native_status`), else the Python tick runs."""
+
+    def __init__(self, runner, views: ShmViews, event_fd: int, native: bool = False) -> None:
         self.runner, self.views, self.efd = runner, views, event_fd
         self.ctrl, self.aux = views.control, views.aux
         self.commands = views.commands
         self.sim = int(views.control[CTRL_CLOCK_MODE]) == CLOCK_SIM
         self.first_error = True
+        self.native = None
+        self.native_status = "off (parameter native_tick)"
+        if native:
+            from kestrel_control.core.native_tick import NativeTick, NativeUnavailable
+            try:
+                self.native = NativeTick(runner, views, event_fd)
+                self.native_status = self.native.status
+            except NativeUnavailable as exc:
+                self.native_status = f"unavailable, the Python tick runs: {exc}"
 
     def __call__(self, deadline_ns: int) -> None:
         ctrl = self.ctrl
@@ -60,16 +75,40 @@ class _Tick:
         if now <= 0:  # use_sim_time and no /clock yet
             ctrl[CTRL_NO_CLOCK] += 1
             return
+        native = self.native
+        if native is None:
+            self._python(now)
+            return
+        code = native.tick(now)
+        if code == KT_DONE:  # common case: the whole tick ran in C
+            return
         runner = self.runner
-        commands, infos = runner.step_all(now)
+        if code == KT_PY_ALL:  # an input C does not take (none yet, stale, non-finite, ...)
+            self._python(now)
+            return
+        # every robot prepared by C; the inference (or its end) and/or the finish are ours
+        if code == KT_PY_INFER:
+            runner._infer()
+        elif code == KT_PY_LATE:
+            runner._infer_late()
+        if code != KT_PY_FINISH and native.finish(now):
+            return
+        runner._finish_all(all_ready=True)
+        self._write(runner.commands, runner._infos, now)
+
+    def _python(self, now: int) -> None:
+        commands, infos = self.runner.step_all(now)
+        self._write(commands, infos, now)
+
+    def _write(self, commands, infos, now: int) -> None:
         wrote = False
         for r, info in enumerate(infos):
             if info.valid:
                 self.commands[r].write(commands[r], now)
                 wrote = True
-        self.aux[AUX_COMPUTE_LATENCY] = runner.compute_latency_s
+        self.aux[AUX_COMPUTE_LATENCY] = self.runner.compute_latency_s
         if wrote:
-            ctrl[CTRL_COMMANDS] += 1
+            self.ctrl[CTRL_COMMANDS] += 1
             os.eventfd_write(self.efd, 1)
 
 
@@ -97,8 +136,9 @@ def serve(chan: Channel, shm_name: str, event_fd: int, parent_pid: int) -> int:
         views = ShmViews(ShmSegment(shm_name, layout.size, create=False).buf, layout)
         runner = PolicyRunner(config, counters=views.stats,
                               buffers=list(zip(views.joint_states, views.targets, strict=True)))
-        tick = _Tick(runner, views, event_fd)
+        tick = _Tick(runner, views, event_fd, native=settings.native_tick)
         _log(f"threads other than the loop kept off its cpus: {off_loop}")
+        _log(f"native tick: {tick.native_status}")
         loop = RealtimeLoop(settings.period_s, tick, views.stats, spin_s=settings.spin_s,
                             rt_priority=settings.rt_priority,
                             cpu_affinity=list(settings.cpu_affinity),
@@ -112,7 +152,8 @@ def serve(chan: Channel, shm_name: str, event_fd: int, parent_pid: int) -> int:
     views.control[CTRL_STATE] = STATE_READY
     chan.send(("ready", {"pid": os.getpid(), "batch": runner.batch,
                          "source": runner.policy.source, "backend": runner.backend.name,
-                         "compute_latency_s": runner.compute_latency_s}))
+                         "compute_latency_s": runner.compute_latency_s,
+                         "native_tick": tick.native_status}))
     try:
         while True:
             try:

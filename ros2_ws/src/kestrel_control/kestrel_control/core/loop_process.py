@@ -102,6 +102,7 @@ class LoopSettings:
     lock_memory: bool = False
     manage_gc: bool = True
     switch_interval_s: float | None = None
+    native_tick: bool = True  # the tick's common case in C (native_tick.py), where it builds
 
 
 class LoopProcess:

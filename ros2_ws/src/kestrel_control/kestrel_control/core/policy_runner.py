@@ -130,7 +130,6 @@ class _Robot:
                                  f"{shape}")
         self.joint_states = buffers[0]  # [positions rad; velocities rad/s]
         self.target = buffers[1]  # joint position target, rad
-        self.target_version = 0  # version of the target now in `inputs` (0 = none: zeros)
         # [3, n]: positions rad, velocities rad/s, target rad: the obs row's first 3n values in
         # the same order, so one finite check and one copy cover all three
         self.inputs = np.zeros((3, n))
@@ -186,12 +185,27 @@ class PolicyRunner:
         self._obs = first.obs  # robot 0's observation row [obs_dim] (tests)
         self.commands = np.zeros((self.num_robots, n))  # rad, one row per robot
         self._o_vel, self._o_tgt, self._o_act = n, 2 * n, 3 * n
-        self.compute_latency_s = 0.0  # EMA of the backend step time, s
-        self._last_step_s = 0.0
+        # [EMA of the backend step time, last step time], s; an array: the C tick updates it
+        self._lat = np.zeros(2)
+        # per robot: version of the target now in its `inputs` (0 = none: zeros)
+        self._tver = np.zeros(self.num_robots, dtype=np.int64)
         self._ready = [False] * self.num_robots  # per tick: robot has a fresh, finite obs
         self._infos = [r.info for r in self.robots]
         self._compensate = bool(config.latency_compensation)
         self.warmup(config.warmup_steps)
+
+    @property
+    def compute_latency_s(self) -> float:
+        """EMA of the backend step time, s (warm-up: the median of the warm-up steps)."""
+        return float(self._lat[0])
+
+    @compute_latency_s.setter
+    def compute_latency_s(self, value: float) -> None:
+        self._lat[0] = value
+
+    @property
+    def _last_step_s(self) -> float:
+        return float(self._lat[1])
 
     # ---- lifecycle -------------------------------------------------------------------------
     def warmup(self, steps: int) -> None:
@@ -228,8 +242,13 @@ class PolicyRunner:
         t0 = time.perf_counter()
         self.backend.step()
         dt = time.perf_counter() - t0
-        self._last_step_s = dt
-        self.compute_latency_s += 0.05 * (dt - self.compute_latency_s)
+        lat = self._lat
+        lat[1] = dt
+        lat[0] += 0.05 * (dt - lat[0])
+
+    def _infer_late(self) -> None:
+        """The C tick posted this step's request and stopped waiting (native_tick.py)."""
+        self.backend.finish_late()
 
     def _prepare(self, index: int, now_ns: int) -> bool:
         """Read robot `index`'s inputs, fill its obs row; False when it holds (or no input)."""
@@ -240,9 +259,9 @@ class PolicyRunner:
         if version == 0:
             info.status, info.valid, info.obs_age_s = SafetyStatus.NO_INPUT, False, math.nan
             return False
-        target = robot.target
-        if target.version != robot.target_version:  # targets change rarely: copy only then
-            robot.target_version = target.read_into(robot.target_now)[0]
+        target, tver = robot.target, self._tver
+        if target.version != tver[index]:  # targets change rarely: copy only then
+            tver[index] = target.read_into(robot.target_now)[0]
         age = (now_ns - stamp) * 1e-9
         info.obs_age_s = age
         # one check: stale (counted), else any NaN/inf in positions, velocities or the target
@@ -264,7 +283,8 @@ class PolicyRunner:
         if self._post is not None:  # command, clamp and finite check computed in the graph
             self._finish_post(index, robot)
             return
-        np.tanh(robot.act_n, out=robot.proposed)
+        # tanh in float64 (the C tick's too: glibc's and numpy's float32 tanh differ by ulps)
+        np.tanh(robot.act_n, out=robot.proposed, dtype=np.float64)
         robot.proposed *= self.config.action_scale
         robot.proposed += robot.pos
         if not math.isfinite(robot.act.dot(robot.zeros_a)):  # a NaN/inf action: rejected below
@@ -298,18 +318,27 @@ class PolicyRunner:
     def step_all(self, now_ns: int) -> tuple[np.ndarray, list[StepInfo]]:
         """One tick for every robot. Returns (commands [R, n] rad, per-robot infos); send row r
         only when `infos[r].valid`. Arrays are the runner's own (overwritten next tick)."""
+        if self._prepare_all(now_ns):
+            self._infer()
+            self._finish_all()
+        return self.commands, self._infos
+
+    def _prepare_all(self, now_ns: int) -> bool:
+        """_prepare every robot; True when at least one is ready (then infer and finish)."""
         ready = self._ready
         any_ready = False
         for r in range(self.num_robots):
             ok = self._prepare(r, now_ns)
             ready[r] = ok
             any_ready = any_ready or ok
-        if any_ready:
-            self._infer()
-            for r in range(self.num_robots):
-                if ready[r]:
-                    self._finish(r)
-        return self.commands, self._infos
+        return any_ready
+
+    def _finish_all(self, all_ready: bool = False) -> None:
+        """_finish every ready robot (all_ready: every robot, as the C tick prepared them)."""
+        ready = self._ready
+        for r in range(self.num_robots):
+            if all_ready or ready[r]:
+                self._finish(r)
 
     def step(self, now_ns: int) -> tuple[np.ndarray, StepInfo]:
         """Single-robot form: robot 0's (command [n] rad, info). Never raises for bad input."""

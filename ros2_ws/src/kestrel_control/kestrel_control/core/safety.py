@@ -92,15 +92,24 @@ class SafetyFilter:
         n = self.lower.shape[0]
         self.num_joints = n
         self._last_safe = np.zeros(n)  # last command that passed the filter, rad
-        self.has_last_safe = False
+        # has_last_safe, as an int64 [1] that the loop process's C tick also sets
+        self._has = np.zeros(1, dtype=np.int64)
         self._neq = np.zeros(n, dtype=bool)  # scratch for the clamp check
         # zero vectors for the finite check of [n] commands and flat [k * n] observations
         self._zeros = {(k * n,): np.zeros(k * n) for k in (1, 2, 3)}
         self.internal_errors = 0
 
+    @property
+    def has_last_safe(self) -> bool:
+        return bool(self._has[0])
+
+    @has_last_safe.setter
+    def has_last_safe(self, value: bool) -> None:
+        self._has[0] = int(value)
+
     def reset(self) -> None:
         """Forget the last safe command (on activation)."""
-        self.has_last_safe = False
+        self._has[0] = 0
 
     def check_observation(self, observation: np.ndarray, age_s: float) -> SafetyStatus:
         """Stale (counted) or non-finite (counted) observation? `observation`: any float array
@@ -122,7 +131,7 @@ class SafetyFilter:
         """Write the hold command into `out` [n], rad. False when there is none (no safe command
         yet and no finite position): then `out` is left untouched and nothing may be sent."""
         try:
-            if self.has_last_safe:
+            if self._has[0]:
                 np.copyto(out, self._last_safe)
                 return True
             if position is not None and _finite_dot(position, self._zeros):
@@ -144,7 +153,7 @@ class SafetyFilter:
         if clamped:
             self.counters.clamped_actions += 1
         self._last_safe[:] = out
-        self.has_last_safe = True
+        self._has[0] = 1
         return SafetyStatus.OK
 
     def accept_clamped(self, out: np.ndarray, command: np.ndarray,

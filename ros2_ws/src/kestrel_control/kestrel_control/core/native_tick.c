@@ -1,0 +1,246 @@
+/* The loop process's control tick in C: the common case of one tick without a Python call
+ * per step (see native_tick.py for why, the build and the binding).
+ *
+ * Everything lives in buffers the Python side owns (numpy arrays, the shared-memory segment,
+ * the persistent kernel's pinned mailbox); `ints` / `dbls` hold their addresses and sizes at the
+ * offsets native_tick.py defines (I_* / D_* below, kept in step by a test). A function either
+ * completes its part of the tick or returns a code that tells Python which part to run itself
+ * (policy_runner.py, loop_child.py): every unusual case (no input yet, a stale or non-finite
+ * observation, a non-finite action, a retired kernel, a late answer, a seqlock read that kept
+ * colliding with the writer) takes the Python path, which counts and handles it. So the C part
+ * never counts a safety event and never holds; it only does what the Python OK path does, in
+ * the same order, with the same float32/float64 conversions.
+ *
+ * Memory ordering: the seqlocks and the mailbox use C11 atomics (acquire loads, release stores
+ * and fences): plain moves on x86-64, real barriers on weakly ordered CPUs.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- offsets into ints[] (int64) and dbls[] (float64); native_tick.py mirrors them ---- */
+enum {
+    I_ROBOTS, I_JOINTS, I_ACTIONS, I_OBS, I_OBS_STRIDE, I_ACT, I_ACT_STRIDE, I_POST,
+    I_POST_STRIDE, I_LAT, I_COMPENSATE, I_CLAMP_CTR, I_CMD_CTR, I_AUX_LAT, I_EFD, I_MB_CTRL,
+    I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_RETRIES, I_SPIN_NS, I_GLOBAL
+};
+enum { /* per robot, at I_GLOBAL + r * R_SIZE */
+    R_JS_H, R_JS_S, R_TG_H, R_TG_S, R_CMD_H, R_CMD_S, R_INPUTS, R_TVER, R_LAST_SAFE,
+    R_HAS_SAFE, R_SIZE
+};
+enum { D_MAX_AGE, D_SCALE, D_SIZE };
+
+/* SharedLatestValue header (int64), shm_control.py */
+enum { H_PUB = 0, H_VER = 1, H_SEQ = 2, H_STAMP = 4, H_SLOTVER = 6, H_RETRIES = 8 };
+/* persistent_step.py: int32 mailbox slots; host state int64 [next seq, reset pending, failed,
+ * seq of a late request] */
+enum { MB_REQ = 0, MB_DONE = 16, MB_RETIRED = 32 };
+enum { S_NEXT = 0, S_RESET = 1, S_FAILED = 2, S_LATE = 3 };
+#define SEQ_MAX 2147483647LL
+
+/* return codes (native_tick.py) */
+enum { KT_DONE = 0, KT_PY_ALL = 1, KT_PY_INFER = 2, KT_PY_LATE = 3, KT_PY_FINISH = 4 };
+
+#define P(T, i) ((T *)(intptr_t)ints[(i)])
+
+static inline int64_t ld64(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void st64(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+static inline int32_t ld32(const int32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void st32(int32_t *p, int32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static inline int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* SharedLatestValue.read_into: the newest complete value into out[count]; 1 on success, 0 when
+ * every try collided with the writer (Python then reads, with its fallback value). */
+static int sl_read(int64_t *h, const double *slots, int64_t count, double *out,
+                   int64_t *version, int64_t *stamp, int64_t tries) {
+    for (int64_t t = 0; t < tries; t++) {
+        int64_t idx = ld64(&h[H_PUB]);
+        if (idx != 0 && idx != 1) return 0;
+        int64_t s1 = ld64(&h[H_SEQ + idx]);
+        if (s1 & 1) {
+            h[H_RETRIES] += 1;
+            continue;
+        }
+        memcpy(out, slots + idx * count, (size_t)count * sizeof(double));
+        int64_t v = ld64(&h[H_SLOTVER + idx]);
+        int64_t s = ld64(&h[H_STAMP + idx]);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the copy completes before the re-check */
+        if (ld64(&h[H_SEQ + idx]) == s1) {
+            *version = v;
+            *stamp = s;
+            return 1;
+        }
+        h[H_RETRIES] += 1;
+    }
+    return 0;
+}
+
+/* SharedLatestValue.write (one writer thread: the loop's) */
+static void sl_write(int64_t *h, double *slots, int64_t count, const double *value,
+                     int64_t stamp) {
+    int64_t idx = 1 - h[H_PUB];
+    int64_t seq = h[H_SEQ + idx];
+    st64(&h[H_SEQ + idx], seq + 1); /* odd: being written */
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    memcpy(slots + idx * count, value, (size_t)count * sizeof(double));
+    int64_t version = h[H_VER] + 1;
+    st64(&h[H_STAMP + idx], stamp);
+    st64(&h[H_SLOTVER + idx], version);
+    st64(&h[H_SEQ + idx], seq + 2); /* even: complete */
+    st64(&h[H_PUB], idx);
+    st64(&h[H_VER], version);
+}
+
+/* PolicyRunner._prepare for every robot, OK path only: 1 when every robot has a fresh, finite
+ * observation (obs rows written), else 0 (Python prepares them all again and counts). */
+int kt_prepare(int64_t *ints, double *dbls, int64_t now_ns) {
+    const int64_t R = ints[I_ROBOTS], n = ints[I_JOINTS], A = ints[I_ACTIONS];
+    const double max_age = dbls[D_MAX_AGE];
+    const double lat = P(double, I_LAT)[0];
+    (void)A;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t *ri = ints + I_GLOBAL + r * R_SIZE;
+        double *inputs = (double *)(intptr_t)ri[R_INPUTS]; /* [3, n]: pos, vel, target */
+        int64_t version, stamp;
+        if (!sl_read((int64_t *)(intptr_t)ri[R_JS_H], (double *)(intptr_t)ri[R_JS_S], 2 * n,
+                     inputs, &version, &stamp, ints[I_RETRIES]) || version == 0)
+            return 0;
+        int64_t *h_tg = (int64_t *)(intptr_t)ri[R_TG_H];
+        int64_t *tver = (int64_t *)(intptr_t)ri[R_TVER];
+        if (ld64(&h_tg[H_VER]) != *tver) { /* targets change rarely: copy only then */
+            int64_t tv, ts;
+            if (!sl_read(h_tg, (double *)(intptr_t)ri[R_TG_S], n, inputs + 2 * n, &tv, &ts,
+                         ints[I_RETRIES]))
+                return 0;
+            *tver = tv;
+        }
+        double age = (double)(now_ns - stamp) * 1e-9;
+        if (!(-max_age <= age && age <= max_age)) return 0;
+        double acc = 0.0;
+        for (int64_t j = 0; j < 3 * n; j++) acc += inputs[j] * 0.0; /* NaN iff one is */
+        if (acc != 0.0) return 0;
+        if (ints[I_COMPENSATE]) {
+            double ahead = (age > 0.0 ? age : 0.0) + lat;
+            if (ahead > max_age) ahead = max_age;
+            for (int64_t j = 0; j < n; j++) inputs[j] += inputs[n + j] * ahead;
+        }
+        float *obs = P(float, I_OBS) + r * ints[I_OBS_STRIDE];
+        for (int64_t j = 0; j < 3 * n; j++) obs[j] = (float)inputs[j];
+    }
+    return 1;
+}
+
+/* cuda_persistent's step (PersistentTritonBackend.step) through its mailbox: KT_DONE, or
+ * KT_PY_INFER (no mailbox, kernel retired, a state reset pending, backend failed: Python
+ * steps), or KT_PY_LATE (the request is out and unanswered after spin_ns: Python waits). */
+int kt_infer(int64_t *ints, double *dbls) {
+    (void)dbls;
+    int32_t *mb = P(int32_t, I_MB_CTRL);
+    int64_t *st = P(int64_t, I_MB_STATE);
+    if (mb == NULL || ld32(&mb[MB_RETIRED]) || st[S_RESET] || st[S_FAILED]) return KT_PY_INFER;
+    int64_t t0 = mono_ns();
+    int64_t seq = st[S_NEXT];
+    st[S_NEXT] = seq >= SEQ_MAX ? 1 : seq + 1;
+    st32(&mb[MB_REQ], (int32_t)seq); /* release: the observation rows are visible first */
+    const int64_t limit = t0 + ints[I_SPIN_NS];
+    for (uint32_t k = 1;; k++) {
+        if (ld32(&mb[MB_DONE]) == (int32_t)seq) break;
+        cpu_relax();
+        if ((k & 255) == 0 && mono_ns() > limit) {
+            st[S_LATE] = seq;
+            return KT_PY_LATE;
+        }
+    }
+    double dt = (double)(mono_ns() - t0) * 1e-9;
+    double *lat = P(double, I_LAT); /* [EMA, last] s, PolicyRunner._infer's */
+    lat[1] = dt;
+    lat[0] += 0.05 * (dt - lat[0]);
+    return KT_DONE;
+}
+
+/* PolicyRunner._finish (OK path) for every robot, then the loop process's command writes and
+ * its eventfd: 1 when done, 0 when some robot's action is not finite (nothing written: Python
+ * finishes them all). */
+int kt_finish(int64_t *ints, double *dbls, int64_t now_ns) {
+    const int64_t R = ints[I_ROBOTS], n = ints[I_JOINTS], A = ints[I_ACTIONS];
+    const double scale = dbls[D_SCALE];
+    const double *lo = P(double, I_LOWER), *hi = P(double, I_UPPER);
+    float *post = P(float, I_POST);
+    double *commands = P(double, I_COMMANDS); /* [R, n] rad */
+    /* checks first, so that nothing is written unless every robot is OK */
+    for (int64_t r = 0; r < R; r++) {
+        if (post != NULL) {
+            if (post[r * ints[I_POST_STRIDE] + n] == 0.0f) return 0; /* finite flag */
+        } else {
+            const float *act = P(float, I_ACT) + r * ints[I_ACT_STRIDE];
+            const double *pos = (double *)(intptr_t)ints[I_GLOBAL + r * R_SIZE + R_INPUTS];
+            float acc = 0.0f;
+            for (int64_t j = 0; j < A; j++) acc += act[j] * 0.0f;
+            if (acc != 0.0f) return 0;
+            for (int64_t j = 0; j < n; j++)
+                if (!isfinite(tanh((double)act[j]) * scale + pos[j])) return 0;
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        int64_t *ri = ints + I_GLOBAL + r * R_SIZE;
+        const double *pos = (double *)(intptr_t)ri[R_INPUTS];
+        const float *act = P(float, I_ACT) + r * ints[I_ACT_STRIDE];
+        double *cmd = commands + r * n;
+        int clamped = 0;
+        if (post != NULL) { /* command, clamp and finite flag from the graph / kernel */
+            const float *row = post + r * ints[I_POST_STRIDE];
+            for (int64_t j = 0; j < n; j++) {
+                double c = (double)row[j];
+                c = c < lo[j] ? lo[j] : c; /* np.maximum then np.minimum, as SafetyFilter */
+                cmd[j] = c > hi[j] ? hi[j] : c;
+            }
+            clamped = row[n + 1] != 0.0f;
+        } else { /* the host path: positions + scale * tanh(actions), tanh in float64 */
+            for (int64_t j = 0; j < n; j++) {
+                double p = tanh((double)act[j]) * scale + pos[j]; /* finite: checked */
+                double c = p < lo[j] ? lo[j] : p;
+                c = c > hi[j] ? hi[j] : c;
+                clamped |= c != p;
+                cmd[j] = c;
+            }
+        }
+        if (clamped) P(int64_t, I_CLAMP_CTR)[0] += 1;
+        memcpy((double *)(intptr_t)ri[R_LAST_SAFE], cmd, (size_t)n * sizeof(double));
+        ((int64_t *)(intptr_t)ri[R_HAS_SAFE])[0] = 1;
+        float *obs = P(float, I_OBS) + r * ints[I_OBS_STRIDE];
+        memcpy(obs + 3 * n, act, (size_t)A * sizeof(float)); /* previous action */
+        sl_write((int64_t *)(intptr_t)ri[R_CMD_H], (double *)(intptr_t)ri[R_CMD_S], n, cmd,
+                 now_ns);
+    }
+    int64_t *ctr = P(int64_t, I_CMD_CTR);
+    if (ctr != NULL) ctr[0] += 1;
+    double *aux = P(double, I_AUX_LAT);
+    if (aux != NULL) aux[0] = P(double, I_LAT)[0];
+    if (ints[I_EFD] >= 0) {
+        uint64_t one = 1;
+        ssize_t w = write((int)ints[I_EFD], &one, sizeof one);
+        (void)w; /* the node's publisher thread wakes; a full counter (2^64 - 1) cannot happen */
+    }
+    return 1;
+}
+
+/* The whole tick: prepare, the mailbox step, finish. KT_DONE, or where Python takes over. */
+int kt_tick(int64_t *ints, double *dbls, int64_t now_ns) {
+    if (!kt_prepare(ints, dbls, now_ns)) return KT_PY_ALL;
+    int code = kt_infer(ints, dbls);
+    if (code != KT_DONE) return code;
+    return kt_finish(ints, dbls, now_ns) ? KT_DONE : KT_PY_FINISH;
+}

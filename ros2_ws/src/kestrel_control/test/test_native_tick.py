@@ -1,0 +1,322 @@
+"""The loop process's C tick (native_tick.c / .py) against the Python tick, on the CPU.
+
+Two rigs on their own shared-memory segments, same seeded policy, same inputs each tick (sim
+clock, so both see the same `now`): one ticks in Python, one with the C tick. After every tick
+the commands in shared memory (values, versions, stamps), the safety counters, the command
+counter, the eventfd count, the observation rows and the previous actions must be equal (host-
+path commands within 1e-12 rad: numpy's and glibc's float64 tanh may differ by an ulp), through
+stale and non-finite observations, a non-finite action, target changes, clamping, latency
+compensation and two robots; and the C side must actually have run. The persistent kernel's
+mailbox is served by a thread (the GPU kernel itself is tested on the GPU)."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kestrel_control.core import native_tick as nt
+from kestrel_control.core.loop_child import _Tick
+from kestrel_control.core.policy_runner import PolicyRunner, RunnerConfig
+from kestrel_control.core.shm_control import (CLOCK_SIM, CTRL_CLOCK_MODE, CTRL_COMMANDS,
+                                              CTRL_SIM_TIME_NS, ShmLayout, ShmSegment, ShmViews)
+from kestrel_models.control.policy import PolicyConfig
+
+torch.set_num_threads(1)
+N = 6
+LIMIT = 0.5  # rad, both ways: random positions of +-0.6 rad get clamped now and then
+
+try:
+    nt.build_library()
+    NATIVE = ""
+except nt.NativeUnavailable as exc:
+    NATIVE = str(exc)
+pytestmark = pytest.mark.skipif(bool(NATIVE), reason=f"C tick unavailable: {NATIVE}")
+
+
+def _config(robots: int, backend: str = "cpu_eager") -> RunnerConfig:
+    return RunnerConfig(joint_lower=[-LIMIT] * N, joint_upper=[LIMIT] * N, max_obs_age_s=0.02,
+                        latency_compensation=True, warmup_steps=0, num_robots=robots,
+                        policy=PolicyConfig.tiny(), seed=3, backend=backend)
+
+
+def _fake_post(runner: PolicyRunner, nan_at: set[int]) -> None:
+    """Give a CPU runner what an in-graph post-processing backend has: post rows [B, n + 2]
+    (command | finite | clamped), float32 as in the graph; and NaN actions on the steps in
+    `nan_at` (counted from 0)."""
+    b, post = runner.backend, np.zeros((runner.batch, N + 2), np.float32)
+    step, scale = b.step, np.float32(runner.config.action_scale)
+    lo, hi = np.float32(-LIMIT), np.float32(LIMIT)
+    calls = [0]
+
+    def stepped() -> None:
+        step()
+        if calls[0] in nan_at:
+            b.act_np[0, 1] = np.nan
+        calls[0] += 1
+        for r in range(runner.batch):
+            prop = b.obs_np[r, :N] + scale * np.tanh(b.act_np[r, :N])
+            post[r, :N] = np.minimum(np.maximum(prop, lo), hi)
+            post[r, N] = float(np.isfinite(b.act_np[r]).all())
+            post[r, N + 1] = float((post[r, :N] != prop).any())
+
+    b.step = stepped
+    runner._post = post
+
+
+def _nan_actions(runner: PolicyRunner, nan_at: set[int]) -> None:
+    b, step, calls = runner.backend, runner.backend.step, [0]
+
+    def stepped() -> None:
+        step()
+        if calls[0] in nan_at:
+            b.act_np[0, 2] = np.inf
+        calls[0] += 1
+
+    b.step = stepped
+
+
+class Rig:
+    def __init__(self, tag: str, robots: int, native: bool, post: bool,
+                 nan_at: set[int], backend: str = "cpu_eager") -> None:
+        self.layout = ShmLayout(robots, N, 1e-3, stats_capacity=64)
+        self.seg = ShmSegment(f"kestrel_native_{os.getpid()}_{tag}", self.layout.size,
+                              create=True)
+        self.views = ShmViews(self.seg.buf, self.layout)
+        self.views.clear()
+        self.views.control[CTRL_CLOCK_MODE] = CLOCK_SIM
+        self.runner = PolicyRunner(_config(robots, backend), counters=self.views.stats,
+                                   buffers=list(zip(self.views.joint_states, self.views.targets,
+                                                    strict=True)))
+        if backend == "cpu_eager":  # the GPU backends post-process in their graph / kernel
+            (_fake_post if post else _nan_actions)(self.runner, nan_at)
+        self.efd = os.eventfd(0, os.EFD_NONBLOCK)
+        self.tick = _Tick(self.runner, self.views, self.efd, native=native)
+        self.codes: list[int] = []
+        self.finished_in_c = 0
+        if native:
+            assert self.tick.native is not None, self.tick.native_status
+            nat = self.tick.native
+            tick, finish = nat.tick, nat.finish
+
+            def counted_tick(now: int) -> int:
+                self.codes.append(tick(now))
+                return self.codes[-1]
+
+            def counted_finish(now: int) -> int:
+                done = finish(now)
+                self.finished_in_c += done
+                return done
+
+            nat.tick, nat.finish = counted_tick, counted_finish
+
+    def step(self, now: int) -> None:
+        self.runner._lat[0] = 1.5e-3  # same compensation horizon in both rigs (not timing)
+        self.views.control[CTRL_SIM_TIME_NS] = now
+        self.tick(0)
+
+    def state(self) -> dict:
+        st = self.views.stats
+        cmds = [c.read() for c in self.views.commands]
+        try:
+            events = os.eventfd_read(self.efd)
+        except BlockingIOError:
+            events = 0
+        return {"cmd": [c[0].tolist() for c in cmds], "ver": [c[1] for c in cmds],
+                "stamp": [c[2] for c in cmds], "stale": st.stale_inputs,
+                "nonfinite": st.rejected_nonfinite, "clamped": st.clamped_actions,
+                "commands": int(self.views.control[CTRL_COMMANDS]), "events": events,
+                "obs": self.runner.backend.obs_np.tolist(),
+                "safe": [r.safety.has_last_safe for r in self.runner.robots]}
+
+    def close(self) -> None:
+        os.close(self.efd)
+        self.tick.native = None
+        self.runner.close()
+        self.views.release()
+        self.seg.unlink()
+        self.seg.close()
+
+
+def _drive(rigs: list[Rig], robots: int, ticks: int = 120) -> None:
+    rng = np.random.default_rng(7)
+    now = 10**12
+    for k in range(ticks):
+        now += 1_000_000
+        for r in range(robots):
+            js = np.stack([rng.uniform(-0.6, 0.6, N), rng.uniform(-2.0, 2.0, N)])
+            stamp = now - 3_000_000  # 3 ms old: compensated
+            if k == 0:
+                continue  # no input yet
+            if (k == 30 and r == 0) or (k == 31 and r == robots - 1):
+                stamp = now - 50_000_000  # stale
+            if k == 40 and r == 0:
+                js[1, 3] = np.nan  # non-finite observation
+            for rig in rigs:
+                rig.views.joint_states[r].write(js, stamp)
+            if k % 25 == 1:
+                tgt = rng.uniform(-0.3, 0.3, N)
+                for rig in rigs:
+                    rig.views.targets[r].write(tgt, now)
+        for rig in rigs:
+            rig.step(now)
+        a, b = (rig.state() for rig in rigs)
+        # host-path commands: float64 tanh of glibc vs numpy's may differ by an ulp
+        assert np.allclose(a.pop("cmd"), b.pop("cmd"), rtol=0.0, atol=1e-12), f"tick {k}"
+        assert a == b, f"tick {k}: Python and C ticks differ"
+
+
+@pytest.mark.parametrize("robots,post", [(1, False), (1, True), (2, False), (2, True)])
+def test_c_tick_equals_the_python_tick(robots: int, post: bool) -> None:
+    nan_at = {60, 61}
+    rigs = [Rig(f"py{robots}{post}", robots, False, post, nan_at),
+            Rig(f"c{robots}{post}", robots, True, post, nan_at)]
+    try:
+        _drive(rigs, robots)
+        py, c = rigs
+        st = py.views.stats
+        assert st.stale_inputs >= 2 and st.rejected_nonfinite >= 3 and st.clamped_actions > 10
+        assert c.codes.count(nt.KT_PY_INFER) > 80  # prepared in C (no mailbox: Python infers)
+        assert c.codes.count(nt.KT_PY_ALL) >= 3  # no input, stale, NaN observation
+        assert c.finished_in_c > 80  # and finished in C, except for the NaN actions
+    finally:
+        for rig in rigs:
+            rig.close()
+
+
+class ThreadMailbox:
+    """cuda_persistent's mailbox served by a thread that runs the CPU policy step: the C tick's
+    request / answer protocol and its late path without a GPU. `slow_at`: steps answered after
+    300 ms (beyond the C side's spin limit, set to 100 ms here: a CPU thread's answer is not a
+    GPU's)."""
+
+    def __init__(self, backend, slow_at: set[int]) -> None:
+        self.b, self.slow_at = backend, slow_at
+        self.ctrl = np.zeros(64, np.int32)
+        self.mb = np.zeros(4, np.int64)
+        self.mb[0] = 1
+        self.served = 0
+        self.stop = False
+        self.step_cpu = backend.step
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        last = 0
+        while not self.stop:
+            seq = int(self.ctrl[0])
+            if seq == last:
+                time.sleep(2e-5)
+                continue
+            if self.served in self.slow_at:
+                time.sleep(0.3)
+            self.step_cpu()
+            self.served += 1
+            last = seq
+            self.ctrl[16] = seq
+
+    def mailbox(self):
+        return self.ctrl, self.mb
+
+    def step(self) -> None:  # PersistentTritonBackend.step's host side
+        seq = int(self.mb[0])
+        self.mb[0] = seq + 1
+        self.ctrl[0] = seq
+        self.finish(seq)
+
+    def finish_late(self) -> None:
+        self.finish(int(self.mb[3]))
+
+    def finish(self, seq: int) -> None:
+        end = time.monotonic() + 5.0
+        while self.ctrl[16] != seq:
+            assert time.monotonic() < end, "mailbox thread did not answer"
+            time.sleep(1e-5)
+
+
+def test_c_tick_serves_the_persistent_mailbox() -> None:
+    """With a mailbox the whole tick runs in one C call (KT_DONE); a late answer goes to
+    Python's finish_late; commands equal the Python tick's."""
+    rigs = [Rig("mpy", 1, False, False, set()), Rig("mc", 1, True, False, set())]
+    boxes = []
+    try:
+        for rig in rigs:
+            box = ThreadMailbox(rig.runner.backend, slow_at={50})
+            boxes.append(box)
+            rig.runner.backend.step = box.step
+            rig.runner.backend.mailbox = box.mailbox
+            rig.runner.backend.finish_late = box.finish_late
+        c = rigs[1]
+        # the C tick built now (after the mailbox exists), as a CDLL: the serving thread needs
+        # the GIL while C waits
+        native = nt.NativeTick(c.runner, c.views, c.efd, release_gil=True)
+        native.ints[nt.I_SPIN_NS] = 100_000_000
+        tick = native.tick
+
+        def counted(now: int) -> int:
+            c.codes.append(tick(now))
+            return c.codes[-1]
+
+        native.tick = counted
+        c.tick.native = native
+        _drive(rigs, 1, ticks=80)
+        assert c.codes.count(nt.KT_DONE) > 60, c.codes
+        assert c.codes.count(nt.KT_PY_LATE) == 1, c.codes
+        assert boxes[1].served == boxes[0].served
+    finally:
+        for box in boxes:
+            box.stop = True
+            box.thread.join(5.0)
+        for rig in rigs:
+            rig.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["cuda_persistent", "cuda_graph_triton"])
+def test_c_tick_equals_the_python_tick_on_the_gpu(backend: str) -> None:
+    """The real in-graph post-processing; with cuda_persistent the whole tick in one C call
+    through the resident kernel's mailbox (KT_DONE), with cuda_graph_triton the step in Python
+    between C's prepare and finish. Commands equal exactly (the same float32 rows)."""
+    pytest.importorskip("triton")
+    rigs = [Rig(f"gpy{backend}", 2, False, False, set(), backend),
+            Rig(f"gc{backend}", 2, True, False, set(), backend)]
+    try:
+        _drive(rigs, 2)
+        c = rigs[1]
+        done = nt.KT_DONE if backend == "cuda_persistent" else nt.KT_PY_INFER
+        assert c.codes.count(done) > 80, c.codes
+        assert rigs[0].views.stats.clamped_actions > 10
+    finally:
+        for rig in rigs:
+            rig.close()
+
+
+def test_offsets_match_the_c_source() -> None:
+    src = nt.SOURCE.read_text()
+
+    def names(first: str) -> list[str]:
+        body = re.search(r"enum\s*\{[^{}]*?\b" + first + r"\b[^}]*\}", src).group(0)
+        body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+        return re.findall(r"\b([A-Z][A-Z0-9_]+)\b", body.split("{", 1)[1])
+
+    for first in ("I_ROBOTS", "R_JS_H", "D_MAX_AGE", "KT_DONE"):
+        for i, name in enumerate(n for n in names(first) if "=" not in n):
+            assert getattr(nt, name) == i, (name, i)
+
+
+def test_no_compiler_is_reported_not_raised_at_the_loop(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", "kestrel-no-such-compiler")
+    with pytest.raises(nt.NativeUnavailable, match="no C compiler"):
+        nt.build_library(tmp_path)
+    rig = Rig("nocc", 1, False, False, set())
+    try:
+        tick = _Tick(rig.runner, rig.views, rig.efd, native=True)
+        assert tick.native is None and "Python tick runs" in tick.native_status
+    finally:
+        rig.close()
