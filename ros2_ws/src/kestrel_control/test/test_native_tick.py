@@ -23,8 +23,9 @@ import torch
 from kestrel_control.core import native_tick as nt
 from kestrel_control.core.loop_child import _Tick
 from kestrel_control.core.policy_runner import PolicyRunner, RunnerConfig
-from kestrel_control.core.shm_control import (CLOCK_SIM, CTRL_CLOCK_MODE, CTRL_COMMANDS,
-                                              CTRL_SIM_TIME_NS, ShmLayout, ShmSegment, ShmViews)
+from kestrel_control.core.shm_control import (_H_PUB, _H_SEQ, CLOCK_SIM, CTRL_CLOCK_MODE,
+                                              CTRL_COMMANDS, CTRL_SIM_TIME_NS, ShmLayout,
+                                              ShmSegment, ShmViews)
 from kestrel_models.control.policy import PolicyConfig
 
 torch.set_num_threads(1)
@@ -132,6 +133,12 @@ class Rig:
                 "nonfinite": st.rejected_nonfinite, "clamped": st.clamped_actions,
                 "commands": int(self.views.control[CTRL_COMMANDS]), "events": events,
                 "obs": self.runner.backend.obs_np.tolist(),
+                "targets": [r.target_now.tolist() for r in self.runner.robots],
+                "tver": self.runner._tver.tolist(),
+                # (NaN -> a sentinel: the list comparison below treats NaN != NaN)
+                "good": [[np.nan_to_num(b._good, nan=1e300).tolist(), b._good_vs.tolist()]
+                         for b in (
+                    *self.views.joint_states, *self.views.targets)],
                 "safe": [r.safety.has_last_safe for r in self.runner.robots]}
 
     def close(self) -> None:
@@ -163,8 +170,18 @@ def _drive(rigs: list[Rig], robots: int, ticks: int = 120) -> None:
                 tgt = rng.uniform(-0.3, 0.3, N)
                 for rig in rigs:
                     rig.views.targets[r].write(tgt, now)
+        stuck = []
+        if k in (50, 52):  # the writer "laps" the reader: the published slot stays mid-write
+            for rig in rigs:  # joint states (50), a new target (52): every read try fails
+                buf = rig.views.joint_states[0] if k == 50 else rig.views.targets[0]
+                if k == 52:
+                    buf.write(np.full(N, 0.25), now)
+                stuck.append(buf)
+                buf._h[_H_SEQ + buf._h[_H_PUB]] += 1  # odd
         for rig in rigs:
             rig.step(now)
+        for buf in stuck:
+            buf._h[_H_SEQ + buf._h[_H_PUB]] += 1  # even again: the "write" completes
         a, b = (rig.state() for rig in rigs)
         # host-path commands: float64 tanh of glibc vs numpy's may differ by an ulp
         assert np.allclose(a.pop("cmd"), b.pop("cmd"), rtol=0.0, atol=1e-12), f"tick {k}"
@@ -264,7 +281,16 @@ def test_c_tick_serves_the_persistent_mailbox() -> None:
 
         native.tick = counted
         c.tick.native = native
+        late_dt: list[float] = []
+        infer_late = c.runner._infer_late
+
+        def timed_late(t0_ns: int) -> None:
+            infer_late(t0_ns)
+            late_dt.append(c.runner._last_step_s)
+
+        c.runner._infer_late = timed_late
         _drive(rigs, 1, ticks=80)
+        assert late_dt and late_dt[0] >= 0.25  # the late step's time counts from C's request
         assert c.codes.count(nt.KT_DONE) > 60, c.codes
         assert c.codes.count(nt.KT_PY_LATE) == 1, c.codes
         assert boxes[1].served == boxes[0].served
@@ -305,9 +331,26 @@ def test_offsets_match_the_c_source() -> None:
         body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
         return re.findall(r"\b([A-Z][A-Z0-9_]+)\b", body.split("{", 1)[1])
 
-    for first in ("I_ROBOTS", "R_JS_H", "D_MAX_AGE", "KT_DONE"):
-        for i, name in enumerate(n for n in names(first) if "=" not in n):
+    for first in ("I_ROBOTS", "R_JS_H", "D_MAX_AGE"):
+        for i, name in enumerate(names(first)):
             assert getattr(nt, name) == i, (name, i)
+    # constants with explicit values, against the Python modules that own them
+    from kestrel_control.core import shm_control
+    from kestrel_models.control import persistent_step
+
+    values = {m[0]: int(m[1]) for m in re.findall(r"\b([A-Z][A-Z0-9_]+) = (\d+)", src)}
+    owners = {"KT_": (nt, ""), "H_": (shm_control, "_H_"), "MB_": (persistent_step, ""),
+              "S_": (persistent_step, "S_")}
+    checked = 0
+    for name, value in values.items():
+        for prefix, (module, py_prefix) in owners.items():
+            if name.startswith(prefix):
+                py_name = py_prefix + name[len(prefix):] if py_prefix else name
+                if prefix == "MB_":
+                    py_name = name[3:]  # MB_REQ -> REQ
+                assert getattr(module, py_name) == value, (name, py_name)
+                checked += 1
+    assert checked >= 14, values
 
 
 def test_no_compiler_is_reported_not_raised_at_the_loop(monkeypatch, tmp_path) -> None:

@@ -28,8 +28,8 @@ import traceback
 from kestrel_common.shm import unlink_segment
 
 from kestrel_control.core.loop_process import Channel
-from kestrel_control.core.native_tick import (KT_DONE, KT_PY_ALL, KT_PY_FINISH, KT_PY_INFER,
-                                              KT_PY_LATE)
+from kestrel_control.core.native_tick import (I_LATE_T0, KT_DONE, KT_PY_ALL, KT_PY_FINISH,
+                                              KT_PY_INFER, KT_PY_LATE)
 from kestrel_control.core.shm_control import (AUX_COMPUTE_LATENCY, CLOCK_SIM, CTRL_CLOCK_MODE,
                                               CTRL_COMMANDS, CTRL_NO_CLOCK, CTRL_SIM_TIME_NS,
                                               CTRL_STATE, STATE_READY, STATE_RUNNING,
@@ -90,7 +90,7 @@ class _Tick:
         if code == KT_PY_INFER:
             runner._infer()
         elif code == KT_PY_LATE:
-            runner._infer_late()
+            runner._infer_late(int(native.ints[I_LATE_T0]))
         if code != KT_PY_FINISH and native.finish(now):
             return
         runner._finish_all(all_ready=True)

@@ -24,11 +24,11 @@
 enum {
     I_ROBOTS, I_JOINTS, I_ACTIONS, I_OBS, I_OBS_STRIDE, I_ACT, I_ACT_STRIDE, I_POST,
     I_POST_STRIDE, I_LAT, I_COMPENSATE, I_CLAMP_CTR, I_CMD_CTR, I_AUX_LAT, I_EFD, I_MB_CTRL,
-    I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_RETRIES, I_SPIN_NS, I_GLOBAL
+    I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_READ_NS, I_SPIN_NS, I_LATE_T0, I_GLOBAL
 };
-enum { /* per robot, at I_GLOBAL + r * R_SIZE */
+enum { /* per robot, at I_GLOBAL + r * R_SIZE; *_GOOD / *_GVS: the reader's fallback copy */
     R_JS_H, R_JS_S, R_TG_H, R_TG_S, R_CMD_H, R_CMD_S, R_INPUTS, R_TVER, R_LAST_SAFE,
-    R_HAS_SAFE, R_SIZE
+    R_HAS_SAFE, R_JS_GOOD, R_JS_GVS, R_TG_GOOD, R_TG_GVS, R_SIZE
 };
 enum { D_MAX_AGE, D_SCALE, D_SIZE };
 
@@ -62,30 +62,39 @@ static inline int64_t mono_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* SharedLatestValue.read_into: the newest complete value into out[count]; 1 on success, 0 when
- * every try collided with the writer (Python then reads, with its fallback value). */
+/* SharedLatestValue.read_into: the newest complete value into out[count] and into the reader's
+ * fallback copy good[count] / gvs [version, stamp] (as Python keeps them); 1 on success, 0 when
+ * the writer kept its slot busy for budget_ns (Python then reads, falling back to `good`). A
+ * Python writer holds a slot ~0.5-1 us, so the budget is in time, not tries; a read that had to
+ * retry counts once in the header's retries (Python counts each try). */
 static int sl_read(int64_t *h, const double *slots, int64_t count, double *out,
-                   int64_t *version, int64_t *stamp, int64_t tries) {
-    for (int64_t t = 0; t < tries; t++) {
+                   double *good, int64_t *gvs, int64_t *version, int64_t *stamp,
+                   int64_t budget_ns) {
+    int64_t end = 0;
+    for (uint32_t t = 0;; t++) {
         int64_t idx = ld64(&h[H_PUB]);
         if (idx != 0 && idx != 1) return 0;
         int64_t s1 = ld64(&h[H_SEQ + idx]);
-        if (s1 & 1) {
+        if (!(s1 & 1)) {
+            memcpy(out, slots + idx * count, (size_t)count * sizeof(double));
+            int64_t v = ld64(&h[H_SLOTVER + idx]);
+            int64_t s = ld64(&h[H_STAMP + idx]);
+            __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the copy completes before the check */
+            if (ld64(&h[H_SEQ + idx]) == s1) {
+                memcpy(good, out, (size_t)count * sizeof(double));
+                gvs[0] = *version = v;
+                gvs[1] = *stamp = s;
+                return 1;
+            }
+        }
+        if (t == 0) {
             h[H_RETRIES] += 1;
-            continue;
+            end = mono_ns() + budget_ns;
+        } else if ((t & 15) == 0 && mono_ns() > end) {
+            return 0;
         }
-        memcpy(out, slots + idx * count, (size_t)count * sizeof(double));
-        int64_t v = ld64(&h[H_SLOTVER + idx]);
-        int64_t s = ld64(&h[H_STAMP + idx]);
-        __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the copy completes before the re-check */
-        if (ld64(&h[H_SEQ + idx]) == s1) {
-            *version = v;
-            *stamp = s;
-            return 1;
-        }
-        h[H_RETRIES] += 1;
+        cpu_relax();
     }
-    return 0;
 }
 
 /* SharedLatestValue.write (one writer thread: the loop's) */
@@ -104,26 +113,33 @@ static void sl_write(int64_t *h, double *slots, int64_t count, const double *val
     st64(&h[H_VER], version);
 }
 
+#define PTR(T, ri, k) ((T *)(intptr_t)(ri)[(k)])
+#define MAX_ROBOTS 1024 /* RunnerConfig's bound */
+
 /* PolicyRunner._prepare for every robot, OK path only: 1 when every robot has a fresh, finite
- * observation (obs rows written), else 0 (Python prepares them all again and counts). */
+ * observation (then, and only then, the rows are compensated and written), else 0 with no obs
+ * row touched (Python prepares them all again, holds and counts). */
 int kt_prepare(int64_t *ints, double *dbls, int64_t now_ns) {
-    const int64_t R = ints[I_ROBOTS], n = ints[I_JOINTS], A = ints[I_ACTIONS];
+    const int64_t R = ints[I_ROBOTS], n = ints[I_JOINTS];
     const double max_age = dbls[D_MAX_AGE];
     const double lat = P(double, I_LAT)[0];
-    (void)A;
+    double ages[MAX_ROBOTS];
+    if (R > MAX_ROBOTS) return 0;
     for (int64_t r = 0; r < R; r++) {
         int64_t *ri = ints + I_GLOBAL + r * R_SIZE;
-        double *inputs = (double *)(intptr_t)ri[R_INPUTS]; /* [3, n]: pos, vel, target */
+        double *inputs = PTR(double, ri, R_INPUTS); /* [3, n]: pos, vel, target */
         int64_t version, stamp;
-        if (!sl_read((int64_t *)(intptr_t)ri[R_JS_H], (double *)(intptr_t)ri[R_JS_S], 2 * n,
-                     inputs, &version, &stamp, ints[I_RETRIES]) || version == 0)
+        if (!sl_read(PTR(int64_t, ri, R_JS_H), PTR(double, ri, R_JS_S), 2 * n, inputs,
+                     PTR(double, ri, R_JS_GOOD), PTR(int64_t, ri, R_JS_GVS), &version, &stamp,
+                     ints[I_READ_NS]) || version == 0)
             return 0;
-        int64_t *h_tg = (int64_t *)(intptr_t)ri[R_TG_H];
-        int64_t *tver = (int64_t *)(intptr_t)ri[R_TVER];
+        int64_t *h_tg = PTR(int64_t, ri, R_TG_H);
+        int64_t *tver = PTR(int64_t, ri, R_TVER);
         if (ld64(&h_tg[H_VER]) != *tver) { /* targets change rarely: copy only then */
             int64_t tv, ts;
-            if (!sl_read(h_tg, (double *)(intptr_t)ri[R_TG_S], n, inputs + 2 * n, &tv, &ts,
-                         ints[I_RETRIES]))
+            if (!sl_read(h_tg, PTR(double, ri, R_TG_S), n, inputs + 2 * n,
+                         PTR(double, ri, R_TG_GOOD), PTR(int64_t, ri, R_TG_GVS), &tv, &ts,
+                         ints[I_READ_NS]))
                 return 0;
             *tver = tv;
         }
@@ -132,8 +148,12 @@ int kt_prepare(int64_t *ints, double *dbls, int64_t now_ns) {
         double acc = 0.0;
         for (int64_t j = 0; j < 3 * n; j++) acc += inputs[j] * 0.0; /* NaN iff one is */
         if (acc != 0.0) return 0;
+        ages[r] = age;
+    }
+    for (int64_t r = 0; r < R; r++) {
+        double *inputs = PTR(double, ints + I_GLOBAL + r * R_SIZE, R_INPUTS);
         if (ints[I_COMPENSATE]) {
-            double ahead = (age > 0.0 ? age : 0.0) + lat;
+            double ahead = (ages[r] > 0.0 ? ages[r] : 0.0) + lat;
             if (ahead > max_age) ahead = max_age;
             for (int64_t j = 0; j < n; j++) inputs[j] += inputs[n + j] * ahead;
         }
@@ -152,6 +172,7 @@ int kt_infer(int64_t *ints, double *dbls) {
     int64_t *st = P(int64_t, I_MB_STATE);
     if (mb == NULL || ld32(&mb[MB_RETIRED]) || st[S_RESET] || st[S_FAILED]) return KT_PY_INFER;
     int64_t t0 = mono_ns();
+    ints[I_LATE_T0] = t0; /* a late answer's step time is taken by Python from here */
     int64_t seq = st[S_NEXT];
     st[S_NEXT] = seq >= SEQ_MAX ? 1 : seq + 1;
     st32(&mb[MB_REQ], (int32_t)seq); /* release: the observation rows are visible first */

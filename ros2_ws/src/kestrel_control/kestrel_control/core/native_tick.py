@@ -46,9 +46,10 @@ SOURCE = Path(__file__).with_name("native_tick.c")
 # offsets of native_tick.c's ints[] / dbls[] (test_native_tick checks them against the source)
 (I_ROBOTS, I_JOINTS, I_ACTIONS, I_OBS, I_OBS_STRIDE, I_ACT, I_ACT_STRIDE, I_POST,
  I_POST_STRIDE, I_LAT, I_COMPENSATE, I_CLAMP_CTR, I_CMD_CTR, I_AUX_LAT, I_EFD, I_MB_CTRL,
- I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_RETRIES, I_SPIN_NS, I_GLOBAL) = range(23)
+ I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_READ_NS, I_SPIN_NS, I_LATE_T0,
+ I_GLOBAL) = range(24)
 (R_JS_H, R_JS_S, R_TG_H, R_TG_S, R_CMD_H, R_CMD_S, R_INPUTS, R_TVER, R_LAST_SAFE,
- R_HAS_SAFE, R_SIZE) = range(11)
+ R_HAS_SAFE, R_JS_GOOD, R_JS_GVS, R_TG_GOOD, R_TG_GVS, R_SIZE) = range(15)
 D_MAX_AGE, D_SCALE, D_SIZE = range(3)
 
 # return codes: what Python still has to do for this tick
@@ -57,6 +58,9 @@ KT_DONE, KT_PY_ALL, KT_PY_INFER, KT_PY_LATE, KT_PY_FINISH = range(5)
 # the persistent kernel's answer is waited for in C up to this long, then by Python's slow
 # path (relaunch of a retired kernel, the backend's timeout); ~2x its p99.9 on the H200
 SPIN_NS = 200_000
+# a seqlock read retries (writer mid-write) this long before Python's read takes over; a
+# Python writer (the node's subscription callback) holds a slot ~0.5-1 us
+READ_NS = 20_000
 
 _FLAGS = ["-O2", "-std=gnu11", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off",
           "-Wall"]
@@ -179,8 +183,7 @@ class NativeTick:
         self._limits = (np.ascontiguousarray(safety.lower, np.float64),
                         np.ascontiguousarray(safety.upper, np.float64))
         ints[I_LOWER], ints[I_UPPER] = (_ptr(x) for x in self._limits)
-        ints[I_RETRIES] = robots[0].joint_states._max_retries
-        ints[I_SPIN_NS] = SPIN_NS
+        ints[I_READ_NS], ints[I_SPIN_NS] = READ_NS, SPIN_NS
         dbls[D_MAX_AGE], dbls[D_SCALE] = safety.max_obs_age_s, runner.config.action_scale
         for r, robot in enumerate(robots):
             base = I_GLOBAL + r * R_SIZE
@@ -197,6 +200,9 @@ class NativeTick:
             ints[base + R_TVER] = _ptr(runner._tver) + 8 * r
             ints[base + R_LAST_SAFE] = _ptr(robot.safety._last_safe)
             ints[base + R_HAS_SAFE] = _ptr(robot.safety._has)
+            for k_good, buf in ((R_JS_GOOD, robot.joint_states), (R_TG_GOOD, robot.target)):
+                ints[base + k_good], ints[base + k_good + 1] = (_ptr(buf._good),
+                                                                _ptr(buf._good_vs))
         self.ints, self.dbls = ints, dbls
         self._keep = (runner, views)  # every address above stays valid while this lives
         lib = load(directory, release_gil=release_gil)
@@ -215,6 +221,7 @@ class NativeTick:
         """(header address, slots address) of a SharedLatestValue with float64 slots."""
         s0, s1 = buf._slots
         if not (s0.dtype == np.float64 and s0.flags.c_contiguous
-                and _ptr(s1) == _ptr(s0) + s0.nbytes and buf._h.dtype == np.int64):
+                and _ptr(s1) == _ptr(s0) + s0.nbytes and buf._h.dtype == np.int64
+                and buf._good.dtype == np.float64 and buf._good.flags.c_contiguous):
             raise NativeUnavailable("a shared-memory buffer's layout is not the expected one")
         return _ptr(buf._h), _ptr(s0)

@@ -246,9 +246,14 @@ class PolicyRunner:
         lat[1] = dt
         lat[0] += 0.05 * (dt - lat[0])
 
-    def _infer_late(self) -> None:
-        """The C tick posted this step's request and stopped waiting (native_tick.py)."""
+    def _infer_late(self, t0_ns: int) -> None:
+        """The C tick posted this step's request at time.monotonic_ns() `t0_ns` and stopped
+        waiting (native_tick.py): wait here; the step time counts from t0_ns."""
         self.backend.finish_late()
+        dt = (time.monotonic_ns() - t0_ns) * 1e-9
+        lat = self._lat
+        lat[1] = dt
+        lat[0] += 0.05 * (dt - lat[0])
 
     def _prepare(self, index: int, now_ns: int) -> bool:
         """Read robot `index`'s inputs, fill its obs row; False when it holds (or no input)."""

@@ -55,8 +55,10 @@ class SharedLatestValue:
         self._slots = (slots[0], slots[1])  # float64 [*shape] each, in the segment
         self._max_retries = int(max_retries)
         self._good = np.zeros_like(slots[0])  # this reader's last complete value (private)
-        self._good_version = 0
-        self._good_stamp = 0
+        # its (version, stamp): int64 [2], so that the loop process's C tick (native_tick.c),
+        # which reads through the same fallback, keeps them current too
+        self._good_vs = np.zeros(2, dtype=np.int64)
+        self._gvs = memoryview(self._good_vs).cast("B").cast("q")
         self._write_lock = threading.Lock()  # writer threads of ONE process
 
     @property
@@ -146,12 +148,14 @@ class SharedLatestValue:
             stamp = item(_H_STAMP + idx)
             if item(_H_SEQ + idx) == s1:
                 self._good[...] = out
-                self._good_version, self._good_stamp = version, stamp
+                gvs = self._gvs
+                gvs[0] = version
+                gvs[1] = stamp
                 return version, stamp
             h[_H_RETRIES] += 1
         h[_H_FAILED] += 1  # the writer outpaced every try: the previous complete value
         np.copyto(out, self._good)
-        return self._good_version, self._good_stamp
+        return self._gvs[0], self._gvs[1]
 
     def read(self) -> tuple[np.ndarray, int, int]:
         out = np.empty_like(self._slots[0])
