@@ -89,7 +89,8 @@ SPECS = [
               "checks, the cuda_persistent step, command, clamp) in C, compiled once with the "
               "system C compiler (CC, else cc) into ~/.cache/kestrel/native; without a compiler "
               "the Python tick runs and the loop process logs why. Same commands (host-side "
-              "tanh: within 1e-12 rad) and counters either way (test_native_tick.py).", read_only=True),
+              "tanh: within 1e-12 rad) and counters either way (test_native_tick.py).",
+              read_only=True),
     ParamSpec("disable_gc", True, "gc.freeze + gc.disable (process-wide) while the loop runs.",
               read_only=True),
 ]
