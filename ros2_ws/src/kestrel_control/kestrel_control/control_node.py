@@ -191,7 +191,9 @@ class ControlNode(KestrelLifecycleNode):
             f"configured: {len(names)} joints {names}, {len(prefixes)} robot(s) (batch "
             f"{batch}), {p['rate_hz']:g} Hz, backend {p['backend']}, loop in a "
             f"{self.loop_mode}, policy {source if p['model_path'] else policy}, latency "
-            f"compensation {'on' if p['latency_compensation'] else 'off'}")
+            f"compensation {'on' if p['latency_compensation'] else 'off'}"
+            + (f", native tick {self._proc.info.get('native_tick', '?')}"
+               if self._proc is not None else ""))
         return TransitionCallbackReturn.SUCCESS
 
     @staticmethod
