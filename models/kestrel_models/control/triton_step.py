@@ -313,6 +313,22 @@ class TritonGraphBackend(PolicyBackend):
         while not query():
             pass
 
+    def graph_handles(self) -> tuple[int, int] | None:
+        """(cudaGraphExec_t, cudaStream_t) as integers for the loop process's C tick, which
+        launches the graph and polls the stream itself (native_tick.c) as step() does; None
+        when this torch cannot give the executable."""
+        raw = getattr(self.graph, "raw_cuda_graph_exec", None)
+        if raw is None:
+            return None
+        return int(raw()), int(self._stream.cuda_stream)
+
+    def finish_late(self) -> None:
+        """The C tick launched the graph and stopped polling: poll until it is done (raises
+        the CUDA error if the graph failed)."""
+        query = self._stream.query
+        while not query():
+            pass
+
     def reset_state(self, index: int | None = None) -> None:
         for state in (self.h, self.c):
             if index is None:

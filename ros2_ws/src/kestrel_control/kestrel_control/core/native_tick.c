@@ -14,6 +14,7 @@
  * Memory ordering: the seqlocks and the mailbox use C11 atomics (acquire loads, release stores
  * and fences): plain moves on x86-64, real barriers on weakly ordered CPUs.
  */
+#include <dlfcn.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -24,7 +25,8 @@
 enum {
     I_ROBOTS, I_JOINTS, I_ACTIONS, I_OBS, I_OBS_STRIDE, I_ACT, I_ACT_STRIDE, I_POST,
     I_POST_STRIDE, I_LAT, I_COMPENSATE, I_CLAMP_CTR, I_CMD_CTR, I_AUX_LAT, I_EFD, I_MB_CTRL,
-    I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_READ_NS, I_SPIN_NS, I_LATE_T0, I_GLOBAL
+    I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_READ_NS, I_SPIN_NS, I_LATE_T0, I_GRAPH_EXEC,
+    I_STREAM, I_CU_CTX, I_GLOBAL
 };
 enum { /* per robot, at I_GLOBAL + r * R_SIZE; *_GOOD / *_GVS: the reader's fallback copy */
     R_JS_H, R_JS_S, R_TG_H, R_TG_S, R_CMD_H, R_CMD_S, R_INPUTS, R_TVER, R_LAST_SAFE,
@@ -163,14 +165,74 @@ int kt_prepare(int64_t *ints, double *dbls, int64_t now_ns) {
     return 1;
 }
 
-/* cuda_persistent's step (PersistentTritonBackend.step) through its mailbox: KT_DONE, or
- * KT_PY_INFER (no mailbox, kernel retired, a state reset pending, backend failed: Python
- * steps), or KT_PY_LATE (the request is out and unanswered after spin_ns: Python waits). */
+/* A captured CUDA graph's step (cuda_graph_triton: TritonGraphBackend.step = replay + poll)
+ * through the CUDA driver API, loaded at run time (no link-time CUDA dependency): the graph's
+ * executable and stream handles are torch's (CUDAGraph.raw_cuda_graph_exec, the stream it is
+ * replayed on), the context the one current where the tick was built. */
+typedef int (*cu_graph_launch_t)(void *exec, void *stream);
+typedef int (*cu_stream_query_t)(void *stream);
+typedef int (*cu_ctx_t)(void **ctx);
+typedef int (*cu_ctx_set_t)(void *ctx);
+static cu_graph_launch_t cu_graph_launch;
+static cu_stream_query_t cu_stream_query;
+static cu_ctx_set_t cu_ctx_set;
+static __thread void *thread_ctx; /* the context made current on this (the loop's) thread */
+#define CUDA_ERROR_NOT_READY 600
+
+/* Load libcuda's four entry points and store the calling thread's current context in ints;
+ * 1 on success, 0 when there is no driver or no current context (then Python replays). */
+int kt_init_cuda(int64_t *ints) {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL) return 0;
+    cu_graph_launch_t launch = (cu_graph_launch_t)dlsym(lib, "cuGraphLaunch");
+    cu_stream_query_t query = (cu_stream_query_t)dlsym(lib, "cuStreamQuery");
+    cu_ctx_t get = (cu_ctx_t)dlsym(lib, "cuCtxGetCurrent");
+    cu_ctx_set_t set = (cu_ctx_set_t)dlsym(lib, "cuCtxSetCurrent");
+    void *ctx = NULL;
+    if (!launch || !query || !get || !set || get(&ctx) != 0 || ctx == NULL) return 0;
+    cu_graph_launch = launch;
+    cu_stream_query = query;
+    cu_ctx_set = set;
+    ints[I_CU_CTX] = (int64_t)(intptr_t)ctx;
+    return 1;
+}
+
+static int graph_step(int64_t *ints) {
+    void *ctx = (void *)(intptr_t)ints[I_CU_CTX];
+    if (cu_graph_launch == NULL || ctx == NULL) return KT_PY_INFER;
+    if (thread_ctx != ctx) {
+        if (cu_ctx_set(ctx) != 0) return KT_PY_INFER;
+        thread_ctx = ctx;
+    }
+    void *stream = (void *)(intptr_t)ints[I_STREAM];
+    int64_t t0 = mono_ns();
+    ints[I_LATE_T0] = t0;
+    if (cu_graph_launch((void *)(intptr_t)ints[I_GRAPH_EXEC], stream) != 0)
+        return KT_PY_INFER; /* nothing launched: Python replays (and raises the error) */
+    const int64_t limit = t0 + ints[I_SPIN_NS];
+    for (uint32_t k = 1;; k++) {
+        int r = cu_stream_query(stream);
+        if (r == 0) break;
+        if (r != CUDA_ERROR_NOT_READY) return KT_PY_LATE; /* Python's poll raises it */
+        if ((k & 15) == 0 && mono_ns() > limit) return KT_PY_LATE;
+    }
+    double dt = (double)(mono_ns() - t0) * 1e-9;
+    double *lat = P(double, I_LAT); /* [EMA, last] s, PolicyRunner._infer's */
+    lat[1] = dt;
+    lat[0] += 0.05 * (dt - lat[0]);
+    return KT_DONE;
+}
+
+/* cuda_persistent's step (PersistentTritonBackend.step) through its mailbox, or a CUDA graph's
+ * (graph_step): KT_DONE, or KT_PY_INFER (neither, kernel retired, a state reset pending,
+ * backend failed: Python steps), or KT_PY_LATE (the request or graph is out and unanswered
+ * after spin_ns: Python waits). */
 int kt_infer(int64_t *ints, double *dbls) {
     (void)dbls;
     int32_t *mb = P(int32_t, I_MB_CTRL);
     int64_t *st = P(int64_t, I_MB_STATE);
-    if (mb == NULL || ld32(&mb[MB_RETIRED]) || st[S_RESET] || st[S_FAILED]) return KT_PY_INFER;
+    if (mb == NULL) return ints[I_GRAPH_EXEC] ? graph_step(ints) : KT_PY_INFER;
+    if (ld32(&mb[MB_RETIRED]) || st[S_RESET] || st[S_FAILED]) return KT_PY_INFER;
     int64_t t0 = mono_ns();
     ints[I_LATE_T0] = t0; /* a late answer's step time is taken by Python from here */
     int64_t seq = st[S_NEXT];

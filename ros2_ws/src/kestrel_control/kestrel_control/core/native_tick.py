@@ -9,7 +9,10 @@ slow episode is about the GPU step alone.
 
 What runs in C (one ctypes call per tick, `kt_tick`): the joint-state and target seqlock reads,
 the stale and finite checks, the latency compensation, the observation rows; with
-`cuda_persistent` the request to the resident kernel and the wait for its answer; the command
+`cuda_persistent` the request to the resident kernel and the wait for its answer, with
+`cuda_graph_triton` the graph launch and the stream poll (CUDA driver API, libcuda loaded at run
+time, on torch's graph executable and stream: what CUDAGraph.replay does for a graph without
+RNG state); the command
 (the backend's in-graph post-processing, or positions + action_scale * tanh(actions) on the
 host), the clamp to the joint limits (counted), the last safe command, the previous action, the
 command into shared memory, the command counter and the eventfd that wakes the node's publisher.
@@ -46,8 +49,8 @@ SOURCE = Path(__file__).with_name("native_tick.c")
 # offsets of native_tick.c's ints[] / dbls[] (test_native_tick checks them against the source)
 (I_ROBOTS, I_JOINTS, I_ACTIONS, I_OBS, I_OBS_STRIDE, I_ACT, I_ACT_STRIDE, I_POST,
  I_POST_STRIDE, I_LAT, I_COMPENSATE, I_CLAMP_CTR, I_CMD_CTR, I_AUX_LAT, I_EFD, I_MB_CTRL,
- I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_READ_NS, I_SPIN_NS, I_LATE_T0,
- I_GLOBAL) = range(24)
+ I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_READ_NS, I_SPIN_NS, I_LATE_T0, I_GRAPH_EXEC,
+ I_STREAM, I_CU_CTX, I_GLOBAL) = range(27)
 (R_JS_H, R_JS_S, R_TG_H, R_TG_S, R_CMD_H, R_CMD_S, R_INPUTS, R_TVER, R_LAST_SAFE,
  R_HAS_SAFE, R_JS_GOOD, R_JS_GVS, R_TG_GOOD, R_TG_GVS, R_SIZE) = range(15)
 D_MAX_AGE, D_SCALE, D_SIZE = range(3)
@@ -97,7 +100,7 @@ def build_library(directory: Path | None = None, compiler: str | None = None) ->
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=lib.name, suffix=".tmp", dir=directory)
         os.close(fd)
-        done = subprocess.run([exe, *_FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+        done = subprocess.run([exe, *_FLAGS, "-o", tmp, str(SOURCE), "-lm", "-ldl"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             os.unlink(tmp)
@@ -116,7 +119,8 @@ def load(directory: Path | None = None, release_gil: bool = False) -> ctypes.CDL
     lib = (ctypes.CDLL if release_gil else ctypes.PyDLL)(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for name, args in (("kt_prepare", [p, p, i64]), ("kt_infer", [p, p]),
-                       ("kt_finish", [p, p, i64]), ("kt_tick", [p, p, i64])):
+                       ("kt_finish", [p, p, i64]), ("kt_tick", [p, p, i64]),
+                       ("kt_init_cuda", [p])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
     return lib
@@ -173,11 +177,22 @@ class NativeTick:
         ints[I_CMD_CTR] = _ptr(views.control) + 8 * CTRL_COMMANDS
         ints[I_AUX_LAT] = _ptr(views.aux) + 8 * AUX_COMPUTE_LATENCY
         ints[I_EFD] = int(event_fd)
+        lib = load(directory, release_gil=release_gil)
+        step = "the step in Python"
         mailbox = getattr(backend, "mailbox", None)
+        graph = getattr(backend, "graph_handles", None)
         if mailbox is not None:
             ctrl, state = mailbox()
             ints[I_MB_CTRL], ints[I_MB_STATE] = _ptr(ctrl), _ptr(state)
             self._mailbox = (ctrl, state)
+            step = "the resident kernel's mailbox in C"
+        elif graph is not None and graph() is not None:
+            ints[I_GRAPH_EXEC], ints[I_STREAM] = graph()
+            if lib.kt_init_cuda(_ptr(ints)):
+                step = "graph launch + stream poll in C (CUDA driver API)"
+            else:
+                ints[I_GRAPH_EXEC] = 0
+                step = "the step in Python (no CUDA driver entry points or context)"
         ints[I_COMMANDS] = _ptr(runner.commands)
         safety = robots[0].safety
         self._limits = (np.ascontiguousarray(safety.lower, np.float64),
@@ -205,7 +220,6 @@ class NativeTick:
                                                                 _ptr(buf._good_vs))
         self.ints, self.dbls = ints, dbls
         self._keep = (runner, views)  # every address above stays valid while this lives
-        lib = load(directory, release_gil=release_gil)
         self.lib = lib
         pi, pd = _ptr(ints), _ptr(dbls)
         tick, prep, fin, inf = lib.kt_tick, lib.kt_prepare, lib.kt_finish, lib.kt_infer
@@ -213,8 +227,8 @@ class NativeTick:
         self.prepare = lambda now_ns: prep(pi, pd, now_ns)  # -> 1 (every robot OK) / 0
         self.finish = lambda now_ns: fin(pi, pd, now_ns)  # -> 1 (done) / 0
         self.infer = lambda: inf(pi, pd)  # -> KT_DONE / KT_PY_INFER / KT_PY_LATE
-        self.status = (f"on ({'mailbox step, ' if mailbox is not None else ''}"
-                       f"{'in-graph' if post is not None else 'host'} command; {lib._name})")
+        self.status = (f"on ({step}, {'in-graph' if post is not None else 'host'} command; "
+                       f"{lib._name})")
 
     @staticmethod
     def _shared(buf: Any) -> tuple[int, int]:
