@@ -313,6 +313,13 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
             executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
+    except RuntimeError:  # rclpy's RCLError is one
+        # SIGINT: rclpy's handler shuts the context down; an executor between its shutdown
+        # check and building its next wait set raises "the given context is not valid" instead
+        # of ExternalShutdownException (seen in CI on a loaded machine). That is the same
+        # orderly stop; anything raised while the context is still valid is not.
+        if rclpy.ok():
+            raise
     finally:
         # Ctrl-C reaches every process of the terminal's group and `ros2 launch` forwards
         # another SIGINT (then SIGTERM): ignore repeats so the orderly stop below completes.
