@@ -317,8 +317,11 @@ class TritonGraphBackend(PolicyBackend):
         """(cudaGraphExec_t, cudaStream_t) as integers for the loop process's C tick, which
         launches the graph and polls the stream itself (native_tick.c) as step() does; None
         when this torch cannot give the executable."""
+        # The C tick holds the executable for the process's life: nothing may reset() or
+        # re-instantiate this graph. Only on the default stream, which replay() in the loop
+        # thread and reset_state() use too (a backend built under another stream: Python).
         raw = getattr(self.graph, "raw_cuda_graph_exec", None)
-        if raw is None:
+        if raw is None or self._stream != torch.cuda.default_stream():
             return None
         return int(raw()), int(self._stream.cuda_stream)
 

@@ -13,6 +13,7 @@ the same validation in an on-set-parameters callback.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -313,13 +314,15 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
             executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
-    except RuntimeError:  # rclpy's RCLError is one
+    except RuntimeError as exc:  # rclpy's RCLError is one
         # SIGINT: rclpy's handler shuts the context down; an executor between its shutdown
         # check and building its next wait set raises "the given context is not valid" instead
         # of ExternalShutdownException (seen in CI on a loaded machine). That is the same
         # orderly stop; anything raised while the context is still valid is not.
         if rclpy.ok():
             raise
+        # (stderr: rclpy's logging may already be finalised with the context)
+        print(f"[{node.get_name()}] executor stopped at shutdown: {exc!r}", file=sys.stderr)
     finally:
         # Ctrl-C reaches every process of the terminal's group and `ros2 launch` forwards
         # another SIGINT (then SIGTERM): ignore repeats so the orderly stop below completes.
