@@ -1,0 +1,86 @@
+"""run_node's exit path: an executor error caused by the SIGINT shutdown is the orderly stop (exit
+0), any other executor error still propagates. Stand-in node and executor: no DDS needed.
+
+Seen in CI: rclpy's SIGINT handler shut the context down while the executor was between its
+shutdown check and building its next wait set, so spin() raised RCLError "the given context
+is not valid" and the control node exited 1 (tests/test_control_multi_robot_dds.py)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+
+class _Param:
+    value = False  # autostart off: run_node goes straight to spin()
+
+
+class _Node:
+    stopped = False
+
+    def __init__(self) -> None:
+        pass
+
+    def get_logger(self):  # noqa: ANN201
+        return type("L", (), {"info": staticmethod(print), "error": staticmethod(print),
+                              "fatal": staticmethod(print)})()
+
+    def get_parameter(self, name: str) -> _Param:
+        return _Param()
+
+    def get_name(self) -> str:
+        return "stand_in"
+
+    def stop_workers(self) -> None:
+        _Node.stopped = True
+
+    def destroy_node(self) -> None:
+        pass
+
+
+class _Executor:
+    shutdown_first = True
+
+    def add_node(self, node) -> None:  # noqa: ANN001
+        pass
+
+    def spin(self) -> None:
+        import rclpy
+        from rclpy._rclpy_pybind11 import RCLError
+
+        if _Executor.shutdown_first:
+            rclpy.shutdown()  # what rclpy's SIGINT handler does
+        raise RCLError("failed to initialize wait set: the given context is not valid, either "
+                       "rcl_init() was not called or rcl_shutdown() was called.")
+
+    def shutdown(self, timeout_sec: float | None = None) -> None:
+        pass
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    from kestrel_common import base_node
+
+    monkeypatch.setattr(base_node, "make_executor", lambda node, num_threads=4: _Executor())
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    _Node.stopped = False
+    yield base_node
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_executor_error_after_shutdown_is_the_orderly_stop(stand_ins, capsys) -> None:
+    _Executor.shutdown_first = True
+    assert stand_ins.run_node(_Node, []) == 0
+    assert _Node.stopped  # the rest of the shutdown ran
+    assert "executor stopped at shutdown" in capsys.readouterr().err
+
+
+def test_executor_error_while_running_still_raises(stand_ins) -> None:
+    from rclpy._rclpy_pybind11 import RCLError
+
+    _Executor.shutdown_first = False
+    with pytest.raises(RCLError, match="context is not valid"):
+        stand_ins.run_node(_Node, [])
+    assert _Node.stopped
