@@ -46,6 +46,7 @@ enum { S_NEXT = 0, S_RESET = 1, S_FAILED = 2, S_LATE = 3 };
 enum { KT_DONE = 0, KT_PY_ALL = 1, KT_PY_INFER = 2, KT_PY_LATE = 3, KT_PY_FINISH = 4 };
 
 #define P(T, i) ((T *)(intptr_t)ints[(i)])
+#define PTR(T, ri, k) ((T *)(intptr_t)(ri)[(k)]) /* a per-robot table entry */
 
 static inline int64_t ld64(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static inline void st64(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
@@ -115,7 +116,6 @@ static void sl_write(int64_t *h, double *slots, int64_t count, const double *val
     st64(&h[H_VER], version);
 }
 
-#define PTR(T, ri, k) ((T *)(intptr_t)(ri)[(k)])
 #define MAX_ROBOTS 1024 /* RunnerConfig's bound */
 
 /* PolicyRunner._prepare for every robot, OK path only: 1 when every robot has a fresh, finite
@@ -163,6 +163,14 @@ int kt_prepare(int64_t *ints, double *dbls, int64_t now_ns) {
         for (int64_t j = 0; j < 3 * n; j++) obs[j] = (float)inputs[j];
     }
     return 1;
+}
+
+/* The step time since t0 into [EMA, last] s, as PolicyRunner._record_step does. */
+static void record_step(int64_t *ints, int64_t t0) {
+    double dt = (double)(mono_ns() - t0) * 1e-9;
+    double *lat = P(double, I_LAT);
+    lat[1] = dt;
+    lat[0] += 0.05 * (dt - lat[0]);
 }
 
 /* A captured CUDA graph's step (cuda_graph_triton: TritonGraphBackend.step = replay + poll)
@@ -216,10 +224,7 @@ static int graph_step(int64_t *ints) {
         if (r != CUDA_ERROR_NOT_READY) return KT_PY_LATE; /* Python's poll raises it */
         if ((k & 15) == 0 && mono_ns() > limit) return KT_PY_LATE;
     }
-    double dt = (double)(mono_ns() - t0) * 1e-9;
-    double *lat = P(double, I_LAT); /* [EMA, last] s, PolicyRunner._infer's */
-    lat[1] = dt;
-    lat[0] += 0.05 * (dt - lat[0]);
+    record_step(ints, t0);
     return KT_DONE;
 }
 
@@ -247,10 +252,7 @@ int kt_infer(int64_t *ints, double *dbls) {
             return KT_PY_LATE;
         }
     }
-    double dt = (double)(mono_ns() - t0) * 1e-9;
-    double *lat = P(double, I_LAT); /* [EMA, last] s, PolicyRunner._infer's */
-    lat[1] = dt;
-    lat[0] += 0.05 * (dt - lat[0]);
+    record_step(ints, t0);
     return KT_DONE;
 }
 
@@ -269,7 +271,7 @@ int kt_finish(int64_t *ints, double *dbls, int64_t now_ns) {
             if (post[r * ints[I_POST_STRIDE] + n] == 0.0f) return 0; /* finite flag */
         } else {
             const float *act = P(float, I_ACT) + r * ints[I_ACT_STRIDE];
-            const double *pos = (double *)(intptr_t)ints[I_GLOBAL + r * R_SIZE + R_INPUTS];
+            const double *pos = PTR(double, ints + I_GLOBAL + r * R_SIZE, R_INPUTS);
             float acc = 0.0f;
             for (int64_t j = 0; j < A; j++) acc += act[j] * 0.0f;
             if (acc != 0.0f) return 0;
@@ -279,7 +281,7 @@ int kt_finish(int64_t *ints, double *dbls, int64_t now_ns) {
     }
     for (int64_t r = 0; r < R; r++) {
         int64_t *ri = ints + I_GLOBAL + r * R_SIZE;
-        const double *pos = (double *)(intptr_t)ri[R_INPUTS];
+        const double *pos = PTR(double, ri, R_INPUTS);
         const float *act = P(float, I_ACT) + r * ints[I_ACT_STRIDE];
         double *cmd = commands + r * n;
         int clamped = 0;
@@ -301,11 +303,11 @@ int kt_finish(int64_t *ints, double *dbls, int64_t now_ns) {
             }
         }
         if (clamped) P(int64_t, I_CLAMP_CTR)[0] += 1;
-        memcpy((double *)(intptr_t)ri[R_LAST_SAFE], cmd, (size_t)n * sizeof(double));
-        ((int64_t *)(intptr_t)ri[R_HAS_SAFE])[0] = 1;
+        memcpy(PTR(double, ri, R_LAST_SAFE), cmd, (size_t)n * sizeof(double));
+        PTR(int64_t, ri, R_HAS_SAFE)[0] = 1;
         float *obs = P(float, I_OBS) + r * ints[I_OBS_STRIDE];
         memcpy(obs + 3 * n, act, (size_t)A * sizeof(float)); /* previous action */
-        sl_write((int64_t *)(intptr_t)ri[R_CMD_H], (double *)(intptr_t)ri[R_CMD_S], n, cmd,
+        sl_write(PTR(int64_t, ri, R_CMD_H), PTR(double, ri, R_CMD_S), n, cmd,
                  now_ns);
     }
     int64_t *ctr = P(int64_t, I_CMD_CTR);

@@ -241,7 +241,10 @@ class PolicyRunner:
     def _infer(self) -> None:
         t0 = time.perf_counter()
         self.backend.step()
-        dt = time.perf_counter() - t0
+        self._record_step(time.perf_counter() - t0)
+
+    def _record_step(self, dt: float) -> None:
+        """Backend step time dt, s, into [EMA, last] (native_tick.c's record_step too)."""
         lat = self._lat
         lat[1] = dt
         lat[0] += 0.05 * (dt - lat[0])
@@ -250,10 +253,7 @@ class PolicyRunner:
         """The C tick posted this step's request at time.monotonic_ns() `t0_ns` and stopped
         waiting (native_tick.py): wait here; the step time counts from t0_ns."""
         self.backend.finish_late()
-        dt = (time.monotonic_ns() - t0_ns) * 1e-9
-        lat = self._lat
-        lat[1] = dt
-        lat[0] += 0.05 * (dt - lat[0])
+        self._record_step((time.monotonic_ns() - t0_ns) * 1e-9)
 
     def _prepare(self, index: int, now_ns: int) -> bool:
         """Read robot `index`'s inputs, fill its obs row; False when it holds (or no input)."""
