@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 
 import torch
@@ -27,7 +26,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "models"))
 from kestrel_models.perception import box_median_triton as bmt  # noqa: E402
-from bench_common import cuda_graph_us, git_commit, us_stats, write_result  # noqa: E402
+from bench_common import (cuda_graph_us, git_commit, machine_info, us_stats,  # noqa: E402
+                          write_result)
 
 MODES = {"prebin": {"prebin": True}, "compact": {"prebin": False, "compact": True},
          "scan": {"prebin": False, "compact": False}}
@@ -81,8 +81,7 @@ def main() -> int:
                 torch.where(out[1] > 0, out[0], 0), torch.where(first[1] > 0, first[0], 0)))
             rows.append({"dets": d, "mode": mode, **stats, "equal_to_first": same,
                          "mean_count": float(out[1].float().mean())})
-    machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "python": platform.python_version()}
+    machine = machine_info()
     cmd = "python scripts/bench_box_median.py " + " ".join(sys.argv[1:])
     lines = [f"# LiDAR box medians ({machine['gpu']})", "",
              f"`{cmd}`, git {commit}, torch {machine['torch']}; {args.cams} cameras x "

@@ -21,14 +21,13 @@ against the bf16 conv of the same (dequantised) values. JSON + a table:
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import traceback
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from bench_common import cuda_graph_us, git_commit, write_result
+from bench_common import cuda_graph_us, git_commit, machine_info, write_result
 
 # name, N, C, H, W, K, kernel, padding (stride 1): the head convs at P3 are ~40 % of the FLOPs
 SHAPES = [
@@ -160,9 +159,7 @@ def main() -> int:
                 traceback.print_exc(limit=2)
         rows.append(row)
         print(row, flush=True)
-    machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "cudnn_backend": cudnn.backend_version_string(),
-               "python": platform.python_version()}
+    machine = machine_info(cudnn_backend=cudnn.backend_version_string())
     cmd = "python scripts/bench_conv_fp8.py " + " ".join(sys.argv[1:])
 
     def cell(r: dict, kind: str) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 
 import torch
@@ -25,7 +24,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "models"))
 from kestrel_models.perception import nms_triton as nt  # noqa: E402
-from bench_common import cuda_graph_us, git_commit, us_stats, write_result  # noqa: E402
+from bench_common import (cuda_graph_us, git_commit, machine_info, us_stats,  # noqa: E402
+                          write_result)
 
 
 def inputs(c: int, n: int, classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,8 +77,7 @@ def main() -> int:
                          "kept": int(keep.sum())})
     finally:
         nt.RI, nt.RJ = default
-    machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "python": platform.python_version()}
+    machine = machine_info()
     cmd = "python scripts/bench_nms_rounds.py " + " ".join(sys.argv[1:])
     lines = [f"# Dense class-wise NMS, round kernel tilings ({machine['gpu']})", "",
              f"`{cmd}`, git {commit}, torch {machine['torch']}; {args.cams} images x "
