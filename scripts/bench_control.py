@@ -57,6 +57,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kestrel_control.core.loop_process import LoopProcess, LoopSettings  # noqa: E402
+from kestrel_control.core.miss_cause import CAUSES as MISS_CAUSES  # noqa: E402
 from kestrel_control.core.policy_runner import PolicyRunner, RunnerConfig  # noqa: E402
 from kestrel_control.core.rt_loop import RealtimeLoop  # noqa: E402
 from kestrel_control.core.stats import LoopStats  # noqa: E402
@@ -344,6 +345,7 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
             "backend": backend, "rate_hz": rate, "loop_mode": mode, "cycles": stats.cycles,
             "wall_s": wall, "deadline_misses": stats.deadline_misses,
             "stale_inputs": stats.stale_inputs, "step_errors": stats.step_errors,
+            "miss_causes": {name: int(getattr(stats, name)) for name in MISS_CAUSES},
             "last_error": loop.last_error if loop is not None else "",
             "commands_published": io.published,
             "joint_states_received": io.received - received0,
@@ -366,7 +368,7 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
         else:
             out["cuda_graph_sync"] = getattr(runner.backend, "sync", None)
         print(f"  {backend}@{rate:g}Hz [{mode}]: {stats.cycles} cycles, misses "
-              f"{stats.deadline_misses}, stale {stats.stale_inputs}, step p50 "
+              f"{stats.deadline_misses} {out['miss_causes']}, stale {stats.stale_inputs}, step p50 "
               f"{out['step_latency_us']['p50']:.1f} p99.9 {out['step_latency_us']['p999']:.1f} "
               f"max {out['step_latency_us']['max']:.1f} us, wake p99.9 "
               f"{out['wake_error_us']['p999']:.1f} us", flush=True)

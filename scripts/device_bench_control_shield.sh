@@ -26,6 +26,10 @@ export ROS_DOMAIN_ID=43 PYTHONUNBUFFERED=1
   echo "## isolated: $(cat /sys/devices/system/cpu/isolated 2>&1)" \
        "nohz_full: $(cat /sys/devices/system/cpu/nohz_full 2>&1)"
   echo "## kernel $(uname -r): $(cat /proc/cmdline 2>&1)"
+  echo "## capabilities: $(grep -E '^Cap(Eff|Bnd)' /proc/self/status | tr '\n' ' ')" \
+       "rtprio limit: $(ulimit -r) nice limit: $(ulimit -e)" \
+       "sched_rt_runtime_us: $(cat /proc/sys/kernel/sched_rt_runtime_us 2>&1)" \
+       "cgroup cpu.rt_runtime_us: $(cat /sys/fs/cgroup/cpu.rt_runtime_us 2>&1)"
   echo "## busiest tasks:"; ps -eLo pid,tid,psr,pcpu,comm --sort=-pcpu | head -15
 } > "$OUT/probe.txt" 2>&1
 [[ -n "${SKIP_PROFILE:-}" ]] || timeout 150 "$KPY" scripts/profile_control_graph.py --commit "$COMMIT" \

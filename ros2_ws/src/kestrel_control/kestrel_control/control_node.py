@@ -57,12 +57,12 @@ from kestrel_common.params import ParamError
 from kestrel_control.control_params import SPECS, resolve_loop_mode
 from kestrel_control.core import LoopStats, PolicyRunner, RealtimeLoop, RunnerConfig
 from kestrel_control.core.loop_process import LoopProcess, LoopSettings
+from kestrel_control.core.miss_cause import CAUSES as MISS_CAUSES
 from kestrel_control.core.stats import window_end_ns
 from kestrel_models.control.external import ModelSpec
 from kestrel_models.control.policy import PolicyConfig
 
-LOOP_COUNTERS = ("cycles", "deadline_misses", "stale_inputs", "rejected_nonfinite",
-                 "clamped_actions", "step_errors")
+LOOP_COUNTERS = LoopStats.COUNTERS
 
 
 class ControlNode(KestrelLifecycleNode):
@@ -390,6 +390,9 @@ class ControlNode(KestrelLifecycleNode):
             return DiagnosticStatus.ERROR, "policy step raised (see last_step_error)", values
         if problems:
             message = "since last report: " + ", ".join(f"{k} +{new[k]}" for k in problems)
+            causes = [f"{k[len('misses_'):]} +{new[k]}" for k in MISS_CAUSES if new.get(k)]
+            if causes:  # what made them late (core/miss_cause.py)
+                message += f" ({', '.join(causes)})"
             self.get_logger().warning(message, throttle_duration_sec=5.0)
             return DiagnosticStatus.WARN, message, values
         return DiagnosticStatus.OK, "ok", values

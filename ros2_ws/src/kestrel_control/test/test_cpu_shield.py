@@ -39,6 +39,7 @@ def test_moves_others_and_keeps_the_pinned_loop_task() -> None:
         assert dry.moved == 1 and loop_cpu in os.sched_getaffinity(free.pid)
         report = shield_cpus([loop_cpu], tids=[free.pid, pinned.pid])
         assert (report.moved, report.pinned_kept) == (1, 1)
+        assert [e.split()[0] for e in report.examples_pinned_kept] == [str(pinned.pid)]
         assert os.sched_getaffinity(free.pid) == set(CPUS) - {loop_cpu}
         assert os.sched_getaffinity(pinned.pid) == {loop_cpu}
         again = shield_cpus([loop_cpu], tids=[free.pid])

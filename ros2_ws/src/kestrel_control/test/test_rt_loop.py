@@ -47,7 +47,8 @@ class Recorder:
 def run_loop(rec: Recorder, stats: LoopStats, **kwargs) -> RealtimeLoop:
     loop = RealtimeLoop(PERIOD_NS * 1e-9, rec, stats, **kwargs)
     applied = loop.start()
-    assert set(applied) == {"sched_fifo", "cpu_affinity", "mlockall", "gc", "gil_switch_interval"}
+    assert set(applied) == {"sched_fifo", "cpu_affinity", "mlockall", "gc", "gil_switch_interval",
+                            "miss_attribution"}
     finished = rec.done.wait(10.0)
     t0 = time.monotonic()
     assert loop.stop(1.0)
@@ -82,7 +83,7 @@ def test_300ms_at_1khz_cycle_count_and_absolute_deadlines() -> None:
 def test_overrun_counts_misses_and_skips_without_burst() -> None:
     stats = LoopStats(1e-3)
     rec = Recorder(60, overrun_at=20, overrun_s=0.0045)
-    run_loop(rec, stats)
+    loop = run_loop(rec, stats)
     d, start, end = rec.deadline, rec.start, rec.end
     # The 4.5 ms step passed 4 deadlines (5 if it woke late): all counted as misses.
     gap = int((d[21] - d[20]) // PERIOD_NS)
@@ -95,6 +96,12 @@ def test_overrun_counts_misses_and_skips_without_burst() -> None:
     spanned = int((d[-1] - d[0]) // PERIOD_NS) + 1
     assert 60 + stats.deadline_misses >= spanned
     assert stats.snapshot().period_max >= 4.5e-3
+    # The step slept (not runnable, woke on time): its misses are the step's, and the causes
+    # add up to the misses (where schedstat exists: Linux with CONFIG_SCHED_INFO)
+    if "unavailable" not in loop.applied["miss_attribution"]:
+        causes = (stats.misses_preempted, stats.misses_late_wake, stats.misses_slow_step)
+        assert sum(causes) == stats.deadline_misses
+        assert stats.misses_slow_step >= 4
 
 
 def test_step_exception_counted_loop_continues() -> None:
@@ -143,6 +150,8 @@ def test_realtime_settings_report_without_raising() -> None:
     thread.start()
     thread.join(5.0)
     assert result["sched_fifo"].startswith(("applied (priority 1)", "failed:"))
+    if result["sched_fifo"].startswith("failed:"):  # the fallback is tried and reported
+        assert "nice -20 instead: " in result["sched_fifo"]
     assert result["cpu_affinity"].startswith(("applied (cpus [0])", "failed:"))
     assert result["mlockall"] == "not requested"
     bad = apply_realtime_settings(cpu_affinity=[100000])
@@ -265,3 +274,23 @@ def test_loop_mode_auto_picks_process_for_cuda_or_realtime_priority() -> None:
     assert resolve_loop_mode("auto", "cuda_graph", 0) == "process"
     assert resolve_loop_mode("thread", "cuda_graph", 80) == "thread"  # explicit wins
     assert resolve_loop_mode("process", "cpu_eager", 0) == "process"
+
+
+def test_a_loop_spinning_the_whole_period_leaves_the_interpreter_to_other_threads() -> None:
+    """spin_s ~ period: the loop never sleeps. Its per-cycle schedstat read must not release the
+    GIL (miss_cause.py): released and retaken every cycle, it kept this thread waiting 22 s for
+    start() to return (the waiting thread's 5 ms forced switch never came due)."""
+    rec = Recorder(10**6)
+    loop = RealtimeLoop(1e-3, rec, LoopStats(1e-3), spin_s=0.95e-3)
+    t0 = time.monotonic()
+    loop.start(timeout_s=5.0)
+    try:
+        started = time.monotonic() - t0
+        t1, polls = time.monotonic(), 0
+        while time.monotonic() - t1 < 0.3:
+            time.sleep(0.01)
+            polls += 1
+    finally:
+        assert loop.stop(2.0)
+    assert started < 2.0, f"start() took {started:.1f} s"
+    assert polls >= 5, f"{polls} polls of 10 ms in 0.3 s"

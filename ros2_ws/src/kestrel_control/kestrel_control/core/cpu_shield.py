@@ -37,6 +37,9 @@ class ShieldReport:
     not_permitted: int = 0  # EPERM: another user's task and no CAP_SYS_NICE
     kernel_or_gone: int = 0  # EINVAL (per-CPU kernel thread) or the task exited meanwhile
     examples_not_moved: list[str] = field(default_factory=list)  # "tid comm: reason", <= 10
+    # "tid comm": tasks pinned inside the shield that are not the loop (a VM agent's worker
+    # pinned per CPU, per-CPU kernel threads); they keep running there, <= 10
+    examples_pinned_kept: list[str] = field(default_factory=list)
 
 
 def parse_cpus(text: str) -> list[int]:
@@ -92,6 +95,8 @@ def shield_cpus(cpus: Iterable[int], tids: Iterable[int] | None = None,
                 continue
             if mask <= shield:
                 report.pinned_kept += 1
+                if len(report.examples_pinned_kept) < 10:
+                    report.examples_pinned_kept.append(f"{tid} {_comm(tid)}")
                 continue
             if not dry_run:
                 os.sched_setaffinity(tid, mask - shield)

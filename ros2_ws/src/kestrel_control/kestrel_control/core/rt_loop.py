@@ -11,10 +11,12 @@ wake-up p99.9 46.5 us and one 1.85 ms late wake-up against 0.4 us and 0.1 ms for
 (~49 us, no time left to sleep) in the same call (docs/benchmarks/control_native_h200.md).
 Overrun: when a cycle ends after the next deadline, the loop skips to the first future deadline
 (no catch-up burst) and counts every skipped deadline in `stats.deadline_misses`; so
-cycles + deadline_misses == deadlines elapsed.
+cycles + deadline_misses == deadlines elapsed. Each miss is also counted by its cause
+(preempted / late wake / slow step, from the loop thread's run-queue wait: miss_cause.py).
 
 At start the loop thread attempts (each optional, each reported, failures are not fatal):
-SCHED_FIFO priority and CPU affinity for itself, mlockall for the process; then gc.collect(),
+SCHED_FIFO priority (nice -20 where it is refused) and CPU affinity for itself, mlockall for
+the process; then gc.collect(),
 gc.freeze() (the warmed-up objects leave the collector's view) and gc.disable(). gc is
 process-wide: it stays disabled while the loop runs and is re-enabled on stop (if it was on).
 Optionally `sys.setswitchinterval(switch_interval_s)` while running (process-wide, restored on
@@ -35,10 +37,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from kestrel_control.core.miss_cause import CAUSES, MissAttributor
 from kestrel_control.core.stats import LoopStats
 
 _MCL_CURRENT, _MCL_FUTURE = 1, 2
 MIN_SLEEP_NS = 100_000  # shorter sleeps are spun instead (module docstring)
+FALLBACK_NICE = -20  # the loop thread's nice value where SCHED_FIFO is refused
 
 
 def _mlockall() -> str:
@@ -49,12 +53,24 @@ def _mlockall() -> str:
     return "applied"
 
 
+def _nice_fallback() -> str:
+    """Where SCHED_FIFO is refused, the highest fair-class weight for the calling thread: it
+    does not keep a waking task off the CPU as SCHED_FIFO does, but it gives the loop thread
+    ~88x a default thread's share of a contended CPU. Needs CAP_SYS_NICE or RLIMIT_NICE too."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), FALLBACK_NICE)
+        return f"nice {FALLBACK_NICE} instead: applied"
+    except (OSError, AttributeError) as exc:
+        return f"nice {FALLBACK_NICE} instead: failed: {exc}"
+
+
 def apply_realtime_settings(rt_priority: int = 0, cpu_affinity: Sequence[int] | None = None,
                             lock_memory: bool = False) -> dict[str, str]:
     """Try the requested settings for the CALLING thread (mlockall: whole process).
 
     Returns {'sched_fifo', 'cpu_affinity', 'mlockall'} -> 'applied ...', 'not requested' or
-    'failed: <reason>'. Never raises.
+    'failed: <reason>' (a refused SCHED_FIFO tries nice FALLBACK_NICE and says how that went).
+    Never raises.
     """
     result: dict[str, str] = {}
     if rt_priority > 0:
@@ -62,7 +78,7 @@ def apply_realtime_settings(rt_priority: int = 0, cpu_affinity: Sequence[int] | 
             os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(int(rt_priority)))
             result["sched_fifo"] = f"applied (priority {rt_priority})"
         except (OSError, AttributeError, ValueError) as exc:
-            result["sched_fifo"] = f"failed: {exc}"
+            result["sched_fifo"] = f"failed: {exc}; {_nice_fallback()}"
     else:
         result["sched_fifo"] = "not requested"
     if cpu_affinity:
@@ -123,6 +139,7 @@ class RealtimeLoop:
         self._gc_was_enabled = False
         self.applied: dict[str, str] = {}
         self.last_error: str = ""
+        self._causes: MissAttributor | None = None
 
     @property
     def running(self) -> bool:
@@ -160,6 +177,8 @@ class RealtimeLoop:
     # ---- the loop thread --------------------------------------------------------------------
     def _setup(self) -> None:
         applied = apply_realtime_settings(self.rt_priority, self.cpu_affinity, self.lock_memory)
+        self._causes = MissAttributor()  # opened on the loop thread: its own schedstat
+        applied["miss_attribution"] = self._causes.status
         if self.manage_gc:
             self._gc_was_enabled = gc.isenabled()
             gc.collect()
@@ -179,6 +198,8 @@ class RealtimeLoop:
             f"{k}: {v}" for k, v in applied.items()))
 
     def _teardown(self) -> None:
+        if self._causes is not None:
+            self._causes.close()
         if self.switch_interval_s is not None:
             sys.setswitchinterval(self._old_switch_interval)
         if self.manage_gc:
@@ -201,11 +222,15 @@ class RealtimeLoop:
         sleep = time.sleep
         period, spin = self.period_ns, self.spin_ns
         stats, step, stop = self.stats, self.step_fn, self._stop
+        causes = self._causes
+        mark = causes.mark if causes is not None and causes.available else None
         t0 = clock() + period
         k = 0
         prev_wake = -1
         while not stop.is_set():
             deadline = t0 + k * period
+            if mark is not None:
+                mark()  # the run-queue wait so far (miss attribution, miss_cause.py)
             remaining = deadline - clock() - spin
             if remaining > MIN_SLEEP_NS:
                 sleep(remaining * 1e-9)
@@ -226,4 +251,7 @@ class RealtimeLoop:
             if late > 0:  # deadline k (and maybe more) passed during this cycle: skip them
                 skipped = late // period + 1
                 stats.deadline_misses += skipped
+                if mark is not None:
+                    name = CAUSES[causes.cause(wake - deadline, late)]
+                    setattr(stats, name, getattr(stats, name) + skipped)
                 k += skipped

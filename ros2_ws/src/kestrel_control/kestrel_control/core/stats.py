@@ -93,8 +93,11 @@ class LoopStatsSnapshot:
 class LoopStats:
     """Per-cycle timing rings (period, wake error, step latency; s) and safety counters."""
 
+    # the last three split deadline_misses by cause (core/miss_cause.py; they stay 0 where
+    # the loop thread's schedstat is unavailable)
     COUNTERS = ("cycles", "deadline_misses", "stale_inputs", "rejected_nonfinite",
-                "clamped_actions", "step_errors")
+                "clamped_actions", "step_errors", "misses_preempted", "misses_late_wake",
+                "misses_slow_step")
 
     def __init__(self, period_target_s: float, capacity: int = 16384) -> None:
         if not period_target_s > 0:
@@ -109,6 +112,9 @@ class LoopStats:
         self.rejected_nonfinite = 0  # cycles with NaN/inf in observation or action
         self.clamped_actions = 0  # cycles where a command was clamped to the joint limits
         self.step_errors = 0  # exceptions raised by the step function (loop kept running)
+        self.misses_preempted = 0  # misses while another task had the loop's CPU
+        self.misses_late_wake = 0  # misses from a late wake-up without a run-queue wait
+        self.misses_slow_step = 0  # misses from a step longer than the period allowed
         self.wake_time = Ring(capacity)  # s, time.monotonic() of each cycle's wake-up
         # time.monotonic_ns() of the wake-up of the last cycle in the last snapshot's window
         # (0: none): the end of that window, from the same count as its samples
