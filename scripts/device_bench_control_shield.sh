@@ -11,6 +11,9 @@
 # Options (env): LOOPS (bench_control --loops; default the cuda_graph entry above), BACKENDS
 # (phase-1 step backends, default cuda_graph), NAME (result file stem, default
 # control_h200_shield), SKIP_PROFILE=1, CYCLES.
+# ROOT_CGROUP=1 first moves this shell (so the bench and its loop process) into the cgroup v2
+# root: the VM runs commands in /process_api/<id>, whose real-time group runtime is 0, so
+# SCHED_FIFO fails there with EPERM although CAP_SYS_NICE is held; the root grants it.
 # Writes $OUT/{probe.txt,control_graph_profile_h200.json,shield.json,$NAME.json,...}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +22,11 @@ COMMIT="${1:-${KESTREL_COMMIT:-unknown}}"
 # shellcheck source=/dev/null
 source scripts/device_ros_env.sh || exit 1
 export ROS_DOMAIN_ID=43 PYTHONUNBUFFERED=1
+CGROUP_NOTE="cgroup $(cut -d: -f3 /proc/self/cgroup)"
+if [[ -n "${ROOT_CGROUP:-}" ]]; then
+  if echo $$ > /sys/fs/cgroup/cgroup.procs; then CGROUP_NOTE="moved to the cgroup root"
+  else CGROUP_NOTE="$CGROUP_NOTE (ROOT_CGROUP: move refused)"; fi
+fi
 {
   echo "## cgroup cpu.max: $(cat /sys/fs/cgroup/cpu.max 2>&1)"
   echo "## cgroup cpuset: $(cat /sys/fs/cgroup/cpuset.cpus.effective 2>&1)"
@@ -30,6 +38,7 @@ export ROS_DOMAIN_ID=43 PYTHONUNBUFFERED=1
        "rtprio limit: $(ulimit -r) nice limit: $(ulimit -e)" \
        "sched_rt_runtime_us: $(cat /proc/sys/kernel/sched_rt_runtime_us 2>&1)" \
        "cgroup cpu.rt_runtime_us: $(cat /sys/fs/cgroup/cpu.rt_runtime_us 2>&1)"
+  echo "## $CGROUP_NOTE; SCHED_FIFO test: $(chrt -f 10 true 2>&1 && echo ok)"
   echo "## busiest tasks:"; ps -eLo pid,tid,psr,pcpu,comm --sort=-pcpu | head -15
 } > "$OUT/probe.txt" 2>&1
 [[ -n "${SKIP_PROFILE:-}" ]] || timeout 150 "$KPY" scripts/profile_control_graph.py --commit "$COMMIT" \
@@ -55,7 +64,7 @@ timeout "${BENCH_TIMEOUT:-300}" "$KPY" scripts/bench_control.py --loops-first \
   --loops "${LOOPS:-cuda_graph@1000:${CYCLES:-100000}:process}" --spin-us 950 ${EXTRA_ARGS:-} \
   --loop-cpus "$LOOP" --publisher-cpus "$PUB" --node-cpus "$NODE" --rt-priority 80 \
   --label "H200 shielded loop cpu" --commit "$COMMIT" --out "$OUT/$NAME.json" \
-  --note "process mode; loop on CPU $LOOP (fewest interrupts, every other task moved off it: $(tr -d '\n' < "$OUT/shield.json")), node on $NODE, publisher on $PUB; --spin-us 950" \
+  --note "process mode; $CGROUP_NOTE; loop on CPU $LOOP (fewest interrupts, every other task moved off it: $(tr -d '\n' < "$OUT/shield.json")), node on $NODE, publisher on $PUB; --spin-us 950" \
   2>&1 | tail -30 | tee "$OUT/bench_shield.txt"
 IRQ1=$("$KPY" -c "from kestrel_control.core.cpu_shield import irq_counts;print(irq_counts().get($LOOP,0))")
 STEAL1=$(awk -v c="cpu$LOOP" '$1==c{print $9}' /proc/stat)

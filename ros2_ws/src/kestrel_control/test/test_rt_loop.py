@@ -294,3 +294,11 @@ def test_a_loop_spinning_the_whole_period_leaves_the_interpreter_to_other_thread
         assert loop.stop(2.0)
     assert started < 2.0, f"start() took {started:.1f} s"
     assert polls >= 5, f"{polls} polls of 10 ms in 0.3 s"
+
+
+def test_a_refused_sched_fifo_says_what_to_change() -> None:
+    from kestrel_control.core.rt_loop import _eperm_hint
+    assert _eperm_hint(ValueError("bad priority")) == ""
+    hint = _eperm_hint(PermissionError(1, "Operation not permitted"))
+    assert "CAP_SYS_NICE" in hint  # either "is held: cgroup ..." or "no CAP_SYS_NICE"
+    assert "cgroup" in hint or "rtprio" in hint

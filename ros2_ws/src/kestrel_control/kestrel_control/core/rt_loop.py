@@ -53,6 +53,26 @@ def _mlockall() -> str:
     return "applied"
 
 
+def _eperm_hint(exc: BaseException) -> str:
+    """EPERM although the process holds CAP_SYS_NICE: the kernel's real-time group scheduling
+    gives the process's cgroup no real-time runtime. Seen on the H200 VM: the command's cgroup
+    (/process_api/<id>) refuses, the cgroup v2 root accepts (docs/benchmarks/
+    control_fifo_h200.md). Docker's answer is --cpu-rt-runtime; systemd's, a unit in the root."""
+    if not isinstance(exc, PermissionError):
+        return ""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+        with open("/proc/self/cgroup") as f:
+            group = f.read().strip().rpartition(":")[2]
+    except (OSError, StopIteration, ValueError):
+        return ""
+    if not caps >> 23 & 1:  # CAP_SYS_NICE
+        return " (no CAP_SYS_NICE: grant it, or an rtprio limit)"
+    return (f" (CAP_SYS_NICE is held: cgroup {group!r} has no real-time runtime; run the loop "
+            "in a cgroup with cpu.rt_runtime_us > 0, e.g. docker --cpu-rt-runtime, or the root)")
+
+
 def _nice_fallback() -> str:
     """Where SCHED_FIFO is refused, the highest fair-class weight for the calling thread: it
     does not keep a waking task off the CPU as SCHED_FIFO does, but it gives the loop thread
@@ -78,7 +98,7 @@ def apply_realtime_settings(rt_priority: int = 0, cpu_affinity: Sequence[int] | 
             os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(int(rt_priority)))
             result["sched_fifo"] = f"applied (priority {rt_priority})"
         except (OSError, AttributeError, ValueError) as exc:
-            result["sched_fifo"] = f"failed: {exc}; {_nice_fallback()}"
+            result["sched_fifo"] = f"failed: {exc}{_eperm_hint(exc)}; {_nice_fallback()}"
     else:
         result["sched_fifo"] = "not requested"
     if cpu_affinity:
