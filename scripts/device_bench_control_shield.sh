@@ -11,6 +11,9 @@
 # Options (env): LOOPS (bench_control --loops; default the cuda_graph entry above), BACKENDS
 # (phase-1 step backends, default cuda_graph), NAME (result file stem, default
 # control_h200_shield), SKIP_PROFILE=1, CYCLES.
+# SPIN_US (default 950): with SCHED_FIFO keep it low enough that the loop sleeps each period
+# (e.g. 700): a FIFO thread that spins the whole period meets the kernel's real-time throttle
+# (sched_rt_runtime_us 950000: 50 ms in every second taken away).
 # ROOT_CGROUP=1 first moves this shell (so the bench and its loop process) into the cgroup v2
 # root: the VM runs commands in /process_api/<id>, whose real-time group runtime is 0, so
 # SCHED_FIFO fails there with EPERM although CAP_SYS_NICE is held; the root grants it.
@@ -61,10 +64,10 @@ IRQ0=$("$KPY" -c "from kestrel_control.core.cpu_shield import irq_counts;print(i
 NAME="${NAME:-control_h200_shield}"
 timeout "${BENCH_TIMEOUT:-300}" "$KPY" scripts/bench_control.py --loops-first \
   --backends "${BACKENDS:-cuda_graph}" --step-iters 2000 \
-  --loops "${LOOPS:-cuda_graph@1000:${CYCLES:-100000}:process}" --spin-us 950 ${EXTRA_ARGS:-} \
+  --loops "${LOOPS:-cuda_graph@1000:${CYCLES:-100000}:process}" --spin-us "${SPIN_US:-950}" ${EXTRA_ARGS:-} \
   --loop-cpus "$LOOP" --publisher-cpus "$PUB" --node-cpus "$NODE" --rt-priority 80 \
   --label "H200 shielded loop cpu" --commit "$COMMIT" --out "$OUT/$NAME.json" \
-  --note "process mode; $CGROUP_NOTE; loop on CPU $LOOP (fewest interrupts, every other task moved off it: $(tr -d '\n' < "$OUT/shield.json")), node on $NODE, publisher on $PUB; --spin-us 950" \
+  --note "process mode; $CGROUP_NOTE; loop on CPU $LOOP (fewest interrupts, every other task moved off it: $(tr -d '\n' < "$OUT/shield.json")), node on $NODE, publisher on $PUB; --spin-us ${SPIN_US:-950}" \
   2>&1 | tail -30 | tee "$OUT/bench_shield.txt"
 IRQ1=$("$KPY" -c "from kestrel_control.core.cpu_shield import irq_counts;print(irq_counts().get($LOOP,0))")
 STEAL1=$(awk -v c="cpu$LOOP" '$1==c{print $9}' /proc/stat)
