@@ -302,3 +302,16 @@ def test_a_refused_sched_fifo_says_what_to_change() -> None:
     hint = _eperm_hint(PermissionError(1, "Operation not permitted"))
     assert "CAP_SYS_NICE" in hint  # either "is held: cgroup ..." or "no CAP_SYS_NICE"
     assert "cgroup" in hint or "rtprio" in hint
+
+
+def test_a_fifo_loop_that_cannot_sleep_is_flagged_before_the_throttle_stalls_it(
+        tmp_path: Path) -> None:
+    from kestrel_control.core.rt_loop import rt_throttle_check
+    (tmp_path / "sched_rt_period_us").write_text("1000000\n")
+    (tmp_path / "sched_rt_runtime_us").write_text("950000\n")
+    spinning = rt_throttle_check(1_000_000, 950_000, str(tmp_path))
+    assert spinning.startswith("warning:") and "50 ms" in spinning
+    assert rt_throttle_check(1_000_000, 700_000, str(tmp_path)).startswith("ok:")
+    (tmp_path / "sched_rt_runtime_us").write_text("-1\n")
+    assert rt_throttle_check(1_000_000, 950_000, str(tmp_path)).startswith("off")
+    assert rt_throttle_check(1_000_000, 0, str(tmp_path / "nope")).startswith("unknown")

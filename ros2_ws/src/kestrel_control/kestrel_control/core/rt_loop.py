@@ -53,11 +53,40 @@ def _mlockall() -> str:
     return "applied"
 
 
+def rt_throttle_check(period_ns: int, spin_ns: int,
+                      proc: str = "/proc/sys/kernel") -> str:
+    """A SCHED_FIFO loop that sleeps less than the kernel's real-time throttle leaves idle is
+    stopped for the rest of every throttle period: with the defaults (sched_rt_runtime_us
+    950000 of sched_rt_period_us 1000000) 50 ms in each second. Measured on the H200 VM: the
+    eager loops, which never sleep at 1 kHz, woke up to 50.7 ms late ("sched: RT throttling
+    activated"; docs/benchmarks/control_miss_causes_h200.md). The loop sleeps only when more than
+    spin_ns + MIN_SLEEP_NS of the period is left after the step, so a spin that leaves less
+    than the throttle's idle share is flagged here, at start."""
+    try:
+        with open(f"{proc}/sched_rt_runtime_us") as f:
+            runtime = int(f.read())
+        with open(f"{proc}/sched_rt_period_us") as f:
+            rt_period = int(f.read())
+    except (OSError, ValueError):
+        return "unknown (sched_rt_runtime_us unreadable)"
+    if runtime < 0:
+        return "off (sched_rt_runtime_us -1)"
+    idle_needed = 1.0 - runtime / rt_period  # share of CPU time the RT class must leave
+    idle_max = (period_ns - spin_ns - MIN_SLEEP_NS) / period_ns  # before the step's own time
+    if idle_max <= idle_needed:
+        return (f"warning: spin_s leaves at most {max(idle_max, 0):.0%} of each period to sleep"
+                f" and the kernel throttles real-time threads that sleep less than "
+                f"{idle_needed:.0%} (sched_rt_runtime_us {runtime} of {rt_period}): expect "
+                f"{(rt_period - runtime) / 1e3:.0f} ms stalls; lower spin_s")
+    return (f"ok: sleeps up to {idle_max:.0%} of each period minus the step, throttle needs "
+            f"{idle_needed:.0%}")
+
+
 def _eperm_hint(exc: BaseException) -> str:
     """EPERM although the process holds CAP_SYS_NICE: the kernel's real-time group scheduling
     gives the process's cgroup no real-time runtime. Seen on the H200 VM: the command's cgroup
     (/process_api/<id>) refuses, the cgroup v2 root accepts (docs/benchmarks/
-    control_fifo_h200.md). Docker's answer is --cpu-rt-runtime; systemd's, a unit in the root."""
+    control_miss_causes_h200.md). Docker's answer is --cpu-rt-runtime; systemd's, a unit in the root."""
     if not isinstance(exc, PermissionError):
         return ""
     try:
@@ -197,6 +226,8 @@ class RealtimeLoop:
     # ---- the loop thread --------------------------------------------------------------------
     def _setup(self) -> None:
         applied = apply_realtime_settings(self.rt_priority, self.cpu_affinity, self.lock_memory)
+        if applied["sched_fifo"].startswith("applied"):
+            applied["rt_throttle"] = rt_throttle_check(self.period_ns, self.spin_ns)
         self._causes = MissAttributor()  # opened on the loop thread: its own schedstat
         applied["miss_attribution"] = self._causes.status
         if self.manage_gc:
