@@ -85,8 +85,9 @@ def rt_throttle_check(period_ns: int, spin_ns: int,
 def _eperm_hint(exc: BaseException) -> str:
     """EPERM although the process holds CAP_SYS_NICE: the kernel's real-time group scheduling
     gives the process's cgroup no real-time runtime. Seen on the H200 VM: the command's cgroup
-    (/process_api/<id>) refuses, the cgroup v2 root accepts (docs/benchmarks/
-    control_miss_causes_h200.md). Docker's answer is --cpu-rt-runtime; systemd's, a unit in the root."""
+    (/process_api/<id>) refuses, the cgroup v2 root accepts
+    (docs/benchmarks/control_miss_causes_h200.md). Docker's answer is --cpu-rt-runtime;
+    systemd's, a unit in the root."""
     if not isinstance(exc, PermissionError):
         return ""
     try:
