@@ -64,7 +64,8 @@ SPECS = [
     ParamSpec("seed", 0, "Seed of the random weights.", min=0, max=2**31 - 1, read_only=True),
     ParamSpec("stats_period", 0.1, "Period of ~/output/loop_stats, s.", min=0.01, max=60.0,
               read_only=True),
-    ParamSpec("rt_priority", 0, "SCHED_FIFO priority of the loop thread (0 = none).", min=0,
+    ParamSpec("rt_priority", 0, "SCHED_FIFO priority of the loop thread (0 = none; refused "
+              "-> nice -20, reported as rt_sched_fifo on /diagnostics).", min=0,
               max=99, read_only=True),
     ParamSpec("cpu_affinity", [], "CPUs for the loop thread (empty = any).", min=0,
               max=4095, element_type=int, read_only=True),
