@@ -34,8 +34,8 @@ def markdown(report: dict) -> str:
                   f"{e['p50']:.2f} us, p99.9 {e['p999']:.2f} us, max {e['max']:.1f} us."]
     lines += ["", "## Loop with ROS I/O live (JointState in from another process, commands "
               "out), us", "",
-              "| backend | mode | rate Hz | cycles | deadline misses (preempted / late wake / "
-              "slow step) | stale | step p50 | "
+              "| backend | mode | rate Hz | cycles | deadline misses (preempted / blocked / late "
+              "wake / slow step) | stale | step p50 | "
               "step p99 | step p99.9 | step max | wake p50 | wake p99.9 | wake max | "
               "period jitter p99.9 | delivery p50 / p99.9 |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -46,11 +46,13 @@ def markdown(report: dict) -> str:
         s, w, p = r["step_latency_us"], r["wake_error_us"], r["period_jitter_us"]
         d = r.get("delivery_us") or {}
         dcol = f"{d['p50']:.1f} / {d['p999']:.1f}" if d else ""
-        mc = r.get("miss_causes") or {}  # preempted / late wake / slow step (miss_cause.py)
+        # preempted / blocked / late wake / slow step (miss_cause.py; session 14's first runs
+        # had no 'blocked': 0 there)
+        mc = r.get("miss_causes") or {}
         misses = str(r["deadline_misses"])
         if mc and r["deadline_misses"]:
-            misses += " ({} / {} / {})".format(*(mc.get(k, 0) for k in (
-                "misses_preempted", "misses_late_wake", "misses_slow_step")))
+            misses += " ({} / {} / {} / {})".format(*(mc.get(k, 0) for k in (
+                "misses_preempted", "misses_blocked", "misses_late_wake", "misses_slow_step")))
         lines.append(f"| {r['backend']} | {r.get('loop_mode', 'thread')} | {r['rate_hz']:g} | "
                      f"{r['cycles']} | {misses} | {r['stale_inputs']} | "
                      f"{s['p50']:.1f} | {s['p99']:.1f} | {s['p999']:.1f} | {s['max']:.1f} | "

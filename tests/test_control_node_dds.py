@@ -167,7 +167,8 @@ def test_commands_stats_bad_inputs_and_stale_hold(launch_node, probe, loop_mode)
         assert int(values["loop_rejected_nonfinite"]) > 0 and int(values["loop_cycles"]) > 0
         assert "loop_step_latency_p999" in values and "rt_gc" in values
         # deadline misses split by cause (miss_cause.py), from the loop thread or process
-        causes = ("loop_misses_preempted", "loop_misses_late_wake", "loop_misses_slow_step")
+        causes = ("loop_misses_preempted", "loop_misses_blocked", "loop_misses_late_wake",
+                  "loop_misses_slow_step")
         assert "rt_miss_attribution" in values and all(k in values for k in causes), values
         if values["rt_miss_attribution"].startswith("on"):
             assert sum(int(values[k]) for k in causes) <= int(values["loop_deadline_misses"])

@@ -1,26 +1,36 @@
 """Why a late cycle was late: the loop thread's own scheduler statistics around it.
 
-A deadline miss has three kinds of cause, and each has a different fix:
+A deadline miss has four kinds of cause, and each has a different fix:
 - **preempted**: another task of this OS had the loop's CPU while the loop thread was runnable
   (it waited on the run queue). Fix: SCHED_FIFO (`rt_priority`), a shielded CPU.
-- **late wake**: the thread woke late without waiting on a run queue in this OS: the time was
-  taken without a context switch (interrupt handlers, or the hypervisor not running the
-  virtual CPU: steal), or the sleep's timer fired late. No scheduler setting in the guest fixes
-  it; on a VM it is the host's.
-- **slow step**: the step itself outlasted the period: its work, a blocking wait inside it, or
-  time lost while it ran.
+- **blocked**: the loop thread left its CPU on its own beyond its sleep: waiting for the GIL
+  (another Python thread of the process: loop_mode process, a shorter gil_switch_interval_us),
+  a lock, or a blocking wait in the step.
+- **late wake**: the thread woke late without either: the time was taken without a context
+  switch (interrupt handlers, or the hypervisor not running the virtual CPU: steal), or the
+  sleep's timer fired late. No scheduler setting in the guest fixes it; on a VM it is the
+  host's.
+- **slow step**: the step itself outlasted what the period left: its work, or time lost while
+  it ran without a context switch.
 
-Source: /proc/thread-self/schedstat of the loop thread (`run_delay`: ns spent runnable but not
-running, cumulative; CONFIG_SCHED_INFO, on in mainstream kernels). One pread per cycle (~1 us on
-the dev CPU, taken before the sleep, so outside the step's timing) into a preallocated buffer;
-it is parsed only when a cycle is late. The pread goes through ctypes.PyDLL, which keeps the
-GIL: os.pread releases and retakes it every cycle, and a loop that spins the whole period then
-starves every other thread of the interpreter (a waiting thread only forces a switch after
-5 ms without one; measured here: loop.start() returned after 22 s instead of 0.09 s).
-The rule: a miss is "preempted" when the run-queue wait during the cycle is at least the
-overrun (without the wait the deadline would have been met), else "late wake" when the wake
-error is at least the overrun, else "slow step". The three counters add up to
-`deadline_misses`.
+Source: /proc/thread-self/schedstat of the loop thread: `run_delay` (ns spent runnable but not
+running) and `pcount` (times it got a CPU), both cumulative (CONFIG_SCHED_INFO, on in mainstream
+kernels). Two preads per cycle into preallocated buffers: at the cycle's start (before the
+sleep) and just before the wake-up time is taken (~0.5 us each on the dev CPU; the second one
+lands in the wake error, not in the step); parsed only when a cycle is late. The reads go
+through ctypes.PyDLL, which keeps the GIL: os.pread releases and retakes it every cycle, and a
+loop that spins the whole period then starves every other thread of the interpreter (a waiting
+thread only forces a switch after 5 ms without one; measured here: loop.start() returned after
+22 s instead of 0.09 s).
+
+The rule, for a cycle that ended `overrun` after its next deadline:
+1. preempted if the run-queue wait that could delay the deadline is at least the overrun: the
+   wait during the step, plus the wait before the wake-up up to the wake error (a wait during
+   the spin that still woke on time cost nothing);
+2. else, if the wake error is at least the overrun: blocked if the thread got a CPU more often
+   than its sleep explains before the wake-up, else late wake;
+3. else: blocked if it got a CPU again during the step, else slow step.
+The four counters add up to `deadline_misses`.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ import os
 
 __all__ = ["MissAttributor", "CAUSES"]
 
-CAUSES = ("misses_preempted", "misses_late_wake", "misses_slow_step")
+CAUSES = ("misses_preempted", "misses_blocked", "misses_late_wake", "misses_slow_step")
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 _BUF = 128  # schedstat is three decimal integers: < 64 bytes
 
@@ -49,7 +59,8 @@ class MissAttributor:
     def __init__(self, path: str = _SCHEDSTAT) -> None:
         self._fd = -1
         self.status = "unavailable"
-        self._mark = ctypes.create_string_buffer(_BUF)  # at cycle start
+        self._mark = ctypes.create_string_buffer(_BUF)  # cycle start, before the sleep
+        self._wake = ctypes.create_string_buffer(_BUF)  # just before the wake-up time
         self._now = ctypes.create_string_buffer(_BUF)  # at a miss
         try:
             self._pread = _pread_keeping_gil()
@@ -61,37 +72,46 @@ class MissAttributor:
         try:
             if self._pread(fd, self._mark, _BUF - 1, 0) <= 0:
                 raise OSError(ctypes.get_errno(), "pread failed")
-            _run_delay(self._mark)
+            if _fields(self._mark)[0] <= 0:  # kernels < 5.14 without SCHEDSTATS: "0 0 0"
+                raise ValueError("all zero: scheduler statistics are off")
         except (OSError, ValueError, IndexError) as exc:
             self.close()
             self.status = f"unavailable: {path} ({exc!r})"
             return
-        self.status = f"on ({path} run_delay)"
+        self.status = f"on ({path} run_delay, pcount)"
 
     @property
     def available(self) -> bool:
         return self._fd >= 0
 
     def mark(self) -> None:
-        """Cycle start (before the sleep): remember the thread's cumulative run-queue wait.
-        Never raises (the loop calls it): a failed read keeps the previous mark, so the wait is
-        over-counted, never missed."""
+        """Cycle start (before the sleep). Never raises (the loop calls it): a failed read keeps
+        the previous values, so a wait is over-counted, never missed."""
         self._pread(self._fd, self._mark, _BUF - 1, 0)
 
-    def cause(self, wake_error_ns: int, overrun_ns: int) -> int:
+    def mark_wake(self) -> None:
+        """Just before the loop takes its wake-up time (after the spin). Never raises."""
+        self._pread(self._fd, self._wake, _BUF - 1, 0)
+
+    def cause(self, wake_error_ns: int, overrun_ns: int, slept: bool) -> int:
         """Index into CAUSES for the cycle since `mark()`, which ended `overrun_ns` (> 0) after
-        its next deadline and woke `wake_error_ns` after its own."""
+        its next deadline and woke `wake_error_ns` after its own; `slept`: it slept before the
+        spin (one CPU switch-in is then its own)."""
         try:
             if self._pread(self._fd, self._now, _BUF - 1, 0) <= 0:
                 raise OSError("pread of schedstat failed")
-            waited = _run_delay(self._now) - _run_delay(self._mark)
+            _, d0, p0 = _fields(self._mark)
+            _, d1, p1 = _fields(self._wake)
+            _, d2, p2 = _fields(self._now)
         except (OSError, ValueError, IndexError):
-            waited = 0
+            return CAUSES.index("misses_slow_step") if wake_error_ns < overrun_ns else \
+                CAUSES.index("misses_late_wake")
+        waited = (d2 - d1) + min(d1 - d0, max(wake_error_ns, 0))
         if waited >= overrun_ns:
             return 0
         if wake_error_ns >= overrun_ns:
-            return 1
-        return 2
+            return 1 if p1 - p0 > int(slept) else 2
+        return 1 if p2 > p1 else 3
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -99,7 +119,8 @@ class MissAttributor:
             self._fd = -1
 
 
-def _run_delay(buf: ctypes.Array) -> int:
+def _fields(buf: ctypes.Array) -> tuple[int, int, int]:
     """schedstat = 'sum_exec_runtime run_delay pcount' (ns, ns, count). A shorter read leaves
-    the end of a longer one behind its newline: the first two fields are always this read's."""
-    return int(buf.value.split()[1])
+    the end of a longer one behind its newline: the first three fields are always this read's."""
+    f = buf.value.split()
+    return int(f[0]), int(f[1]), int(f[2])

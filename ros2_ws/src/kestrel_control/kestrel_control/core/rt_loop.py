@@ -12,7 +12,7 @@ wake-up p99.9 46.5 us and one 1.85 ms late wake-up against 0.4 us and 0.1 ms for
 Overrun: when a cycle ends after the next deadline, the loop skips to the first future deadline
 (no catch-up burst) and counts every skipped deadline in `stats.deadline_misses`; so
 cycles + deadline_misses == deadlines elapsed. Each miss is also counted by its cause
-(preempted / late wake / slow step, from the loop thread's run-queue wait: miss_cause.py).
+(preempted / blocked / late wake / slow step, from the loop thread's schedstat: miss_cause.py).
 
 At start the loop thread attempts (each optional, each reported, failures are not fatal):
 SCHED_FIFO priority (nice -20 where it is refused) and CPU affinity for itself, mlockall for
@@ -61,7 +61,7 @@ def rt_throttle_check(period_ns: int, spin_ns: int,
     eager loops, which never sleep at 1 kHz, woke up to 50.7 ms late ("sched: RT throttling
     activated"; docs/benchmarks/control_miss_causes_h200.md). The loop sleeps only when more than
     spin_ns + MIN_SLEEP_NS of the period is left after the step, so a spin that leaves less
-    than the throttle's idle share is flagged here, at start."""
+    than the throttle's idle share (before the step's own time) is flagged here, at start."""
     try:
         with open(f"{proc}/sched_rt_runtime_us") as f:
             runtime = int(f.read())
@@ -72,7 +72,10 @@ def rt_throttle_check(period_ns: int, spin_ns: int,
     if runtime < 0:
         return "off (sched_rt_runtime_us -1)"
     idle_needed = 1.0 - runtime / rt_period  # share of CPU time the RT class must leave
-    idle_max = (period_ns - spin_ns - MIN_SLEEP_NS) / period_ns  # before the step's own time
+    # the loop sleeps the whole rest of the period once it exceeds MIN_SLEEP_NS: at most
+    # period - spin, minus the step's own time
+    rest = period_ns - spin_ns
+    idle_max = rest / period_ns if rest > MIN_SLEEP_NS else 0.0
     if idle_max <= idle_needed:
         return (f"warning: spin_s leaves at most {max(idle_max, 0):.0%} of each period to sleep"
                 f" and the kernel throttles real-time threads that sleep less than "
@@ -262,6 +265,10 @@ class RealtimeLoop:
     def _run(self) -> None:
         try:
             self._setup()
+        except BaseException:
+            if self._causes is not None:
+                self._causes.close()
+            raise
         finally:
             self._ready.set()
         try:
@@ -275,19 +282,24 @@ class RealtimeLoop:
         period, spin = self.period_ns, self.spin_ns
         stats, step, stop = self.stats, self.step_fn, self._stop
         causes = self._causes
-        mark = causes.mark if causes is not None and causes.available else None
+        on = causes is not None and causes.available
+        mark = causes.mark if on else None
+        mark_wake = causes.mark_wake if on else None
         t0 = clock() + period
         k = 0
         prev_wake = -1
         while not stop.is_set():
             deadline = t0 + k * period
             if mark is not None:
-                mark()  # the run-queue wait so far (miss attribution, miss_cause.py)
+                mark()  # run-queue wait and CPU switch-ins so far (miss_cause.py)
             remaining = deadline - clock() - spin
-            if remaining > MIN_SLEEP_NS:
+            slept = remaining > MIN_SLEEP_NS
+            if slept:
                 sleep(remaining * 1e-9)
             while clock() < deadline:
                 pass  # busy-wait the last `spin` ns
+            if mark_wake is not None:
+                mark_wake()  # ~0.5 us, in the wake error rather than in the step
             wake = clock()
             try:
                 step(deadline)
@@ -303,7 +315,7 @@ class RealtimeLoop:
             if late > 0:  # deadline k (and maybe more) passed during this cycle: skip them
                 skipped = late // period + 1
                 stats.deadline_misses += skipped
-                if mark is not None:
-                    name = CAUSES[causes.cause(wake - deadline, late)]
+                if mark is not None:  # after deadline_misses: readers take causes first
+                    name = CAUSES[causes.cause(wake - deadline, late, slept)]
                     setattr(stats, name, getattr(stats, name) + skipped)
                 k += skipped

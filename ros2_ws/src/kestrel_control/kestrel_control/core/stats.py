@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kestrel_control.core.miss_cause import CAUSES as MISS_CAUSES
+
 _NAN = float("nan")
 
 
@@ -88,16 +90,21 @@ class LoopStatsSnapshot:
     stale_inputs: int
     rejected_nonfinite: int
     clamped_actions: int
+    misses_preempted: int
+    misses_blocked: int
+    misses_late_wake: int
+    misses_slow_step: int
 
 
 class LoopStats:
     """Per-cycle timing rings (period, wake error, step latency; s) and safety counters."""
 
-    # the last three split deadline_misses by cause (core/miss_cause.py; they stay 0 where
-    # the loop thread's schedstat is unavailable)
+    # the last four split deadline_misses by cause (core/miss_cause.py; they stay 0 where
+    # the loop thread's schedstat is unavailable). The loop adds to deadline_misses first and
+    # to a cause second; readers take the causes first, so they never add up to more.
+    CAUSES = MISS_CAUSES
     COUNTERS = ("cycles", "deadline_misses", "stale_inputs", "rejected_nonfinite",
-                "clamped_actions", "step_errors", "misses_preempted", "misses_late_wake",
-                "misses_slow_step")
+                "clamped_actions", "step_errors", *MISS_CAUSES)
 
     def __init__(self, period_target_s: float, capacity: int = 16384) -> None:
         if not period_target_s > 0:
@@ -113,7 +120,8 @@ class LoopStats:
         self.clamped_actions = 0  # cycles where a command was clamped to the joint limits
         self.step_errors = 0  # exceptions raised by the step function (loop kept running)
         self.misses_preempted = 0  # misses while another task had the loop's CPU
-        self.misses_late_wake = 0  # misses from a late wake-up without a run-queue wait
+        self.misses_blocked = 0  # misses while the loop thread waited (GIL, lock) off its CPU
+        self.misses_late_wake = 0  # misses from a late wake-up without a switch-out
         self.misses_slow_step = 0  # misses from a step longer than the period allowed
         self.wake_time = Ring(capacity)  # s, time.monotonic() of each cycle's wake-up
         # time.monotonic_ns() of the wake-up of the last cycle in the last snapshot's window
@@ -168,6 +176,7 @@ class LoopStats:
     def snapshot(self, advance_window: bool = True) -> LoopStatsSnapshot:
         """Statistics of the window since the previous snapshot; starts a new window."""
         n_window, period, wake, latency = self._window(advance_window)
+        causes = {name: int(getattr(self, name)) for name in self.CAUSES}  # before the total
         return LoopStatsSnapshot(
             period_target=self.period_target,
             cycles_window=n_window,
@@ -183,6 +192,7 @@ class LoopStats:
             stale_inputs=self.stale_inputs,
             rejected_nonfinite=self.rejected_nonfinite,
             clamped_actions=self.clamped_actions,
+            **causes,
         )
 
     def percentiles(self, last_n: int | None = None) -> dict[str, float]:
@@ -200,5 +210,7 @@ class LoopStats:
         return out
 
     def counters(self) -> dict[str, int]:
-        """All counters, by name."""
-        return {name: int(getattr(self, name)) for name in self.COUNTERS}
+        """All counters, by name (the causes read before deadline_misses: see COUNTERS)."""
+        first = {name: int(getattr(self, name)) for name in self.CAUSES}
+        return {name: first[name] if name in first else int(getattr(self, name))
+                for name in self.COUNTERS}
