@@ -25,8 +25,9 @@ COMMIT="${1:-${KESTREL_COMMIT:-unknown}}"
 # shellcheck source=/dev/null
 source scripts/device_ros_env.sh || exit 1
 export ROS_DOMAIN_ID=43 PYTHONUNBUFFERED=1
-CGROUP_NOTE="cgroup $(cut -d: -f3 /proc/self/cgroup)"
+CGROUP_NOTE="cgroup $(cut -d: -f3 /proc/self/cgroup | tr '\n' ' ')"
 if [[ -n "${ROOT_CGROUP:-}" ]]; then
+  SPIN_US="${SPIN_US:-700}"  # SCHED_FIFO granted there: leave sleep for the RT throttle
   if echo $$ > /sys/fs/cgroup/cgroup.procs; then CGROUP_NOTE="moved to the cgroup root"
   else CGROUP_NOTE="$CGROUP_NOTE (ROOT_CGROUP: move refused)"; fi
 fi
