@@ -61,6 +61,8 @@ def test_rule_on_a_scripted_schedstat(tmp_path: Path) -> None:
     # two switch-ins beyond the sleep before a late wake-up: it waited off its CPU (the GIL)
     assert _cycle(c, f, (0, 5), (2 * us, 8), (2 * us, 8), 1500 * us, 530 * us, True) \
         == "misses_blocked"
+    # a late wake-up whose switch-out fell after the wake-up read (a GIL wait there): blocked
+    assert _cycle(c, f, (0, 5), (0, 5), (2 * us, 6), 1500 * us, 530 * us) == "misses_blocked"
     # switched out during the step, no run-queue wait that explains the overrun: blocked
     assert _cycle(c, f, (0, 5), (0, 5), (3 * us, 6), 5 * us, 200 * us) == "misses_blocked"
     c.close()
@@ -70,7 +72,7 @@ def test_rule_on_a_scripted_schedstat(tmp_path: Path) -> None:
 def test_unavailable_is_reported_not_raised(tmp_path: Path) -> None:
     missing = MissAttributor(str(tmp_path / "nope"))
     assert not missing.available and missing.status.startswith("unavailable")
-    for text in ("x\n", "0 0 0\n"):  # garbage; scheduler statistics off (old kernels)
+    for text in ("x\n", "0 0 0\n", "12 0 0\n"):  # garbage; statistics off (old kernels)
         f = tmp_path / "schedstat"
         f.write_text(text)
         bad = MissAttributor(str(f))

@@ -28,7 +28,7 @@ The rule, for a cycle that ended `overrun` after its next deadline:
    wait during the step, plus the wait before the wake-up up to the wake error (a wait during
    the spin that still woke on time cost nothing);
 2. else, if the wake error is at least the overrun: blocked if the thread got a CPU more often
-   than its sleep explains before the wake-up, else late wake;
+   than its sleep explains during the cycle, else late wake;
 3. else: blocked if it got a CPU again during the step, else slow step.
 The four counters add up to `deadline_misses`.
 """
@@ -72,8 +72,11 @@ class MissAttributor:
         try:
             if self._pread(fd, self._mark, _BUF - 1, 0) <= 0:
                 raise OSError(ctypes.get_errno(), "pread failed")
-            if _fields(self._mark)[0] <= 0:  # kernels < 5.14 without SCHEDSTATS: "0 0 0"
-                raise ValueError("all zero: scheduler statistics are off")
+            # pcount >= 1 on a running thread where the kernel keeps these statistics (kernels
+            # < 5.14 without SCHEDSTATS print zeros). Not sum_exec_runtime: a thread that has
+            # not been switched out or ticked yet still shows 0 there (seen on a fresh thread).
+            if _fields(self._mark)[2] <= 0:
+                raise ValueError("pcount 0: scheduler statistics are off")
         except (OSError, ValueError, IndexError) as exc:
             self.close()
             self.status = f"unavailable: {path} ({exc!r})"
@@ -109,8 +112,9 @@ class MissAttributor:
         waited = (d2 - d1) + min(d1 - d0, max(wake_error_ns, 0))
         if waited >= overrun_ns:
             return 0
-        if wake_error_ns >= overrun_ns:
-            return 1 if p1 - p0 > int(slept) else 2
+        if wake_error_ns >= overrun_ns:  # any switch-in beyond the sleep's, up to the miss:
+            # a GIL wait can fall between the wake-up read and the wake-up time
+            return 1 if p2 - p0 > int(slept) else 2
         return 1 if p2 > p1 else 3
 
     def close(self) -> None:
