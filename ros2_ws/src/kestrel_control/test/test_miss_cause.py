@@ -24,49 +24,67 @@ needs_schedstat = pytest.mark.skipif(not HAS_SCHEDSTAT,
                                      reason="no /proc/thread-self/schedstat (CONFIG_SCHED_INFO)")
 
 
-def _write(path: Path, run_delay_ns: int, pcount: int = 7) -> None:
-    path.write_text(f"123456 {run_delay_ns} {pcount}\n")
+def _write(path: Path, run_delay_ns: int) -> None:
+    path.write_text(f"123456 {run_delay_ns} 7\n")
 
 
-def _cycle(causes: MissAttributor, f: Path, at_start: tuple[int, int], at_wake: tuple[int, int],
-           at_miss: tuple[int, int], wake_error_ns: int, overrun_ns: int,
-           slept: bool = False) -> str:
-    """One scripted cycle: (run_delay ns, pcount) at its start, its wake-up and its miss."""
-    _write(f, *at_start)
-    causes.mark()
-    _write(f, *at_wake)
-    causes.mark_wake()
-    _write(f, *at_miss)
-    return CAUSES[causes.cause(wake_error_ns, overrun_ns, slept)]
+class _Script:
+    """Feeds a MissAttributor scripted readings: schedstat through a file, ru_nvcsw through a
+    stand-in for its getrusage."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.file = tmp_path / "schedstat"
+        _write(self.file, 1_000)
+        self.nvcsw = 0
+        self.causes = MissAttributor(str(self.file))
+        assert self.causes.available and self.causes.status.startswith("on")
+
+        def fake_getrusage(_who: int, buf) -> int:
+            buf[16] = self.nvcsw
+            return 0
+
+        self.causes._getrusage = fake_getrusage
+
+    def cycle(self, at_start: tuple[int, int], at_wake: tuple[int, int],
+              at_miss: tuple[int, int], wake_error_ns: int, overrun_ns: int,
+              slept: bool = False) -> str:
+        """(run_delay ns, voluntary switches) at the cycle's start (the previous cycle's end),
+        its wake-up and its end."""
+        for (delay, nvcsw), read in zip(
+                (at_start, at_wake, at_miss),
+                (self.causes.mark_end, self.causes.mark_wake, self.causes.mark_end), strict=True):
+            _write(self.file, delay)
+            self.nvcsw = nvcsw
+            read()
+        return CAUSES[self.causes.cause(wake_error_ns, overrun_ns, slept)]
 
 
-def test_rule_on_a_scripted_schedstat(tmp_path: Path) -> None:
-    f = tmp_path / "schedstat"
-    _write(f, 1_000)
-    c = MissAttributor(str(f))
-    assert c.available and c.status.startswith("on")
+def test_rule_on_scripted_readings(tmp_path: Path) -> None:
+    s = _Script(tmp_path)
     us = 1_000
     # waited 400 us on the run queue during the step, overran by 300 us: preempted
-    assert _cycle(c, f, (0, 5), (0, 5), (400 * us, 6), 5 * us, 300 * us) == "misses_preempted"
+    assert s.cycle((0, 5), (0, 5), (400 * us, 5), 5 * us, 300 * us) == "misses_preempted"
     # waited 600 us before the wake-up and woke 600 us late, overran by 500: preempted
-    assert _cycle(c, f, (0, 5), (600 * us, 6), (600 * us, 6), 600 * us, 500 * us, True) \
+    assert s.cycle((0, 5), (600 * us, 6), (600 * us, 6), 600 * us, 500 * us, True) \
         == "misses_preempted"
     # a 5 us wait during the spin that still woke on time cost nothing: the step's 4 us overrun
-    assert _cycle(c, f, (0, 5), (5 * us, 6), (5 * us, 6), 0, 4 * us) == "misses_slow_step"
-    # no wait, no switch-in; woke 1.5 ms late, overran by 0.53 ms: late wake (IRQ / hypervisor)
-    assert _cycle(c, f, (0, 5), (0, 5), (0, 5), 1500 * us, 530 * us) == "misses_late_wake"
-    # slept (one switch-in of its own) and woke late without a wait: still a late wake
-    assert _cycle(c, f, (0, 5), (1 * us, 6), (1 * us, 6), 1500 * us, 530 * us, True) \
+    assert s.cycle((0, 5), (5 * us, 5), (5 * us, 5), 0, 4 * us) == "misses_slow_step"
+    # a short preemption inside a slow step (no voluntary switch): still the step
+    assert s.cycle((0, 5), (0, 5), (100 * us, 5), 5 * us, 300 * us) == "misses_slow_step"
+    # no wait, no switch; woke 1.5 ms late, overran by 0.53 ms: late wake (IRQ / hypervisor)
+    assert s.cycle((0, 5), (0, 5), (0, 5), 1500 * us, 530 * us) == "misses_late_wake"
+    # slept (one voluntary switch of its own) and woke late without a wait: still a late wake
+    assert s.cycle((0, 5), (1 * us, 6), (1 * us, 6), 1500 * us, 530 * us, True) \
         == "misses_late_wake"
-    # two switch-ins beyond the sleep before a late wake-up: it waited off its CPU (the GIL)
-    assert _cycle(c, f, (0, 5), (2 * us, 8), (2 * us, 8), 1500 * us, 530 * us, True) \
+    # voluntary switches beyond the sleep before a late wake-up: it waited (the GIL): blocked
+    assert s.cycle((0, 5), (2 * us, 8), (2 * us, 8), 1500 * us, 530 * us, True) \
         == "misses_blocked"
-    # a late wake-up whose switch-out fell after the wake-up read (a GIL wait there): blocked
-    assert _cycle(c, f, (0, 5), (0, 5), (2 * us, 6), 1500 * us, 530 * us) == "misses_blocked"
-    # switched out during the step, no run-queue wait that explains the overrun: blocked
-    assert _cycle(c, f, (0, 5), (0, 5), (3 * us, 6), 5 * us, 200 * us) == "misses_blocked"
-    c.close()
-    assert not c.available
+    # the switch fell after the wake-up read (a GIL wait there): blocked
+    assert s.cycle((0, 5), (0, 5), (2 * us, 6), 1500 * us, 530 * us) == "misses_blocked"
+    # switched out voluntarily during the step (a lock, a blocking wait): blocked
+    assert s.cycle((0, 5), (0, 5), (3 * us, 6), 5 * us, 200 * us) == "misses_blocked"
+    s.causes.close()
+    assert not s.causes.available
 
 
 def test_unavailable_is_reported_not_raised(tmp_path: Path) -> None:

@@ -13,11 +13,14 @@ A deadline miss has four kinds of cause, and each has a different fix:
 - **slow step**: the step itself outlasted what the period left: its work, or time lost while
   it ran without a context switch.
 
-Source: /proc/thread-self/schedstat of the loop thread: `run_delay` (ns spent runnable but not
-running) and `pcount` (times it got a CPU), both cumulative (CONFIG_SCHED_INFO, on in mainstream
-kernels). Two preads per cycle into preallocated buffers: at the cycle's start (before the
-sleep) and just before the wake-up time is taken (~0.5 us each on the dev CPU; the second one
-lands in the wake error, not in the step); parsed only when a cycle is late. The reads go
+Sources, both cumulative, for the loop thread: `run_delay` in /proc/thread-self/schedstat (ns
+spent runnable but not running; CONFIG_SCHED_INFO, on in mainstream kernels; it runs on the
+run queue's clock, so steal while the thread is queued counts as preempted, steal while it runs
+does not) and `ru_nvcsw` of getrusage(RUSAGE_THREAD) (voluntary context switches: a sleep, a
+futex wait for the GIL, a stop; not a preemption, which is `ru_nivcsw`). Both are read into
+preallocated buffers right after each cycle's end time (also the next cycle's start) and just
+before the wake-up time is taken (~1 us each on the dev CPU; neither lands in the step; the
+second lands in the wake error); parsed only when a cycle is late. The reads go
 through ctypes.PyDLL, which keeps the GIL: os.pread releases and retakes it every cycle, and a
 loop that spins the whole period then starves every other thread of the interpreter (a waiting
 thread only forces a switch after 5 ms without one; measured here: loop.start() returned after
@@ -27,9 +30,9 @@ The rule, for a cycle that ended `overrun` after its next deadline:
 1. preempted if the run-queue wait that could delay the deadline is at least the overrun: the
    wait during the step, plus the wait before the wake-up up to the wake error (a wait during
    the spin that still woke on time cost nothing);
-2. else, if the wake error is at least the overrun: blocked if the thread got a CPU more often
-   than its sleep explains during the cycle, else late wake;
-3. else: blocked if it got a CPU again during the step, else slow step.
+2. else, if the wake error is at least the overrun: blocked if the thread switched out
+   voluntarily more often than its sleep explains during the cycle, else late wake;
+3. else: blocked if it switched out voluntarily during the step, else slow step.
 The four counters add up to `deadline_misses`.
 """
 
@@ -45,6 +48,18 @@ _SCHEDSTAT = "/proc/thread-self/schedstat"
 _BUF = 128  # schedstat is three decimal integers: < 64 bytes
 
 
+_RUSAGE_THREAD = 1
+_RU_LONGS = 18  # struct rusage on 64-bit Linux: 2 timevals + 14 longs = 144 bytes
+_RU_NVCSW = 16  # ru_nvcsw: the 13th long after the two timevals (byte 128)
+
+
+def _getrusage_keeping_gil():
+    fn = ctypes.PyDLL(None, use_errno=True).getrusage
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def _pread_keeping_gil():
     libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: no GIL release (module docstring)
     fn = libc.pread
@@ -54,68 +69,81 @@ def _pread_keeping_gil():
 
 
 class MissAttributor:
-    """Created and used on the loop thread (the file names the thread that opens it)."""
+    """Created and used on the loop thread (the file names the thread that opens it).
+
+    Readings at two moments of each cycle: `mark_end()` right after the cycle's end time (it is
+    also the next cycle's start: every instant of the loop falls in exactly one cycle, so a
+    switch between a cycle's end and the next cycle's first read is not lost) and `mark_wake()`
+    right before its wake-up time. `cause()` compares the three readings of a late cycle."""
 
     def __init__(self, path: str = _SCHEDSTAT) -> None:
         self._fd = -1
         self.status = "unavailable"
-        self._mark = ctypes.create_string_buffer(_BUF)  # cycle start, before the sleep
-        self._wake = ctypes.create_string_buffer(_BUF)  # just before the wake-up time
-        self._now = ctypes.create_string_buffer(_BUF)  # at a miss
+        # schedstat text and struct rusage (ru_nvcsw) at: the cycle's start (= the previous
+        # cycle's end), its wake-up, its end
+        self._start, self._wake, self._end = (ctypes.create_string_buffer(_BUF)
+                                              for _ in range(3))
+        self._ru_start, self._ru_wake, self._ru_end = ((ctypes.c_long * _RU_LONGS)()
+                                                       for _ in range(3))
         try:
             self._pread = _pread_keeping_gil()
+            self._getrusage = _getrusage_keeping_gil()
             fd = os.open(path, os.O_RDONLY)
         except (OSError, AttributeError) as exc:
             self.status = f"unavailable: {path} ({exc})"
             return
         self._fd = fd
         try:
-            if self._pread(fd, self._mark, _BUF - 1, 0) <= 0:
+            if self._pread(fd, self._end, _BUF - 1, 0) <= 0:
                 raise OSError(ctypes.get_errno(), "pread failed")
             # pcount >= 1 on a running thread where the kernel keeps these statistics (kernels
             # < 5.14 without SCHEDSTATS print zeros). Not sum_exec_runtime: a thread that has
             # not been switched out or ticked yet still shows 0 there (seen on a fresh thread).
-            if _fields(self._mark)[2] <= 0:
+            if _fields(self._end)[2] <= 0:
                 raise ValueError("pcount 0: scheduler statistics are off")
+            if self._getrusage(_RUSAGE_THREAD, self._ru_end) != 0:
+                raise OSError(ctypes.get_errno(), "getrusage(RUSAGE_THREAD) failed")
         except (OSError, ValueError, IndexError) as exc:
             self.close()
             self.status = f"unavailable: {path} ({exc!r})"
             return
-        self.status = f"on ({path} run_delay, pcount)"
+        self.status = f"on ({path} run_delay, getrusage ru_nvcsw)"
 
     @property
     def available(self) -> bool:
         return self._fd >= 0
 
-    def mark(self) -> None:
-        """Cycle start (before the sleep). Never raises (the loop calls it): a failed read keeps
-        the previous values, so a wait is over-counted, never missed."""
-        self._pread(self._fd, self._mark, _BUF - 1, 0)
+    def mark_end(self) -> None:
+        """Right after a cycle's end time (and once before the first cycle, done by __init__):
+        this cycle's end and the next one's start. Never raises (the loop calls it): a failed
+        read leaves an older reading, which can only hide a cause, not invent one."""
+        self._start, self._end = self._end, self._start
+        self._ru_start, self._ru_end = self._ru_end, self._ru_start
+        self._pread(self._fd, self._end, _BUF - 1, 0)
+        self._getrusage(_RUSAGE_THREAD, self._ru_end)
 
     def mark_wake(self) -> None:
         """Just before the loop takes its wake-up time (after the spin). Never raises."""
         self._pread(self._fd, self._wake, _BUF - 1, 0)
+        self._getrusage(_RUSAGE_THREAD, self._ru_wake)
 
     def cause(self, wake_error_ns: int, overrun_ns: int, slept: bool) -> int:
-        """Index into CAUSES for the cycle since `mark()`, which ended `overrun_ns` (> 0) after
-        its next deadline and woke `wake_error_ns` after its own; `slept`: it slept before the
-        spin (one CPU switch-in is then its own)."""
+        """Index into CAUSES for the cycle just ended (after its `mark_end()`), which ended
+        `overrun_ns` (> 0) after its next deadline and woke `wake_error_ns` after its own;
+        `slept`: it slept before the spin (one voluntary switch is then its own)."""
         try:
-            if self._pread(self._fd, self._now, _BUF - 1, 0) <= 0:
-                raise OSError("pread of schedstat failed")
-            _, d0, p0 = _fields(self._mark)
-            _, d1, p1 = _fields(self._wake)
-            _, d2, p2 = _fields(self._now)
-        except (OSError, ValueError, IndexError):
+            d0, d1, d2 = (_fields(b)[1] for b in (self._start, self._wake, self._end))
+        except (ValueError, IndexError):
             return CAUSES.index("misses_slow_step") if wake_error_ns < overrun_ns else \
                 CAUSES.index("misses_late_wake")
+        v0, v1, v2 = (ru[_RU_NVCSW] for ru in (self._ru_start, self._ru_wake, self._ru_end))
         waited = (d2 - d1) + min(d1 - d0, max(wake_error_ns, 0))
         if waited >= overrun_ns:
             return 0
-        if wake_error_ns >= overrun_ns:  # any switch-in beyond the sleep's, up to the miss:
-            # a GIL wait can fall between the wake-up read and the wake-up time
-            return 1 if p2 - p0 > int(slept) else 2
-        return 1 if p2 > p1 else 3
+        if wake_error_ns >= overrun_ns:  # any voluntary switch beyond the sleep's in the
+            # cycle: a GIL wait can fall between the wake-up read and the wake-up time
+            return 1 if v2 - v0 > int(slept) else 2
+        return 1 if v2 > v1 else 3
 
     def close(self) -> None:
         if self._fd >= 0:

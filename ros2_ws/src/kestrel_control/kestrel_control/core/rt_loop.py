@@ -193,6 +193,7 @@ class RealtimeLoop:
         self.applied: dict[str, str] = {}
         self.last_error: str = ""
         self._causes: MissAttributor | None = None
+        self._setup_error = ""  # repr of what _setup raised on the loop thread
 
     @property
     def running(self) -> bool:
@@ -201,17 +202,22 @@ class RealtimeLoop:
     def start(self, timeout_s: float = 2.0) -> dict[str, str]:
         """Start the thread; wait (bounded) until it applied its settings. Returns what applied.
 
-        RuntimeError if already running or the thread did not come up within `timeout_s`.
+        RuntimeError if already running, the thread did not come up within `timeout_s`, or its
+        setup raised.
         """
         if self.running:
             raise RuntimeError(f"loop '{self.name}' is already running")
         self._stop.clear()
         self._ready.clear()
+        self._setup_error = ""
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout_s):
             self.stop(timeout_s)
             raise RuntimeError(f"loop '{self.name}' did not start within {timeout_s} s")
+        if self._setup_error:
+            self.stop(timeout_s)
+            raise RuntimeError(f"loop '{self.name}' failed to start: {self._setup_error}")
         return dict(self.applied)
 
     def stop(self, timeout_s: float = 1.0) -> bool:
@@ -265,10 +271,10 @@ class RealtimeLoop:
     def _run(self) -> None:
         try:
             self._setup()
-        except BaseException:
-            if self._causes is not None:
-                self._causes.close()
-            raise
+        except Exception as exc:  # start() raises it on the caller's thread
+            self._teardown()  # safe on a partial setup: each undo restores the saved state
+            self._setup_error = repr(exc)
+            return
         finally:
             self._ready.set()
         try:
@@ -283,15 +289,13 @@ class RealtimeLoop:
         stats, step, stop = self.stats, self.step_fn, self._stop
         causes = self._causes
         on = causes is not None and causes.available
-        mark = causes.mark if on else None
+        mark_end = causes.mark_end if on else None  # the first cycle's start: read at init
         mark_wake = causes.mark_wake if on else None
         t0 = clock() + period
         k = 0
         prev_wake = -1
         while not stop.is_set():
             deadline = t0 + k * period
-            if mark is not None:
-                mark()  # run-queue wait and CPU switch-ins so far (miss_cause.py)
             remaining = deadline - clock() - spin
             slept = remaining > MIN_SLEEP_NS
             if slept:
@@ -307,6 +311,8 @@ class RealtimeLoop:
                 stats.step_errors += 1
                 self.last_error = repr(exc)
             done = clock()
+            if mark_end is not None:
+                mark_end()  # run-queue wait and switches: this cycle's end, the next's start
             stats.record((wake - deadline) * 1e-9, (done - wake) * 1e-9,
                          (wake - prev_wake) * 1e-9 if prev_wake >= 0 else None, wake)
             prev_wake = wake
@@ -315,7 +321,7 @@ class RealtimeLoop:
             if late > 0:  # deadline k (and maybe more) passed during this cycle: skip them
                 skipped = late // period + 1
                 stats.deadline_misses += skipped
-                if mark is not None:  # after deadline_misses: readers take causes first
+                if mark_end is not None:  # after deadline_misses: readers take causes first
                     name = CAUSES[causes.cause(wake - deadline, late, slept)]
                     setattr(stats, name, getattr(stats, name) + skipped)
                 k += skipped
