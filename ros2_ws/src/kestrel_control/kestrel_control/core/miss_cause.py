@@ -4,8 +4,8 @@ A deadline miss has four kinds of cause, and each has a different fix:
 - **preempted**: another task of this OS had the loop's CPU while the loop thread was runnable
   (it waited on the run queue). Fix: SCHED_FIFO (`rt_priority`), a shielded CPU.
 - **blocked**: the loop thread left its CPU on its own beyond its sleep: waiting for the GIL
-  (another Python thread of the process: loop_mode process, a shorter gil_switch_interval_us),
-  a lock, or a blocking wait in the step.
+  held by another Python thread of the process, a lock, a blocking wait in the step, a stop.
+  Fix: loop_mode process (the loop in its own interpreter), a shorter gil_switch_interval_us.
 - **late wake**: the thread woke late without either: the time was taken without a context
   switch (interrupt handlers, or the hypervisor not running the virtual CPU: steal), or the
   sleep's timer fired late. No scheduler setting in the guest fixes it; on a VM it is the
@@ -18,9 +18,9 @@ spent runnable but not running; CONFIG_SCHED_INFO, on in mainstream kernels; it 
 run queue's clock, so steal while the thread is queued counts as preempted, steal while it runs
 does not) and `ru_nvcsw` of getrusage(RUSAGE_THREAD) (voluntary context switches: a sleep, a
 futex wait for the GIL, a stop; not a preemption, which is `ru_nivcsw`). Both are read into
-preallocated buffers right after each cycle's end time (also the next cycle's start) and just
-before the wake-up time is taken (~1 us each on the dev CPU; neither lands in the step; the
-second lands in the wake error); parsed only when a cycle is late. The reads go
+preallocated buffers right after each cycle's end time (also the next cycle's start; ~2.0 us on
+the dev CPU, before the sleep), and run_delay again just before the wake-up time is taken
+(~1.3 us: it delays the step by that much); parsed only when a cycle is late. The reads go
 through ctypes.PyDLL, which keeps the GIL: os.pread releases and retakes it every cycle, and a
 loop that spins the whole period then starves every other thread of the interpreter (a waiting
 thread only forces a switch after 5 ms without one; measured here: loop.start() returned after
@@ -30,9 +30,9 @@ The rule, for a cycle that ended `overrun` after its next deadline:
 1. preempted if the run-queue wait that could delay the deadline is at least the overrun: the
    wait during the step, plus the wait before the wake-up up to the wake error (a wait during
    the spin that still woke on time cost nothing);
-2. else, if the wake error is at least the overrun: blocked if the thread switched out
-   voluntarily more often than its sleep explains during the cycle, else late wake;
-3. else: blocked if it switched out voluntarily during the step, else slow step.
+2. else blocked if the thread switched out voluntarily more often than its sleep explains
+   during the cycle;
+3. else late wake if the wake error is at least the overrun, else slow step.
 The four counters add up to `deadline_misses`.
 """
 
@@ -53,19 +53,13 @@ _RU_LONGS = 18  # struct rusage on 64-bit Linux: 2 timevals + 14 longs = 144 byt
 _RU_NVCSW = 16  # ru_nvcsw: the 13th long after the two timevals (byte 128)
 
 
-def _getrusage_keeping_gil():
-    fn = ctypes.PyDLL(None, use_errno=True).getrusage
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _pread_keeping_gil():
-    libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: no GIL release (module docstring)
-    fn = libc.pread
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
-    fn.restype = ctypes.c_ssize_t
-    return fn
+def _libc_keeping_gil():
+    """PyDLL: calls keep the GIL (module docstring). No argtypes: the loop passes prebuilt
+    ctypes arguments (0.4 us less per call than converting Python ints)."""
+    libc = ctypes.PyDLL(None, use_errno=True)
+    libc.pread.restype = ctypes.c_ssize_t
+    libc.getrusage.restype = ctypes.c_int
+    return libc
 
 
 class MissAttributor:
@@ -83,25 +77,29 @@ class MissAttributor:
         # cycle's end), its wake-up, its end
         self._start, self._wake, self._end = (ctypes.create_string_buffer(_BUF)
                                               for _ in range(3))
-        self._ru_start, self._ru_wake, self._ru_end = ((ctypes.c_long * _RU_LONGS)()
-                                                       for _ in range(3))
+        # struct rusage (ru_nvcsw) at the cycle's start and end only: the wake-up read is the
+        # one in the command's path, so it is one pread
+        self._ru_start, self._ru_end = ((ctypes.c_long * _RU_LONGS)() for _ in range(2))
         try:
-            self._pread = _pread_keeping_gil()
-            self._getrusage = _getrusage_keeping_gil()
+            libc = _libc_keeping_gil()
+            self._pread, self._getrusage = libc.pread, libc.getrusage
             fd = os.open(path, os.O_RDONLY)
         except (OSError, AttributeError) as exc:
             self.status = f"unavailable: {path} ({exc})"
             return
         self._fd = fd
+        # prebuilt arguments: fd, read size, offset, RUSAGE_THREAD
+        self._cfd, self._size = ctypes.c_int(fd), ctypes.c_size_t(_BUF - 1)
+        self._off, self._who = ctypes.c_long(0), ctypes.c_int(_RUSAGE_THREAD)
         try:
-            if self._pread(fd, self._end, _BUF - 1, 0) <= 0:
+            if self._pread(self._cfd, self._end, self._size, self._off) <= 0:
                 raise OSError(ctypes.get_errno(), "pread failed")
             # pcount >= 1 on a running thread where the kernel keeps these statistics (kernels
             # < 5.14 without SCHEDSTATS print zeros). Not sum_exec_runtime: a thread that has
             # not been switched out or ticked yet still shows 0 there (seen on a fresh thread).
             if _fields(self._end)[2] <= 0:
                 raise ValueError("pcount 0: scheduler statistics are off")
-            if self._getrusage(_RUSAGE_THREAD, self._ru_end) != 0:
+            if self._getrusage(self._who, self._ru_end) != 0:
                 raise OSError(ctypes.get_errno(), "getrusage(RUSAGE_THREAD) failed")
         except (OSError, ValueError, IndexError) as exc:
             self.close()
@@ -119,13 +117,13 @@ class MissAttributor:
         read leaves an older reading, which can only hide a cause, not invent one."""
         self._start, self._end = self._end, self._start
         self._ru_start, self._ru_end = self._ru_end, self._ru_start
-        self._pread(self._fd, self._end, _BUF - 1, 0)
-        self._getrusage(_RUSAGE_THREAD, self._ru_end)
+        self._pread(self._cfd, self._end, self._size, self._off)
+        self._getrusage(self._who, self._ru_end)
 
     def mark_wake(self) -> None:
-        """Just before the loop takes its wake-up time (after the spin). Never raises."""
-        self._pread(self._fd, self._wake, _BUF - 1, 0)
-        self._getrusage(_RUSAGE_THREAD, self._ru_wake)
+        """Just before the loop takes its wake-up time (after the spin; ~1.3 us, it delays the
+        step by that much). Never raises."""
+        self._pread(self._cfd, self._wake, self._size, self._off)
 
     def cause(self, wake_error_ns: int, overrun_ns: int, slept: bool) -> int:
         """Index into CAUSES for the cycle just ended (after its `mark_end()`), which ended
@@ -136,14 +134,12 @@ class MissAttributor:
         except (ValueError, IndexError):
             return CAUSES.index("misses_slow_step") if wake_error_ns < overrun_ns else \
                 CAUSES.index("misses_late_wake")
-        v0, v1, v2 = (ru[_RU_NVCSW] for ru in (self._ru_start, self._ru_wake, self._ru_end))
         waited = (d2 - d1) + min(d1 - d0, max(wake_error_ns, 0))
         if waited >= overrun_ns:
             return 0
-        if wake_error_ns >= overrun_ns:  # any voluntary switch beyond the sleep's in the
-            # cycle: a GIL wait can fall between the wake-up read and the wake-up time
-            return 1 if v2 - v0 > int(slept) else 2
-        return 1 if v2 > v1 else 3
+        if self._ru_end[_RU_NVCSW] - self._ru_start[_RU_NVCSW] > int(slept):
+            return 1  # switched out on its own beyond its sleep: the GIL, a lock, a stop
+        return 2 if wake_error_ns >= overrun_ns else 3
 
     def close(self) -> None:
         if self._fd >= 0:
