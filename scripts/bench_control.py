@@ -297,7 +297,8 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
                 period_s=1.0 / rate, spin_s=args.spin_us * 1e-6, rt_priority=args.rt_priority,
                 cpu_affinity=cpus, lock_memory=args.lock_memory, manage_gc=True,
                 switch_interval_s=args.gil_switch_us * 1e-6,
-                native_tick=mode == "process"), start_timeout_s=300.0,
+                native_tick=mode == "process",
+                miss_attribution=not args.no_miss_attribution), start_timeout_s=300.0,
                 stats_capacity=cycles + 1000)
             info = proc.start()
         else:
@@ -327,6 +328,7 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
                                 rt_priority=args.rt_priority, cpu_affinity=cpus,
                                 lock_memory=args.lock_memory, manage_gc=True,
                                 switch_interval_s=args.gil_switch_us * 1e-6,
+                                miss_attribution=not args.no_miss_attribution,
                                 name=f"bench-{backend}")
             applied = loop.start(timeout_s=30.0)  # mlockall of a CUDA process can take s
         t_start = time.monotonic()
@@ -413,6 +415,9 @@ def main() -> int:
                          "loop thread / process then moves to --loop-cpus)")
     ap.add_argument("--pub-rate", type=float, default=1000.0)
     ap.add_argument("--spin-us", type=float, default=200.0)
+    ap.add_argument("--no-miss-attribution", action="store_true",
+                    help="the loop without its per-cycle schedstat/getrusage reads (A/B of their "
+                    "cost)")
     ap.add_argument("--rt-priority", type=int, default=0)
     ap.add_argument("--gil-switch-us", type=float, default=50.0,
                     help="sys.setswitchinterval while the loop runs (the node's parameter)")

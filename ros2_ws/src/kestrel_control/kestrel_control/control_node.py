@@ -203,7 +203,7 @@ class ControlNode(KestrelLifecycleNode):
             rt_priority=p["rt_priority"], cpu_affinity=tuple(p["cpu_affinity"]),
             lock_memory=p["lock_memory"], manage_gc=p["disable_gc"],
             switch_interval_s=(p["gil_switch_interval_us"] * 1e-6) or None,
-            native_tick=p["native_tick"])
+            native_tick=p["native_tick"], miss_attribution=p["miss_attribution"])
 
     def _close_process(self) -> None:
         if self._proc is not None:
@@ -225,7 +225,8 @@ class ControlNode(KestrelLifecycleNode):
                     s.period_s, self._tick, stats, spin_s=s.spin_s, rt_priority=s.rt_priority,
                     cpu_affinity=s.cpu_affinity, lock_memory=s.lock_memory,
                     manage_gc=s.manage_gc, switch_interval_s=s.switch_interval_s,
-                    name="kestrel-control", log=self.get_logger().info)
+                    miss_attribution=s.miss_attribution, name="kestrel-control",
+                    log=self.get_logger().info)
                 self._applied = self._loop.start()
         except (RuntimeError, ValueError) as exc:
             self._active = False

@@ -92,6 +92,10 @@ SPECS = [
               "the Python tick runs and the loop process logs why. Same commands (host-side "
               "tanh: within 1e-12 rad) and counters either way (test_native_tick.py).",
               read_only=True),
+    ParamSpec("miss_attribution", True, "Count each deadline miss by cause (preempted / "
+              "blocked / late wake / slow step) from the loop thread's schedstat and getrusage: "
+              "two reads per cycle, one of them (~1.3-3 us) between the wake-up and the step "
+              "(core/miss_cause.py).", read_only=True),
     ParamSpec("disable_gc", True, "gc.freeze + gc.disable (process-wide) while the loop runs.",
               read_only=True),
 ]

@@ -327,3 +327,13 @@ def test_a_setup_failure_on_the_loop_thread_fails_start(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="failed to start.*no such thing"):
         loop.start(timeout_s=5.0)
     assert not loop.running
+
+
+def test_miss_attribution_can_be_switched_off() -> None:
+    stats = LoopStats(1e-3)
+    rec = Recorder(30, overrun_at=10, overrun_s=0.003)
+    loop = RealtimeLoop(1e-3, rec, stats, miss_attribution=False)
+    assert loop.start()["miss_attribution"] == "off (parameter)"
+    assert rec.done.wait(10.0) and loop.stop()
+    assert stats.deadline_misses >= 2
+    assert all(getattr(stats, k) == 0 for k in LoopStats.CAUSES)

@@ -144,6 +144,7 @@ def serve(chan: Channel, shm_name: str, event_fd: int, parent_pid: int) -> int:
                             cpu_affinity=list(settings.cpu_affinity),
                             lock_memory=settings.lock_memory, manage_gc=settings.manage_gc,
                             switch_interval_s=settings.switch_interval_s,
+                            miss_attribution=settings.miss_attribution,
                             name="kestrel-control-loop", log=_log)
     except Exception as exc:  # reported to the node, which fails configure with it
         _log("start failed:\n" + traceback.format_exc())

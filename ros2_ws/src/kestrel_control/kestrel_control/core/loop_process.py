@@ -103,6 +103,7 @@ class LoopSettings:
     manage_gc: bool = True
     switch_interval_s: float | None = None
     native_tick: bool = True  # the tick's common case in C (native_tick.py), where it builds
+    miss_attribution: bool = True  # deadline misses by cause (miss_cause.py)
 
 
 class LoopProcess:

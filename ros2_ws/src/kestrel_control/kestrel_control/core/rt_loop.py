@@ -163,7 +163,7 @@ class RealtimeLoop:
                  spin_s: float = 200e-6, rt_priority: int = 0,
                  cpu_affinity: Sequence[int] | None = None, lock_memory: bool = False,
                  manage_gc: bool = True, switch_interval_s: float | None = None,
-                 name: str = "kestrel-rt-loop",
+                 miss_attribution: bool = True, name: str = "kestrel-rt-loop",
                  log: Callable[[str], None] | None = None) -> None:
         if not (isinstance(period_s, (int, float)) and 0 < period_s <= 10.0):
             raise ValueError(f"parameter 'period_s' = {period_s!r}: must be in (0, 10] s")
@@ -183,6 +183,7 @@ class RealtimeLoop:
         self.lock_memory = bool(lock_memory)
         self.manage_gc = bool(manage_gc)
         self.switch_interval_s = switch_interval_s
+        self.miss_attribution = bool(miss_attribution)  # miss_cause.py: ~3 us per cycle
         self._old_switch_interval = sys.getswitchinterval()
         self.name = name
         self._log = log or logging.getLogger(__name__).info
@@ -238,8 +239,12 @@ class RealtimeLoop:
         applied = apply_realtime_settings(self.rt_priority, self.cpu_affinity, self.lock_memory)
         if applied["sched_fifo"].startswith("applied"):
             applied["rt_throttle"] = rt_throttle_check(self.period_ns, self.spin_ns)
-        self._causes = MissAttributor()  # opened on the loop thread: its own schedstat
-        applied["miss_attribution"] = self._causes.status
+        if self.miss_attribution:
+            self._causes = MissAttributor()  # opened on the loop thread: its own schedstat
+            applied["miss_attribution"] = self._causes.status
+        else:
+            self._causes = None
+            applied["miss_attribution"] = "off (parameter)"
         if self.manage_gc:
             self._gc_was_enabled = gc.isenabled()
             gc.collect()
