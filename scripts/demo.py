@@ -121,6 +121,9 @@ def _report_json(report, duration: float, failures: list[str]) -> dict:
     if ls is not None:
         out["control_loop"] = {"period_target_s": ls.period_target, "cycles": ls.cycles_total,
                                "deadline_misses": ls.deadline_misses,
+                               "miss_causes": {k: getattr(ls, k, 0) for k in (
+                                   "misses_preempted", "misses_blocked", "misses_late_wake",
+                                   "misses_slow_step")},
                                "step_latency_p99_s": ls.step_latency_p99,
                                "step_latency_p999_s": ls.step_latency_p999,
                                "stale_inputs": ls.stale_inputs}

@@ -100,7 +100,11 @@ class StackReport:
             lines += ["", "control loop (whole run)",
                       f"  target period {ls.period_target * 1e3:.3f} ms, cycles {ls.cycles_total}, "
                       f"deadline misses {ls.deadline_misses} "
-                      f"({100.0 * ls.deadline_misses / max(1, ls.cycles_total):.2f} %)",
+                      f"({100.0 * ls.deadline_misses / max(1, ls.cycles_total):.2f} %; "
+                      f"preempted {getattr(ls, 'misses_preempted', 0)}, blocked "
+                      f"{getattr(ls, 'misses_blocked', 0)}, late wake "
+                      f"{getattr(ls, 'misses_late_wake', 0)}, slow step "
+                      f"{getattr(ls, 'misses_slow_step', 0)})",
                       f"  step latency p50 {ls.step_latency_p50 * 1e6:.0f} us, p99 "
                       f"{ls.step_latency_p99 * 1e6:.0f} us, p99.9 {ls.step_latency_p999 * 1e6:.0f}"
                       f" us, max {ls.step_latency_max * 1e6:.0f} us (last window)",
