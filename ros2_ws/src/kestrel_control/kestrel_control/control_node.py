@@ -62,8 +62,6 @@ from kestrel_control.core.stats import window_end_ns
 from kestrel_models.control.external import ModelSpec
 from kestrel_models.control.policy import PolicyConfig
 
-LOOP_COUNTERS = LoopStats.COUNTERS
-
 
 class ControlNode(KestrelLifecycleNode):
     """Lifecycle shell around PolicyRunner + RealtimeLoop (see the module docstring)."""
@@ -88,7 +86,7 @@ class ControlNode(KestrelLifecycleNode):
         self._perm: list[np.ndarray] = []
         self.published = 0  # commands published (loop thread)
         self.no_clock_cycles = 0  # cycles skipped: node clock at 0 (sim time, no /clock yet)
-        self._last_diag = dict.fromkeys(LOOP_COUNTERS, 0)
+        self._last_diag = dict.fromkeys(LoopStats.COUNTERS, 0)
 
     # ---- configuration ----------------------------------------------------------------------
     def validate_extra(self, values: dict[str, Any]) -> None:
@@ -212,7 +210,7 @@ class ControlNode(KestrelLifecycleNode):
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         p, stats = self.params, self._stats
-        self._last_diag = dict.fromkeys(LOOP_COUNTERS, 0)
+        self._last_diag = dict.fromkeys(LoopStats.COUNTERS, 0)
         self._active = True
         try:
             if self._proc is not None:  # the child resets the policy and the statistics

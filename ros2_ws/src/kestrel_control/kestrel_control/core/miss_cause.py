@@ -40,15 +40,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+from resource import RUSAGE_THREAD
 
 __all__ = ["MissAttributor", "CAUSES"]
 
 CAUSES = ("misses_preempted", "misses_blocked", "misses_late_wake", "misses_slow_step")
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 _BUF = 128  # schedstat is three decimal integers: < 64 bytes
-
-
-_RUSAGE_THREAD = 1
 _RU_LONGS = 18  # struct rusage on 64-bit Linux: 2 timevals + 14 longs = 144 bytes
 _RU_NVCSW = 16  # ru_nvcsw: the 13th long after the two timevals (byte 128)
 
@@ -73,8 +71,7 @@ class MissAttributor:
     def __init__(self, path: str = _SCHEDSTAT) -> None:
         self._fd = -1
         self.status = "unavailable"
-        # schedstat text and struct rusage (ru_nvcsw) at: the cycle's start (= the previous
-        # cycle's end), its wake-up, its end
+        # schedstat text at: the cycle's start (= the previous cycle's end), its wake-up, its end
         self._start, self._wake, self._end = (ctypes.create_string_buffer(_BUF)
                                               for _ in range(3))
         # struct rusage (ru_nvcsw) at the cycle's start and end only: the wake-up read is the
@@ -90,7 +87,7 @@ class MissAttributor:
         self._fd = fd
         # prebuilt arguments: fd, read size, offset, RUSAGE_THREAD
         self._cfd, self._size = ctypes.c_int(fd), ctypes.c_size_t(_BUF - 1)
-        self._off, self._who = ctypes.c_long(0), ctypes.c_int(_RUSAGE_THREAD)
+        self._off, self._who = ctypes.c_long(0), ctypes.c_int(RUSAGE_THREAD)
         try:
             if self._pread(self._cfd, self._end, self._size, self._off) <= 0:
                 raise OSError(ctypes.get_errno(), "pread failed")
