@@ -24,11 +24,15 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# accuracy of a variant when eager fp32 (the reference) did not run or failed
+NO_REFERENCE = {"seg_max_abs": None, "depth_max_abs": None, "det_agreement": None,
+                "note": "no eager_fp32 reference in this case"}
 sys.path.insert(0, str(ROOT / "models"))
 
 import bench_common  # noqa: E402 (scripts/ is on sys.path: this file's folder)
@@ -141,9 +145,12 @@ def profile_top(rt: PerceptionRuntime, images: torch.Tensor, points: torch.Tenso
 
 
 def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variants: list[str],
-             t_start: float, device: torch.device, budget_s: float | None = None) -> dict:
+             t_start: float, device: torch.device, budget_s: float | None = None,
+             checkpoint: Callable[[dict], None] | None = None) -> dict:
     """One (cameras, batch, BEV) case: every variant on the same inputs, eager fp32 first.
-    Compiled variants are skipped once `budget_s` (default --budget-s) of wall time is spent."""
+    Compiled variants are skipped once `budget_s` (default --budget-s) of wall time is spent.
+    `checkpoint(case)` runs after each variant (writes the partial JSON: a max-autotune
+    compile can outlast the caller's time limit, the rows before it must survive)."""
     budget_s = args.budget_s if budget_s is None else budget_s
     hw = tuple(args.image_hw)
     gen = torch.Generator().manual_seed(0)
@@ -199,14 +206,16 @@ def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variant
             case["variants"].append(row)
             print(f"  {name:24s} ERROR {row['error']}", flush=True)
             continue
-        if ref is None:
+        if name == "eager_fp32":  # the reference; no other variant may stand in for it
             ref = out
-        acc = compare_outputs(ref, out, hw, class_offset=cfg.det_class_offset)
+        acc = None if ref is None else compare_outputs(ref, out, hw,
+                                                       class_offset=cfg.det_class_offset)
         p50 = pct(lat, 50)
         row.update(prepare_s=round(rt.prepare_s, 2), compile_s=round(rt.compile_s, 2),
                    p50_ms=p50, p99_ms=pct(lat, 99), p999_ms=pct(lat, 99.9),
                    mean_ms=sum(lat) / len(lat), tflops=flops.total_gflop / p50,
-                   images_per_s=cams * batch * 1e3 / p50, accuracy=acc.as_dict())
+                   images_per_s=cams * batch * 1e3 / p50,
+                   accuracy=NO_REFERENCE if acc is None else acc.as_dict())
         if name == "eager_fp32":
             base = p50
         row["speedup_vs_eager_fp32"] = base / p50 if base else None
@@ -220,8 +229,11 @@ def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variant
             row["optimized"] = rt.optimized
         print(f"  {name:24s} p50 {p50:8.3f} ms  p99 {row['p99_ms']:8.3f} ms  "
               f"x{row['speedup_vs_eager_fp32'] or 0:.2f}  compile {rt.compile_s:6.1f} s  "
-              f"seg {acc.seg_max_abs}  det {acc.det_agreement}", flush=True)
+              f"seg {row['accuracy']['seg_max_abs']}  det {row['accuracy']['det_agreement']}",
+              flush=True)
         del rt
+        if checkpoint is not None:
+            checkpoint(case)
     return case
 
 
@@ -331,7 +343,13 @@ def main() -> None:
             variants = [v for v in variants if v != "best"] + ([best] if best else [])
             variants = list(dict.fromkeys(variants))
         budget = args.target_budget_s if i == 0 and args.target_budget_s else None
-        result["cases"].append(run_case(args, cams, batch, bev, variants, t0, device, budget))
+
+        def checkpoint(case: dict) -> None:
+            if args.out:
+                partial = dict(result, cases=[*result["cases"], case], partial=True)
+                Path(args.out + ".json").write_text(json.dumps(partial, indent=1))
+        result["cases"].append(run_case(args, cams, batch, bev, variants, t0, device, budget,
+                                        checkpoint))
     result["total_s"] = time.perf_counter() - t0
     md = markdown(result)
     print(md)

@@ -148,6 +148,24 @@ def test_variant_table_names() -> None:
     assert VARIANTS["compile_bf16w_graph_at"].heads_compile == "max-autotune-no-cudagraphs"
 
 
+def test_compile_mode_variants_differ_only_in_their_modes() -> None:
+    """The compile-mode comparison (issue 4): same transforms, one mode changed per group."""
+    at = "max-autotune-no-cudagraphs"
+    base = VARIANTS["compile_bf16w_fold_s2d_group_cudnn_graph"]
+    assert base.optimize == VARIANTS["whole_bf16w_fold_s2d_group_cudnn_graph"].optimize
+    modes = {n: (VARIANTS[n].trunk_compile, VARIANTS[n].heads_compile, VARIANTS[n].cuda_graph,
+                 VARIANTS[n].optimize == base.optimize and VARIANTS[n].fold_bn)
+             for n in ("compile_bf16w_fold_s2d_group_cudnn_graph",
+                       "compile_bf16w_fold_s2d_group_cudnn_ro",
+                       "compile_bf16w_fold_s2d_group_cudnn_graph_at",
+                       "compile_bf16w_fold_s2d_group_cudnn_graph_tat")}
+    assert list(modes.values()) == [("default", "default", True, True),
+                                     ("reduce-overhead", "reduce-overhead", False, True),
+                                     ("default", at, True, True), (at, "default", True, True)]
+    whole_at = VARIANTS["whole_bf16w_fold_s2d_group_cudnn_at_graph"]
+    assert whole_at.whole_compile == at and whole_at.optimize == base.optimize
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_cuda_graph_variant_matches_eager_and_switches_heads() -> None:

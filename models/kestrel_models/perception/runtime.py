@@ -26,6 +26,10 @@ whole_bf16w_freeze_graph, whole_fp16w_freeze_graph.
   *_s2d_group (space-to-depth stem + output pad + grouped FCOS towers);
   *_s2d_group_cudnn (+ the trunk's conv epilogues fused in cuDNN, conv_act.py);
   compile_bf16w_fold_pad_merge_graph: the per-module compile with stem8 + pad + merge.
+  Compile-mode comparison on the s2d_group_cudnn transforms: compile_..._graph (trunk and heads
+  "default"), compile_..._ro ("reduce-overhead", inductor's CUDA graphs instead of ours),
+  compile_..._graph_at (heads "max-autotune-no-cudagraphs"), compile_..._graph_tat (trunk
+  max-autotune), whole_..._at_graph (the one region with max-autotune).
 """
 
 from __future__ import annotations
@@ -128,6 +132,23 @@ for _name, _opt in _OPTIMIZED.items():
 VARIANTS["compile_bf16w_fold_pad_merge_graph"] = VariantSpec(
     "bf16", True, True, "default", "default", True, fold_bn=True,
     optimize=_OPTIMIZED["pad_merge"])
+# torch.compile modes per submodule group on top of the best transforms (s2d_group_cudnn), for
+# the mode comparison issue 4 asks for (docs/benchmarks/perception_h200.md, "Compile modes"):
+# trunk (backbone + FPN) / heads each "default", "reduce-overhead" (inductor's own CUDA graphs,
+# so no whole-forward graph of ours) or "max-autotune-no-cudagraphs" (Triton conv/GEMM templates
+# timed against cuDNN/cuBLAS at compile time; our graph on top); `whole_*_at`: the one-region
+# form with max-autotune.
+_BEST = _OPTIMIZED["s2d_group_cudnn"]
+_AT = "max-autotune-no-cudagraphs"
+for _name, (_trunk, _heads, _graph) in {
+        "compile_bf16w_fold_s2d_group_cudnn_graph": ("default", "default", True),
+        "compile_bf16w_fold_s2d_group_cudnn_ro": ("reduce-overhead", "reduce-overhead", False),
+        "compile_bf16w_fold_s2d_group_cudnn_graph_at": ("default", _AT, True),
+        "compile_bf16w_fold_s2d_group_cudnn_graph_tat": (_AT, "default", True)}.items():
+    VARIANTS[_name] = VariantSpec("bf16", True, True, _trunk, _heads, _graph, fold_bn=True,
+                                  optimize=_BEST)
+VARIANTS["whole_bf16w_fold_s2d_group_cudnn_at_graph"] = VariantSpec(
+    "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile=_AT, optimize=_BEST)
 
 
 def enable_cudnn_autotune(device: torch.device) -> bool:
