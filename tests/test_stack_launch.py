@@ -25,13 +25,16 @@ from launch.launch_description_sources import PythonLaunchDescriptionSource  # n
 from ros_harness import DomainLease  # noqa: E402
 
 _LEASE = None
+_SAVED_ENV: dict[str, str | None] = {}
 
 
 @launch_pytest.fixture
 def stack_launch():
     """The stack launch file, on a domain of its own with localhost discovery."""
-    global _LEASE
+    global _LEASE, _SAVED_ENV
     _LEASE = DomainLease()
+    _SAVED_ENV = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID",
+                                                  "ROS_AUTOMATIC_DISCOVERY_RANGE")}
     os.environ["ROS_DOMAIN_ID"] = str(_LEASE.domain_id)
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
     path = Path(get_package_share_directory("kestrel_bringup")) / "launch" / "stack.launch.py"
@@ -66,3 +69,8 @@ def test_stack_launch_data_flows_end_to_end():
     finally:
         rclpy.try_shutdown(context=context)
         _LEASE.release()
+        for key, value in _SAVED_ENV.items():  # later tests must not inherit the released domain
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -243,6 +243,8 @@ class PerceptionRuntime:
         self.cameras, self.batch, self.lidar_points = cameras, batch, int(lidar_points)
         self.cudnn_autotune = cudnn_autotune and enable_cudnn_autotune(self.device)
         self.head_sets = _as_head_sets(heads, model.enabled_heads)
+        self._new_step = "reduce-overhead" in (self.spec.trunk_compile, self.spec.heads_compile,
+                                               self.spec.whole_compile)
         self.compile_s = 0.0  # s spent in the first (compiling) calls
         self.prepare_s = 0.0  # s for the whole configure step
         t0 = time.perf_counter()
@@ -328,6 +330,13 @@ class PerceptionRuntime:
 
     def _forward(self, heads: frozenset[str]) -> Outputs:
         """The whole forward on the static buffers (what a CUDA graph captures)."""
+        if self._new_step:
+            # "reduce-overhead": inductor's CUDA-graph trees own the outputs. Without a
+            # training step to mark the start of an iteration, the next forward counts as
+            # the same iteration and reading the previous one's outputs (which that forward
+            # overwrites) raises; mark each forward as a new step. The outputs then live
+            # until the next `run`, as those of the `*_graph` variants do.
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.inference_mode():
             if self._regions:
                 return self._regions[heads](self._images, self._points, self._T, self._K)

@@ -278,6 +278,33 @@ def make_executor(node: KestrelLifecycleNode, num_threads: int = 4) -> Executor:
     return MultiThreadedExecutor(num_threads=num_threads, context=node.context)
 
 
+class StopSignals:
+    """run_node's SIGINT/SIGTERM handler: the first signal raises KeyboardInterrupt (leave
+    spin()), every later one only sets `stop`.
+
+    Why: Ctrl-C (or `timeout -s INT`) reaches every process of the group and `ros2 launch`
+    forwards another SIGINT, then SIGTERM, often within a millisecond. With the default
+    handler, a repeat that arrived after the first KeyboardInterrupt but before the shutdown
+    ignored signals raised a second KeyboardInterrupt inside the cleanup: the node died with
+    exit code -2 and left its Fast DDS shared-memory segment in /dev/shm (seen once in ~12
+    stops of the stack under `ros2 launch`). Installed before rclpy.init, so rclpy's own
+    handlers (context shutdown, executor wake-up) run first and chain to this one."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.raised = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.stop.set()
+        if not self.raised:
+            self.raised = True
+            raise KeyboardInterrupt
+
+    def disarm(self) -> None:
+        """Shutdown has begun: later signals must not interrupt it."""
+        self.raised = True
+
+
 def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None,
              num_threads: int = 4) -> int:
     """main() for a Kestrel node: init, autostart (configure + activate), spin a
@@ -285,19 +312,15 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
 
     Returns 0, or 2 when autostart configure/activate failed (the reason is logged)."""
     malloc = tune_malloc()  # before the first message: received buffers reuse heap pages
+    signals = StopSignals()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before rclpy.init: its handlers chain to these
+        signal.signal(sig, signals)
     rclpy.init(args=args)
     node = node_cls()
     node.get_logger().info(malloc)
     executor = make_executor(node, num_threads)
     executor.add_node(node)
     code = 0
-    stop = threading.Event()
-
-    def _term(signum: int, frame: Any) -> None:  # SIGTERM -> same path as Ctrl-C
-        stop.set()
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _term)
     try:
         if node.get_parameter("autostart").value:
             from lifecycle_msgs.msg import State
@@ -324,8 +347,7 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
         # (stderr: rclpy's logging may already be finalised with the context)
         print(f"[{node.get_name()}] executor stopped at shutdown: {exc!r}", file=sys.stderr)
     finally:
-        # Ctrl-C reaches every process of the terminal's group and `ros2 launch` forwards
-        # another SIGINT (then SIGTERM): ignore repeats so the orderly stop below completes.
+        signals.disarm()  # from here on, signals only set signals.stop (see StopSignals)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         try:

@@ -84,3 +84,55 @@ def test_executor_error_while_running_still_raises(stand_ins) -> None:
     with pytest.raises(RCLError, match="context is not valid"):
         stand_ins.run_node(_Node, [])
     assert _Node.stopped
+
+
+def test_stop_signals_raise_once_then_only_set_stop() -> None:
+    """The first SIGINT/SIGTERM leaves spin(); repeats (the group's Ctrl-C plus `ros2 launch`
+    forwarding its own SIGINT, then SIGTERM) must not interrupt the orderly stop."""
+    from kestrel_common.base_node import StopSignals
+
+    signals = StopSignals()
+    with pytest.raises(KeyboardInterrupt):
+        signals(signal.SIGINT, None)
+    assert signals.stop.is_set()
+    signals(signal.SIGINT, None)  # no second KeyboardInterrupt
+    signals(signal.SIGTERM, None)
+    late = StopSignals()
+    late.disarm()  # shutdown began without a signal (e.g. autostart failed)
+    late(signal.SIGINT, None)
+    assert late.stop.is_set()
+
+
+class _SignalledExecutor(_Executor):
+    """spin() is stopped by a real SIGINT, and more arrive while it unwinds."""
+
+    seen_handler = None
+
+    def spin(self) -> None:
+        import os
+        import time
+
+        _SignalledExecutor.seen_handler = signal.getsignal(signal.SIGINT)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5.0)  # the handler's KeyboardInterrupt ends this
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+                os.kill(os.getpid(), sig)  # repeats during the unwinding
+                sum(range(100))  # bytecode boundaries: pending handlers run here
+
+
+def test_repeated_real_signals_leave_the_cleanup_complete(monkeypatch) -> None:
+    from kestrel_common import base_node
+
+    monkeypatch.setattr(base_node, "make_executor",
+                        lambda node, num_threads=4: _SignalledExecutor())
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    _Node.stopped = False
+    try:
+        assert base_node.run_node(_Node, []) == 0
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert isinstance(_SignalledExecutor.seen_handler, base_node.StopSignals)
+    assert _Node.stopped
