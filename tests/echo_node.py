@@ -12,11 +12,15 @@ from kestrel_common.params import ParamSpec
 class EchoNode(KestrelLifecycleNode):
     """Republishes ~/input/value * gain on ~/output/value; non-finite input is a counted drop."""
 
+    runtime_params = frozenset({"gain"})  # read in every callback
+
     def __init__(self) -> None:
         super().__init__("echo", [
             ParamSpec("gain", 2.0, "Output = input * gain.", min=-10.0, max=10.0),
             ParamSpec("buffer_size", 4, "Allocated at configure.", min=1, max=64,
                       read_only=True),
+            ParamSpec("offset", 0.0, "Added to the output; read at configure.", min=-10.0,
+                      max=10.0),
         ])
         self._pub = None
         self._sub = None
@@ -38,7 +42,7 @@ class EchoNode(KestrelLifecycleNode):
             self.drop("nonfinite_input", f"value {msg.data}")
             return
         gain = self.get_parameter("gain").value
-        self._pub.publish(Float64(data=msg.data * gain))
+        self._pub.publish(Float64(data=msg.data * gain + self.params["offset"]))
 
 
 def main(args: list[str] | None = None) -> int:

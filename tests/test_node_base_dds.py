@@ -58,6 +58,16 @@ def test_runtime_parameter_changes_are_validated(launch_node, probe):
     bad = set_double("gain", 100.0)
     assert not bad.successful and "parameter 'gain' = 100.0" in bad.reason
     assert set_double("gain", -1.0).successful
+    # a parameter read at configure: accepted, and the log says it waits for the next configure
+    assert set_double("offset", 0.5).successful
+    import time
+    deadline = time.monotonic() + 10.0
+    while "take effect at the next configure" not in node.output() and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    out = node.output()
+    assert "['offset'] set: read at configure" in out, out
+    assert "['gain'] set" not in out  # applied at run time: no such warning
     assert node.alive()
 
 

@@ -106,6 +106,29 @@ def test_kernels_in_a_cuda_graph_replay_new_inputs() -> None:
 
 @gpu
 @pytest.mark.gpu
+def test_a_captured_graph_follows_a_threshold_tensor() -> None:
+    """The perception node keeps the NMS IoU threshold in a device tensor: a graph captured
+    once gives, after the tensor is refilled, the result of the new threshold (a float would
+    have been frozen into the capture)."""
+    boxes, scores, cls, valid = candidates(6, 1000, 2, 7, "cuda")  # 2 classes: overlaps
+    thr = torch.full((), 0.6, device="cuda")
+    pp.batched_nms_dense(boxes, scores, cls, valid, thr, 8)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        keep, conv = pp.batched_nms_dense(boxes, scores, cls, valid, thr, 8)
+    kept = []
+    for iou in (0.6, 0.2, 0.9):
+        thr.fill_(iou)
+        graph.replay()
+        (k_ref, c_ref), _ = both(boxes, scores, cls, valid, iou, 8)
+        assert torch.equal(keep, k_ref) and bool(conv) == bool(c_ref), iou
+        kept.append(int(keep.sum()))
+    assert kept[1] < kept[0] < kept[2], kept  # the threshold really changed the result
+
+
+@gpu
+@pytest.mark.gpu
 def test_static_decode_with_and_without_the_kernels() -> None:
     g = torch.Generator().manual_seed(3)
     raw = {"det_cls": [], "det_ltrb": [], "det_ctr": []}

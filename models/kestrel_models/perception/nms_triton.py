@@ -39,7 +39,7 @@ NUM_WARPS = 4
 
 if HAVE_TRITON:
     @triton.jit
-    def _suppress_kernel(boxes_ptr, valid_ptr, out_ptr, n, iou_thr,
+    def _suppress_kernel(boxes_ptr, valid_ptr, out_ptr, n, iou_ptr,
                          BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
         b = tl.program_id(0)
         i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -65,6 +65,7 @@ if HAVE_TRITON:
         union = tl.maximum(area_a[:, None] + area_b[None, :] - inter, 1e-9)
         iou = tl.math.div_rn(inter, union)
         vi = tl.load(valid_ptr + b * n + i, mask=mi, other=0)
+        iou_thr = tl.load(iou_ptr)  # fp32 from memory: a new threshold needs no recapture
         sup = (iou > iou_thr) & (j[None, :] > i[:, None]) & (vi[:, None] != 0)
         m2 = mi[:, None] & mj[None, :]
         tl.store(out_ptr + b * n * n + i[:, None] * n + j[None, :], sup.to(tl.uint8), mask=m2)
@@ -97,19 +98,22 @@ def available(t: torch.Tensor) -> bool:
     return HAVE_TRITON and t.is_cuda
 
 
-def nms_dense(boxes: torch.Tensor, valid: torch.Tensor, iou_thr: float, rounds: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def nms_dense(boxes: torch.Tensor, valid: torch.Tensor, iou_thr: float | torch.Tensor,
+              rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
     """boxes [B,N,4] xyxy (already offset by class, sorted by descending score per image),
     valid [B,N] bool -> (keep [B,N] bool after `rounds` rounds + the check round, converged []
-    bool), as `postprocess.batched_nms_dense`. No host sync."""
+    bool), as `postprocess.batched_nms_dense`. No host sync. iou_thr: a float or a 0-d/[1]
+    fp32 tensor on the boxes' device (read by the kernel: a captured graph follows its value)."""
     if not available(boxes):
         raise RuntimeError("nms_triton: needs triton and CUDA tensors (use the torch path)")
     bsz, n = valid.shape
     boxes = boxes.float().contiguous()
     v8 = valid.to(torch.uint8).contiguous()
+    thr = iou_thr.reshape(1).float() if torch.is_tensor(iou_thr) else \
+        torch.full((1,), float(iou_thr), dtype=torch.float32, device=boxes.device)
     sup = torch.empty((bsz, n, n), dtype=torch.uint8, device=boxes.device)
     _suppress_kernel[(bsz, triton.cdiv(n, BI), triton.cdiv(n, BJ))](
-        boxes, v8, sup, n, float(iou_thr), BLOCK_I=BI, BLOCK_J=BJ, num_warps=NUM_WARPS,
+        boxes, v8, sup, n, thr, BLOCK_I=BI, BLOCK_J=BJ, num_warps=NUM_WARPS,
         enable_fp_fusion=False)
     nj = triton.cdiv(n, RJ)
     changed = torch.empty((bsz, nj), dtype=torch.int32, device=boxes.device)

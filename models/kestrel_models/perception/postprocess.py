@@ -169,8 +169,13 @@ class BatchedDetections:
                 for b, v in enumerate(self.valid)]
 
 
+# a threshold of the batched (static) path: a float, or a 0-d fp32 tensor on the device that
+# captured graphs and compiled steps read at run time (the perception node's threshold buffer)
+Thr = float | torch.Tensor
+
+
 def batched_nms_dense(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor,
-                      valid: torch.Tensor, iou_thr: float, rounds: int
+                      valid: torch.Tensor, iou_thr: Thr, rounds: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Class-wise greedy NMS of B images at once, without a host sync.
 
@@ -194,7 +199,7 @@ def batched_nms_dense(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.
 
 
 def finish_nms(boxes: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor,
-               keep: torch.Tensor, iou_thr: float) -> torch.Tensor:
+               keep: torch.Tensor, iou_thr: Thr) -> torch.Tensor:
     """Iterate `batched_nms_dense` to the exact fixed point (host-synced; rare slow path)."""
     b = _offset_by_class(boxes, classes, valid)
     suppress = (_box_iou_batched(b, b) > iou_thr).triu_(diagonal=1) & valid[:, :, None]
@@ -225,8 +230,8 @@ def _box_iou_batched(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return inter / (area_a + area_b - inter).clamp_(min=1e-9)
 
 
-def decode_detections_batched(raw: dict, image_size: tuple[int, int], score_thr: float,
-                              iou_thr: float, max_det: int, *, pre_nms_top_k: int = 1000,
+def decode_detections_batched(raw: dict, image_size: tuple[int, int], score_thr: Thr,
+                              iou_thr: Thr, max_det: int, *, pre_nms_top_k: int = 1000,
                               class_offset: int = 0, strides: tuple[int, ...] = DET_STRIDES,
                               nms_rounds: int = 8, points: list[torch.Tensor] | None = None,
                               static: bool = True, exact: bool = False,
@@ -260,7 +265,7 @@ def decode_detections_batched(raw: dict, image_size: tuple[int, int], score_thr:
 
 def _candidates(cls_l: list[torch.Tensor], ltrb_l: list[torch.Tensor],
                 ctr_l: list[torch.Tensor], points: list[torch.Tensor],
-                image_size: tuple[int, int], score_thr: float, top_k: int
+                image_size: tuple[int, int], score_thr: Thr, top_k: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The best `top_k` (location, class) pairs over ALL levels at once: scores [B,k] (-1 where
     <= score_thr or the box is empty; not sorted), boxes [B,k,4] px clipped, classes [B,k].
@@ -298,8 +303,8 @@ def _candidates(cls_l: list[torch.Tensor], ltrb_l: list[torch.Tensor],
 
 
 def detections_from_decoded(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
-                            image_size: tuple[int, int], num_classes: int, score_thr: float,
-                            iou_thr: float, max_det: int, *, pre_nms_top_k: int = 1000,
+                            image_size: tuple[int, int], num_classes: int, score_thr: Thr,
+                            iou_thr: Thr, max_det: int, *, pre_nms_top_k: int = 1000,
                             class_offset: int = 0, nms_rounds: int = 8, static: bool = True,
                             exact: bool = False, compile: bool = False) -> BatchedDetections:
     """A user model's decoded detections (boxes [B,N,4] xyxy px, scores [B,N], labels [B,N])
@@ -323,7 +328,7 @@ def detections_from_decoded(boxes: torch.Tensor, scores: torch.Tensor, labels: t
                        nms_rounds, static, exact, compile)
 
 
-def _nms_select(scores: torch.Tensor, boxes: torch.Tensor, classes: torch.Tensor, iou_thr: float,
+def _nms_select(scores: torch.Tensor, boxes: torch.Tensor, classes: torch.Tensor, iou_thr: Thr,
                 max_det: int, pre_nms_top_k: int, class_offset: int, nms_rounds: int,
                 static: bool, exact: bool, compile: bool = False) -> BatchedDetections:
     """Candidates (score -1 = invalid) -> the best `pre_nms_top_k`, class-wise NMS, slots."""

@@ -84,6 +84,10 @@ class KestrelLifecycleNode(LifecycleNode):
     on_deactivate / `stop_workers()` (which must be idempotent: run_node calls it at exit).
     """
 
+    # parameters the node applies while active (`ros2 param set`); every other one is read at
+    # configure, and a change while configured is logged as waiting for the next configure
+    runtime_params: frozenset[str] = frozenset()
+
     def __init__(self, node_name: str, specs: Sequence[ParamSpec], **kwargs: Any) -> None:
         super().__init__(node_name, **kwargs)
         self.specs: list[ParamSpec] = list(BASE_SPECS) + list(specs)
@@ -199,6 +203,15 @@ class KestrelLifecycleNode(LifecycleNode):
                                else list(p.value))
             except ParamError as exc:
                 return SetParametersResult(successful=False, reason=str(exc))
+        if self.params:  # configured: say which changes wait for the next configure
+            later = [p.name for p in params if p.name in self._spec_by_name
+                     and p.name not in self.runtime_params
+                     and _differs(p.value, self.params.get(p.name))]
+            if later:
+                self.get_logger().warning(
+                    f"parameter(s) {later} set: read at configure, so they take effect at the "
+                    "next configure (deactivate, cleanup, configure, activate); applied at run "
+                    f"time: {sorted(self.runtime_params) or 'none'}")
         return SetParametersResult(successful=True)
 
     # ---- diagnostics --------------------------------------------------------------------
@@ -276,6 +289,14 @@ def make_executor(node: KestrelLifecycleNode, num_threads: int = 4) -> Executor:
     if kind != "multi":
         raise ValueError(f"parameter 'executor' = {kind!r}: must be 'single' or 'multi'")
     return MultiThreadedExecutor(num_threads=num_threads, context=node.context)
+
+
+def _differs(new: Any, old: Any) -> bool:
+    """A parameter value changed (arrays from rclpy compare by their items)."""
+    try:
+        return list(new) != list(old) if isinstance(old, list) else bool(new != old)
+    except (TypeError, ValueError):
+        return True
 
 
 class StopSignals:

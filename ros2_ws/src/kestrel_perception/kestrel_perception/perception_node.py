@@ -98,6 +98,8 @@ HISTORY = 8  # messages kept per input stream for stamp matching
 class PerceptionNode(KestrelLifecycleNode):
     """Lifecycle shell: parameters -> PerceptionCore; topics <-> FrameSet/PerceptionOutput."""
 
+    runtime_params = frozenset(RUNTIME_PARAMS)
+
     def __init__(self, **kwargs: Any) -> None:  # kwargs: rclpy Node's (context, overrides)
         super().__init__("perception", SPECS, **kwargs)
         for name in COUNTERS:
@@ -301,8 +303,7 @@ class PerceptionNode(KestrelLifecycleNode):
         try:
             model = dataclasses.replace(self.core.config.model,
                                         score_threshold=float(now["score_threshold"]),
-                                        nms_iou=float(now["nms_iou"]),
-                                        max_detections=int(now["max_detections"]))
+                                        nms_iou=float(now["nms_iou"]))
         except ValueError as exc:
             self.get_logger().error(f"runtime parameter change ignored: {exc}")
             return

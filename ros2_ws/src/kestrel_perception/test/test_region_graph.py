@@ -85,8 +85,35 @@ def test_one_capture_per_signature(core: PerceptionCore) -> None:
     region.run(raw, (H, W), det, p, cams)
     # buckets 4096 (3,300 points) and 1024 (825), no cloud, another head set: 4 signatures
     assert len(graphs.entries) == 4 and graphs.replays == 4
-    region.run(raw, (H, W), {**det, "score_thr": 0.5}, p, cams)  # decode settings: a new key
-    assert len(graphs.entries) == 5
+    region.run(raw, (H, W), {**det, "score_thr": 0.5, "iou_thr": 0.2}, p, cams)
+    assert len(graphs.entries) == 4  # thresholds are device tensors: no new capture
+    assert graphs.replays == 5
+
+
+def test_changed_thresholds_take_effect_without_a_new_capture(core: PerceptionCore) -> None:
+    """`ros2 param set score_threshold / nms_iou`: the captured graph reads the thresholds
+    from the region's device buffer, so the replay gives the new thresholds' result (as an
+    eager region) with no recapture, and going back gives the old result again."""
+    graphs = RegionGraphs(EmulatedCapture())
+    region = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True, graphs=graphs)
+    det = det_settings(core)
+    raw, pts, cams = region_inputs(core, 61, wall_points(3.0, step=0.05))
+    eager = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True)
+    first = fields(eager.run(raw, (H, W), det, pts, cams))
+    mid = float(np.median(first["scores"][first["valid"]]))  # about half of them pass
+    results = {}
+    for score, iou in ((det["score_thr"], det["iou_thr"]), (mid, 0.1), (mid, 0.9),
+                       (det["score_thr"], det["iou_thr"])):
+        d = {**det, "score_thr": score, "iou_thr": iou}
+        got = fields(region.run(raw, (H, W), d, pts, cams))
+        want = fields(DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True).run(
+            raw, (H, W), d, pts, cams))
+        assert_same(got, want)
+        results[(score, iou)] = got
+    assert len(graphs.entries) == 1 and graphs.replays == 4 and not graphs.failed
+    counts = {k: int(v["valid"].sum()) for k, v in results.items()}
+    n0 = counts[(det["score_thr"], det["iou_thr"])]
+    assert 0 < counts[(mid, 0.9)] < n0, counts  # the new score threshold took effect
 
 
 def test_inputs_at_fixed_addresses_are_not_copied(core: PerceptionCore,

@@ -111,6 +111,8 @@ class Periodic:
 
 
 class SimNode(KestrelLifecycleNode):
+    runtime_params = frozenset({"real_time_factor"})
+
     def __init__(self) -> None:
         super().__init__("sim", SPECS)
         self.world: SimWorld | None = None

@@ -185,6 +185,13 @@ class DeviceRegion:
         # above the threshold, per image; LiDAR medians over the used detection slots and each
         # camera's valid projections; predicted-depth medians for the boxes that need them
         self.static = device.type == "cuda" if static is None else static
+        # static mode: the decode thresholds [score, NMS IoU] live in this device buffer and
+        # every kernel reads them from it, so `ros2 param set score_threshold / nms_iou`
+        # changes them with two fill kernels: no region graph recapture, no recompile of the
+        # compiled steps, nothing new cached (RegionGraphs keys exclude them)
+        self._thr = torch.zeros(2, dtype=torch.float32, device=device) if self.static else None
+        self._thr_views = (self._thr[0], self._thr[1]) if self._thr is not None else None
+        self._thr_set: tuple[float, float] | None = None
         self.layout: RegionLayout | None = None
         self._stage: PackedBuffer | None = None  # on the device (CUDA) or None on the CPU
         self._host: list[PackedBuffer] = []
@@ -230,6 +237,7 @@ class DeviceRegion:
             raw[k] for k in ("det_boxes", "seg", "depth") if k in raw)
         c = first.shape[0]
         self.configure(c, image_hw, det["max_det"])
+        det = self._device_thresholds(det)
         clock = clock or _Clock(self.device)
         if not clock.marks:
             clock.mark("start")
@@ -244,6 +252,19 @@ class DeviceRegion:
             self._fusion(dets, raw, image_hw, det, points, cams, buf.views)
             clock.mark("lidar_fusion")
         return self._download(raw, clock)
+
+    def _device_thresholds(self, det: dict) -> dict:
+        """Static mode: `det` with score_thr / iou_thr as 0-d views of the threshold buffer,
+        refilled (in stream order, before this frame's kernels) only when a value changed."""
+        if self._thr is None or self._thr_views is None:
+            return det
+        want = (float(det["score_thr"]), float(det["iou_thr"]))
+        if want != self._thr_set:
+            with torch.inference_mode():
+                self._thr_views[0].fill_(want[0])
+                self._thr_views[1].fill_(want[1])
+            self._thr_set = want
+        return {**det, "score_thr": self._thr_views[0], "iou_thr": self._thr_views[1]}
 
     def _post(self, raw: dict, image_hw: tuple[int, int], det: dict,
               v: dict[str, torch.Tensor], exact_nms: bool = False):

@@ -40,8 +40,8 @@ SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("enable_depth", True, "Run the depth head." + _RUN),
     ParamSpec("score_threshold", 0.3, "Detection score threshold." + _RUN, min=0.0, max=1.0),
     ParamSpec("nms_iou", 0.5, "Class-wise NMS IoU threshold." + _RUN, min=0.0, max=1.0),
-    ParamSpec("max_detections", 100, "Detections per camera after NMS." + _RUN,
-              min=1, max=1000),
+    ParamSpec("max_detections", 100, "Detections per camera after NMS (sizes the result "
+              "slots and the post-processing graphs)." + _CONF, min=1, max=1000),
     ParamSpec("max_depth", 20.0, "Upper bound of the predicted depth, m." + _CONF,
               min=0.1, max=1000.0),
     ParamSpec("max_points", 500_000, "Clouds with more points are dropped (counted)." + _CONF,
@@ -145,19 +145,18 @@ SPECS: tuple[ParamSpec, ...] = (
               "post-processing + LiDAR fusion (decode candidates, slot selection, mask / "
               "depth encoding, projection, box positions): fused kernels instead of ~300 "
               "small ones per frame; compiled at configure (warm-up, every head set x point "
-              "bucket). Changing score_threshold, max_detections or min_lidar_points at run "
-              "time recompiles the affected steps "
-              "once (a one-off stall of ~1-5 s), as the region graph recaptures. A compile "
+              "bucket). score_threshold and nms_iou set at run time are read from a device "
+              "buffer: no recompile, no recapture. A compile "
               "failure switches them back to plain torch (logged, region_compile_failed on "
               "/diagnostics)."
               + _CONF),
     ParamSpec("publish_debug_image", False, "Publish ~/output/debug_image." + _CONF),
-    ParamSpec("target_fps", 10.0, "Diagnostics warn when p99 latency > 1/target_fps, Hz.",
-              min=0.1, max=1000.0),
+    ParamSpec("target_fps", 10.0, "Diagnostics warn when p99 latency > 1/target_fps, Hz."
+              + _CONF, min=0.1, max=1000.0),
 )
 
 RUNTIME_PARAMS: tuple[str, ...] = ("enable_detection", "enable_segmentation", "enable_depth",
-                                   "score_threshold", "nms_iou", "max_detections")
+                                   "score_threshold", "nms_iou")
 
 
 def pose_to_matrix(pose: list[float] | np.ndarray) -> np.ndarray:

@@ -132,6 +132,10 @@ class _Entry:
     fusion: Callable[[], None]
 
 
+# decode settings passed as 0-d device tensors (read by the graphs' kernels at replay)
+DEVICE_SETTINGS = frozenset({"score_thr", "iou_thr"})
+
+
 class RegionGraphs:
     """Captured region graphs by input signature (see the module docstring)."""
 
@@ -149,8 +153,10 @@ class RegionGraphs:
 
     def key(self, raw: dict, image_hw: tuple[int, int], det: dict,
             points: torch.Tensor | None, cams: dict[str, torch.Tensor]) -> tuple:
-        return (signature(raw), tuple(image_hw), tuple(sorted(det.items())),
-                signature(points), signature(cams))
+        """The input signature. The decode thresholds are not part of it: they are device
+        tensors (DeviceRegion's threshold buffer) that the captured kernels read."""
+        settings = tuple(sorted((k, v) for k, v in det.items() if k not in DEVICE_SETTINGS))
+        return (signature(raw), tuple(image_hw), settings, signature(points), signature(cams))
 
     def run(self, region: DeviceRegion, raw: dict, image_hw: tuple[int, int], det: dict,
             points: torch.Tensor | None, cams: dict[str, torch.Tensor], clock: _Clock,
