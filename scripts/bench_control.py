@@ -185,8 +185,11 @@ def bench_steps(backends: list[str], iters: int, cache: str) -> dict:
 
 # ---- phase 2 -----------------------------------------------------------------------------------
 def publisher_main(rate: float, cpus: str) -> None:
-    """Separate process: JointState at `rate` Hz on absolute deadlines until stdin closes."""
+    """Separate process: JointState at `rate` Hz on absolute deadlines until stdin closes, and
+    the robot side of the commands: a RELIABLE subscriber (as a driver would be) that counts
+    them, so the loop's publish() pays for a matched reader. Prints `commands_received N`."""
     import rclpy
+    from rclpy.executors import SingleThreadedExecutor
     from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
     from sensor_msgs.msg import JointState
 
@@ -197,6 +200,14 @@ def publisher_main(rate: float, cpus: str) -> None:
     qos = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
                      reliability=ReliabilityPolicy.BEST_EFFORT)
     pub = node.create_publisher(JointState, TOPIC_IN, qos)
+    received = [0]
+    node.create_subscription(  # the command QoS of RosIo: RELIABLE, depth 10
+        JointState, TOPIC_OUT, lambda _m: received.__setitem__(0, received[0] + 1),
+        QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10,
+                   reliability=ReliabilityPolicy.RELIABLE))
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    threading.Thread(target=executor.spin, daemon=True).start()
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     msg = JointState(name=NAMES, position=[0.1] * N_JOINTS, velocity=[0.0] * N_JOINTS)
@@ -212,8 +223,26 @@ def publisher_main(rate: float, cpus: str) -> None:
         msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(now, 1_000_000_000)
         msg.position[0] = 0.1 + 0.1 * np.sin(k * 1e-3)
         pub.publish(msg)
+    print(f"commands_received {received[0]}", flush=True)
+    executor.shutdown(timeout_sec=2.0)
     node.destroy_node()
     rclpy.try_shutdown()
+
+
+def stop_publisher(pub: subprocess.Popen) -> int | None:
+    """Close the publisher process's stdin, wait for it; the commands its subscriber got."""
+    if pub.poll() is None and pub.stdin is not None and not pub.stdin.closed:
+        pub.stdin.close()
+    try:
+        pub.wait(10)  # it prints one short line: the pipe cannot fill up and block it
+    except subprocess.TimeoutExpired:
+        pub.kill()
+        return None
+    text = pub.stdout.read() if pub.stdout is not None else b""
+    for line in (text or b"").decode(errors="replace").splitlines():
+        if line.startswith("commands_received "):
+            return int(line.split()[1])
+    return None
 
 
 class RosIo:
@@ -308,7 +337,8 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
             proc.close()
         return {"skipped": str(exc)}
     pub = subprocess.Popen([sys.executable, __file__, "--publisher", str(args.pub_rate),
-                            "--publisher-cpus", args.publisher_cpus], stdin=subprocess.PIPE)
+                            "--publisher-cpus", args.publisher_cpus], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE)
     io = RosIo(runner, proc.joint_states[0] if proc is not None else None)
     try:
         deadline = time.monotonic() + 30.0
@@ -340,6 +370,7 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
         else:
             loop.stop(2.0)
         wall = time.monotonic() - t_start
+        commands_received = stop_publisher(pub)  # after the loop stopped publishing
         period = stats.period.since(0)
         wake = stats.wake_error.since(0)
         lat = stats.step_latency.since(0)
@@ -350,6 +381,7 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
             "miss_causes": {name: int(getattr(stats, name)) for name in MISS_CAUSES},
             "last_error": loop.last_error if loop is not None else "",
             "commands_published": io.published,
+            "commands_received_by_subscriber": commands_received,
             "joint_states_received": io.received - received0,
             "wake_error_us": pct(wake), "step_latency_us": pct(lat),
             "period_jitter_us": pct(np.abs(period - 1.0 / rate)),
@@ -373,7 +405,8 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
               f"{stats.deadline_misses} {out['miss_causes']}, stale {stats.stale_inputs}, step p50 "
               f"{out['step_latency_us']['p50']:.1f} p99.9 {out['step_latency_us']['p999']:.1f} "
               f"max {out['step_latency_us']['max']:.1f} us, wake p99.9 "
-              f"{out['wake_error_us']['p999']:.1f} us", flush=True)
+              f"{out['wake_error_us']['p999']:.1f} us, commands published / received by the "
+              f"subscriber {io.published} / {commands_received}", flush=True)
         return out
     finally:
         io.close()
@@ -381,11 +414,8 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
             proc.close()
         if runner is not None:
             runner.close()
-        pub.stdin.close()
-        try:
-            pub.wait(10)
-        except subprocess.TimeoutExpired:
-            pub.kill()
+        if pub.poll() is None:
+            stop_publisher(pub)
 
 
 # ---- report ------------------------------------------------------------------------------------
