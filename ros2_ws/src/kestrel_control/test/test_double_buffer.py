@@ -62,12 +62,18 @@ def test_reader_during_a_write_gets_previous_complete_value() -> None:
     np.testing.assert_array_equal(value, [1.0, 1.0, 1.0])
 
 
-def test_reader_falls_back_to_lock_when_writer_never_settles() -> None:
+def test_reader_returns_its_previous_value_when_the_writer_never_settles() -> None:
+    """The real-time reader never waits on the writer: with every try torn it gets its own
+    previous complete value with that value's (older) version and stamp, counted."""
     buf = LatestValueBuffer(2, max_retries=3)
     buf.write([4.0, 4.0], 4)
-    buf._seq[buf._published] += 1  # simulate a writer stuck on the published slot (odd seq)
     out = np.empty(2)
-    assert buf.read_into(out) == (1, 4)  # returns (bounded) instead of spinning forever
+    assert buf.read_into(out) == (1, 4)  # a good read: remembered
+    buf.write([5.0, 5.0], 5)
+    buf._seq[buf._published] += 1  # simulate a writer stuck on the published slot (odd seq)
+    with buf._write_lock:  # ... holding its lock: a reader that waited would hang here
+        assert buf.read_into(out) == (1, 4)  # bounded, no wait, the previous value
+    np.testing.assert_array_equal(out, [4.0, 4.0])
     assert buf.read_retries == 3 and buf.locked_reads == 1
 
 

@@ -222,3 +222,38 @@ def test_steady_state_steps_do_not_allocate(backend: str, tmp_path: Path) -> Non
     assert mid - before < 2048, f"{mid - before} bytes retained over 1000 steps"
     assert after - mid < 2048, f"{after - mid} bytes retained over 2000 more steps"
     assert peak - before < 64 * 1024
+
+
+def _prepare_peak_bytes(latency_compensation: bool) -> int:
+    """tracemalloc's peak above the start over 2000 `_prepare` calls (the host side of a tick:
+    read the buffer, checks, latency prediction, obs copy)."""
+    runner = make(latency_compensation=latency_compensation)
+    js = np.zeros((2, N))
+    js[1] = 0.5  # velocities: the prediction has work to do
+    stamp = 0
+    for _ in range(50):
+        stamp += MS
+        runner.joint_states.write(js, stamp)
+        assert runner._prepare(0, stamp + 1000)
+    tracemalloc.start()
+    try:
+        for _ in range(100):  # warm under tracing
+            runner._prepare(0, stamp + 1000)
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(2000):
+            runner._prepare(0, stamp + 1000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (runner.robots[0].info.predicted_s > 0) == latency_compensation
+    return peak - before
+
+
+def test_latency_prediction_adds_no_temporary_array() -> None:
+    """Each numpy call of the tick makes a few transient bytes of its own (ufunc machinery:
+    ~130-240 bytes of peak, freed at once, never growing). The latency prediction must add
+    no array on top: the earlier `pos += vel * ahead` made a temporary [n] array every tick,
+    peak 240 -> 360 bytes, which the net-memory test above cannot see."""
+    off, on = _prepare_peak_bytes(False), _prepare_peak_bytes(True)
+    assert on <= off + 32, f"prediction on: peak +{on} bytes vs +{off} without"

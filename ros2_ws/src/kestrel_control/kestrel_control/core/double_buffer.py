@@ -9,8 +9,12 @@ Seqlock over two preallocated numpy slots:
 
 numpy releases the GIL for copies of more than a few hundred elements, so without the sequence
 check a reader could see half of one write and half of the next; the stress test shows both.
-Writers serialise on a lock (several callback threads may write); the reader only takes it as a
-bounded fallback after `max_retries` failed optimistic reads (a writer faster than the copy).
+Writers serialise on a lock (several callback threads may write); the reader never takes it.
+After `max_retries` failed optimistic reads (a writer faster than the copy, or one stuck inside
+its fill callback) the reader returns its own previous complete value, with that value's
+version and stamp (so the age check sees how old it is), and counts it in `locked_reads` (the
+diagnostic's historical name). It used to wait for the writer's lock there: the real-time
+thread then waited on an executor thread running a Python callback.
 """
 
 from __future__ import annotations
@@ -36,7 +40,11 @@ class LatestValueBuffer:
         self._write_lock = threading.Lock()
         self._max_retries = int(max_retries)
         self.read_retries = 0  # optimistic reads that had to be retried (diagnostic)
-        self.locked_reads = 0  # reads that fell back to the writer lock (diagnostic)
+        self.locked_reads = 0  # reads that gave up and returned the previous value (diagnostic)
+        # the reader's own last complete value, version and stamp (its fallback)
+        self._good = np.zeros(shape, dtype=dtype)
+        self._good_version = 0
+        self._good_stamp = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -86,10 +94,12 @@ class LatestValueBuffer:
 
     # ---- reader side -----------------------------------------------------------------------
     def read_into(self, out: np.ndarray) -> tuple[int, int]:
-        """Copy the newest complete value into `out` (shape `shape`). No allocation, no lock.
+        """Copy the newest complete value into `out` (shape `shape`). No allocation, no lock,
+        no wait.
 
         Returns (version, stamp_ns) of the value read; version 0 means nothing was ever written
-        (then `out` receives the initial zeros).
+        (then `out` receives the initial zeros). When every try is torn, this reader's previous
+        value comes back with its own (older) version and stamp (`locked_reads` counts it).
         """
         slots, seq = self._slots, self._seq
         for _ in range(self._max_retries):
@@ -102,14 +112,14 @@ class LatestValueBuffer:
             version = self._versions[idx]
             stamp = self._stamps[idx]
             if seq[idx] == s1:
+                np.copyto(self._good, out)
+                self._good_version, self._good_stamp = version, stamp
                 return version, stamp
             self.read_retries += 1
-        # Bounded fallback: a writer outpaced every optimistic copy; wait for it once.
-        with self._write_lock:
-            self.locked_reads += 1
-            idx = self._published
-            np.copyto(out, slots[idx])
-            return self._versions[idx], self._stamps[idx]
+        # Bounded fallback, never a wait: the previous complete value (older stamp, counted).
+        self.locked_reads += 1
+        np.copyto(out, self._good)
+        return self._good_version, self._good_stamp
 
     def read(self) -> tuple[np.ndarray, int, int]:
         """Allocating convenience read (not for the hot path): (copy, version, stamp_ns)."""

@@ -137,6 +137,7 @@ class _Robot:
         self.js = self.inputs[:2]  # [2, n] view: what the joint-state buffer is read into
         self.pos, self.vel, self.target_now = self.inputs  # views, [n] each
         self.proposed = np.zeros(n)
+        self.predicted = np.zeros(n)  # vel * ahead, rad (latency compensation, no temporary)
         self.info = StepInfo()
         self.obs, self.act = obs_row, act_row  # views into the backend's static buffers
         self.obs_inputs = obs_row[:3 * n].reshape(3, n)  # view: [pos | vel | target] float32
@@ -277,7 +278,10 @@ class PolicyRunner:
             return False
         if self._compensate:
             ahead = min(max(age, 0.0) + self.compute_latency_s, robot.safety.max_obs_age_s)
-            robot.pos += robot.vel * ahead  # linear prediction, in place (robot.js is a copy)
+            # linear prediction in place (robot.js is a copy), through a preallocated row:
+            # `pos += vel * ahead` would allocate a temporary array every tick
+            np.multiply(robot.vel, ahead, out=robot.predicted)
+            robot.pos += robot.predicted
             info.predicted_s = ahead
         np.copyto(robot.obs_inputs, robot.inputs)  # obs[:3n] = [pos | vel | target], float32
         # obs[3n : 3n + A] already holds the previous action (written below / by reset).
