@@ -57,6 +57,8 @@ class JointStateSource:
             names = ["gripper"] + names[1:]
         elif mode == "nan":
             pos[2] = math.nan
+        elif mode == "implausible":
+            pos[2] = 1e6  # finite, but a million rad: a wrong unit or a broken encoder
         msg = JointState(name=names, position=pos, velocity=[0.0] * len(pos))
         stamp = self.stamp_fn()
         msg.header.stamp = ns_to_stamp(stamp)
@@ -152,6 +154,9 @@ def test_commands_stats_bad_inputs_and_stale_hold(launch_node, probe, loop_mode)
         rejected_before = _latest(stats).rejected_nonfinite
         source.mode = "nan"
         _wait_stats(stats, lambda s: s.rejected_nonfinite > rejected_before + 10)
+        implausible_before = _latest(stats).rejected_implausible
+        source.mode = "implausible"
+        _wait_stats(stats, lambda s: s.rejected_implausible > implausible_before + 10)
         source.mode = "good"
         assert probe.publish_until(
             target_pub, lambda: ControlTarget(mode=ControlTarget.MODE_JOINT,
@@ -165,6 +170,7 @@ def test_commands_stats_bad_inputs_and_stale_hold(launch_node, probe, loop_mode)
             np.testing.assert_array_less(np.abs(q[:5] - Q[:5]), SCALE + 1e-9)
         values = diagnostics_values(diag.snapshot(), "control")
         assert int(values["loop_rejected_nonfinite"]) > 0 and int(values["loop_cycles"]) > 0
+        assert int(values["loop_rejected_implausible"]) > 0
         assert "loop_step_latency_p999" in values and "rt_gc" in values
         # deadline misses split by cause (miss_cause.py), from the loop thread or process
         causes = ("loop_misses_preempted", "loop_misses_blocked", "loop_misses_late_wake",

@@ -109,7 +109,8 @@ class StackReport:
                       f"{ls.step_latency_p99 * 1e6:.0f} us, p99.9 {ls.step_latency_p999 * 1e6:.0f}"
                       f" us, max {ls.step_latency_max * 1e6:.0f} us (last window)",
                       f"  wake error p99 {ls.wake_error_p99 * 1e6:.0f} us; stale inputs "
-                      f"{ls.stale_inputs}, rejected non-finite {ls.rejected_nonfinite}, clamped "
+                      f"{ls.stale_inputs}, rejected non-finite {ls.rejected_nonfinite}, "
+                      f"implausible {getattr(ls, 'rejected_implausible', 0)}, clamped "
                       f"{ls.clamped_actions}"]
         lines += ["", f"plans: {self.plans or 'none'}; sim applied joint commands: "
                       f"{self.sim_applied_commands}"]

@@ -130,6 +130,8 @@ class ControlNode(KestrelLifecycleNode):
             config = RunnerConfig(
                 joint_lower=p["joint_lower"], joint_upper=p["joint_upper"], policy=policy,
                 action_scale=p["action_scale"], max_obs_age_s=p["max_obs_age"],
+                obs_position_margin=p["obs_position_margin"],
+                max_obs_velocity=p["max_obs_velocity"],
                 backend=p["backend"], weights_path=p["weights_path"], seed=p["seed"],
                 model=model, num_robots=max(1, len(p["robots"])),
                 latency_compensation=p["latency_compensation"], gpu_programs=p["gpu_programs"])
@@ -381,7 +383,7 @@ class ControlNode(KestrelLifecycleNode):
         new = {k: counters[k] - self._last_diag.get(k, 0) for k in counters}
         self._last_diag = counters
         problems = [k for k in ("step_errors", "deadline_misses", "stale_inputs",
-                                "rejected_nonfinite") if new[k] > 0]
+                                "rejected_nonfinite", "rejected_implausible") if new[k] > 0]
         if proc is not None and proc.proc.poll() is not None:
             return DiagnosticStatus.ERROR, (f"loop process exited (code {proc.proc.returncode}):"
                                             " no commands"), values

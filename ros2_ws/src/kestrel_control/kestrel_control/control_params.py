@@ -28,6 +28,11 @@ SPECS = [
     ParamSpec("joint_upper", SIM_UPPER, "Upper joint limits, rad.", read_only=True),
     ParamSpec("rate_hz", 1000.0, "Control loop rate, Hz.", min=10.0, max=2000.0, read_only=True),
     ParamSpec("max_obs_age", 0.02, "Older joint states -> hold, s.", min=1e-4, max=10.0),
+    ParamSpec("obs_position_margin", 0.5, "Joint states with a position outside the joint "
+              "limits by more than this are implausible -> hold (never a command from that "
+              "position), counted as rejected_implausible, rad.", min=0.0, max=1000.0),
+    ParamSpec("max_obs_velocity", 100.0, "Joint states with a speed above this are implausible "
+              "-> hold, counted as rejected_implausible, rad/s.", min=1e-3, max=1e6),
     ParamSpec("action_scale", 0.05, "Command offset per unit tanh(action), rad.",
               min=1e-6, max=10.0, read_only=True),
     ParamSpec("obs_dim", 256, "Policy observation size.", min=1, max=65536, read_only=True),

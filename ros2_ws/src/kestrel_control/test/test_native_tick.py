@@ -43,7 +43,8 @@ pytestmark = pytest.mark.skipif(bool(NATIVE), reason=f"C tick unavailable: {NATI
 def _config(robots: int, backend: str = "cpu_eager") -> RunnerConfig:
     return RunnerConfig(joint_lower=[-LIMIT] * N, joint_upper=[LIMIT] * N, max_obs_age_s=0.02,
                         latency_compensation=True, warmup_steps=0, num_robots=robots,
-                        policy=PolicyConfig.tiny(), seed=3, backend=backend)
+                        policy=PolicyConfig.tiny(), seed=3, backend=backend,
+                        obs_position_margin=0.5, max_obs_velocity=60.0)
 
 
 def _fake_post(runner: PolicyRunner, nan_at: set[int]) -> None:
@@ -131,6 +132,7 @@ class Rig:
         return {"cmd": [c[0].tolist() for c in cmds], "ver": [c[1] for c in cmds],
                 "stamp": [c[2] for c in cmds], "stale": st.stale_inputs,
                 "nonfinite": st.rejected_nonfinite, "clamped": st.clamped_actions,
+                "implausible": st.rejected_implausible,
                 "commands": int(self.views.control[CTRL_COMMANDS]), "events": events,
                 "obs": self.runner.backend.obs_np.tolist(),
                 "targets": [r.target_now.tolist() for r in self.runner.robots],
@@ -164,6 +166,10 @@ def _drive(rigs: list[Rig], robots: int, ticks: int = 120) -> None:
                 stamp = now - 50_000_000  # stale
             if k == 40 and r == 0:
                 js[1, 3] = np.nan  # non-finite observation
+            if k == 45 and r == robots - 1:
+                js[0, 2] = 9.0  # implausible position (limits +-0.5 rad, margin 0.5)
+            if k == 46 and r == 0:
+                js[1, 1] = 80.0  # implausible speed (bound 60 rad/s)
             for rig in rigs:
                 rig.views.joint_states[r].write(js, stamp)
             if k % 25 == 1:
@@ -198,8 +204,9 @@ def test_c_tick_equals_the_python_tick(robots: int, post: bool) -> None:
         py, c = rigs
         st = py.views.stats
         assert st.stale_inputs >= 2 and st.rejected_nonfinite >= 3 and st.clamped_actions > 10
+        assert st.rejected_implausible == 2
         assert c.codes.count(nt.KT_PY_INFER) > 80  # prepared in C (no mailbox: Python infers)
-        assert c.codes.count(nt.KT_PY_ALL) >= 3  # no input, stale, NaN observation
+        assert c.codes.count(nt.KT_PY_ALL) >= 5  # no input, stale, NaN, 2 implausible
         assert c.finished_in_c > 80  # and finished in C, except for the NaN actions
     finally:
         for rig in rigs:

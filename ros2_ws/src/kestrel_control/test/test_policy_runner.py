@@ -151,6 +151,44 @@ def test_nonfinite_observation_rejected_then_recovers() -> None:
     assert runner.counters.rejected_nonfinite == 2
 
 
+@pytest.mark.parametrize("bad", ["position", "velocity", "huge"])
+def test_implausible_observation_holds_and_never_commands_from_it(bad: str) -> None:
+    """A finite but implausible joint state (a position past a limit by more than the margin,
+    a speed above the bound, or 1e300: a wrong unit, a broken encoder) is held like a NaN one
+    and counted; before any safe command nothing is sent at all: clamping the position to the
+    nearest limit would be a legal-looking jump."""
+    runner = make(obs_position_margin=0.5, max_obs_velocity=50.0)
+    pos, vel = np.zeros(N), np.zeros(N)
+    if bad == "position":
+        pos[1] = 2.0 + 0.6  # the limits are +-2 rad
+    elif bad == "velocity":
+        vel[4] = -51.0
+    else:
+        pos[0] = 1e300
+    feed(runner, pos, vel, 0)
+    _, info = runner.step(MS)
+    assert info.status is SafetyStatus.IMPLAUSIBLE_OBS and not info.valid  # nothing to send
+    feed(runner, np.zeros(N), np.zeros(N), 2 * MS)
+    good, info = runner.step(3 * MS)
+    assert info.status is SafetyStatus.OK
+    good = good.copy()
+    feed(runner, pos, vel, 4 * MS)
+    held, info = runner.step(5 * MS)
+    assert info.status is SafetyStatus.IMPLAUSIBLE_OBS and info.valid
+    np.testing.assert_array_equal(held, good)  # the last safe command
+    assert runner.counters.rejected_implausible == 2 and runner.counters.rejected_nonfinite == 0
+    pos_edge = np.full(N, 2.0 + 0.49)  # inside the margin: plausible (the command is clamped)
+    feed(runner, pos_edge, np.full(N, 49.0), 6 * MS)
+    assert runner.step(7 * MS)[1].status is SafetyStatus.OK
+
+
+def test_plausibility_parameters_are_validated() -> None:
+    with pytest.raises(ValueError, match="parameter 'obs_position_margin' = -1"):
+        make(obs_position_margin=-1.0)
+    with pytest.raises(ValueError, match="parameter 'max_obs_velocity' = 0"):
+        make(max_obs_velocity=0.0)
+
+
 def test_nonfinite_policy_output_holds_and_resets_recurrent_state() -> None:
     runner = make()
     feed(runner, np.zeros(N), np.zeros(N), 0)

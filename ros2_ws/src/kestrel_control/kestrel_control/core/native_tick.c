@@ -5,9 +5,9 @@
  * the persistent kernel's pinned mailbox); `ints` / `dbls` hold their addresses and sizes at the
  * offsets native_tick.py defines (I_* / D_* below, kept in step by a test). A function either
  * completes its part of the tick or returns a code that tells Python which part to run itself
- * (policy_runner.py, loop_child.py): every unusual case (no input yet, a stale or non-finite
- * observation, a non-finite action, a retired kernel, a late answer, a seqlock read that kept
- * colliding with the writer) takes the Python path, which counts and handles it. So the C part
+ * (policy_runner.py, loop_child.py): every unusual case (no input yet, a stale, non-finite
+ * or implausible observation, a non-finite action, a retired kernel, a late answer, a seqlock
+ * read that kept colliding with the writer) takes the Python path, which counts and handles it. So the C part
  * never counts a safety event and never holds; it only does what the Python OK path does, in
  * the same order, with the same float32/float64 conversions.
  *
@@ -26,7 +26,7 @@ enum {
     I_ROBOTS, I_JOINTS, I_ACTIONS, I_OBS, I_OBS_STRIDE, I_ACT, I_ACT_STRIDE, I_POST,
     I_POST_STRIDE, I_LAT, I_COMPENSATE, I_CLAMP_CTR, I_CMD_CTR, I_AUX_LAT, I_EFD, I_MB_CTRL,
     I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_READ_NS, I_SPIN_NS, I_LATE_T0, I_GRAPH_EXEC,
-    I_STREAM, I_CU_CTX, I_GLOBAL
+    I_STREAM, I_CU_CTX, I_PLAUS_C, I_PLAUS_H, I_GLOBAL
 };
 enum { /* per robot, at I_GLOBAL + r * R_SIZE; *_GOOD / *_GVS: the reader's fallback copy */
     R_JS_H, R_JS_S, R_TG_H, R_TG_S, R_CMD_H, R_CMD_S, R_INPUTS, R_TVER, R_LAST_SAFE,
@@ -150,6 +150,11 @@ int kt_prepare(int64_t *ints, double *dbls, int64_t now_ns) {
         double acc = 0.0;
         for (int64_t j = 0; j < 3 * n; j++) acc += inputs[j] * 0.0; /* NaN iff one is */
         if (acc != 0.0) return 0;
+        if (ints[I_PLAUS_C]) { /* [pos | vel] out of range: Python holds and counts it */
+            const double *pc = P(double, I_PLAUS_C), *ph = P(double, I_PLAUS_H);
+            for (int64_t j = 0; j < 2 * n; j++)
+                if (fabs(inputs[j] - pc[j]) - ph[j] > 0.0) return 0;
+        }
         ages[r] = age;
     }
     for (int64_t r = 0; r < R; r++) {

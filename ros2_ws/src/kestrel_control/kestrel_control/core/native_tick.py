@@ -50,7 +50,7 @@ SOURCE = Path(__file__).with_name("native_tick.c")
 (I_ROBOTS, I_JOINTS, I_ACTIONS, I_OBS, I_OBS_STRIDE, I_ACT, I_ACT_STRIDE, I_POST,
  I_POST_STRIDE, I_LAT, I_COMPENSATE, I_CLAMP_CTR, I_CMD_CTR, I_AUX_LAT, I_EFD, I_MB_CTRL,
  I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_READ_NS, I_SPIN_NS, I_LATE_T0, I_GRAPH_EXEC,
- I_STREAM, I_CU_CTX, I_GLOBAL) = range(27)
+ I_STREAM, I_CU_CTX, I_PLAUS_C, I_PLAUS_H, I_GLOBAL) = range(29)
 (R_JS_H, R_JS_S, R_TG_H, R_TG_S, R_CMD_H, R_CMD_S, R_INPUTS, R_TVER, R_LAST_SAFE,
  R_HAS_SAFE, R_JS_GOOD, R_JS_GVS, R_TG_GOOD, R_TG_GVS, R_SIZE) = range(15)
 D_MAX_AGE, D_SCALE, D_SIZE = range(3)
@@ -198,6 +198,11 @@ class NativeTick:
         self._limits = (np.ascontiguousarray(safety.lower, np.float64),
                         np.ascontiguousarray(safety.upper, np.float64))
         ints[I_LOWER], ints[I_UPPER] = (_ptr(x) for x in self._limits)
+        # plausible [pos | vel] (safety.py): |x - center| <= half, [2n] each; 0 = no check
+        if safety._plaus_on:
+            self._plaus = (np.ascontiguousarray(safety.plaus_center, np.float64),
+                           np.ascontiguousarray(safety.plaus_half, np.float64))
+            ints[I_PLAUS_C], ints[I_PLAUS_H] = (_ptr(x) for x in self._plaus)
         ints[I_READ_NS], ints[I_SPIN_NS] = READ_NS, SPIN_NS
         dbls[D_MAX_AGE], dbls[D_SCALE] = safety.max_obs_age_s, runner.config.action_scale
         for r, robot in enumerate(robots):

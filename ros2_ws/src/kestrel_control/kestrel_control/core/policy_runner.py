@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from kestrel_control.core.double_buffer import LatestValueBuffer
-from kestrel_control.core.safety import SafetyCounters, SafetyFilter, SafetyStatus, validate_limits
+from kestrel_control.core.safety import (SafetyCounters, SafetyFilter, SafetyStatus,
+                                         validate_limits, validate_plausibility)
 from kestrel_models.control.external import ModelSpec, load_policy
 from kestrel_models.control.policy import ActorCritic, PolicyConfig
 from kestrel_models.control.runtimes import (BACKENDS, POST_BACKENDS, PolicyBackend, PostSpec,
@@ -51,6 +52,10 @@ class RunnerConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     action_scale: float = 0.05  # rad of command offset per unit of tanh(action)
     max_obs_age_s: float = 0.02  # s, older observations -> hold
+    # plausible observations: positions within the joint limits +- this margin, rad, and speeds
+    # up to max_obs_velocity, rad/s (inf: that check off); others -> hold, counted
+    obs_position_margin: float = math.inf
+    max_obs_velocity: float = math.inf
     backend: str = "cpu_eager"  # one of BACKENDS
     weights_path: str = ""  # torch state_dict file (reference architecture, `policy` dims)
     seed: int = 0  # random-weight seed
@@ -72,6 +77,7 @@ class RunnerConfig:
             raise ValueError(f"parameter 'action_scale' = {self.action_scale!r}: must be > 0")
         if not (isinstance(self.max_obs_age_s, (int, float)) and self.max_obs_age_s > 0):
             raise ValueError(f"parameter 'max_obs_age' = {self.max_obs_age_s!r}: must be > 0")
+        validate_plausibility(self.obs_position_margin, self.max_obs_velocity)
         if self.warmup_steps < 0:
             raise ValueError(f"parameter 'warmup_steps' = {self.warmup_steps!r}: must be >= 0")
         if not (isinstance(self.num_robots, int) and 1 <= self.num_robots <= 1024):
@@ -121,7 +127,8 @@ class _Robot:
     def __init__(self, cfg: RunnerConfig, counters: Any, obs_row: np.ndarray,
                  act_row: np.ndarray, buffers: tuple[Any, Any] | None = None) -> None:
         n = cfg.num_joints
-        self.safety = SafetyFilter(cfg.joint_lower, cfg.joint_upper, cfg.max_obs_age_s, counters)
+        self.safety = SafetyFilter(cfg.joint_lower, cfg.joint_upper, cfg.max_obs_age_s, counters,
+                                   cfg.obs_position_margin, cfg.max_obs_velocity)
         if buffers is None:
             buffers = (LatestValueBuffer((2, n)), LatestValueBuffer((n,)))
         for buf, shape in zip(buffers, ((2, n), (n,)), strict=True):
@@ -274,7 +281,10 @@ class PolicyRunner:
         status = robot.safety.check_observation(robot.inputs_flat, age)
         if status is not SafetyStatus.OK:
             info.status = status
-            info.valid = robot.safety.hold(self.commands[index], robot.pos)
+            # an implausible position must not become a command, not even clamped: hold the
+            # last safe command or send nothing
+            pos = None if status is SafetyStatus.IMPLAUSIBLE_OBS else robot.pos
+            info.valid = robot.safety.hold(self.commands[index], pos)
             return False
         if self._compensate:
             ahead = min(max(age, 0.0) + self.compute_latency_s, robot.safety.max_obs_age_s)

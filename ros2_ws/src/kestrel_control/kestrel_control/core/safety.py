@@ -1,9 +1,11 @@
-"""Safety filter between the policy and the robot: stale/NaN inputs -> hold, commands clamped.
+"""Safety filter between the policy and the robot: stale/NaN/implausible inputs -> hold,
+commands clamped.
 
 All per-cycle methods work on preallocated arrays, never allocate arrays and never raise: an
 unexpected error inside them is treated like a non-finite value (hold + counted).
-Counters live on a `counters` object with the attributes `stale_inputs`, `rejected_nonfinite`
-and `clamped_actions` (a `LoopStats`, or a `SafetyCounters` by default); counts are per cycle.
+Counters live on a `counters` object with the attributes `stale_inputs`, `rejected_nonfinite`,
+`rejected_implausible` and `clamped_actions` (a `LoopStats`, or a `SafetyCounters` by default);
+counts are per cycle.
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ class SafetyStatus(IntEnum):
     STALE = 2  # observation older than max_obs_age: holding
     NONFINITE_OBS = 3  # NaN/inf in the observation: holding
     NONFINITE_ACTION = 4  # NaN/inf in the policy output: holding
+    # a position outside the joint limits by more than the margin, or a speed above the bound
+    # (a broken encoder, a wrong unit, another robot's joint order): holding, and never a
+    # command derived from that position
+    IMPLAUSIBLE_OBS = 5
 
 
 @dataclass
 class SafetyCounters:
     stale_inputs: int = 0
     rejected_nonfinite: int = 0
+    rejected_implausible: int = 0
     clamped_actions: int = 0
 
 
@@ -73,6 +80,16 @@ def validate_limits(joint_lower: Any, joint_upper: Any) -> tuple[np.ndarray, np.
     return lower, upper
 
 
+def validate_plausibility(position_margin: float, max_velocity: float) -> None:
+    """ValueError naming the parameter unless margin >= 0 rad and bound > 0 rad/s (inf: off)."""
+    if not (isinstance(position_margin, (int, float)) and position_margin >= 0):
+        raise ValueError(f"parameter 'obs_position_margin' = {position_margin!r}: must be >= 0 "
+                         "rad (.inf: no position check)")
+    if not (isinstance(max_velocity, (int, float)) and max_velocity > 0):
+        raise ValueError(f"parameter 'max_obs_velocity' = {max_velocity!r}: must be > 0 rad/s "
+                         "(.inf: no velocity check)")
+
+
 class SafetyFilter:
     """Hold on stale/non-finite input, reject non-finite commands, clamp to joint limits.
 
@@ -82,15 +99,24 @@ class SafetyFilter:
     """
 
     def __init__(self, joint_lower: Any, joint_upper: Any, max_obs_age_s: float,
-                 counters: Any = None) -> None:
+                 counters: Any = None, position_margin: float = math.inf,
+                 max_velocity: float = math.inf) -> None:
         self.lower, self.upper = validate_limits(joint_lower, joint_upper)
         if not (isinstance(max_obs_age_s, (int, float)) and math.isfinite(max_obs_age_s)
                 and max_obs_age_s > 0):
             raise ValueError(f"parameter 'max_obs_age' = {max_obs_age_s!r}: must be > 0 s")
+        validate_plausibility(position_margin, max_velocity)
         self.max_obs_age_s = float(max_obs_age_s)
         self.counters = counters if counters is not None else SafetyCounters()
         n = self.lower.shape[0]
         self.num_joints = n
+        # plausible [pos | vel]: |x - center| <= half, center/half [2n] (inf: not checked);
+        # the loop process's C tick reads the same two arrays
+        self.plaus_center = np.concatenate([(self.lower + self.upper) / 2, np.zeros(n)])
+        self.plaus_half = np.concatenate([(self.upper - self.lower) / 2 + position_margin,
+                                          np.full(n, float(max_velocity))])
+        self._plaus_on = bool(np.isfinite(self.plaus_half).any())
+        self._plaus_tmp = np.zeros(2 * n)
         self._last_safe = np.zeros(n)  # last command that passed the filter, rad
         # has_last_safe, as an int64 [1] that the loop process's C tick also sets
         self._has = np.zeros(1, dtype=np.int64)
@@ -112,8 +138,9 @@ class SafetyFilter:
         self._has[0] = 0
 
     def check_observation(self, observation: np.ndarray, age_s: float) -> SafetyStatus:
-        """Stale (counted) or non-finite (counted) observation? `observation`: any float array
-        (positions, velocities, target). NaN age counts as stale."""
+        """Stale, non-finite or implausible observation (each counted)? `observation`: a float
+        array whose first 2n values are [positions rad | velocities rad/s] (the runner's flat
+        [pos | vel | target]); shorter ones get the finite check only. NaN age is stale."""
         try:
             if not (-self.max_obs_age_s <= age_s <= self.max_obs_age_s):
                 self.counters.stale_inputs += 1
@@ -121,6 +148,14 @@ class SafetyFilter:
             if not _finite_dot(observation, self._zeros):
                 self.counters.rejected_nonfinite += 1
                 return SafetyStatus.NONFINITE_OBS
+            if self._plaus_on and observation.shape[0] >= 2 * self.num_joints:
+                t = self._plaus_tmp  # |x - center| - half > 0 somewhere: implausible
+                np.subtract(observation[:2 * self.num_joints], self.plaus_center, out=t)
+                np.abs(t, out=t)
+                np.subtract(t, self.plaus_half, out=t)
+                if t.max() > 0.0:
+                    self.counters.rejected_implausible += 1
+                    return SafetyStatus.IMPLAUSIBLE_OBS
             return SafetyStatus.OK
         except Exception:  # never raise in the hot path
             self.internal_errors += 1

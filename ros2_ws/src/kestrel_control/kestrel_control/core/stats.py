@@ -94,6 +94,7 @@ class LoopStatsSnapshot:
     misses_blocked: int
     misses_late_wake: int
     misses_slow_step: int
+    rejected_implausible: int = 0
 
 
 class LoopStats:
@@ -104,7 +105,7 @@ class LoopStats:
     # to a cause second; readers take the causes first, so they never add up to more.
     CAUSES = MISS_CAUSES
     COUNTERS = ("cycles", "deadline_misses", "stale_inputs", "rejected_nonfinite",
-                "clamped_actions", "step_errors", *MISS_CAUSES)
+                "clamped_actions", "step_errors", *MISS_CAUSES, "rejected_implausible")
 
     def __init__(self, period_target_s: float, capacity: int = 16384) -> None:
         if not period_target_s > 0:
@@ -117,6 +118,7 @@ class LoopStats:
         self.deadline_misses = 0  # deadlines that passed without a cycle (overruns, late wakes)
         self.stale_inputs = 0  # cycles whose observation was older than max_obs_age
         self.rejected_nonfinite = 0  # cycles with NaN/inf in observation or action
+        self.rejected_implausible = 0  # cycles whose observation was out of range (safety.py)
         self.clamped_actions = 0  # cycles where a command was clamped to the joint limits
         self.step_errors = 0  # exceptions raised by the step function (loop kept running)
         self.misses_preempted = 0  # misses while another task had the loop's CPU
@@ -193,6 +195,7 @@ class LoopStats:
             rejected_nonfinite=self.rejected_nonfinite,
             clamped_actions=self.clamped_actions,
             **causes,
+            rejected_implausible=self.rejected_implausible,
         )
 
     def percentiles(self, last_n: int | None = None) -> dict[str, float]:
