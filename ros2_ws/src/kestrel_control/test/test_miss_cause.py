@@ -164,9 +164,14 @@ def test_a_stopped_loop_is_not_taken_for_a_late_wake() -> None:
             time.sleep(0.1)
 
     c = _run_child(1500, stop_three_times)
-    assert c["deadline_misses"] >= 3 * 15, c
-    assert sum(c[k] for k in CAUSES) == c["deadline_misses"], c
-    assert c["misses_blocked"] >= 3 * 15 and c["misses_late_wake"] < 3 * 15, c
+    text = f"{c}"  # the whole dict (pytest's repr of it is cut)
+    assert c["deadline_misses"] >= 3 * 15, text
+    assert sum(c[k] for k in CAUSES) == c["deadline_misses"], text
+    # ~19 misses per stop. Alone, all 3 stops come out blocked (every run). In the full suite
+    # on 2 loaded cores, one stop once came out otherwise (57 misses, 38 blocked): after
+    # SIGCONT a busy CPU can add a real run-queue wait (preempted). What must never happen is
+    # a stop taken for a late wake.
+    assert c["misses_blocked"] >= 2 * 15 and c["misses_late_wake"] < 15, text
 
 
 @needs_schedstat
