@@ -246,6 +246,12 @@ def test_results_bad_inputs_and_runtime_heads(launch_node, probe):
     all_nan = np.full((500, 3), np.nan, np.float32)
     bad("dropped_bad_cloud", lambda: rig.cloud.publish(
         xyz_to_pointcloud2(all_nan, make_header(rig.next_stamp(), "world"))))
+    # an empty cloud: counted and logged, and its set still gives a result (predicted depth)
+    before_empty = counter(diag, "empty_cloud", 0)
+    r = produce(rig, results, np.zeros((0, 3), np.float32))
+    assert all(s == PerceptionResult.POSITION_PREDICTED_DEPTH for s in sources(r))
+    assert counter(diag, "empty_cloud", before_empty + 1) > before_empty, node.output()
+    assert "a LiDAR cloud with 0 points" in node.output()
     huge = np.zeros((10_001, 3), np.float32)  # > max_points
     bad("dropped_too_many_points", lambda: rig.cloud.publish(
         xyz_to_pointcloud2(huge, make_header(rig.next_stamp(), "world"))))

@@ -27,7 +27,7 @@ Topics (i = 0 .. num_cameras-1):
                                   32FC1 m) subsampled by `output_stride` s: ceil(H/s) x
                                   ceil(W/s), pixel (i, j) = input pixel (s*i, s*j), so the
                                   matching intrinsics are K with fx, fy, cx, cy divided by s
-  ~/output/debug_image            sensor_msgs/Image rgb8, cameras side by side with boxes
+  ~/output/debug_image            sensor_msgs/Image rgb8, cameras side by side, mask + boxes
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ COUNTERS = ("processed", "dropped_bad_encoding", "dropped_bad_image", "dropped_s
             "dropped_bad_camera_info", "dropped_bad_pose", "dropped_bad_cloud",
             "dropped_too_many_points", "out_of_sync", "skipped_stale", "processing_error",
             "nan_points", "truncated_points", "runtime_shape_fallbacks", "nms_slow_path",
-            "missing_cloud", "cloud_out_of_sync", "dropped_input_overwritten")
+            "missing_cloud", "cloud_out_of_sync", "dropped_input_overwritten", "empty_cloud")
 # core InputError reason code -> counter
 REASON_COUNTER = {"bad_image": "dropped_bad_image", "size_mismatch": "dropped_size_mismatch",
                   "mixed_sizes": "dropped_size_mismatch", "bad_camera": "dropped_bad_camera_info",
@@ -383,6 +383,10 @@ class PerceptionNode(KestrelLifecycleNode):
         sync = self.sync
         if not self._active or sync is None:
             return
+        if xyz.shape[0] == 0:  # counted and logged, then used: the set completes without
+            # waiting for a cloud that will not come, and runs on predicted depth alone
+            self.drop("empty_cloud", "a LiDAR cloud with 0 points: that frame's detections "
+                      "get predicted-depth positions only")
 
         def store() -> None:  # the cloud often completes its set (core/sync.py)
             sync.add_cloud(Stamped(stamp_ns, recv_s, xyz, ticket))
@@ -482,7 +486,8 @@ class PerceptionNode(KestrelLifecycleNode):
             # (receive: processes: the images are ring slots, written again after `pool` newer
             # messages of their sensor; a slow frame could see them overwritten by now, so
             # the debug image is drawn from copies taken when the frame started)
-            canvas = render_debug(debug_images or frames.images, out.detections)
+            canvas = render_debug(debug_images or frames.images, out.detections,
+                                  masks=out.masks)
             self._debug_pub.publish(numpy_to_image(
                 canvas, "rgb8", make_header(s.images[0].stamp_ns, cams[0].frame_id)))
 

@@ -371,6 +371,38 @@ def test_sync_waits_for_the_cloud_while_the_lidar_is_live() -> None:
     assert lax.pop_newest_set().cloud is None
 
 
+def test_sync_clear_forgets_the_lidar_too() -> None:
+    """Reactivation after a bag loop / sim restart: stamps start over. clear() must forget the
+    previous run's newest cloud stamp, or every new set counts as missing its cloud (the
+    "newer cloud already here" shortcut) instead of waiting for it."""
+    from kestrel_perception.core.sync import FrameSynchronizer, Stamped
+
+    now = [0.0]
+    counts: dict[str, int] = {}
+    sync = FrameSynchronizer(1, 0.01, 4, count=lambda k, n: counts.__setitem__(
+        k, counts.get(k, 0) + n), clock=lambda: now[0])
+
+    def msg(stamp_ms: int, data: object = None) -> Stamped:  # received now
+        return Stamped(stamp_ms * 1_000_000, now[0], data)
+
+    for t in (9_900, 10_000):  # the first run, ending at stamp 10 s
+        now[0] = t / 1000
+        sync.add_info(0, msg(t))
+        sync.add_image(0, msg(t))
+        sync.add_cloud(msg(t + 1, f"c{t}"))
+        assert sync.pop_newest_set().cloud is not None
+    sync.clear()
+    now[0] = 20.0  # the restarted run: stamps from 0 again, receipts go on
+    sync.add_cloud(msg(50, "c50"))  # the LiDAR is live again
+    now[0] = 20.05
+    sync.add_info(0, msg(100))
+    sync.add_image(0, msg(100))
+    assert sync.pop_newest_set() is None  # 100's cloud is on the way: wait for it
+    sync.add_cloud(msg(101, "c101"))
+    s = sync.pop_newest_set()
+    assert s is not None and s.cloud.data == "c101" and "missing_cloud" not in counts, counts
+
+
 def test_sync_needs_camera_info_within_slop() -> None:
     sync, counts = _sync(n=1)
     sync.add_image(0, _st(100))
@@ -426,3 +458,18 @@ def test_debug_render_draws_box_outlines() -> None:
     assert (out[4:13, 35] == PALETTE[2]).all() and (out[4:13, 45] == PALETTE[2]).all()
     assert (out[8, 36:45] == 0).all() and (out[:, :30] == 0).all()  # inside / camera 0 clean
     assert (imgs[1] == 0).all()  # inputs untouched
+
+
+def test_debug_render_blends_the_mask_at_its_stride() -> None:
+    """The debug image carries the segmentation too: class colours blended over the image,
+    background (0) left alone, a mask at output_stride 2 expanded back to the image size."""
+    from kestrel_perception.core.draw import PALETTE, render_debug
+
+    imgs = [np.full((20, 30, 3), 100, np.uint8), np.full((20, 30, 3), 100, np.uint8)]
+    mask = np.zeros((10, 15), np.uint8)  # stride 2
+    mask[2:4, 5:8] = 3  # image rows 4-7, columns 10-15 of camera 1
+    out = render_debug(imgs, [], masks=[np.zeros((10, 15), np.uint8), mask])
+    blended = ((1 - 0.45) * 100 + 0.45 * PALETTE[3].astype(np.float32)).astype(np.uint8)
+    assert (out[4:8, 30 + 10:30 + 16] == blended).all()
+    assert (out[:4, 30:] == 100).all() and (out[8:, 30:] == 100).all()
+    assert (out[:, :30] == 100).all() and (imgs[1] == 100).all()  # background, inputs as is

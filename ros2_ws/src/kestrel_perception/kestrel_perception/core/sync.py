@@ -215,7 +215,15 @@ class FrameSynchronizer:
             return SyncedSet(ref.stamp_ns, images, infos, cloud, max(recv), min(recv))
 
     def clear(self) -> None:
+        """Forget every input and what was learnt from them (on deactivate / reactivate, a bag
+        loop or a sim restart: stamps may start over). The LiDAR state too: with the newest
+        cloud stamp and period of the previous run kept, sets after a stamp reset stopped
+        waiting for their cloud and were counted as missing_cloud."""
         with self._lock:
             for q in (*self._images, *self._infos, self._clouds):
                 q.clear()
             self._last_ns = [-1] * self.num_cameras
+            self._last_cloud_recv_s = None
+            self._newest_cloud_ns = None
+            self._cloud_period_s = 0.0
+            self._last_set_ns = -1
