@@ -295,3 +295,23 @@ def test_latency_prediction_adds_no_temporary_array() -> None:
     peak 240 -> 360 bytes, which the net-memory test above cannot see."""
     off, on = _prepare_peak_bytes(False), _prepare_peak_bytes(True)
     assert on <= off + 32, f"prediction on: peak +{on} bytes vs +{off} without"
+
+
+@pytest.mark.parametrize("actions", [N + 1, N + 2])
+def test_a_model_file_needs_one_action_per_joint(actions: int, tmp_path: Path) -> None:
+    """A user's exported policy (Isaac Lab's policy.pt) with more outputs than joints is not
+    quietly cut to its first n: that mapping is not something the file says. (Fewer outputs
+    than joints fail too: tests/test_control_multi_robot_dds.py.)"""
+    from kestrel_models.control.external import ModelSpec
+
+    net = torch.nn.Linear(32, actions)
+    path = tmp_path / "policy.pt"
+    torch.jit.script(net).save(str(path))
+    with pytest.raises(ValueError, match=f"parameter 'model_path': the policy .* outputs "
+                                         f"{actions} actions and the robot has {N} joints"):
+        make(model=ModelSpec(path=str(path), obs_dim=32))
+    good = tmp_path / "good.pt"
+    torch.jit.script(torch.nn.Linear(32, N)).save(str(good))
+    runner = make(model=ModelSpec(path=str(good), obs_dim=32))
+    feed(runner, np.zeros(N), np.zeros(N), 0)
+    assert runner.step(MS)[1].valid

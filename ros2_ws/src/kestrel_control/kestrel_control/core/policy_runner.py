@@ -94,14 +94,22 @@ class RunnerConfig:
         return int(self.joint_lower.shape[0])
 
 
-def check_layout(num_joints: int, obs_dim: int, num_actions: int, source: str) -> None:
-    """The observation layout needs obs_dim >= 3n + A and A >= n (ValueError otherwise)."""
+def check_layout(num_joints: int, obs_dim: int, num_actions: int, source: str,
+                 user_model: bool = False) -> None:
+    """The observation layout needs obs_dim >= 3n + A and A >= n (ValueError otherwise); a
+    user's model file needs A == n exactly: its first n outputs would otherwise be taken as
+    the joints' actions without anything saying that this is what it was trained for."""
     n = num_joints
     if n > num_actions:
         raise ValueError(
             f"parameter 'num_actions' = {num_actions}: the policy ({source}) outputs "
             f"{num_actions} actions and the robot has {n} joints (joint_names/joint_lower/"
             "joint_upper); it needs one action per joint")
+    if user_model and num_actions != n:
+        raise ValueError(
+            f"parameter 'model_path': the policy ({source}) outputs {num_actions} actions "
+            f"and the robot has {n} joints (joint_names/joint_lower/joint_upper); a model "
+            "file needs exactly one action per joint, in joint_names order")
     needed = 3 * n + num_actions
     if needed > obs_dim:
         raise ValueError(
@@ -168,7 +176,8 @@ class PolicyRunner:
         torch.set_num_threads(1)  # process-wide: one intra-op thread, no pool wake-ups
         self.policy = load_policy(config.model)
         n = config.num_joints
-        check_layout(n, self.policy.obs_dim, self.policy.num_actions, self.policy.source)
+        check_layout(n, self.policy.obs_dim, self.policy.num_actions, self.policy.source,
+                     user_model=self.policy.source.startswith(("TorchScript", "ONNX")))
         self.num_joints, self.num_actions = n, self.policy.num_actions
         self.num_robots = config.num_robots
         self.batch = padded_batch(config.num_robots)
