@@ -141,6 +141,28 @@ def test_compile_variant_matches_eager_on_cpu() -> None:
     torch.testing.assert_close(out["depth"], ref["depth"], atol=1e-4, rtol=1e-4)
 
 
+def test_switching_heads_never_compiles_in_the_hot_path() -> None:
+    """One compiled region per head set, all compiled at configure: switching head sets
+    between frames, back and forth, runs no Dynamo compilation (torch._dynamo's count of
+    graphs does not move), and each set gives that set's outputs."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model()
+    sets = [{"detection", "segmentation", "depth"}, {"depth"}, {"segmentation", "detection"}]
+    torch._dynamo.reset()
+    rt = PerceptionRuntime(model, VariantSpec(whole_compile="default", backend="eager"), HW,
+                           heads=sets)
+    compiled_at_configure = counters["stats"]["unique_graphs"]
+    assert compiled_at_configure >= len(sets) and rt.compile_s > 0
+    img = _images(1)
+    for _ in range(3):
+        for hs in (sets[1], sets[0], sets[2], sets[1]):
+            out = rt.run(img, heads=hs)
+            assert ("depth" in out) == ("depth" in hs) and ("seg" in out) == (
+                "segmentation" in hs)
+    assert counters["stats"]["unique_graphs"] == compiled_at_configure, dict(counters["stats"])
+
+
 def test_variant_table_names() -> None:
     for name in ("eager_fp32", "eager_bf16_cl", "compile_bf16", "compile_bf16_graph"):
         assert name in VARIANTS
