@@ -53,6 +53,10 @@ def main() -> int:
     ap.add_argument("--calib-images", default="",
                     help="int8: .npy of uint8 [N, cameras, 3, H, W] calibration frames")
     args = ap.parse_args()
+    if not 1 <= args.cameras <= 64:
+        ap.error(f"parameter 'cameras' = {args.cameras}: must be in [1, 64]")
+    if min(args.image_hw) < 32 or max(args.image_hw) > 8192:
+        ap.error(f"parameter 'image_hw' = {list(args.image_hw)}: each side in [32, 8192] px")
     calib = None
     if args.precision == "int8":
         if not args.calib_images:

@@ -117,3 +117,17 @@ def test_tensorrt_absent_gives_a_clear_message(tmp_path: Path) -> None:
             build_engine(tmp_path / "x.onnx", tmp_path / "x.engine")
     else:
         pytest.skip("tensorrt is installed here: the absent-path is not testable")
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--cameras", "0"], "parameter 'cameras' = 0: must be in [1, 64]"),
+    (["--image-hw", "16", "640"], "parameter 'image_hw' = [16, 640]"),
+])
+def test_build_script_rejects_bad_shapes_before_any_work(args: list[str], fragment: str) -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "build_trt_engine.py"
+    res = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and fragment in res.stderr, res.stderr
