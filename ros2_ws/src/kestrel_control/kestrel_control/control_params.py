@@ -106,12 +106,33 @@ SPECS = [
 ]
 
 
-def resolve_loop_mode(loop_mode: str, backend: str, rt_priority: int) -> str:
+# CPUs whose stores other cores see in program order (TSO): the only ones the Python side of
+# the process-mode seqlocks is correct on (shm_control.py has no fences)
+TSO_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+def resolve_loop_mode(loop_mode: str, backend: str, rt_priority: int,
+                      machine: str | None = None) -> str:
     """'auto' -> 'process' for the cuda_* backends (H200: no GIL shared with the executor,
     control_h200.md) and whenever the loop gets SCHED_FIFO (2-core CPU with rt_priority 80:
     process beat thread in all 4 backend x rate pairs, onnxruntime 0 misses at 1 kHz,
     control_cpu.md); else 'thread' (without the priority, process mode's extra busy process on
-    2 cores was a wash). Explicit 'thread' / 'process' are kept."""
+    2 cores was a wash). Explicit 'thread' / 'process' are kept.
+
+    On a weakly ordered CPU (ARM: a Jetson, most robot computers that are not x86) the node's
+    Python writes into the shared-memory seqlocks have no fences, so a reader could see a
+    new sequence number before the data: 'auto' is 'thread' there (in-process buffers, where
+    the GIL orders everything) and an explicit 'process' fails with ValueError."""
+    import platform
+
+    arch = (machine or platform.machine()).lower()
+    ordered = arch in TSO_MACHINES
+    if loop_mode == "process" and not ordered:
+        raise ValueError(
+            f"parameter 'loop_mode' = 'process': its shared-memory buffers rely on x86's store "
+            f"ordering and this CPU is {arch}; use loop_mode: thread (or auto)")
     if loop_mode != "auto":
         return loop_mode
+    if not ordered:
+        return "thread"
     return "process" if backend.startswith("cuda") or rt_priority > 0 else "thread"

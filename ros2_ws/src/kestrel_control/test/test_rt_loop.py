@@ -273,6 +273,11 @@ def test_loop_mode_auto_picks_process_for_cuda_or_realtime_priority() -> None:
     assert resolve_loop_mode("auto", "cuda_graph", 0) == "process"
     assert resolve_loop_mode("thread", "cuda_graph", 80) == "thread"  # explicit wins
     assert resolve_loop_mode("process", "cpu_eager", 0) == "process"
+    # a weakly ordered CPU: the shared-memory seqlocks' Python writer has no fences
+    assert resolve_loop_mode("auto", "cuda_graph", 80, machine="aarch64") == "thread"
+    assert resolve_loop_mode("thread", "cuda_graph", 80, machine="aarch64") == "thread"
+    with pytest.raises(ValueError, match="parameter 'loop_mode' = 'process': .* aarch64"):
+        resolve_loop_mode("process", "cpu_eager", 0, machine="aarch64")
 
 
 def test_a_loop_spinning_the_whole_period_leaves_the_interpreter_to_other_threads() -> None:

@@ -16,7 +16,9 @@ the reader retries a read whose slot sequence was odd or changed during the copy
 `max_retries` failed tries returns its own last complete value (counted in `failed_reads`):
 never a torn value, never a lock shared with the other process. The ordering argument needs
 stores seen in program order by the other core (x86-64 TSO, where this runs; numpy element
-stores are plain stores); weakly ordered CPUs (ARM) would need fences, not provided here.
+stores are plain stores); weakly ordered CPUs (ARM) would need fences, not provided here, so
+`control_params.resolve_loop_mode` refuses process mode on them (the C tick's own reads and
+writes use C11 atomics, but the node's Python writes do not).
 """
 
 from __future__ import annotations
