@@ -487,7 +487,7 @@ class PerceptionNode(KestrelLifecycleNode):
             # messages of their sensor; a slow frame could see them overwritten by now, so
             # the debug image is drawn from copies taken when the frame started)
             canvas = render_debug(debug_images or frames.images, out.detections,
-                                  masks=out.masks)
+                                  masks=out.masks, mask_stride=out.output_stride)
             self._debug_pub.publish(numpy_to_image(
                 canvas, "rgb8", make_header(s.images[0].stamp_ns, cams[0].frame_id)))
 

@@ -473,3 +473,8 @@ def test_debug_render_blends_the_mask_at_its_stride() -> None:
     assert (out[4:8, 30 + 10:30 + 16] == blended).all()
     assert (out[:4, 30:] == 100).all() and (out[8:, 30:] == 100).all()
     assert (out[:, :30] == 100).all() and (imgs[1] == 100).all()  # background, inputs as is
+    # a small image, where the shapes alone cannot tell the stride: the node passes it
+    small = [np.full((5, 8, 3), 100, np.uint8)]
+    m = np.array([[0, 1], [0, 0]], np.uint8)  # stride 4: rows 0-3, columns 4-7 are class 1
+    out = render_debug(small, [], masks=[m], mask_stride=4)
+    assert (out[:4, 4:8] != 100).all() and (out[4:, :] == 100).all() and (out[:, :4] == 100).all()
