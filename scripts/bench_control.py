@@ -229,17 +229,19 @@ def publisher_main(rate: float, cpus: str) -> None:
     rclpy.try_shutdown()
 
 
-def stop_publisher(pub: subprocess.Popen) -> int | None:
-    """Close the publisher process's stdin, wait for it; the commands its subscriber got."""
-    if pub.poll() is None and pub.stdin is not None and not pub.stdin.closed:
+def stop_publisher(pub: subprocess.Popen, out_file) -> int | None:
+    """Close the publisher process's stdin, wait for it; the commands its subscriber got
+    (from its stdout, a temporary file: a pipe could fill up and block it)."""
+    if pub.stdin is not None and not pub.stdin.closed:
         pub.stdin.close()
     try:
-        pub.wait(10)  # it prints one short line: the pipe cannot fill up and block it
+        pub.wait(10)
     except subprocess.TimeoutExpired:
         pub.kill()
+        pub.wait(5)
         return None
-    text = pub.stdout.read() if pub.stdout is not None else b""
-    for line in (text or b"").decode(errors="replace").splitlines():
+    out_file.seek(0)
+    for line in out_file.read().decode(errors="replace").splitlines():
         if line.startswith("commands_received "):
             return int(line.split()[1])
     return None
@@ -336,9 +338,10 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
         if proc is not None:
             proc.close()
         return {"skipped": str(exc)}
+    pub_out = tempfile.TemporaryFile()
     pub = subprocess.Popen([sys.executable, __file__, "--publisher", str(args.pub_rate),
                             "--publisher-cpus", args.publisher_cpus], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE)
+                           stdout=pub_out)
     io = RosIo(runner, proc.joint_states[0] if proc is not None else None)
     try:
         deadline = time.monotonic() + 30.0
@@ -370,7 +373,7 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
         else:
             loop.stop(2.0)
         wall = time.monotonic() - t_start
-        commands_received = stop_publisher(pub)  # after the loop stopped publishing
+        commands_received = stop_publisher(pub, pub_out)  # after the loop stopped publishing
         period = stats.period.since(0)
         wake = stats.wake_error.since(0)
         lat = stats.step_latency.since(0)
@@ -415,7 +418,8 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
         if runner is not None:
             runner.close()
         if pub.poll() is None:
-            stop_publisher(pub)
+            stop_publisher(pub, pub_out)
+        pub_out.close()
 
 
 # ---- report ------------------------------------------------------------------------------------

@@ -187,6 +187,8 @@ def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variant
             row["skipped"] = f"time budget {budget_s:.0f} s spent before this variant"
             case["variants"].append(row)
             print(f"  {name:24s} skipped (budget)", flush=True)
+            if checkpoint is not None:
+                checkpoint(case)
             continue
         if spec.cuda_graph and device.type != "cuda":
             continue
@@ -205,6 +207,8 @@ def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variant
             row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
             case["variants"].append(row)
             print(f"  {name:24s} ERROR {row['error']}", flush=True)
+            if checkpoint is not None:
+                checkpoint(case)
             continue
         if name == "eager_fp32":  # the reference; no other variant may stand in for it
             ref = out
@@ -215,7 +219,7 @@ def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variant
                    p50_ms=p50, p99_ms=pct(lat, 99), p999_ms=pct(lat, 99.9),
                    mean_ms=sum(lat) / len(lat), tflops=flops.total_gflop / p50,
                    images_per_s=cams * batch * 1e3 / p50,
-                   accuracy=NO_REFERENCE if acc is None else acc.as_dict())
+                   accuracy=dict(NO_REFERENCE) if acc is None else acc.as_dict())
         if name == "eager_fp32":
             base = p50
         row["speedup_vs_eager_fp32"] = base / p50 if base else None
@@ -347,7 +351,9 @@ def main() -> None:
         def checkpoint(case: dict) -> None:
             if args.out:
                 partial = dict(result, cases=[*result["cases"], case], partial=True)
-                Path(args.out + ".json").write_text(json.dumps(partial, indent=1))
+                tmp = Path(args.out + ".json.tmp")
+                tmp.write_text(json.dumps(partial, indent=1))
+                tmp.replace(args.out + ".json")  # atomic: a kill never leaves half a file
         result["cases"].append(run_case(args, cams, batch, bev, variants, t0, device, budget,
                                         checkpoint))
     result["total_s"] = time.perf_counter() - t0

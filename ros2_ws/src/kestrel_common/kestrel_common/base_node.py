@@ -314,10 +314,19 @@ class StopSignals:
     def __init__(self) -> None:
         self.stop = threading.Event()
         self.raised = False
+        self.armed = False  # before arm(): a signal only sets `stop` (nothing to unwind yet)
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.stop.set()
-        if not self.raised:
+        if self.armed and not self.raised:
+            self.raised = True
+            raise KeyboardInterrupt
+
+    def arm(self) -> None:
+        """Inside run_node's try: from now on the first signal raises. One that came before
+        (during rclpy.init or the node's construction) raises here, once."""
+        self.armed = True
+        if self.stop.is_set() and not self.raised:
             self.raised = True
             raise KeyboardInterrupt
 
@@ -333,7 +342,7 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
 
     Returns 0, or 2 when autostart configure/activate failed (the reason is logged)."""
     malloc = tune_malloc()  # before the first message: received buffers reuse heap pages
-    signals = StopSignals()
+    signals = StopSignals()  # raises only once armed, inside the try below
     for sig in (signal.SIGINT, signal.SIGTERM):  # before rclpy.init: its handlers chain to these
         signal.signal(sig, signals)
     rclpy.init(args=args)
@@ -343,6 +352,7 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
     executor.add_node(node)
     code = 0
     try:
+        signals.arm()  # a signal since the handlers went in raises here, inside the try
         if node.get_parameter("autostart").value:
             from lifecycle_msgs.msg import State
             node.trigger_configure()

@@ -91,13 +91,21 @@ def test_stop_signals_raise_once_then_only_set_stop() -> None:
     forwarding its own SIGINT, then SIGTERM) must not interrupt the orderly stop."""
     from kestrel_common.base_node import StopSignals
 
+    early = StopSignals()  # before run_node's try: a signal is only noted ...
+    early(signal.SIGINT, None)
+    assert early.stop.is_set() and not early.raised
+    with pytest.raises(KeyboardInterrupt):  # ... and raised once armed, inside the try
+        early.arm()
+    early(signal.SIGTERM, None)  # no second one
     signals = StopSignals()
+    signals.arm()
     with pytest.raises(KeyboardInterrupt):
         signals(signal.SIGINT, None)
     assert signals.stop.is_set()
     signals(signal.SIGINT, None)  # no second KeyboardInterrupt
     signals(signal.SIGTERM, None)
     late = StopSignals()
+    late.arm()
     late.disarm()  # shutdown began without a signal (e.g. autostart failed)
     late(signal.SIGINT, None)
     assert late.stop.is_set()

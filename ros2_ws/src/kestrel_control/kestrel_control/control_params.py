@@ -106,11 +106,6 @@ SPECS = [
 ]
 
 
-# CPUs whose stores other cores see in program order (TSO): the only ones the Python side of
-# the process-mode seqlocks is correct on (shm_control.py has no fences)
-TSO_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
-
-
 def resolve_loop_mode(loop_mode: str, backend: str, rt_priority: int,
                       machine: str | None = None) -> str:
     """'auto' -> 'process' for the cuda_* backends (H200: no GIL shared with the executor,
@@ -123,14 +118,11 @@ def resolve_loop_mode(loop_mode: str, backend: str, rt_priority: int,
     Python writes into the shared-memory seqlocks have no fences, so a reader could see a
     new sequence number before the data: 'auto' is 'thread' there (in-process buffers, where
     the GIL orders everything) and an explicit 'process' fails with ValueError."""
-    import platform
+    from kestrel_control.core.shm_control import require_ordered_stores, stores_ordered
 
-    arch = (machine or platform.machine()).lower()
-    ordered = arch in TSO_MACHINES
-    if loop_mode == "process" and not ordered:
-        raise ValueError(
-            f"parameter 'loop_mode' = 'process': its shared-memory buffers rely on x86's store "
-            f"ordering and this CPU is {arch}; use loop_mode: thread (or auto)")
+    ordered = stores_ordered(machine)
+    if loop_mode == "process":
+        require_ordered_stores(machine)
     if loop_mode != "auto":
         return loop_mode
     if not ordered:

@@ -278,6 +278,10 @@ def test_loop_mode_auto_picks_process_for_cuda_or_realtime_priority() -> None:
     assert resolve_loop_mode("thread", "cuda_graph", 80, machine="aarch64") == "thread"
     with pytest.raises(ValueError, match="parameter 'loop_mode' = 'process': .* aarch64"):
         resolve_loop_mode("process", "cpu_eager", 0, machine="aarch64")
+    from kestrel_control.core.shm_control import require_ordered_stores
+    require_ordered_stores("x86_64")  # LoopProcess.start checks this machine too
+    with pytest.raises(ValueError, match="aarch64"):
+        require_ordered_stores("aarch64")
 
 
 def test_a_loop_spinning_the_whole_period_leaves_the_interpreter_to_other_threads() -> None:

@@ -385,8 +385,10 @@ class PerceptionNode(KestrelLifecycleNode):
             return
         if xyz.shape[0] == 0:  # counted and logged, then used: the set completes without
             # waiting for a cloud that will not come, and runs on predicted depth alone
-            self.drop("empty_cloud", "a LiDAR cloud with 0 points: that frame's detections "
-                      "get predicted-depth positions only")
+            n = self.counters.inc("empty_cloud")
+            self.get_logger().warning(
+                f"a LiDAR cloud with 0 points (total {n}): that frame's detections get "
+                "predicted-depth positions only", throttle_duration_sec=1.0)
 
         def store() -> None:  # the cloud often completes its set (core/sync.py)
             sync.add_cloud(Stamped(stamp_ns, recv_s, xyz, ticket))

@@ -40,7 +40,7 @@ import numpy as np
 from kestrel_control.core.shm_control import (CLOCK_SIM, CLOCK_SYSTEM, CTRL_CLOCK_MODE,
                                               CTRL_NO_CLOCK, CTRL_PARENT_PID, CTRL_SIM_TIME_NS,
                                               AUX_COMPUTE_LATENCY, ShmLayout, ShmSegment,
-                                              ShmViews)
+                                              ShmViews, require_ordered_stores)
 
 CHILD_MODULE = "kestrel_control.core.loop_child"
 # With rt_priority > 0 the node's command publisher thread runs SCHED_FIFO this much below the
@@ -165,7 +165,9 @@ class LoopProcess:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> dict:
-        """Create the segment, spawn the child, wait (bounded) for its ready report."""
+        """Create the segment, spawn the child, wait (bounded) for its ready report.
+        ValueError on a weakly ordered CPU (shm_control.require_ordered_stores)."""
+        require_ordered_stores()
         name = f"kestrel_control_{os.getpid()}_{secrets.token_hex(4)}"
         try:
             self.shm = ShmSegment(name, self.layout.size, create=True)

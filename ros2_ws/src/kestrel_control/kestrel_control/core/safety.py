@@ -84,10 +84,10 @@ def validate_plausibility(position_margin: float, max_velocity: float) -> None:
     """ValueError naming the parameter unless margin >= 0 rad and bound > 0 rad/s (inf: off)."""
     if not (isinstance(position_margin, (int, float)) and position_margin >= 0):
         raise ValueError(f"parameter 'obs_position_margin' = {position_margin!r}: must be >= 0 "
-                         "rad (.inf: no position check)")
+                         "rad")
     if not (isinstance(max_velocity, (int, float)) and max_velocity > 0):
-        raise ValueError(f"parameter 'max_obs_velocity' = {max_velocity!r}: must be > 0 rad/s "
-                         "(.inf: no velocity check)")
+        raise ValueError(f"parameter 'max_obs_velocity' = {max_velocity!r}: must be > 0 "
+                         "rad/s")
 
 
 class SafetyFilter:

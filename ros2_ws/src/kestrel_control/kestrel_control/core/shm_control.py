@@ -34,6 +34,29 @@ from kestrel_common.shm import ShmSegment  # noqa: F401 - re-exported (loop proc
 
 from kestrel_control.core.stats import LoopStats, Ring
 
+# CPUs whose stores other cores see in program order (TSO): the only ones the Python side of
+# these seqlocks is correct on (no fences here)
+TSO_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+def stores_ordered(machine: str | None = None) -> bool:
+    """True on a TSO CPU (x86), where this module's Python seqlock writes are safe."""
+    import platform
+
+    return (machine or platform.machine()).lower() in TSO_MACHINES
+
+
+def require_ordered_stores(machine: str | None = None) -> None:
+    """ValueError naming loop_mode on a weakly ordered CPU (ARM): see the module docstring."""
+    if not stores_ordered(machine):
+        import platform
+
+        arch = (machine or platform.machine()).lower()
+        raise ValueError(
+            f"parameter 'loop_mode' = 'process': its shared-memory buffers rely on x86's store "
+            f"ordering and this CPU is {arch}; use loop_mode: thread (or auto)")
+
+
 # control words (int64)
 CTRL_STATE, CTRL_CLOCK_MODE, CTRL_SIM_TIME_NS, CTRL_NO_CLOCK = 0, 1, 2, 3
 CTRL_COMMANDS, CTRL_PARENT_PID = 4, 5

@@ -256,8 +256,8 @@ class PerceptionCore:
     def _prepare_region(self, imgs: list[np.ndarray], cams: list[CameraModel]) -> None:
         """One process() per enabled-head subset (of a user model's heads too) x (no cloud,
         each point bucket: a cloud of exactly the bucket size in front of the cameras), so the
-        hot path never captures a region graph nor compiles a region step (a changed decode
-        setting, e.g. `ros2 param set score_threshold`, captures / recompiles once)."""
+        hot path never captures a region graph nor compiles a region step (score_threshold
+        and nms_iou set at run time are read from the region's device buffer: neither)."""
         built = sorted(self.heads)
         subsets = [frozenset(h for i, h in enumerate(built) if mask >> i & 1)
                    for mask in range(1, 2 ** len(built))]
