@@ -143,6 +143,9 @@ def test_commands_stats_bad_inputs_and_stale_hold(launch_node, probe, loop_mode)
         assert 0.8 / RATE <= np.median([s.period_p50 for s in window]) <= 1.2 / RATE
         assert all(s.step_latency_max >= s.step_latency_p99 >= s.step_latency_p50 > 0
                    for s in window if s.cycles_window)
+        assert all(s.period_max >= s.period_p999 >= s.period_p99 and
+                   s.wake_error_max >= s.wake_error_p999 >= s.wake_error_p99
+                   for s in window if s.cycles_window > 1)
 
         # ---- bad inputs: counted, commands keep flowing and stay finite ---------------------
         for mode, counter in (("short", "joint_state_bad_length"),

@@ -78,9 +78,11 @@ class LoopStatsSnapshot:
     cycles_total: int
     period_p50: float
     period_p99: float
+    period_p999: float
     period_max: float
     wake_error_p50: float
     wake_error_p99: float
+    wake_error_p999: float
     wake_error_max: float
     step_latency_p50: float
     step_latency_p99: float
@@ -184,8 +186,10 @@ class LoopStats:
             cycles_window=n_window,
             cycles_total=self.cycles,
             period_p50=_pct(period, 50), period_p99=_pct(period, 99),
+            period_p999=_pct(period, 99.9),
             period_max=float(period.max()) if period.size else _NAN,
             wake_error_p50=_pct(wake, 50), wake_error_p99=_pct(wake, 99),
+            wake_error_p999=_pct(wake, 99.9),
             wake_error_max=float(wake.max()) if wake.size else _NAN,
             step_latency_p50=_pct(latency, 50), step_latency_p99=_pct(latency, 99),
             step_latency_p999=_pct(latency, 99.9),
