@@ -116,6 +116,28 @@ def test_changed_thresholds_take_effect_without_a_new_capture(core: PerceptionCo
     assert 0 < counts[(mid, 0.9)] < n0, counts  # the new score threshold took effect
 
 
+def test_switching_image_sizes_reuses_buffers_and_graphs(core: PerceptionCore) -> None:
+    """A camera set that alternates between two sizes (the runtime runs the odd one eager):
+    each size keeps its buffers and its captured graph, so after the first frame of each
+    size no frame reallocates or recaptures, and every frame equals the eager region."""
+    graphs = RegionGraphs(EmulatedCapture())
+    region = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True, graphs=graphs)
+    eager = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True)
+    det = det_settings(core)
+    raw_a, _, cams = region_inputs(core, 71, None)
+    x = torch.from_numpy(np.stack(frames(stamp=72).images)).permute(0, 3, 1, 2)
+    x = torch.nn.functional.interpolate(x.float(), size=(H // 2, W // 2)).to(torch.uint8)
+    with torch.inference_mode():
+        raw_b = core.model(x, core.heads)  # the same cameras at half the size
+    stages = {}
+    for k, (raw, hw) in enumerate([(raw_a, (H, W)), (raw_b, (H // 2, W // 2))] * 3):
+        got = fields(region.run(raw, hw, det, None, cams))
+        assert_same(got, fields(eager.run(raw, hw, det, None, cams)))
+        stage = region._stage.raw.data_ptr()
+        assert stages.setdefault(hw, stage) == stage, k  # the same buffer for a size
+    assert len(graphs.entries) == 2 and graphs.replays == 6 and not graphs.failed
+
+
 def test_inputs_at_fixed_addresses_are_not_copied(core: PerceptionCore,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The node's region inputs live in fixed buffers (the runtime's CUDA-graph outputs, the

@@ -11,6 +11,7 @@ the same work as the previous per-camera path.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,6 +166,9 @@ class _Clock:
                 zip(self.marks[1:], self.host, self.host[1:], strict=False)}
 
 
+MAX_LAYOUTS = 4  # region layouts (camera count x image size x slots) whose buffers are kept
+
+
 class DeviceRegion:
     """Preallocated buffers + the one-sync post-processing of a frame (not thread-safe)."""
 
@@ -196,6 +200,11 @@ class DeviceRegion:
         self._stage: PackedBuffer | None = None  # on the device (CUDA) or None on the CPU
         self._host: list[PackedBuffer] = []
         self._flip = 0
+        # buffers of the last MAX_LAYOUTS layouts, kept: a camera set that switches between two
+        # sizes (the runtime runs the other one eager) reuses its buffers and its region graphs
+        # instead of reallocating and recapturing at every switch
+        self._layouts: OrderedDict[RegionLayout, tuple[list[PackedBuffer],
+                                                       PackedBuffer | None]] = OrderedDict()
         # CUDA graphs of the static region (one post + one fusion graph per input signature,
         # region_graph.py); None = every op launched from Python each frame
         self.graphs = graphs if self.static else None
@@ -209,14 +218,23 @@ class DeviceRegion:
                               self.depth_encoding)
         if layout == self.layout:
             return
-        cuda = self.device.type == "cuda"
-        self._host = [PackedBuffer(layout, torch.device("cpu"), pin=cuda) for _ in range(2)]
-        # a graph writes into fixed addresses: the device staging buffer (CUDA; on the CPU only
-        # with graphs, i.e. the tests' emulated capture)
-        stage = cuda or self.graphs is not None
-        self._stage = PackedBuffer(layout, self.device, pin=False) if stage else None
-        if self.graphs is not None:
-            self.graphs.clear()  # captured for the previous buffers
+        cached = self._layouts.get(layout)
+        if cached is None:
+            if len(self._layouts) >= MAX_LAYOUTS:  # bounded: start over (the graphs write
+                self._layouts.clear()  # into the dropped buffers, so they go too)
+                if self.graphs is not None:
+                    self.graphs.clear()
+            cuda = self.device.type == "cuda"
+            host = [PackedBuffer(layout, torch.device("cpu"), pin=cuda) for _ in range(2)]
+            # a graph writes into fixed addresses: the device staging buffer (CUDA; on the CPU
+            # only with graphs, i.e. the tests' emulated capture)
+            staged = cuda or self.graphs is not None
+            cached = (host, PackedBuffer(layout, self.device, pin=False) if staged else None)
+            self._layouts[layout] = cached
+        else:
+            self._layouts.move_to_end(layout)
+        # a layout's graphs were captured on its own buffers (their keys hold the shapes)
+        self._host, self._stage = cached
         self.layout = layout
 
     @property
