@@ -27,10 +27,12 @@ publishes the commands, and the executor no longer competes with the loop for on
 its targets), 'thread' for the CPU backends (a second interpreter + torch import per node is
 not worth it on small CPU machines, and CPU CI keeps the single-process path).
 
-Publishing (thread mode): directly from the loop thread. Measured here (rclpy 9.1, Fast DDS,
-6 joints, one preallocated message, stamp + positions updated in place): publish p50 10 us,
-p99 20 us, clock read 3 us (~2 % of a 1 ms period); a publisher thread in the same interpreter
-would add a wake-up and one more GIL contender per cycle. In process mode the publisher thread
+Publishing (thread mode): directly from the loop thread. Measured on the 2-core dev CPU
+(scripts/bench_command_publish.py, docs/benchmarks/command_publish_cpu.md: rclpy 9.1, Fast DDS,
+6 joints, one preallocated message, stamp + positions updated in place, a RELIABLE subscriber
+in another process): publish p50 21 us / p99 75 us, clock read 6 / 24 us (~3 % of a 1 ms
+period at p50); a publisher thread in the same interpreter would add a wake-up and one more
+GIL contender per cycle. In process mode the publisher thread
 is outside the loop's interpreter, so there it costs the loop only an eventfd write.
 """
 
