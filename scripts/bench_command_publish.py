@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import array
-import json
 import subprocess
 import sys
 import tempfile
@@ -120,11 +119,7 @@ def main() -> None:
           "", "| part | p50 us | p99 us | p99.9 us | max us |", "|---|---|---|---|---|"]
     md += [f"| {name} | {r['p50']:.1f} | {r['p99']:.1f} | {r['p999']:.1f} | {r['max']:.1f} |"
            for name, r in rows]
-    text = "\n".join(md) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out + ".json").write_text(json.dumps(result, indent=1))
-        Path(args.out + ".md").write_text(text)
+    bench_common.write_result(args.out, result, "\n".join(md) + "\n")
 
 
 if __name__ == "__main__":

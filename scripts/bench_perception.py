@@ -357,11 +357,7 @@ def main() -> None:
         result["cases"].append(run_case(args, cams, batch, bev, variants, t0, device, budget,
                                         checkpoint))
     result["total_s"] = time.perf_counter() - t0
-    md = markdown(result)
-    print(md)
-    if args.out:
-        Path(args.out + ".json").write_text(json.dumps(result, indent=1))
-        Path(args.out + ".md").write_text(md)
+    bench_common.write_result(args.out, result, markdown(result))
 
 
 if __name__ == "__main__":
