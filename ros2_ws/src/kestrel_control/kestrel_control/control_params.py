@@ -120,11 +120,10 @@ def resolve_loop_mode(loop_mode: str, backend: str, rt_priority: int,
     the GIL orders everything) and an explicit 'process' fails with ValueError."""
     from kestrel_control.core.shm_control import require_ordered_stores, stores_ordered
 
-    ordered = stores_ordered(machine)
     if loop_mode == "process":
         require_ordered_stores(machine)
     if loop_mode != "auto":
         return loop_mode
-    if not ordered:
+    if not stores_ordered(machine):
         return "thread"
     return "process" if backend.startswith("cuda") or rt_priority > 0 else "thread"

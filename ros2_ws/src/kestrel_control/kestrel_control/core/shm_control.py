@@ -39,19 +39,21 @@ from kestrel_control.core.stats import LoopStats, Ring
 TSO_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
 
 
-def stores_ordered(machine: str | None = None) -> bool:
-    """True on a TSO CPU (x86), where this module's Python seqlock writes are safe."""
+def _arch(machine: str | None) -> str:
     import platform
 
-    return (machine or platform.machine()).lower() in TSO_MACHINES
+    return (machine or platform.machine()).lower()
+
+
+def stores_ordered(machine: str | None = None) -> bool:
+    """True on a TSO CPU (x86), where this module's Python seqlock writes are safe."""
+    return _arch(machine) in TSO_MACHINES
 
 
 def require_ordered_stores(machine: str | None = None) -> None:
     """ValueError naming loop_mode on a weakly ordered CPU (ARM): see the module docstring."""
-    if not stores_ordered(machine):
-        import platform
-
-        arch = (machine or platform.machine()).lower()
+    arch = _arch(machine)
+    if arch not in TSO_MACHINES:
         raise ValueError(
             f"parameter 'loop_mode' = 'process': its shared-memory buffers rely on x86's store "
             f"ordering and this CPU is {arch}; use loop_mode: thread (or auto)")

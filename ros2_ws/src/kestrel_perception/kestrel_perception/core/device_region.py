@@ -193,8 +193,8 @@ class DeviceRegion:
         # every kernel reads them from it, so `ros2 param set score_threshold / nms_iou`
         # changes them with two fill kernels: no region graph recapture, no recompile of the
         # compiled steps, nothing new cached (RegionGraphs keys exclude them)
-        self._thr = torch.zeros(2, dtype=torch.float32, device=device) if self.static else None
-        self._thr_views = (self._thr[0], self._thr[1]) if self._thr is not None else None
+        thr = torch.zeros(2, dtype=torch.float32, device=device) if self.static else None
+        self._thr_views = (thr[0], thr[1]) if thr is not None else None  # [score, iou] views
         self._thr_set: tuple[float, float] | None = None
         self.layout: RegionLayout | None = None
         self._stage: PackedBuffer | None = None  # on the device (CUDA) or None on the CPU
@@ -274,7 +274,7 @@ class DeviceRegion:
     def _device_thresholds(self, det: dict) -> dict:
         """Static mode: `det` with score_thr / iou_thr as 0-d views of the threshold buffer,
         refilled (in stream order, before this frame's kernels) only when a value changed."""
-        if self._thr is None or self._thr_views is None:
+        if self._thr_views is None:
             return det
         want = (float(det["score_thr"]), float(det["iou_thr"]))
         if want != self._thr_set:
