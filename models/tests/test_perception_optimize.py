@@ -142,7 +142,8 @@ def test_runtime_variants_apply_the_transforms_on_their_copy() -> None:
     spec = VariantSpec(fold_bn=True, channels_last=True,
                        optimize=OptimizeSpec("s2d", 8, "grouped"))
     rt = PerceptionRuntime(model, spec, HW, cameras=2)
-    assert rt.optimized == {"stem": 1, "fcos_merged": 1, "padded_convs": 3, "fused_blocks": 0}
+    assert rt.optimized == {"stem": 1, "fcos_merged": 1, "padded_convs": 3, "fused_blocks": 0,
+                            "fused_stem": 0}
     _assert_same(rt.run(img), ref)
     assert type(model.backbone.conv1) is torch.nn.Conv2d  # the user's model is untouched
     for name in ("whole_bf16w_fold_pad_group_graph", "whole_bf16w_fold_s2d_group_graph",

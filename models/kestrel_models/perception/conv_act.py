@@ -77,6 +77,48 @@ class FusedBasicBlock(nn.Module):
         return conv_add_relu(self.conv2, conv_relu(self.conv1, x), identity)
 
 
+class FusedStem(nn.Module):
+    """The BN-folded stem conv + ReLU as one cuDNN call on CUDA: forward(x) = relu(conv1(x)).
+    A `SpaceToDepthConv2d` / `ChannelPadConv2d` stem (optimize.py) builds its input first."""
+
+    def __init__(self, conv: nn.Conv2d) -> None:
+        super().__init__()
+        self.conv = conv
+
+    @property
+    def weight(self) -> torch.Tensor:  # the model reads the stem's dtype and layout from it
+        return self.conv.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        prepare = getattr(self.conv, "prepare_input", None)  # channel-pad / s2d stems
+        if prepare is not None:
+            x = prepare(x)
+        conv = self.conv
+        if x.is_cuda:
+            return torch.cudnn_convolution_relu(x, conv.weight, conv.bias, conv.stride,
+                                                conv.padding, conv.dilation, conv.groups)
+        return F.relu(F.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding,
+                               conv.dilation, conv.groups))
+
+
+def fuse_stem(backbone: nn.Module) -> int:
+    """backbone.conv1 -> `FusedStem`, backbone.relu -> Identity (the ReLU moves into the
+    conv). Needs the stem BN folded (backbone.bn1 an Identity) and a zero-padded conv; returns
+    1. Why: the stem's bias + ReLU were one more pass over its [B, 64, H/2, W/2] output (on the
+    H200 at 6 x 640x640, a 38.7 us Triton kernel before the max-pool,
+    docs/benchmarks/perception_core_kernels_h200_s12_on.md)."""
+    if not isinstance(backbone.bn1, nn.Identity):
+        raise ValueError("fuse_stem: the stem has an unfolded bn1; fold the BatchNorms first "
+                         "(fold_bn)")
+    conv = backbone.conv1
+    if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
+        raise ValueError(f"fuse_stem: the stem conv is not zero-padded ({conv.padding!r}, "
+                         f"{conv.padding_mode!r})")
+    backbone.conv1 = FusedStem(conv)
+    backbone.relu = nn.Identity()
+    return 1
+
+
 def fuse_residual_blocks(module: nn.Module) -> int:
     """Replace (in place) every BN-folded Bottleneck / BasicBlock under `module` by its fused
     form. Returns the number of blocks replaced. Raises ValueError naming the block when its

@@ -57,17 +57,40 @@ class FCOSHead(nn.Module):
         # focal-loss prior: every location starts as background with probability 1 - prior_prob
         nn.init.constant_(self.cls_logits.bias, -math.log((1 - prior_prob) / prior_prob))
 
-    def forward(self, feats: list[torch.Tensor], strides: tuple[int, ...]
+    def forward(self, feats: list[torch.Tensor], strides: tuple[int, ...],
+                levels: tuple[int, ...] | None = None
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        cls, ltrb, ctr = [], [], []
-        for p, stride, scale in zip(feats, strides, self.scales, strict=True):
-            c = self.cls_tower(p)
-            r = self.reg_tower(p)
-            cls.append(self.cls_logits(c))
-            # exp keeps distances positive; clamp the exponent so fp16/bf16 cannot overflow
-            ltrb.append(torch.exp(scale(self.bbox_pred(r)).clamp(max=8.0)) * stride)
-            ctr.append(self.centerness(r))
-        return cls, ltrb, ctr
+        """levels: the level index of each feats entry (its Scale); default 0, 1, ..."""
+        return fcos_levels(self, feats, strides, levels or tuple(range(len(feats))))
+
+    def forward_level(self, p: torch.Tensor, stride: int, level: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One FPN level (index `level` picks its Scale): (cls, ltrb, ctr) as in forward."""
+        c = self.cls_tower(p)
+        r = self.reg_tower(p)
+        return self.cls_logits(c), box_distances(self.bbox_pred(r), self.scales[level],
+                                                 stride), self.centerness(r)
+
+
+def box_distances(box: torch.Tensor, scale: nn.Module, stride: int) -> torch.Tensor:
+    """Box regression [B,4,H,W] -> ltrb distances px: exp keeps them positive; the exponent is
+    clamped so fp16/bf16 cannot overflow."""
+    return torch.exp(scale(box).clamp(max=8.0)) * stride
+
+
+def fcos_levels(head: nn.Module, feats: list[torch.Tensor], strides: tuple[int, ...],
+                levels: tuple[int, ...]
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """`head.forward_level` over the given FPN levels (feats[i] is level levels[i]): the
+    lists (cls, ltrb, ctr) of FCOSHead.forward. The runtime's branched forward calls it with
+    a subset of the levels on each CUDA stream."""
+    cls, ltrb, ctr = [], [], []
+    for p, stride, level in zip(feats, strides, levels, strict=True):
+        c, b, z = head.forward_level(p, stride, level)
+        cls.append(c)
+        ltrb.append(b)
+        ctr.append(z)
+    return cls, ltrb, ctr
 
 
 class DenseNeck(nn.Module):

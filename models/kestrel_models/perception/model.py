@@ -86,33 +86,61 @@ class MultiTaskPerceptionModel(nn.Module):
                 points: torch.Tensor | None = None
                 ) -> dict[str, torch.Tensor | list[torch.Tensor]]:
         heads = self._check_heads(heads)
-        hw = (int(images.shape[-2]), int(images.shape[-1]))
-        x = self.normalise(images)
-        padded_hw = (int(x.shape[-2]), int(x.shape[-1]))
-        pyramid = self.fpn(self.backbone(x))
+        pyramid = self.trunk(images)
         out: dict[str, torch.Tensor | list[torch.Tensor]] = {}
         if "detection" in heads:
-            assert self.det_head is not None
-            cls, ltrb, ctr = self.det_head([pyramid["p3"], pyramid["p4"], pyramid["p5"]],
-                                           DET_STRIDES)
-            out["det_cls"], out["det_ltrb"], out["det_ctr"] = cls, ltrb, ctr
-        if heads & {"segmentation", "depth"}:
-            assert self.dense_neck is not None
-            dense = self.dense_neck(pyramid)
-            if "segmentation" in heads:
-                assert self.seg_head is not None
-                out["seg"] = upsample_crop(self.seg_head(dense), padded_hw, hw)
-            if "depth" in heads:
-                assert self.depth_head is not None
-                d = upsample_crop(self.depth_head(dense), padded_hw, hw)
-                if self.config.depth_activation == "sigmoid":
-                    d = torch.sigmoid(d) * self.config.max_depth
-                else:
-                    d = F.softplus(d).clamp(min=1e-3, max=self.config.max_depth)
-                out["depth"] = d
+            out.update(self.detection(pyramid))
+        out.update(self.dense(pyramid, heads, image_hw(images)))
         if self.bev is not None and points is not None:
             out["bev_occ"] = self.bev(points, pyramid["p5"])
         return out
+
+    # The parts of forward, in its order. The runtime's branched forward (branches.py) runs
+    # them as separately compiled regions on their own CUDA streams; forward is their sum.
+    def trunk(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """[B,3,H,W] uint8 -> the FPN pyramid {"p3", "p4", "p5" (, "p2")} (normalisation and
+        padding to a multiple of 32 inside)."""
+        return self.fpn(self.backbone(self.normalise(images)))
+
+    def detection(self, pyramid: dict[str, torch.Tensor], levels: tuple[int, ...] = (0, 1, 2)
+                  ) -> dict[str, list[torch.Tensor]]:
+        """FCOS outputs of the given detection levels (indices into DET_STRIDES: 0 = P3)."""
+        assert self.det_head is not None
+        cls, ltrb, ctr = self.det_head([pyramid[f"p{3 + i}"] for i in levels],
+                                       tuple(DET_STRIDES[i] for i in levels), levels)
+        return {"det_cls": cls, "det_ltrb": ltrb, "det_ctr": ctr}
+
+    def dense(self, pyramid: dict[str, torch.Tensor], heads: frozenset[str],
+              hw: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """"seg" / "depth" (those in `heads`) at the input size hw = (H, W) px."""
+        out: dict[str, torch.Tensor] = {}
+        if not heads & {"segmentation", "depth"}:
+            return out
+        assert self.dense_neck is not None
+        padded_hw = padded_size(hw)
+        dense = self.dense_neck(pyramid)
+        if "segmentation" in heads:
+            assert self.seg_head is not None
+            out["seg"] = upsample_crop(self.seg_head(dense), padded_hw, hw)
+        if "depth" in heads:
+            assert self.depth_head is not None
+            d = upsample_crop(self.depth_head(dense), padded_hw, hw)
+            if self.config.depth_activation == "sigmoid":
+                d = torch.sigmoid(d) * self.config.max_depth
+            else:
+                d = F.softplus(d).clamp(min=1e-3, max=self.config.max_depth)
+            out["depth"] = d
+        return out
+
+
+def image_hw(images: torch.Tensor) -> tuple[int, int]:
+    """(H, W) px of an image batch [B,3,H,W]."""
+    return int(images.shape[-2]), int(images.shape[-1])
+
+
+def padded_size(hw: tuple[int, int]) -> tuple[int, int]:
+    """(H, W) padded up to multiples of PAD_MULTIPLE, as `normalise` pads."""
+    return hw[0] + -hw[0] % PAD_MULTIPLE, hw[1] + -hw[1] % PAD_MULTIPLE
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -20,6 +20,8 @@ in fp32 up to summation order (allclose 1e-5 on the tiny config), bf16-close aft
   instead of 11 convs + 8 GNs (4-conv towers).
 - conv_act "cudnn": every BN-folded ResNet block's convs run with their bias, residual add and
   ReLU in cuDNN's epilogue (`conv_act.py`; CUDA only, the unfused ops elsewhere).
+- fuse_stem: the same for the stem conv (bias + ReLU; with "s2d", the space-to-depth input
+  is built first, then the one fused conv).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .conv_act import fuse_residual_blocks
-from .heads import FCOSHead
+from .conv_act import fuse_residual_blocks, fuse_stem
+from .heads import FCOSHead, box_distances, fcos_levels
 
 STEMS = ("plain", "pad4", "pad8", "s2d")
 FCOS_MODES = ("plain", "merged", "grouped")
@@ -47,6 +49,7 @@ class OptimizeSpec:
     pad_outputs: int = 0  # pad conv output channels to a multiple of this (0 = off)
     fcos: str = "plain"  # "plain", "merged", "grouped" (see the module docstring)
     conv_act: str = "plain"  # "plain", "cudnn" (trunk conv epilogues fused; needs fold_bn)
+    fuse_stem: bool = False  # the stem conv's bias + ReLU in cuDNN's epilogue (needs fold_bn)
 
     def __post_init__(self) -> None:
         if self.stem not in STEMS:
@@ -63,7 +66,7 @@ class OptimizeSpec:
     @property
     def active(self) -> bool:
         return self.stem != "plain" or self.pad_outputs > 1 or self.fcos != "plain" or \
-            self.conv_act != "plain"
+            self.conv_act != "plain" or self.fuse_stem
 
 
 def _new_conv(cls: type[nn.Conv2d], like: nn.Conv2d, cin: int, cout: int, kernel: tuple,
@@ -103,12 +106,16 @@ class ChannelPadConv2d(nn.Conv2d):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.prepare_input(x))
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, c, H, W] -> [B, in_channels, H, W] (zero channels appended)."""
         pad = self.in_channels - x.shape[1]
         if pad:
             x = F.pad(x, (0, 0, 0, 0, 0, pad))
         if self.weight.is_contiguous(memory_format=torch.channels_last):
             x = x.contiguous(memory_format=torch.channels_last)
-        return super().forward(x)
+        return x
 
 
 class SpaceToDepthConv2d(nn.Conv2d):
@@ -149,6 +156,10 @@ class SpaceToDepthConv2d(nn.Conv2d):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.prepare_input(x))
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, c, H, W] -> the padded [B, in_channels, H'/2, W'/2] input of the 4x4 conv."""
         b, c, h, w = x.shape
         pads = []  # (front, back) per spatial dim
         for size, front, k, p, taps in zip((h, w), self.front, self.src_kernel,
@@ -162,7 +173,7 @@ class SpaceToDepthConv2d(nn.Conv2d):
             x = F.pad(x, (0, 0, 0, 0, 0, self.in_channels - 4 * c))
         if self.weight.is_contiguous(memory_format=torch.channels_last):
             x = x.contiguous(memory_format=torch.channels_last)
-        return super().forward(x)
+        return x
 
 
 class SlicedConv2d(nn.Conv2d):
@@ -271,26 +282,28 @@ class MergedFCOSHead(nn.Module):
                                            head.centerness.bias]))
         self.pred = pred
 
-    def forward(self, feats: list[torch.Tensor], strides: tuple[int, ...]
+    def forward(self, feats: list[torch.Tensor], strides: tuple[int, ...],
+                levels: tuple[int, ...] | None = None
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        cls, ltrb, ctr = [], [], []
+        """levels: the level index of each feats entry (its Scale); default 0, 1, ..."""
+        return fcos_levels(self, feats, strides, levels or tuple(range(len(feats))))
+
+    def forward_level(self, p: torch.Tensor, stride: int, level: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One FPN level, as FCOSHead.forward_level."""
         c, k = self.channels, self.num_classes
-        for p, stride, scale in zip(feats, strides, self.scales, strict=True):
-            if self.first is None:  # no towers
-                o = self.pred(p)
-                logits, box, centre = o[:, :k], o[:, k: k + 4], o[:, k + 4: k + 5]
-            elif self.grouped:
-                o = self.pred(self.tower(self.first(p)))
-                logits, box, centre = o[:, :k], o[:, k: k + 4], o[:, k + 4: k + 5]
-            else:
-                y = self.first(p)
-                logits = self.cls_logits(self.cls_rest(y[:, :c]))
-                o = self.pred(self.reg_rest(y[:, c:]))
-                box, centre = o[:, :4], o[:, 4:5]
-            cls.append(logits)
-            ltrb.append(torch.exp(scale(box).clamp(max=8.0)) * stride)  # as FCOSHead
-            ctr.append(centre)
-        return cls, ltrb, ctr
+        if self.first is None:  # no towers
+            o = self.pred(p)
+            logits, box, centre = o[:, :k], o[:, k: k + 4], o[:, k + 4: k + 5]
+        elif self.grouped:
+            o = self.pred(self.tower(self.first(p)))
+            logits, box, centre = o[:, :k], o[:, k: k + 4], o[:, k + 4: k + 5]
+        else:
+            y = self.first(p)
+            logits = self.cls_logits(self.cls_rest(y[:, :c]))
+            o = self.pred(self.reg_rest(y[:, c:]))
+            box, centre = o[:, :4], o[:, 4:5]
+        return logits, box_distances(box, self.scales[level], stride), centre  # as FCOSHead
 
 
 def pad_conv_outputs(module: nn.Module, multiple: int = 8) -> int:
@@ -312,7 +325,7 @@ def optimize_model(model: nn.Module, spec: OptimizeSpec) -> dict[str, int]:
     padding, then the fused trunk epilogues. Call it on a copy: the state dict changes (shapes
     and names). Returns what was changed: {"stem": 0/1, "fcos_merged": 0/1, "padded_convs": n,
     "fused_blocks": n}."""
-    done = {"stem": 0, "fcos_merged": 0, "padded_convs": 0, "fused_blocks": 0}
+    done = {"stem": 0, "fcos_merged": 0, "padded_convs": 0, "fused_blocks": 0, "fused_stem": 0}
     stem = model.backbone.conv1
     if spec.stem in ("pad4", "pad8"):
         model.backbone.conv1 = ChannelPadConv2d.from_conv(stem, int(spec.stem[3:]))
@@ -327,4 +340,6 @@ def optimize_model(model: nn.Module, spec: OptimizeSpec) -> dict[str, int]:
         done["padded_convs"] = pad_conv_outputs(model, spec.pad_outputs)
     if spec.conv_act == "cudnn":
         done["fused_blocks"] = fuse_residual_blocks(model.backbone)
+    if spec.fuse_stem:
+        done["fused_stem"] = fuse_stem(model.backbone)
     return done

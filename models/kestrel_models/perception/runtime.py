@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .branches import BranchedForward, BranchPlan
 from .config import HEAD_NAMES
 from .lidar import project_points
 from .model import MultiTaskPerceptionModel
@@ -72,6 +73,9 @@ class VariantSpec:
     freeze: bool = False  # inductor freezing (only with whole_compile)
     backend: str = "inductor"  # torch.compile backend ("eager" in CPU tests of the tracing)
     optimize: OptimizeSpec = OptimizeSpec()  # output-preserving transforms (optimize.py)
+    # branched forward (branches.py): the parts after the trunk as separate regions (compiled
+    # with whole_compile's mode, or eager without it) on their own CUDA streams
+    branches: BranchPlan | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -84,6 +88,9 @@ class VariantSpec:
         if self.whole_compile is not None and (self.trunk_compile or self.heads_compile):
             raise ValueError(f"parameter 'whole_compile' = {self.whole_compile!r}: excludes "
                              "trunk_compile/heads_compile (one region or per-module regions)")
+        if self.branches is not None and (self.trunk_compile or self.heads_compile):
+            raise ValueError(f"parameter 'branches' = {self.branches!r}: compiles each part "
+                             "with whole_compile's mode; excludes trunk_compile/heads_compile")
         if self.freeze and self.whole_compile is None:
             raise ValueError("parameter 'freeze' = True: needs whole_compile")
 
@@ -125,7 +132,9 @@ _OPTIMIZED = {"stem8": OptimizeSpec("pad8"), "pad": OptimizeSpec("pad8", 8),
               "pad_merge": OptimizeSpec("pad8", 8, "merged"),
               "pad_group": OptimizeSpec("pad8", 8, "grouped"), "s2dpad": OptimizeSpec("s2d", 8),
               "s2d_group": OptimizeSpec("s2d", 8, "grouped"),
-              "s2d_group_cudnn": OptimizeSpec("s2d", 8, "grouped", conv_act="cudnn")}
+              "s2d_group_cudnn": OptimizeSpec("s2d", 8, "grouped", conv_act="cudnn"),
+              "s2d_group_cudnn_stem": OptimizeSpec("s2d", 8, "grouped", conv_act="cudnn",
+                                                   fuse_stem=True)}
 for _name, _opt in _OPTIMIZED.items():
     VARIANTS[f"whole_bf16w_fold_{_name}_graph"] = VariantSpec(
         "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default", optimize=_opt)
@@ -149,6 +158,18 @@ for _name, (_trunk, _heads, _graph) in {
                                   optimize=_BEST)
 VARIANTS["whole_bf16w_fold_s2d_group_cudnn_at_graph"] = VariantSpec(
     "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile=_AT, optimize=_BEST)
+# The best transforms as a branched forward (branches.py): FCOS P3 on the capture stream, the
+# other parts on streams of their own, all in the one CUDA graph. branch: P4+P5 on one stream,
+# dense on another; branch4: P4, P5 and dense each on its own; branchp: as branch, with P3 on
+# a highest-priority stream.
+# *_stem: + the stem's bias and ReLU in cuDNN's epilogue (conv_act.fuse_stem).
+for _name, _plan in {"branch": BranchPlan(),
+                     "branch4": BranchPlan((("det0",), ("det1",), ("det2",), ("dense",))),
+                     "branchp": BranchPlan(priority=True)}.items():
+    for _suffix, _opt in (("", _BEST), ("_stem", _OPTIMIZED["s2d_group_cudnn_stem"])):
+        VARIANTS[f"{_name}_bf16w_fold_s2d_group_cudnn{_suffix}_graph"] = VariantSpec(
+            "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default",
+            optimize=_opt, branches=_plan)
 
 
 def enable_cudnn_autotune(device: torch.device) -> bool:
@@ -259,7 +280,7 @@ class PerceptionRuntime:
         self._graphs: dict[frozenset[str], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         # whole_* variants: one compiled callable (images, points) -> Outputs per head set
         self._regions = {hs: self._compile_region(hs) for hs in self.head_sets} \
-            if self.spec.whole_compile is not None else {}
+            if self.spec.whole_compile is not None or self.spec.branches is not None else {}
         self._warmup(max(1, warmup))
         self.prepare_s = time.perf_counter() - t0
 
@@ -300,33 +321,48 @@ class PerceptionRuntime:
         with self._autocast():
             out = self.model(images, heads, points=points)
         if points is not None:  # geometry stays fp32 (outside autocast)
-            uv, z, valid = [], [], []
-            for b in range(self.batch):  # static loop: batch is fixed at configure
-                u, d, v = project_points(points[b], T, K, self.image_hw)
-                uv.append(u)
-                z.append(d)
-                valid.append(v)
-            out["lidar_uv"] = torch.stack(uv)
-            out["lidar_depth"] = torch.stack(z)
-            out["lidar_valid"] = torch.stack(valid)
+            out.update(self._project(points, T, K))
         return out
 
-    def _compile_region(self, hs: frozenset[str]):  # noqa: ANN202 (a compiled callable)
-        """One torch.compile region over `_region` for head set `hs` (static shapes)."""
+    def _project(self, points: torch.Tensor, T: torch.Tensor | None, K: torch.Tensor | None
+                 ) -> Outputs:
+        """LiDAR outputs: lidar_uv [batch, cameras, N, 2] px, lidar_depth, lidar_valid."""
+        uv, z, valid = [], [], []
+        for b in range(self.batch):  # static loop: batch is fixed at configure
+            u, d, v = project_points(points[b], T, K, self.image_hw)
+            uv.append(u)
+            z.append(d)
+            valid.append(v)
+        return {"lidar_uv": torch.stack(uv), "lidar_depth": torch.stack(z),
+                "lidar_valid": torch.stack(valid)}
+
+    def _compile(self, fn):  # noqa: ANN001, ANN202 (a callable in, a compiled callable out)
+        """torch.compile of `fn` with the variant's whole_compile mode (static shapes, one
+        graph); `fn` itself for a branched variant without whole_compile."""
         spec = self.spec
-
-        def region(images: torch.Tensor, points: torch.Tensor | None,
-                   T: torch.Tensor | None, K: torch.Tensor | None) -> Outputs:
-            return self._region(images, points, T, K, hs)
-
+        if spec.whole_compile is None:
+            return fn
         if spec.backend != "inductor":
-            return torch.compile(region, backend=spec.backend, dynamic=False, fullgraph=True)
+            return torch.compile(fn, backend=spec.backend, dynamic=False, fullgraph=True)
         import torch._inductor as inductor
 
         options = dict(inductor.list_mode_options(spec.whole_compile))
         if spec.freeze:
             options["freezing"] = True
-        return torch.compile(region, dynamic=False, fullgraph=True, options=options)
+        return torch.compile(fn, dynamic=False, fullgraph=True, options=options)
+
+    def _compile_region(self, hs: frozenset[str]):  # noqa: ANN202 (a compiled callable)
+        """The forward of head set `hs` as one torch.compile region over `_region`, or, for a
+        branched variant, as a `BranchedForward` of compiled parts (static shapes)."""
+        if self.spec.branches is not None:
+            return BranchedForward(self.model, hs, self.spec.branches, self._compile,
+                                   self._autocast, self._project, self.device)
+
+        def region(images: torch.Tensor, points: torch.Tensor | None,
+                   T: torch.Tensor | None, K: torch.Tensor | None) -> Outputs:
+            return self._region(images, points, T, K, hs)
+
+        return self._compile(region)
 
     def _forward(self, heads: frozenset[str]) -> Outputs:
         """The whole forward on the static buffers (what a CUDA graph captures)."""

@@ -1,0 +1,190 @@
+"""Branched forward: the model's independent parts as compiled regions on their own CUDA streams.
+
+The whole-forward region (`whole_*` variants) runs every kernel one after the other. After the
+trunk (backbone + FPN), the parts of the forward are independent: the FCOS head on each FPN
+level, the dense neck with the segmentation and depth heads, and the LiDAR projection (which
+needs only the points, so it need not even wait for the trunk). Small levels leave most of the
+GPU idle: on the H200 at 6 x 640x640, a P5 conv is 2,400 output pixels (a fraction of one wave
+of tiles on 132 SMs), and the P3 chain, the longest, is ~0.7 ms of the ~1.7 ms of heads
+(docs/benchmarks/perception_core_kernels_h200_s12_on.md). Run on separate streams inside the
+one CUDA graph, the short chains fill the SMs the long one leaves idle.
+
+A plan (`BranchPlan.branches`) is a tuple of branches, each a tuple of parts run in order on
+one stream: "det0".."det2" (FCOS on P3..P5), "dense" (neck + seg + depth), "bev". The first
+branch runs on the calling stream (inside a graph capture, the capture stream); the others
+fork from it after the trunk and join it before the forward returns. "lidar" (the projection)
+always gets a stream of its own, forked before the trunk. Each part is its own torch.compile
+region (static shapes, fullgraph); the outputs are the same dict as the model's forward + the
+runtime's LiDAR projection, in the same order.
+
+Off CUDA (CPU tests, CI), the same parts run one after the other on the host: the code path is
+the same, only the stream contexts are no-ops. Memory: each tensor stays referenced until the
+join, and the caching allocator keeps a freed block for the stream it was allocated on, so no
+block is reused while another stream still reads it (also inside a capture: the side streams
+join the capture and allocate from its pool).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .model import DET_STRIDES, MultiTaskPerceptionModel, image_hw
+
+Outputs = dict[str, "torch.Tensor | list[torch.Tensor]"]
+PARTS = ("det0", "det1", "det2", "dense", "bev")
+_DET = {f"det{i}": i for i in range(len(DET_STRIDES))}
+
+
+@dataclass(frozen=True)
+class BranchPlan:
+    """Which parts run on which stream (see the module doc). priority: the first branch runs
+    on a stream of the highest priority instead of the calling stream (its kernels are
+    scheduled first when several streams have work ready: the first branch should be the
+    critical path)."""
+
+    branches: tuple[tuple[str, ...], ...] = (("det0",), ("det1", "det2"), ("dense",))
+    priority: bool = False
+
+    def __post_init__(self) -> None:
+        seen = [p for b in self.branches for p in b]
+        bad = [p for p in seen if p not in PARTS]
+        if not self.branches or not all(self.branches) or bad or len(seen) != len(set(seen)):
+            raise ValueError(f"parameter 'branches' = {self.branches!r}: a non-empty tuple of "
+                             f"non-empty tuples of distinct parts from {PARTS}")
+
+    def for_heads(self, heads: frozenset[str], bev: bool) -> tuple[tuple[str, ...], ...]:
+        """The plan restricted to the parts a head set runs (empty branches dropped), plus
+        every needed part the plan does not name, appended to the first branch."""
+        need = set()
+        if "detection" in heads:
+            need |= set(_DET)
+        if heads & {"segmentation", "depth"}:
+            need.add("dense")
+        if bev:
+            need.add("bev")
+        out = [tuple(p for p in b if p in need) for b in self.branches]
+        named = {p for b in out for p in b}
+        missing = tuple(p for p in PARTS if p in need and p not in named)
+        out[0] = out[0] + missing
+        return tuple(b for b in out if b)
+
+
+class BranchedForward:
+    """(images, points, T, K) -> Outputs of one head set, the parts on their streams.
+
+    model: the runtime's prepared model; heads: the head set; compile_fn wraps each part's
+    function (torch.compile with the variant's options, or the identity); autocast: the
+    variant's autocast context factory (geometry runs outside it); lidar_fn(points, T, K) ->
+    the LiDAR outputs dict (the runtime's projection)."""
+
+    def __init__(self, model: MultiTaskPerceptionModel, heads: frozenset[str], plan: BranchPlan,
+                 compile_fn: Callable[[Callable], Callable],
+                 autocast: Callable[[], contextlib.AbstractContextManager],
+                 lidar_fn: Callable[..., Outputs], device: torch.device) -> None:
+        self.heads = heads
+        self.branches = plan.for_heads(heads, model.bev is not None)
+        self._autocast = autocast
+        self._cuda = device.type == "cuda"
+        self._trunk = compile_fn(self._with_autocast(model.trunk))
+        self._parts: dict[str, Callable] = {}
+        for part in (p for b in self.branches for p in b):
+            if part in _DET:
+                fn = self._det_fn(model, _DET[part])
+            elif part == "dense":
+                fn = self._dense_fn(model, heads)
+            else:
+                fn = self._bev_fn(model)
+            self._parts[part] = compile_fn(self._with_autocast(fn))
+        self._lidar = compile_fn(lidar_fn)
+        self._streams: list[torch.cuda.Stream | None] = [None] * (len(self.branches) + 1)
+        if self._cuda:
+            lo, hi = torch.cuda.Stream.priority_range()
+            first = torch.cuda.Stream(device, priority=hi) if plan.priority else None
+            self._streams = [first] + [torch.cuda.Stream(device, priority=lo)
+                                       for _ in range(len(self.branches))]
+
+    def _with_autocast(self, fn: Callable) -> Callable:
+        def run(*args: object) -> object:
+            with self._autocast():
+                return fn(*args)
+        return run
+
+    @staticmethod
+    def _det_fn(model: MultiTaskPerceptionModel, level: int) -> Callable:
+        def det(p: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+            return model.detection({f"p{3 + level}": p}, (level,))
+        return det
+
+    @staticmethod
+    def _dense_fn(model: MultiTaskPerceptionModel, heads: frozenset[str]) -> Callable:
+        def dense(pyramid: dict[str, torch.Tensor], hw: tuple[int, int]
+                  ) -> dict[str, torch.Tensor]:
+            return model.dense(pyramid, heads, hw)
+        return dense
+
+    @staticmethod
+    def _bev_fn(model: MultiTaskPerceptionModel) -> Callable:
+        def bev(points: torch.Tensor, p5: torch.Tensor) -> dict[str, torch.Tensor]:
+            assert model.bev is not None
+            return {"bev_occ": model.bev(points, p5)}
+        return bev
+
+    def _run_part(self, part: str, pyramid: dict[str, torch.Tensor], hw: tuple[int, int],
+                  points: torch.Tensor | None) -> Outputs:
+        fn = self._parts[part]
+        if part in _DET:
+            return fn(pyramid[f"p{3 + _DET[part]}"])
+        if part == "dense":
+            return fn(pyramid, hw)
+        if points is None:  # bev without LiDAR points: the model's forward skips it too
+            return {}
+        return fn(points, pyramid["p5"])
+
+    def __call__(self, images: torch.Tensor, points: torch.Tensor | None,
+                 T: torch.Tensor | None, K: torch.Tensor | None) -> Outputs:
+        cur = torch.cuda.current_stream() if self._cuda else None
+        forked: list[torch.cuda.Stream] = []  # every stream forked here is joined below
+
+        def fork(i: int) -> contextlib.AbstractContextManager:
+            s = self._streams[i]
+            if s is None:
+                return contextlib.nullcontext()
+            s.wait_stream(cur)
+            forked.append(s)
+            return torch.cuda.stream(s)
+
+        lidar: Outputs = {}
+        if points is not None:  # needs only the points: forked before the trunk
+            with fork(len(self._streams) - 1):
+                lidar = self._lidar(points, T, K)
+        pyramid = self._trunk(images)
+        hw = image_hw(images)
+        results: dict[str, Outputs] = {}
+        # side branches first, so their kernels are queued while the first branch runs
+        for i in list(range(1, len(self.branches))) + [0]:
+            with fork(i):
+                for part in self.branches[i]:
+                    results[part] = self._run_part(part, pyramid, hw, points)
+        for s in forked:
+            cur.wait_stream(s)
+        return merge_outputs(results, lidar)
+
+
+def merge_outputs(results: dict[str, Outputs], lidar: Outputs) -> Outputs:
+    """The parts' dicts ({part name: its outputs}) in the layout of the model's forward: the
+    detection lists in level order (P3 first), seg / depth / bev_occ, then the LiDAR
+    outputs."""
+    out: Outputs = {}
+    det = [results[p] for p in sorted(_DET, key=_DET.get) if p in results]
+    if det:
+        for key in ("det_cls", "det_ltrb", "det_ctr"):
+            out[key] = [t for d in det for t in d[key]]
+    for part in PARTS:
+        if part in results and part not in _DET:
+            out.update(results[part])
+    out.update(lidar)
+    return out
