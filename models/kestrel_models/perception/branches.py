@@ -13,9 +13,14 @@ A plan (`BranchPlan.branches`) is a tuple of branches, each a tuple of parts run
 one stream: "det0".."det2" (FCOS on P3..P5), "dense" (neck + seg + depth), "bev". The first
 branch runs on the calling stream (inside a graph capture, the capture stream); the others
 fork from it after the trunk and join it before the forward returns. "lidar" (the projection)
-always gets a stream of its own, forked before the trunk. Each part is its own torch.compile
-region (static shapes, fullgraph); the outputs are the same dict as the model's forward + the
-runtime's LiDAR projection, in the same order.
+always gets a stream of its own, forked before the trunk. Each kind of part is its own
+torch.compile region (static shapes, fullgraph), shared by every head set (`BranchParts`); the
+outputs are the same dict as the model's forward + the runtime's LiDAR projection, in the same
+order.
+
+Measured on the H200 (docs/benchmarks/perception_h200.md, "Branched forward"): the streams do
+overlap (kernel time per forward 3.49 -> 4.84 ms for a 3.54 ms forward), but the big P3 kernels
+already fill the GPU, so the overlap mostly stretches the kernels it pairs: 3.608 -> 3.544 ms.
 
 Off CUDA (CPU tests, CI), the same parts run one after the other on the host: the code path is
 the same, only the stream contexts are no-ops. Memory: each tensor stays referenced until the
@@ -73,33 +78,55 @@ class BranchPlan:
         return tuple(b for b in out if b)
 
 
-class BranchedForward:
-    """(images, points, T, K) -> Outputs of one head set, the parts on their streams.
+class BranchParts:
+    """The compiled parts, shared by the `BranchedForward` of every head set.
 
-    model: the runtime's prepared model; heads: the head set; compile_fn wraps each part's
-    function (torch.compile with the variant's options, or the identity); autocast: the
-    variant's autocast context factory (geometry runs outside it); lidar_fn(points, T, K) ->
-    the LiDAR outputs dict (the runtime's projection)."""
+    One function (so one Dynamo code object) per kind of part: its guards on the int / tuple
+    arguments tell the levels and head sets apart, at most 3 entries each (Dynamo's recompile
+    limit is 8 per code object; one generic wrapper for every part and head set hit it with
+    the node's 7 head sets). compile_fn wraps each function (torch.compile with the variant's
+    options, or the identity); autocast: the variant's autocast context factory (geometry
+    runs outside it); lidar_fn(points, T, K) -> the LiDAR outputs dict."""
 
-    def __init__(self, model: MultiTaskPerceptionModel, heads: frozenset[str], plan: BranchPlan,
+    def __init__(self, model: MultiTaskPerceptionModel,
                  compile_fn: Callable[[Callable], Callable],
                  autocast: Callable[[], contextlib.AbstractContextManager],
-                 lidar_fn: Callable[..., Outputs], device: torch.device) -> None:
+                 lidar_fn: Callable[..., Outputs]) -> None:
+        self.has_bev = model.bev is not None
+
+        def trunk(images: torch.Tensor) -> dict[str, torch.Tensor]:
+            with autocast():
+                return model.trunk(images)
+
+        def det(p: torch.Tensor, level: int) -> dict[str, list[torch.Tensor]]:
+            with autocast():
+                return model.detection({f"p{3 + level}": p}, (level,))
+
+        def dense(pyramid: dict[str, torch.Tensor], heads: tuple[str, ...],
+                  hw: tuple[int, int]) -> dict[str, torch.Tensor]:
+            with autocast():
+                return model.dense(pyramid, frozenset(heads), hw)
+
+        def bev(points: torch.Tensor, p5: torch.Tensor) -> dict[str, torch.Tensor]:
+            assert model.bev is not None
+            with autocast():
+                return {"bev_occ": model.bev(points, p5)}
+
+        self.trunk, self.det, self.dense, self.bev = (compile_fn(f) for f in
+                                                      (trunk, det, dense, bev))
+        self.lidar = compile_fn(lidar_fn)
+
+
+class BranchedForward:
+    """(images, points, T, K) -> Outputs of one head set, the parts on their streams."""
+
+    def __init__(self, parts: BranchParts, heads: frozenset[str], plan: BranchPlan,
+                 device: torch.device) -> None:
         self.heads = heads
-        self.branches = plan.for_heads(heads, model.bev is not None)
-        self._autocast = autocast
+        self._dense_heads = tuple(sorted(heads & {"segmentation", "depth"}))
+        self.branches = plan.for_heads(heads, parts.has_bev)
+        self._p = parts
         self._cuda = device.type == "cuda"
-        self._trunk = compile_fn(self._with_autocast(model.trunk))
-        self._parts: dict[str, Callable] = {}
-        for part in (p for b in self.branches for p in b):
-            if part in _DET:
-                fn = self._det_fn(model, _DET[part])
-            elif part == "dense":
-                fn = self._dense_fn(model, heads)
-            else:
-                fn = self._bev_fn(model)
-            self._parts[part] = compile_fn(self._with_autocast(fn))
-        self._lidar = compile_fn(lidar_fn)
         self._streams: list[torch.cuda.Stream | None] = [None] * (len(self.branches) + 1)
         if self._cuda:
             lo, hi = torch.cuda.Stream.priority_range()
@@ -107,42 +134,16 @@ class BranchedForward:
             self._streams = [first] + [torch.cuda.Stream(device, priority=lo)
                                        for _ in range(len(self.branches))]
 
-    def _with_autocast(self, fn: Callable) -> Callable:
-        def run(*args: object) -> object:
-            with self._autocast():
-                return fn(*args)
-        return run
-
-    @staticmethod
-    def _det_fn(model: MultiTaskPerceptionModel, level: int) -> Callable:
-        def det(p: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-            return model.detection({f"p{3 + level}": p}, (level,))
-        return det
-
-    @staticmethod
-    def _dense_fn(model: MultiTaskPerceptionModel, heads: frozenset[str]) -> Callable:
-        def dense(pyramid: dict[str, torch.Tensor], hw: tuple[int, int]
-                  ) -> dict[str, torch.Tensor]:
-            return model.dense(pyramid, heads, hw)
-        return dense
-
-    @staticmethod
-    def _bev_fn(model: MultiTaskPerceptionModel) -> Callable:
-        def bev(points: torch.Tensor, p5: torch.Tensor) -> dict[str, torch.Tensor]:
-            assert model.bev is not None
-            return {"bev_occ": model.bev(points, p5)}
-        return bev
-
     def _run_part(self, part: str, pyramid: dict[str, torch.Tensor], hw: tuple[int, int],
                   points: torch.Tensor | None) -> Outputs:
-        fn = self._parts[part]
         if part in _DET:
-            return fn(pyramid[f"p{3 + _DET[part]}"])
+            level = _DET[part]
+            return self._p.det(pyramid[f"p{3 + level}"], level)
         if part == "dense":
-            return fn(pyramid, hw)
+            return self._p.dense(pyramid, self._dense_heads, hw)
         if points is None:  # bev without LiDAR points: the model's forward skips it too
             return {}
-        return fn(points, pyramid["p5"])
+        return self._p.bev(points, pyramid["p5"])
 
     def __call__(self, images: torch.Tensor, points: torch.Tensor | None,
                  T: torch.Tensor | None, K: torch.Tensor | None) -> Outputs:
@@ -160,8 +161,8 @@ class BranchedForward:
         lidar: Outputs = {}
         if points is not None:  # needs only the points: forked before the trunk
             with fork(len(self._streams) - 1):
-                lidar = self._lidar(points, T, K)
-        pyramid = self._trunk(images)
+                lidar = self._p.lidar(points, T, K)
+        pyramid = self._p.trunk(images)
         hw = image_hw(images)
         results: dict[str, Outputs] = {}
         # side branches first, so their kernels are queued while the first branch runs

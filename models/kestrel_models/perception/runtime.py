@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .branches import BranchedForward, BranchPlan
+from .branches import BranchedForward, BranchParts, BranchPlan
 from .config import HEAD_NAMES
 from .lidar import project_points
 from .model import MultiTaskPerceptionModel
@@ -279,6 +279,7 @@ class PerceptionRuntime:
             self._K = torch.eye(3, device=self.device).repeat(cameras, 1, 1)
         self._graphs: dict[frozenset[str], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         # whole_* variants: one compiled callable (images, points) -> Outputs per head set
+        self._parts: BranchParts | None = None
         self._regions = {hs: self._compile_region(hs) for hs in self.head_sets} \
             if self.spec.whole_compile is not None or self.spec.branches is not None else {}
         self._warmup(max(1, warmup))
@@ -355,8 +356,10 @@ class PerceptionRuntime:
         """The forward of head set `hs` as one torch.compile region over `_region`, or, for a
         branched variant, as a `BranchedForward` of compiled parts (static shapes)."""
         if self.spec.branches is not None:
-            return BranchedForward(self.model, hs, self.spec.branches, self._compile,
-                                   self._autocast, self._project, self.device)
+            if self._parts is None:  # one set of compiled parts for every head set
+                self._parts = BranchParts(self.model, self._compile, self._autocast,
+                                          self._project)
+            return BranchedForward(self._parts, hs, self.spec.branches, self.device)
 
         def region(images: torch.Tensor, points: torch.Tensor | None,
                    T: torch.Tensor | None, K: torch.Tensor | None) -> Outputs:
