@@ -433,15 +433,33 @@ def machine_info() -> dict:
     return info
 
 
+def _has_triton() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
+
+
+def default_loops(cuda: bool, triton: bool) -> str:
+    """Phase 2's loops when --loops is not given (issue 3's benchmark): on a GPU, the graph
+    path for 100,000 cycles at 1 kHz (the fused Triton step where triton is installed), then
+    eager GPU and CPU for 10,000 cycles each in the same run, all in the loop process; on a
+    CPU machine, the CPU policy for 10,000 cycles."""
+    if not cuda:
+        return "cpu_eager@1000:10000"
+    graph = "cuda_graph_triton" if triton else "cuda_graph"
+    return (f"{graph}@1000:100000:process,cuda_eager@1000:10000:process,"
+            "cpu_eager@1000:10000:process")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--publisher", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--publisher-cpus", default="", help="CPUs of the publisher process")
     ap.add_argument("--backends", default="all", help="comma list or 'all'")
     ap.add_argument("--step-iters", type=int, default=5000)
-    ap.add_argument("--loops", default="cpu_eager@1000:10000",
+    ap.add_argument("--loops", default=None,
                     help="comma list of backend@rate_hz:cycles[:thread|process|process_py] "
-                         "('' = none)")
+                         "('' = none; default: default_loops(), 100,000 cycles of the graph "
+                         "path + eager GPU and CPU on a GPU machine)")
     ap.add_argument("--loop-mode", choices=("thread", "process"), default="thread",
                     help="loop mode of --loops entries without their own ':mode'")
     ap.add_argument("--node-cpus", default="",
@@ -465,6 +483,8 @@ def main() -> int:
     ap.add_argument("--loops-first", action="store_true",
                     help="run phase 2 before phase 1 (the long loop first on a time budget)")
     args = ap.parse_args()
+    if args.loops is None:
+        args.loops = default_loops(torch.cuda.is_available(), _has_triton())
     if args.publisher:
         publisher_main(args.publisher, args.publisher_cpus)
         return 0

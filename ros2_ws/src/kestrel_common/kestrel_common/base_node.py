@@ -35,7 +35,7 @@ from kestrel_common.conversions import diagnostic_status
 from kestrel_common.counters import Counters
 from kestrel_common.heap import freeze_heap, thaw_heap, tune_malloc
 from kestrel_common.params import (ParamError, ParamSpec, check_known_names, check_unique_names,
-                                   validate_value)
+                                   validate_value, with_base_specs)
 
 # Sensor streams (camera, LiDAR, joint states): best effort, keep only the newest sample.
 # A late frame is worthless; queues must never grow under overload.
@@ -90,8 +90,8 @@ class KestrelLifecycleNode(LifecycleNode):
 
     def __init__(self, node_name: str, specs: Sequence[ParamSpec], **kwargs: Any) -> None:
         super().__init__(node_name, **kwargs)
-        self.specs: list[ParamSpec] = list(BASE_SPECS) + list(specs)
-        check_unique_names(self.specs)
+        check_unique_names(specs)
+        self.specs: list[ParamSpec] = with_base_specs(BASE_SPECS, specs)
         self._spec_by_name = {s.name: s for s in self.specs}
         self._decl_errors: dict[str, str] = {}
         for spec in self.specs:

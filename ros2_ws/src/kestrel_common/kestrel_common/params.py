@@ -147,6 +147,14 @@ def validate_params(specs: Sequence[ParamSpec], values: Mapping[str, Any]) -> di
     return out
 
 
+def with_base_specs(base: Sequence[ParamSpec], specs: Sequence[ParamSpec]) -> list[ParamSpec]:
+    """The base specs every node declares, then the node's own: a node spec with a base
+    spec's name replaces it (the control node's diagnostics_period defaults to 10 Hz, the
+    others' to 1 Hz), in the base spec's place."""
+    own = {s.name: s for s in specs}
+    return [own.pop(b.name, b) for b in base] + [s for s in specs if s.name in own]
+
+
 def check_unique_names(specs: Sequence[ParamSpec]) -> None:
     seen: set[str] = set()
     for spec in specs:

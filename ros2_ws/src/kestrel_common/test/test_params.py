@@ -66,3 +66,29 @@ def test_unknown_names_fail_with_a_suggestion_standard_ros_ones_pass():
     with pytest.raises(ParamError, match=r"'zzz' = 1: not a parameter of this node; its "
                                          r"parameters are device, enable, limits"):
         check_known_names(known, {"zzz": 1})
+
+
+def test_a_node_spec_replaces_the_base_spec_of_its_name():
+    from kestrel_common.params import with_base_specs
+
+    base = [ParamSpec("autostart", True, "flag"), ParamSpec("diagnostics_period", 1.0, "s")]
+    own = [ParamSpec("rate_hz", 1000.0, "Hz"), ParamSpec("diagnostics_period", 0.1, "s")]
+    merged = with_base_specs(base, own)
+    assert [(s.name, s.default) for s in merged] == [
+        ("autostart", True), ("diagnostics_period", 0.1), ("rate_hz", 1000.0)]
+    check_unique_names(merged)
+
+
+def test_the_control_node_publishes_diagnostics_at_10_hz_by_default():
+    """Issue 3: loop statistics on /diagnostics at ~10 Hz, also without control.yaml."""
+    import importlib.util
+
+    if importlib.util.find_spec("kestrel_control") is None:
+        pytest.skip("kestrel_control is not on the path")
+    from kestrel_common.base_node import BASE_SPECS
+    from kestrel_common.params import with_base_specs
+    from kestrel_control.control_params import SPECS as CONTROL
+
+    merged = {s.name: s for s in with_base_specs(BASE_SPECS, CONTROL)}
+    assert merged["diagnostics_period"].default == 0.1
+    assert merged["diagnostics_period"].read_only

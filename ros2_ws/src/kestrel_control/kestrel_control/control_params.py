@@ -27,6 +27,9 @@ SPECS = [
     ParamSpec("joint_lower", SIM_LOWER, "Lower joint limits, rad.", read_only=True),
     ParamSpec("joint_upper", SIM_UPPER, "Upper joint limits, rad.", read_only=True),
     ParamSpec("rate_hz", 1000.0, "Control loop rate, Hz.", min=10.0, max=2000.0, read_only=True),
+    # replaces the base spec (1 s): the loop statistics on /diagnostics at ~10 Hz (issue 3)
+    ParamSpec("diagnostics_period", 0.1, "Period of /diagnostics publication (and of the "
+              "loop-stats window), s.", min=0.01, max=60.0, read_only=True),
     ParamSpec("max_obs_age", 0.02, "Older joint states -> hold, s.", min=1e-4, max=10.0),
     ParamSpec("obs_position_margin", 0.5, "Joint states with a position outside the joint "
               "limits by more than this are implausible -> hold (never a command from that "
