@@ -180,7 +180,7 @@ def merge_outputs(results: dict[str, Outputs], lidar: Outputs) -> Outputs:
     detection lists in level order (P3 first), seg / depth / bev_occ, then the LiDAR
     outputs."""
     out: Outputs = {}
-    det = [results[p] for p in sorted(_DET, key=_DET.get) if p in results]
+    det = [results[p] for p in _DET if p in results]  # _DET is in level order
     if det:
         for key in ("det_cls", "det_ltrb", "det_ctr"):
             out[key] = [t for d in det for t in d[key]]

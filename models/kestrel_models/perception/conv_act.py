@@ -33,11 +33,14 @@ def _check(conv: nn.Conv2d, what: str) -> None:
 
 
 def conv_relu(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """relu(conv(x)) in one cuDNN call on CUDA (bias in the epilogue), unfused elsewhere."""
+    """relu(conv(x)) in one cuDNN call on CUDA (bias in the epilogue), unfused elsewhere. The
+    conv's own weights and geometry only (a zero-padded conv), never its forward: a stem conv
+    whose forward builds its input first (`FusedStem`) is given the built input."""
     if x.is_cuda:
         return torch.cudnn_convolution_relu(x, conv.weight, conv.bias, conv.stride,
                                             conv.padding, conv.dilation, conv.groups)
-    return F.relu(conv(x))
+    return F.relu(F.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding,
+                           conv.dilation, conv.groups))
 
 
 def conv_add_relu(conv: nn.Conv2d, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -91,14 +94,7 @@ class FusedStem(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         prepare = getattr(self.conv, "prepare_input", None)  # channel-pad / s2d stems
-        if prepare is not None:
-            x = prepare(x)
-        conv = self.conv
-        if x.is_cuda:
-            return torch.cudnn_convolution_relu(x, conv.weight, conv.bias, conv.stride,
-                                                conv.padding, conv.dilation, conv.groups)
-        return F.relu(F.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding,
-                               conv.dilation, conv.groups))
+        return conv_relu(self.conv, x if prepare is None else prepare(x))
 
 
 def fuse_stem(backbone: nn.Module) -> int:

@@ -74,10 +74,10 @@ class MultiTaskPerceptionModel(nn.Module):
         if images.dim() != 4 or images.shape[1] != 3:
             raise ValueError(f"images: expected [B,3,H,W], got {tuple(images.shape)}")
         x = images.float() * self.in_scale.float() + self.in_shift.float()
-        h, w = x.shape[-2:]
-        ph, pw = -h % PAD_MULTIPLE, -w % PAD_MULTIPLE
-        if ph or pw:
-            x = F.pad(x, (0, pw, 0, ph))
+        h, w = image_hw(images)
+        ph, pw = padded_size((h, w))
+        if (ph, pw) != (h, w):
+            x = F.pad(x, (0, pw - w, 0, ph - h))
         if self.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last):
             x = x.contiguous(memory_format=torch.channels_last)
         return x.to(self.backbone.conv1.weight.dtype)  # weights cast to bf16/fp16: same
