@@ -19,6 +19,9 @@ interpreter over shared memory, this process's subscription writing the shared b
 publisher thread, woken by the loop's eventfd, publishing the commands; there the delivery
 latency (tick start -> publish call) is reported too. process runs the loop process's C tick
 (`native_tick`, the node's default); process_py the same with the Python tick (A/B in one run).
+A backend name with the suffix `+ts` (e.g. `cuda_graph+ts`, in --backends or --loops) runs the
+reference architecture with one action per joint (6) exported to TorchScript and loaded as a
+user's policy file (model_path, states as explicit I/O): the path an Isaac Lab export takes.
 Phase 1 also times a window-form reference (ActorCritic.forward over 8 observations: 8 LSTM
 steps) captured in a CUDA graph, beside the stateful backends (one LSTM cell step per tick).
 The loop here is the node's core + I/O path with standard messages only (kestrel_interfaces is
@@ -61,6 +64,7 @@ from kestrel_control.core.miss_cause import CAUSES as MISS_CAUSES  # noqa: E402
 from kestrel_control.core.policy_runner import PolicyRunner, RunnerConfig  # noqa: E402
 from kestrel_control.core.rt_loop import RealtimeLoop  # noqa: E402
 from kestrel_control.core.stats import LoopStats  # noqa: E402
+from kestrel_models.control.external import ModelSpec  # noqa: E402
 from kestrel_models.control.policy import PolicyConfig  # noqa: E402
 from kestrel_models.control.runtimes import BACKENDS  # noqa: E402
 
@@ -82,11 +86,34 @@ def pct(samples: np.ndarray, scale: float = 1e6) -> dict[str, float]:
 GPU_PROGRAMS = [64]  # cuda_persistent's resident programs (--gpu-programs)
 
 
+USER_FILE = "+ts"  # backend suffix: the policy as a user's TorchScript file
+
+
+def user_torchscript(cache: str) -> ModelSpec:
+    """The reference architecture with 6 actions (one per joint: a model file must match the
+    joints), its step scripted with h/c as explicit inputs/outputs, as a user's policy.pt."""
+    from kestrel_models.control.policy import build_policy
+    from kestrel_models.control.runtimes import StepModule
+
+    cfg = PolicyConfig(num_actions=N_JOINTS)
+    path = Path(cache) / "user_policy_step.pt"
+    if not path.exists():
+        step = StepModule(build_policy(cfg, seed=0), fused=True).eval()
+        torch.jit.script(step).save(str(path))
+    shape = (1, cfg.lstm_hidden)
+    return ModelSpec(path=str(path), format="torchscript", state_in_names=("h_in", "c_in"),
+                     state_out_names=("h_out", "c_out"), state_shapes=(shape, shape),
+                     obs_dim=cfg.obs_dim)
+
+
 def make_config(backend: str, cache: str, warmup: int = 50) -> RunnerConfig:
+    model = None
+    if backend.endswith(USER_FILE):
+        backend, model = backend[:-len(USER_FILE)], user_torchscript(cache)
     return RunnerConfig(
         joint_lower=LOWER, joint_upper=UPPER, policy=PolicyConfig(), backend=backend,
         max_obs_age_s=0.02, warmup_steps=warmup, cache_dir=cache, latency_compensation=True,
-        gpu_programs=GPU_PROGRAMS[0])
+        gpu_programs=GPU_PROGRAMS[0], model=model)
 
 
 def make_runner(backend: str, cache: str, warmup: int = 50) -> PolicyRunner:

@@ -93,6 +93,39 @@ def test_torchscript_recurrent_state_io(tmp_path: Path) -> None:
             torch.testing.assert_close(a, want, atol=1e-6, rtol=0)
 
 
+def test_torchscript_file_on_onnxruntime(tmp_path: Path) -> None:
+    """A user's TorchScript file on 'onnxruntime': exported from the script module itself (not
+    the Python wrapper around it, which the exporter refuses), with its recurrent state I/O."""
+    pytest.importorskip("onnxruntime")
+    rec = Recurrent().eval()
+    path = tmp_path / "policy.pt"
+    torch.jit.trace(rec, (XS[0], torch.zeros(1, 1, H), torch.zeros(1, 1, H))).save(str(path))
+    spec = ModelSpec(path=str(path), obs_dim=OBS, state_in_names=("h_in", "c_in"),
+                     state_out_names=("h_out", "c_out"), state_shapes=((1, 1, H), (1, 1, H)))
+    got = run_steps(create_backend("onnxruntime", load_policy(spec), 1,
+                                   cache_dir=str(tmp_path)), XS)
+    h = c = torch.zeros(1, 1, H)
+    with torch.no_grad():
+        for x, a in zip(XS, got, strict=True):
+            want, h, c = rec(x, h, c)
+            torch.testing.assert_close(a, want, atol=1e-5, rtol=0)
+
+
+def test_unexportable_policy_is_a_named_configure_error(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+
+    class Branchy(nn.Module):
+        def forward(self, obs: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("no export here")
+
+    from kestrel_models.control.runtimes import StepPolicy
+
+    policy = StepPolicy(obs_dim=OBS, num_actions=ACT, module=Branchy(), source="TorchScript x")
+    with pytest.raises(BackendUnavailable, match=r"'backend' = 'onnxruntime': exporting "
+                                                 r"TorchScript x to ONNX failed .*model_path"):
+        create_backend("onnxruntime", policy, 1, cache_dir=str(tmp_path))
+
+
 @pytest.mark.parametrize("recurrent", [False, True], ids=["feedforward", "recurrent"])
 def test_onnx_isaac_lab_style(tmp_path: Path, recurrent: bool) -> None:
     module = Recurrent() if recurrent else Mlp()

@@ -16,6 +16,8 @@ Backends (`BACKENDS`; `create_backend(name, policy, batch)`):
   cuda_eager           fp32 eager on the GPU: pinned H2D copy, kernels, D2H copy (sync)
   cuda_graph           one CUDA graph captured over static buffers: H2D copy, the step, state
                        update and D2H copy are all inside; a tick = replay + one stream sync
+                       (in the loop process the C tick launches the graph itself: any torch
+                       module, e.g. a user's TorchScript policy; graph_handles)
   cuda_graph_compiled  the step compiled by inductor (default mode: fused Triton kernels for the
                        LayerNorm/ELU/LSTM-gate elementwise work, no cudagraph trees), then the
                        compiled function captured in one raw torch.cuda.CUDAGraph like
@@ -303,6 +305,33 @@ class CudaGraphBackend(TorchBackend):
         else:
             self._stream.synchronize()
 
+    def graph_handles(self) -> tuple[int, int] | None:
+        """(cudaGraphExec_t, cudaStream_t) for the loop process's C tick, which launches the
+        graph and polls the stream itself (native_tick.c), as step() does with sync='poll'.
+        So a user's TorchScript policy gets the same C launch as cuda_graph_triton."""
+        return graph_handles(self.graph, self._stream) if self.sync == "poll" else None
+
+    def finish_late(self) -> None:
+        """The C tick launched the graph and stopped polling: wait here (raises the CUDA
+        error if the graph failed)."""
+        query = self._stream.query
+        while not query():
+            pass
+
+
+def graph_handles(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream
+                  ) -> tuple[int, int] | None:
+    """(cudaGraphExec_t, cudaStream_t) of a captured graph as integers, or None when this torch
+    cannot give the executable or the graph is replayed on another stream than the default.
+
+    The C tick holds the executable for the process's life: nothing may reset() or
+    re-instantiate the graph. Only on the default stream, which replay() in the loop thread
+    and reset_state() use too (a backend built under another stream: Python replays)."""
+    raw = getattr(graph, "raw_cuda_graph_exec", None)
+    if raw is None or stream != torch.cuda.default_stream():
+        return None
+    return int(raw()), int(stream.cuda_stream)
+
 
 class OrtBackend(PolicyBackend):
     """ONNX Runtime (CPU EP, 1 thread) with I/O binding on preallocated numpy arrays."""
@@ -370,11 +399,23 @@ def export_onnx(policy: StepPolicy, batch: int, cache_dir: str = "") -> str:
     states = tuple(torch.zeros(policy.batched_state_shape(i, batch))
                    for i in range(len(policy.state_shapes)))
     import warnings
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # the legacy exporter's deprecation notice
-        torch.onnx.export(policy.module, (obs, *states), path, dynamo=False,
-                          input_names=[policy.obs_name, *policy.state_in_names],
-                          output_names=[policy.actions_name, *policy.state_out_names])
+    module = policy.module
+    # a user's TorchScript file (external._Scripted wraps it): the exporter takes the script
+    # module itself, not a Python module that calls it
+    inner = getattr(module, "inner", None)
+    if isinstance(inner, torch.jit.ScriptModule):
+        module = inner
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # the legacy exporter's deprecation notice
+            torch.onnx.export(module, (obs, *states), path, dynamo=False,
+                              input_names=[policy.obs_name, *policy.state_in_names],
+                              output_names=[policy.actions_name, *policy.state_out_names])
+    except Exception as exc:  # noqa: BLE001 - a configuration error, named
+        raise BackendUnavailable(
+            f"parameter 'backend' = 'onnxruntime': exporting {policy.source} to ONNX failed "
+            f"({type(exc).__name__}: {exc}); give the ONNX file itself as model_path (Isaac "
+            "Lab exports policy.onnx beside policy.pt)") from exc
     return path
 
 

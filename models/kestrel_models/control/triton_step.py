@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from kestrel_models.control.runtimes import (BackendUnavailable, PolicyBackend, PostSpec,
-                                             StepPolicy)
+                                             StepPolicy, graph_handles)
 
 NAME = "cuda_graph_triton"
 
@@ -314,16 +314,9 @@ class TritonGraphBackend(PolicyBackend):
             pass
 
     def graph_handles(self) -> tuple[int, int] | None:
-        """(cudaGraphExec_t, cudaStream_t) as integers for the loop process's C tick, which
-        launches the graph and polls the stream itself (native_tick.c) as step() does; None
-        when this torch cannot give the executable."""
-        # The C tick holds the executable for the process's life: nothing may reset() or
-        # re-instantiate this graph. Only on the default stream, which replay() in the loop
-        # thread and reset_state() use too (a backend built under another stream: Python).
-        raw = getattr(self.graph, "raw_cuda_graph_exec", None)
-        if raw is None or self._stream != torch.cuda.default_stream():
-            return None
-        return int(raw()), int(self._stream.cuda_stream)
+        """(cudaGraphExec_t, cudaStream_t) for the loop process's C tick (runtimes.graph_handles),
+        which launches the graph and polls the stream itself (native_tick.c) as step() does."""
+        return graph_handles(self.graph, self._stream)
 
     def finish_late(self) -> None:
         """The C tick launched the graph and stopped polling: poll until it is done (raises

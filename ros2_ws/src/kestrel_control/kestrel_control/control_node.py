@@ -41,6 +41,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import functools
+import math
 import time
 from typing import Any
 
@@ -96,6 +97,9 @@ class ControlNode(KestrelLifecycleNode):
         for name in ("joint_lower", "joint_upper"):
             if len(values[name]) != n:
                 raise ParamError(name, values[name], f"needs one value per joint ({n})")
+        if values["default_joint_positions"] and len(values["default_joint_positions"]) != n:
+            raise ParamError("default_joint_positions", values["default_joint_positions"],
+                             f"needs one value per joint ({n}) or none")
         limits = zip(values["joint_lower"], values["joint_upper"], strict=True)
         for i, (lo, hi) in enumerate(limits):
             if lo > hi:
@@ -136,7 +140,10 @@ class ControlNode(KestrelLifecycleNode):
                 max_obs_velocity=p["max_obs_velocity"],
                 backend=p["backend"], weights_path=p["weights_path"], seed=p["seed"],
                 model=model, num_robots=max(1, len(p["robots"])),
-                latency_compensation=p["latency_compensation"], gpu_programs=p["gpu_programs"])
+                latency_compensation=p["latency_compensation"], gpu_programs=p["gpu_programs"],
+                obs_layout=tuple(p["obs_layout"]), action_mode=p["action_mode"],
+                action_clip=p["action_clip"] or math.inf,
+                default_joint_positions=tuple(p["default_joint_positions"]))
             self.loop_mode = resolve_loop_mode(p["loop_mode"], p["backend"], p["rt_priority"])
             if self.loop_mode == "process":
                 self._proc = LoopProcess(

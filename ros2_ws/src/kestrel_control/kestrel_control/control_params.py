@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kestrel_common.params import ParamSpec
 from kestrel_control.core import BACKENDS
+from kestrel_control.core.policy_io import ACTION_MODES, TERMS
 from kestrel_models.control.external import FORMATS
 
 # The sim arm (kestrel_sim.core.scene.JOINT_NAMES and the joint ranges of tabletop.xml).
@@ -36,8 +37,26 @@ SPECS = [
               "position), counted as rejected_implausible, rad.", min=0.0, max=1000.0),
     ParamSpec("max_obs_velocity", 100.0, "Joint states with a speed above this are implausible "
               "-> hold, counted as rejected_implausible, rad/s.", min=1e-3, max=1e6),
-    ParamSpec("action_scale", 0.05, "Command offset per unit tanh(action), rad.",
-              min=1e-6, max=10.0, read_only=True),
+    ParamSpec("action_scale", 0.05, "rad per unit of action: of tanh(action) in "
+              "position_delta_tanh, of the action in position_delta / position_offset (Isaac "
+              "Lab's JointPositionAction scale).", min=1e-6, max=10.0, read_only=True),
+    # what the policy sees and what its actions mean (core/policy_io.py): the defaults are the
+    # reference policy's; an Isaac Lab policy sets them to its env's terms and action term
+    ParamSpec("obs_layout", [], "Observation terms in order (empty = joint_pos, joint_vel, "
+              f"target, last_action): {', '.join(sorted(TERMS))}, each optionally "
+              "'name*scale', or 'zeros:K' for K zero columns; for a model file it must cover "
+              "obs_dim exactly.", element_type=str, read_only=True),
+    ParamSpec("action_mode", ACTION_MODES[0], "Command from action a: position_delta_tanh "
+              "q + scale*tanh(a) (reference policy); position_delta q + scale*a (Isaac Lab "
+              "RelativeJointPositionAction); position_offset default_q + scale*a (Isaac Lab "
+              "JointPositionAction, use_default_offset).", choices=ACTION_MODES,
+              read_only=True),
+    ParamSpec("action_clip", 0.0, "Raw actions clamped to [-c, c] before the mapping and the "
+              "last_action term (rsl_rl's clip_actions); 0 = off.", min=0.0, max=1e6,
+              read_only=True),
+    ParamSpec("default_joint_positions", [], "default_q per joint, rad, in joint_names order "
+              "(Isaac Lab's default joint positions; joint_pos_rel, target_rel and "
+              "position_offset); empty = zeros.", element_type=float, read_only=True),
     ParamSpec("obs_dim", 256, "Policy observation size.", min=1, max=65536, read_only=True),
     ParamSpec("hidden_dims", [512, 256], "Policy encoder widths.", min=1, max=65536,
               read_only=True),

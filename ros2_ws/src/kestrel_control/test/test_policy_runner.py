@@ -223,12 +223,22 @@ def test_reference_sizes_run() -> None:
     assert info.valid and command.shape == (N,)
 
 
-@pytest.mark.parametrize("backend", ["cpu_eager", "onnxruntime"])
-def test_steady_state_steps_do_not_allocate(backend: str, tmp_path: Path) -> None:
+ISAAC_MAPPING = {"obs_layout": ("joint_pos_rel", "joint_vel*0.05", "zeros:2", "last_action"),
+                 "action_mode": "position_offset", "action_clip": 0.5,
+                 "default_joint_positions": (0.1,) * N}
+
+
+@pytest.mark.parametrize(("backend", "mapping"), [("cpu_eager", {}), ("onnxruntime", {}),
+                                                  ("cpu_eager", ISAAC_MAPPING)],
+                         ids=["cpu_eager", "onnxruntime", "cpu_eager-isaac_mapping"])
+def test_steady_state_steps_do_not_allocate(backend: str, mapping: dict,
+                                            tmp_path: Path) -> None:
     """After warm-up, 1000 steps leave ~0 net Python-traced memory. (torch's / ONNX Runtime's
     own memory comes from their C++ allocators, outside tracemalloc; per-step wrappers are
-    freed.) Latency compensation on: the prediction works in place too."""
-    runner = make(backend=backend, cache_dir=str(tmp_path), latency_compensation=True)
+    freed.) Latency compensation on: the prediction works in place too; so do the Isaac Lab
+    terms and the clipped offset mapping (policy_io.RowIO)."""
+    runner = make(backend=backend, cache_dir=str(tmp_path), latency_compensation=True,
+                  **mapping)
     js = np.zeros((2, N))  # [positions; velocities], written like a subscription callback
     stamp = 0
     for k in range(200):

@@ -15,6 +15,14 @@ its fill callback) the reader returns its own previous complete value, with that
 version and stamp (so the age check sees how old it is), and counts it in `locked_reads` (the
 diagnostic's historical name). It used to wait for the writer's lock there: the real-time
 thread then waited on an executor thread running a Python callback.
+
+Why the slots are plain (pageable) memory, not pinned: the GPU never reads them. Between a slot
+and the device sit the checks the loop must make first (stale, finite, plausible), the latency
+prediction and the observation layout (policy_io.py), so the loop reads the slot into its own
+float64 row (~100 bytes, well under 1 us) and writes the float32 observation into the backend's
+pinned `obs_host`, which the captured graph copies to the device asynchronously. A pinned slot
+would save no copy: the GPU would still need the checked, compensated row. (In the loop process
+the slots live in POSIX shared memory: shm_control.SharedLatestValue.)
 """
 
 from __future__ import annotations

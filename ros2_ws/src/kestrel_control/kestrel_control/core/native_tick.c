@@ -26,13 +26,18 @@ enum {
     I_ROBOTS, I_JOINTS, I_ACTIONS, I_OBS, I_OBS_STRIDE, I_ACT, I_ACT_STRIDE, I_POST,
     I_POST_STRIDE, I_LAT, I_COMPENSATE, I_CLAMP_CTR, I_CMD_CTR, I_AUX_LAT, I_EFD, I_MB_CTRL,
     I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_READ_NS, I_SPIN_NS, I_LATE_T0, I_GRAPH_EXEC,
-    I_STREAM, I_CU_CTX, I_PLAUS_C, I_PLAUS_H, I_GLOBAL
+    I_STREAM, I_CU_CTX, I_PLAUS_C, I_PLAUS_H, I_TERMS, I_NTERMS, I_TERM_SCALE, I_DEFAULT_Q,
+    I_ACT_MODE, I_PREV_COL, I_GLOBAL
 };
 enum { /* per robot, at I_GLOBAL + r * R_SIZE; *_GOOD / *_GVS: the reader's fallback copy */
     R_JS_H, R_JS_S, R_TG_H, R_TG_S, R_CMD_H, R_CMD_S, R_INPUTS, R_TVER, R_LAST_SAFE,
     R_HAS_SAFE, R_JS_GOOD, R_JS_GVS, R_TG_GOOD, R_TG_GVS, R_SIZE
 };
-enum { D_MAX_AGE, D_SCALE, D_SIZE };
+enum { D_MAX_AGE, D_SCALE, D_CLIP, D_SIZE };
+/* policy_io.py: observation term table int64 [T, 4] = (source, column, length, relative) and
+ * the action modes */
+enum { SRC_POS = 0, SRC_VEL = 1, SRC_TARGET = 2 };
+enum { MODE_DELTA_TANH = 0, MODE_DELTA = 1, MODE_OFFSET = 2 };
 
 /* SharedLatestValue header (int64), shm_control.py */
 enum { H_PUB = 0, H_VER = 1, H_SEQ = 2, H_STAMP = 4, H_SLOTVER = 6, H_RETRIES = 8 };
@@ -118,6 +123,35 @@ static void sl_write(int64_t *h, double *slots, int64_t count, const double *val
 
 #define MAX_ROBOTS 1024 /* RunnerConfig's bound */
 
+/* RowIO.write_obs: obs[col + j] = (float)((x[j] - offset[j]) * scale) for the terms read from
+ * inputs [3, n] (pos, vel, target); offset default_q for the relative terms, else 0. */
+static void write_terms(const int64_t *ints, const double *inputs, float *obs) {
+    const int64_t n = ints[I_JOINTS];
+    const int64_t *terms = P(const int64_t, I_TERMS);
+    const double *scales = P(const double, I_TERM_SCALE), *dq = P(const double, I_DEFAULT_Q);
+    for (int64_t t = 0; t < ints[I_NTERMS]; t++) {
+        const int64_t src = terms[4 * t], col = terms[4 * t + 1], rel = terms[4 * t + 3];
+        if (src != SRC_POS && src != SRC_VEL && src != SRC_TARGET) continue;
+        const double *x = inputs + src * n;
+        const double s = scales[t];
+        for (int64_t j = 0; j < n; j++)
+            obs[col + j] = (float)((x[j] - (rel ? dq[j] : 0.0)) * s);
+    }
+}
+
+/* RowIO's raw action: float32 -> float64, clamped to [-clip, clip] (inf: unchanged) */
+static inline double action_in(float a, double clip) {
+    double v = (double)a;
+    v = v < -clip ? -clip : v; /* np.clip: maximum then minimum */
+    return v > clip ? clip : v;
+}
+
+/* RowIO.propose for joint j: the unclamped command, rad */
+static inline double propose(int mode, double a, double scale, double pos, double dq) {
+    if (mode == MODE_DELTA_TANH) return tanh(a) * scale + pos;
+    return a * scale + (mode == MODE_OFFSET ? dq : pos);
+}
+
 /* PolicyRunner._prepare for every robot, OK path only: 1 when every robot has a fresh, finite
  * observation (then, and only then, the rows are compensated and written), else 0 with no obs
  * row touched (Python prepares them all again, holds and counts). */
@@ -164,8 +198,7 @@ int kt_prepare(int64_t *ints, double *dbls, int64_t now_ns) {
             if (ahead > max_age) ahead = max_age;
             for (int64_t j = 0; j < n; j++) inputs[j] += inputs[n + j] * ahead;
         }
-        float *obs = P(float, I_OBS) + r * ints[I_OBS_STRIDE];
-        for (int64_t j = 0; j < 3 * n; j++) obs[j] = (float)inputs[j];
+        write_terms(ints, inputs, P(float, I_OBS) + r * ints[I_OBS_STRIDE]);
     }
     return 1;
 }
@@ -178,7 +211,7 @@ static void record_step(int64_t *ints, int64_t t0) {
     lat[0] += 0.05 * (dt - lat[0]);
 }
 
-/* A captured CUDA graph's step (cuda_graph_triton: TritonGraphBackend.step = replay + poll)
+/* A captured CUDA graph's step (cuda_graph / _compiled / _triton: step() = replay + poll)
  * through the CUDA driver API, loaded at run time (no link-time CUDA dependency): the graph's
  * executable and stream handles are torch's (CUDAGraph.raw_cuda_graph_exec, the stream it is
  * replayed on), the context the one current where the tick was built. */
@@ -266,8 +299,10 @@ int kt_infer(int64_t *ints, double *dbls) {
  * finishes them all). */
 int kt_finish(int64_t *ints, double *dbls, int64_t now_ns) {
     const int64_t R = ints[I_ROBOTS], n = ints[I_JOINTS], A = ints[I_ACTIONS];
-    const double scale = dbls[D_SCALE];
+    const double scale = dbls[D_SCALE], clip = dbls[D_CLIP];
+    const int mode = (int)ints[I_ACT_MODE];
     const double *lo = P(double, I_LOWER), *hi = P(double, I_UPPER);
+    const double *dq = P(double, I_DEFAULT_Q);
     float *post = P(float, I_POST);
     double *commands = P(double, I_COMMANDS); /* [R, n] rad */
     /* checks first, so that nothing is written unless every robot is OK */
@@ -281,7 +316,8 @@ int kt_finish(int64_t *ints, double *dbls, int64_t now_ns) {
             for (int64_t j = 0; j < A; j++) acc += act[j] * 0.0f;
             if (acc != 0.0f) return 0;
             for (int64_t j = 0; j < n; j++)
-                if (!isfinite(tanh((double)act[j]) * scale + pos[j])) return 0;
+                if (!isfinite(propose(mode, action_in(act[j], clip), scale, pos[j], dq[j])))
+                    return 0;
         }
     }
     for (int64_t r = 0; r < R; r++) {
@@ -298,9 +334,9 @@ int kt_finish(int64_t *ints, double *dbls, int64_t now_ns) {
                 cmd[j] = c > hi[j] ? hi[j] : c;
             }
             clamped = row[n + 1] != 0.0f;
-        } else { /* the host path: positions + scale * tanh(actions), tanh in float64 */
+        } else { /* the host path (action_mode), in float64 */
             for (int64_t j = 0; j < n; j++) {
-                double p = tanh((double)act[j]) * scale + pos[j]; /* finite: checked */
+                double p = propose(mode, action_in(act[j], clip), scale, pos[j], dq[j]);
                 double c = p < lo[j] ? lo[j] : p;
                 c = c > hi[j] ? hi[j] : c;
                 clamped |= c != p;
@@ -310,8 +346,12 @@ int kt_finish(int64_t *ints, double *dbls, int64_t now_ns) {
         if (clamped) P(int64_t, I_CLAMP_CTR)[0] += 1;
         memcpy(PTR(double, ri, R_LAST_SAFE), cmd, (size_t)n * sizeof(double));
         PTR(int64_t, ri, R_HAS_SAFE)[0] = 1;
-        float *obs = P(float, I_OBS) + r * ints[I_OBS_STRIDE];
-        memcpy(obs + 3 * n, act, (size_t)A * sizeof(float)); /* previous action */
+        const int64_t prev = ints[I_PREV_COL]; /* RowIO.store_prev: the last_action term */
+        if (prev >= 0) {
+            float *obs = P(float, I_OBS) + r * ints[I_OBS_STRIDE] + prev;
+            if (isinf(clip)) memcpy(obs, act, (size_t)A * sizeof(float));
+            else for (int64_t j = 0; j < A; j++) obs[j] = (float)action_in(act[j], clip);
+        }
         sl_write(PTR(int64_t, ri, R_CMD_H), PTR(double, ri, R_CMD_S), n, cmd,
                  now_ns);
     }

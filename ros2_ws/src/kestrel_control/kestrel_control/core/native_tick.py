@@ -10,9 +10,9 @@ slow episode is about the GPU step alone.
 What runs in C (one ctypes call per tick, `kt_tick`): the joint-state and target seqlock reads,
 the stale and finite checks, the latency compensation, the observation rows; with
 `cuda_persistent` the request to the resident kernel and the wait for its answer, with
-`cuda_graph_triton` the graph launch and the stream poll (CUDA driver API, libcuda loaded at run
-time, on torch's graph executable and stream: what CUDAGraph.replay does for a graph without
-RNG state); the command
+`cuda_graph`, `cuda_graph_compiled` and `cuda_graph_triton` the graph launch and the stream
+poll (CUDA driver API, libcuda loaded at run time, on torch's graph executable and stream: what
+CUDAGraph.replay does for a graph without RNG state); the command
 (the backend's in-graph post-processing, or positions + action_scale * tanh(actions) on the
 host), the clamp to the joint limits (counted), the last safe command, the previous action, the
 command into shared memory, the command counter and the eventfd that wakes the node's publisher.
@@ -50,10 +50,11 @@ SOURCE = Path(__file__).with_name("native_tick.c")
 (I_ROBOTS, I_JOINTS, I_ACTIONS, I_OBS, I_OBS_STRIDE, I_ACT, I_ACT_STRIDE, I_POST,
  I_POST_STRIDE, I_LAT, I_COMPENSATE, I_CLAMP_CTR, I_CMD_CTR, I_AUX_LAT, I_EFD, I_MB_CTRL,
  I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_READ_NS, I_SPIN_NS, I_LATE_T0, I_GRAPH_EXEC,
- I_STREAM, I_CU_CTX, I_PLAUS_C, I_PLAUS_H, I_GLOBAL) = range(29)
+ I_STREAM, I_CU_CTX, I_PLAUS_C, I_PLAUS_H, I_TERMS, I_NTERMS, I_TERM_SCALE, I_DEFAULT_Q,
+ I_ACT_MODE, I_PREV_COL, I_GLOBAL) = range(35)
 (R_JS_H, R_JS_S, R_TG_H, R_TG_S, R_CMD_H, R_CMD_S, R_INPUTS, R_TVER, R_LAST_SAFE,
  R_HAS_SAFE, R_JS_GOOD, R_JS_GVS, R_TG_GOOD, R_TG_GVS, R_SIZE) = range(15)
-D_MAX_AGE, D_SCALE, D_SIZE = range(3)
+D_MAX_AGE, D_SCALE, D_CLIP, D_SIZE = range(4)
 
 # return codes: what Python still has to do for this tick
 KT_DONE, KT_PY_ALL, KT_PY_INFER, KT_PY_LATE, KT_PY_FINISH = range(5)
@@ -205,6 +206,17 @@ class NativeTick:
             ints[I_PLAUS_C], ints[I_PLAUS_H] = (_ptr(x) for x in self._plaus)
         ints[I_READ_NS], ints[I_SPIN_NS] = READ_NS, SPIN_NS
         dbls[D_MAX_AGE], dbls[D_SCALE] = safety.max_obs_age_s, runner.config.action_scale
+        # the observation layout and action mapping (policy_io.py): the term table
+        # [T, 4] = (source, column, length, relative), per-term scales, default_q [n] rad
+        io = runner.io
+        self._terms = np.array([(t.source, t.col, t.length, int(t.relative)) for t in io.terms],
+                               dtype=np.int64).reshape(-1, 4)
+        self._term_scale = np.array([t.scale for t in io.terms], dtype=np.float64)
+        self._default_q = np.ascontiguousarray(io.default_q, dtype=np.float64)
+        ints[I_TERMS], ints[I_NTERMS] = _ptr(self._terms), len(io.terms)
+        ints[I_TERM_SCALE], ints[I_DEFAULT_Q] = _ptr(self._term_scale), _ptr(self._default_q)
+        ints[I_ACT_MODE], ints[I_PREV_COL] = io.mode, io.last_action_col
+        dbls[D_CLIP] = io.action_clip
         for r, robot in enumerate(robots):
             base = I_GLOBAL + r * R_SIZE
             for k_h, buf in ((R_JS_H, robot.joint_states), (R_TG_H, robot.target),

@@ -7,11 +7,13 @@ robot r (its own input buffers, safety filter and command row):
   latency compensation (optional): positions are predicted forward to the time the command
   takes effect, q + v * (observation age + measured compute latency), the horizon in
   [0, max_obs_age] (linear constant-velocity prediction);
-  obs row r [obs_dim] float32 = [positions n | velocities n | target n | previous action A | 0];
+  obs row r [obs_dim] float32 = [positions n | velocities n | target n | previous action A | 0]
+  (the default `obs_layout`; policy_io.py: Isaac Lab terms such as q - default_q, scales);
   SafetyFilter: stale or non-finite observation -> hold (counted);
 then ONE backend step for the batch [B, obs_dim] -> [B, A] (B = R padded to a power of two so
 one captured graph / engine serves; padded rows are zeros); then per robot
-  command [n] rad = positions + action_scale * tanh(actions[r, :n]) -> SafetyFilter (NaN ->
+  command [n] rad = positions + action_scale * tanh(actions[r, :n]) (the default
+  `action_mode`; or Isaac Lab's default_q + scale * a, q + scale * a) -> SafetyFilter (NaN ->
   hold + that robot's recurrent state reset, clamp to the joint limits).
 When no robot has a valid observation the backend is not run. With several robots, a held
 robot's row still goes through the batch step (on its last observation), so its recurrent state
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 
 from kestrel_control.core.double_buffer import LatestValueBuffer
+from kestrel_control.core.policy_io import ACTION_MODES, PolicyIO, RowIO, build_io, check_obs_dim
 from kestrel_control.core.safety import (SafetyCounters, SafetyFilter, SafetyStatus,
                                          validate_limits, validate_plausibility)
 from kestrel_models.control.external import ModelSpec, load_policy
@@ -65,6 +68,11 @@ class RunnerConfig:
     latency_compensation: bool = False  # predict positions forward by age + compute latency
     cache_dir: str = ""  # for exported ONNX files ("" = a temporary directory)
     gpu_programs: int = 64  # cuda_persistent: resident programs (SMs held while ticks come)
+    # what the policy sees and what its actions mean (policy_io.py; defaults: the reference)
+    obs_layout: tuple[str, ...] = ()  # () = joint_pos, joint_vel, target, last_action
+    action_mode: str = ACTION_MODES[0]  # q + scale * tanh(a)
+    action_clip: float = math.inf  # raw actions clamped to +-this first (rsl_rl clip_actions)
+    default_joint_positions: tuple[float, ...] = ()  # [n] rad; () = zeros
 
     def __post_init__(self) -> None:
         lower, upper = validate_limits(self.joint_lower, self.joint_upper)
@@ -85,6 +93,11 @@ class RunnerConfig:
         if not (isinstance(self.gpu_programs, int) and 1 <= self.gpu_programs <= 1024):
             raise ValueError(f"parameter 'gpu_programs' = {self.gpu_programs!r}: 1 to 1024 "
                              "(and at most the GPU's SM count, checked by the backend)")
+        self.obs_layout = tuple(self.obs_layout)
+        self.default_joint_positions = tuple(self.default_joint_positions)
+        # the action mapping now; the layout's sizes once the policy is loaded (check_obs_dim)
+        build_io(self.num_joints, self.num_joints, self.obs_layout, self.action_mode,
+                 self.action_scale, self.action_clip, self.default_joint_positions)
         if self.model is None:
             self.model = ModelSpec(path=self.weights_path, format="state_dict",
                                    config=self.policy, seed=self.seed)
@@ -92,29 +105,6 @@ class RunnerConfig:
     @property
     def num_joints(self) -> int:
         return int(self.joint_lower.shape[0])
-
-
-def check_layout(num_joints: int, obs_dim: int, num_actions: int, source: str,
-                 user_model: bool = False) -> None:
-    """The observation layout needs obs_dim >= 3n + A and A >= n (ValueError otherwise); a
-    user's model file needs A == n exactly: its first n outputs would otherwise be taken as
-    the joints' actions without anything saying that this is what it was trained for."""
-    n = num_joints
-    if n > num_actions:
-        raise ValueError(
-            f"parameter 'num_actions' = {num_actions}: the policy ({source}) outputs "
-            f"{num_actions} actions and the robot has {n} joints (joint_names/joint_lower/"
-            "joint_upper); it needs one action per joint")
-    if user_model and num_actions != n:
-        raise ValueError(
-            f"parameter 'model_path': the policy ({source}) outputs {num_actions} actions "
-            f"and the robot has {n} joints (joint_names/joint_lower/joint_upper); a model "
-            "file needs exactly one action per joint, in joint_names order")
-    needed = 3 * n + num_actions
-    if needed > obs_dim:
-        raise ValueError(
-            f"parameter 'obs_dim' = {obs_dim}: the observation needs 3 * {n} joints + "
-            f"{num_actions} actions = {needed} values ({source})")
 
 
 @dataclass
@@ -132,7 +122,7 @@ class StepInfo:
 class _Robot:
     """Per-robot buffers, preallocated."""
 
-    def __init__(self, cfg: RunnerConfig, counters: Any, obs_row: np.ndarray,
+    def __init__(self, cfg: RunnerConfig, io: PolicyIO, counters: Any, obs_row: np.ndarray,
                  act_row: np.ndarray, buffers: tuple[Any, Any] | None = None) -> None:
         n = cfg.num_joints
         self.safety = SafetyFilter(cfg.joint_lower, cfg.joint_upper, cfg.max_obs_age_s, counters,
@@ -155,9 +145,8 @@ class _Robot:
         self.predicted = np.zeros(n)  # vel * ahead, rad (latency compensation, no temporary)
         self.info = StepInfo()
         self.obs, self.act = obs_row, act_row  # views into the backend's static buffers
-        self.obs_inputs = obs_row[:3 * n].reshape(3, n)  # view: [pos | vel | target] float32
-        self.prev_act = obs_row[3 * n:3 * n + act_row.shape[0]]  # view: previous action
-        self.act_n = act_row[:n]
+        # the obs row's terms from `inputs`, the command from the actions, the previous action
+        self.io = RowIO(io, self.inputs, obs_row, act_row)
         self.zeros_a = np.zeros(act_row.shape[0], dtype=act_row.dtype)  # finite check of act
 
 
@@ -176,13 +165,19 @@ class PolicyRunner:
         torch.set_num_threads(1)  # process-wide: one intra-op thread, no pool wake-ups
         self.policy = load_policy(config.model)
         n = config.num_joints
-        check_layout(n, self.policy.obs_dim, self.policy.num_actions, self.policy.source,
-                     user_model=self.policy.source.startswith(("TorchScript", "ONNX")))
+        self.io = build_io(n, self.policy.num_actions, config.obs_layout, config.action_mode,
+                           config.action_scale, config.action_clip,
+                           config.default_joint_positions)
+        check_obs_dim(self.io, n, self.policy.obs_dim, self.policy.num_actions,
+                      self.policy.source,
+                      user_model=self.policy.source.startswith(("TorchScript", "ONNX")))
         self.num_joints, self.num_actions = n, self.policy.num_actions
         self.num_robots = config.num_robots
         self.batch = padded_batch(config.num_robots)
+        # the in-graph command computes q + scale * tanh(a) from obs[:, :n]: only then
         post = PostSpec(n, tuple(config.joint_lower), tuple(config.joint_upper),
-                        float(config.action_scale)) if config.backend in POST_BACKENDS else None
+                        float(config.action_scale)) if (config.backend in POST_BACKENDS
+                                                        and self.io.is_reference) else None
         self.backend: PolicyBackend = create_backend(
             config.backend, self.policy, self.batch, cache_dir=config.cache_dir,
             warmup_steps=0, post=post, programs=config.gpu_programs)
@@ -192,7 +187,7 @@ class PolicyRunner:
         self.device = self.backend.device
         self.counters = counters if counters is not None else SafetyCounters()
         obs, act = self.backend.obs_np, self.backend.act_np  # [B, obs_dim], [B, A] float32
-        self.robots = [_Robot(config, self.counters, obs[r], act[r],
+        self.robots = [_Robot(config, self.io, self.counters, obs[r], act[r],
                               None if buffers is None else buffers[r])
                        for r in range(self.num_robots)]
         first = self.robots[0]
@@ -201,7 +196,6 @@ class PolicyRunner:
         self.info = first.info
         self._obs = first.obs  # robot 0's observation row [obs_dim] (tests)
         self.commands = np.zeros((self.num_robots, n))  # rad, one row per robot
-        self._o_vel, self._o_tgt, self._o_act = n, 2 * n, 3 * n
         # [EMA of the backend step time, last step time], s; an array: the C tick updates it
         self._lat = np.zeros(2)
         # per robot: version of the target now in its `inputs` (0 = none: zeros)
@@ -252,7 +246,7 @@ class PolicyRunner:
     def reset_recurrent(self, index: int = 0) -> None:
         """Zero robot `index`'s recurrent state and previous action; keep its last command."""
         self.backend.reset_state(index)
-        self.robots[index].obs[self._o_act:self._o_act + self.num_actions] = 0.0
+        self.robots[index].io.clear_prev()
 
     # ---- per tick --------------------------------------------------------------------------
     def _infer(self) -> None:
@@ -302,8 +296,8 @@ class PolicyRunner:
             np.multiply(robot.vel, ahead, out=robot.predicted)
             robot.pos += robot.predicted
             info.predicted_s = ahead
-        np.copyto(robot.obs_inputs, robot.inputs)  # obs[:3n] = [pos | vel | target], float32
-        # obs[3n : 3n + A] already holds the previous action (written below / by reset).
+        robot.io.write_obs()  # the layout's input terms, float32
+        # the previous action's columns hold it already (written below / by reset)
         return True
 
     def _finish(self, index: int) -> None:
@@ -311,16 +305,13 @@ class PolicyRunner:
         if self._post is not None:  # command, clamp and finite check computed in the graph
             self._finish_post(index, robot)
             return
-        # tanh in float64 (the C tick's too: glibc's and numpy's float32 tanh differ by ulps)
-        np.tanh(robot.act_n, out=robot.proposed, dtype=np.float64)
-        robot.proposed *= self.config.action_scale
-        robot.proposed += robot.pos
+        robot.io.propose(robot.pos, robot.proposed)  # float64, as the C tick
         if not math.isfinite(robot.act.dot(robot.zeros_a)):  # a NaN/inf action: rejected below
             robot.proposed.fill(math.nan)
         command = self.commands[index]
         status = robot.safety.filter_command(command, robot.proposed, robot.pos)
         if status is SafetyStatus.OK:
-            np.copyto(robot.prev_act, robot.act)
+            robot.io.store_prev()
             robot.info.valid = True
         else:  # non-finite policy output: drop the recurrent state, it may be poisoned
             self.reset_recurrent(index)
@@ -336,7 +327,7 @@ class PolicyRunner:
             robot.proposed.fill(math.nan)
             status = robot.safety.filter_command(command, robot.proposed, robot.pos)
         if status is SafetyStatus.OK:
-            np.copyto(robot.prev_act, robot.act)
+            robot.io.store_prev()
             robot.info.valid = True
         else:
             self.reset_recurrent(index)
