@@ -182,3 +182,63 @@ def test_state_dict_plus_config(tmp_path: Path) -> None:
         torch.testing.assert_close(got, ref.step(XS[0], h, c)[0], atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="'weights_path'.*does not match the policy dims"):
         load_policy(ModelSpec(path=str(path), config=PolicyConfig.tiny(obs_dim=OBS + 1)))
+
+
+class RslRlRecurrentExport(nn.Module):
+    """Isaac Lab's rsl_rl `_TorchPolicyExporter` for an LSTM policy: the state lives in
+    buffers [layers, 1, H] that forward updates and the exported reset() zeroes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.rnn = nn.LSTM(OBS, H)
+        self.actor = nn.Linear(H, ACT)
+        self.register_buffer("hidden_state", torch.zeros(1, 1, H))
+        self.register_buffer("cell_state", torch.zeros(1, 1, H))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, (h, c) = self.rnn(x.unsqueeze(0), (self.hidden_state, self.cell_state))
+        self.hidden_state[:] = h
+        self.cell_state[:] = c
+        return self.actor(x.squeeze(0))
+
+    @torch.jit.export
+    def reset(self) -> None:
+        self.hidden_state[:] = 0.0
+        self.cell_state[:] = 0.0
+
+
+def _fresh_outputs(xs) -> list[torch.Tensor]:
+    """The export's outputs from a zero state (a fresh module with the same weights)."""
+    ref = RslRlRecurrentExport().eval()
+    with torch.no_grad():
+        return [ref(x) for x in xs]
+
+
+def _rsl_rl_policy(tmp_path: Path):
+    path = tmp_path / "policy.pt"
+    torch.jit.script(RslRlRecurrentExport().eval()).save(str(path))
+    return load_policy(ModelSpec(path=str(path), obs_dim=OBS))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rsl_rl_internal_state_is_reset(tmp_path: Path, device: str) -> None:
+    """Warm-up (and the loader's probe call) must not leave state behind, and reset_state must
+    zero the file's own buffers: else a NaN once would hold the robot for good. On CUDA through
+    the captured graph (the reset writes the buffers the graph reads, in place)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    policy = _rsl_rl_policy(tmp_path)
+    assert policy.state_shapes == () and "reset" in policy.extra
+    backend = create_backend("cpu_eager" if device == "cpu" else "cuda_graph", policy, 1)
+    want = _fresh_outputs(XS)
+    tol = {"atol": 1e-6 if device == "cpu" else 1e-4, "rtol": 0}
+    for a, w in zip(run_steps(backend, XS), want, strict=True):  # after warm-up's reset
+        torch.testing.assert_close(a, w, **tol)
+    backend.reset_state(0)
+    for a, w in zip(run_steps(backend, XS), want, strict=True):  # after a reset
+        torch.testing.assert_close(a, w, **tol)
+    with pytest.raises(ValueError, match=r"parameter 'robots': 2 robots .* own buffers"):
+        create_backend("cpu_eager", policy, 2)
+    with pytest.raises(BackendUnavailable, match=r"own buffers.*policy.onnx"):
+        create_backend("onnxruntime", policy, 1, cache_dir=str(tmp_path))

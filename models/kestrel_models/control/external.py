@@ -9,6 +9,12 @@ parameter and the value, at configure time.
 
 TorchScript contract: `module(obs, *state_in) -> actions` (no state) or
 `(actions, *state_out)` (state names given). Its dims are found by a probe call on zeros.
+
+A recurrent policy.pt from Isaac Lab's rsl_rl exporter keeps its state INSIDE the module (buffers
+hidden_state / cell_state [layers, 1, H], updated by forward, zeroed by its exported `reset()`).
+Such a file (one with a `reset` method) is loaded as stateless I/O whose state the backends
+still reset: after warm-up, at activation and after a non-finite action (which would otherwise
+poison the state for good). Its buffers hold one robot, so it refuses a batch of more than one.
 """
 
 from __future__ import annotations
@@ -72,6 +78,16 @@ class _Scripted(nn.Module):
         out = self.inner(obs, *states)
         return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 
+    @property
+    def has_internal_state(self) -> bool:
+        """The file keeps a recurrent state in its own buffers (rsl_rl's export: `reset()`)."""
+        return hasattr(self.inner, "reset")
+
+    def reset_internal(self) -> None:
+        """Zero the file's own recurrent state in place (the buffers a captured CUDA graph
+        reads keep their addresses)."""
+        self.inner.reset()
+
 
 def _check_dims(spec: ModelSpec, obs_dim: int, num_actions: int) -> None:
     if spec.obs_dim and obs_dim != spec.obs_dim:
@@ -110,11 +126,15 @@ def _load_torchscript(spec: ModelSpec) -> StepPolicy:
                    f"{tuple(out[0].shape)}); expected actions [1, A] + {len(shapes)} states")
     num_actions = int(out[0].shape[1])
     _check_dims(spec, spec.obs_dim, num_actions)
+    extra = {}
+    if wrapped.has_internal_state:
+        wrapped.reset_internal()  # the probe call stepped it
+        extra = {"reset": wrapped.reset_internal, "max_batch": 1}
     return StepPolicy(
         obs_dim=spec.obs_dim, num_actions=num_actions, module=wrapped, state_shapes=shapes,
         state_batch_dims=tuple(_batch_dim(s) for s in shapes), obs_name=spec.obs_name,
         actions_name=spec.actions_name, state_in_names=spec.state_in_names,
-        state_out_names=spec.state_out_names, source=f"TorchScript {spec.path}")
+        state_out_names=spec.state_out_names, source=f"TorchScript {spec.path}", extra=extra)
 
 
 def _load_onnx(spec: ModelSpec) -> StepPolicy:

@@ -211,6 +211,11 @@ class TorchBackend(PolicyBackend):
         if policy.module is None:
             raise BackendUnavailable(f"parameter 'backend' = {name!r}: needs a torch model "
                                      f"(got {policy.source}); use 'onnxruntime' for ONNX files")
+        if batch > policy.extra.get("max_batch", batch):
+            raise ValueError(f"parameter 'robots': {batch} robots in one batch, and the policy "
+                             f"({policy.source}) keeps the recurrent state of one robot in its "
+                             "own buffers (rsl_rl's policy.pt); run one robot per node, or "
+                             "export the state as inputs/outputs (policy.onnx: h_in, c_in)")
         module = policy.fused_module if fn is None and policy.fused_module is not None \
             else policy.module
         self.fn = fn if fn is not None else module
@@ -241,6 +246,9 @@ class TorchBackend(PolicyBackend):
                     state.zero_()
                 else:
                     state.select(self.policy.state_batch_dims[i], index).zero_()
+            reset = self.policy.extra.get("reset")
+            if reset is not None:  # the file's own state (one robot: index is 0 or None)
+                reset()
 
 
 class CudaGraphBackend(TorchBackend):
@@ -392,6 +400,11 @@ def export_onnx(policy: StepPolicy, batch: int, cache_dir: str = "") -> str:
     """Export `policy.module` (the step, states as extra I/O) to ONNX at a fixed batch."""
     if policy.module is None:
         raise BackendUnavailable("no torch module to export to ONNX")
+    if "reset" in policy.extra:  # an ONNX graph would freeze the buffers as constants
+        raise BackendUnavailable(
+            f"parameter 'backend': {policy.source} keeps its recurrent state in its own buffers "
+            "(rsl_rl's policy.pt), which an ONNX export would freeze; give the ONNX file "
+            "(policy.onnx, state as h_in/c_in) as model_path, or use a torch backend")
     directory = cache_dir or tempfile.mkdtemp(prefix="kestrel_policy_")
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"policy_step_b{batch}.onnx")
