@@ -421,7 +421,7 @@ def bench_loop(backend: str, rate: float, cycles: int, mode: str, args, cache: s
         }
         if args.out:  # per-cycle trace for offline analysis of the tail (float32 us)
             np.savez_compressed(Path(args.out).with_suffix("").as_posix()
-                                + f"_trace_{backend}_{mode}.npz",
+                                + f"_trace_{backend.replace('+', '_')}_{mode}.npz",
                                 wake_us=(wake * 1e6).astype(np.float32),
                                 step_us=(lat * 1e6).astype(np.float32))
         if proc is not None:
