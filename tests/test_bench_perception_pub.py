@@ -139,3 +139,20 @@ def test_per_sensor_processes_stamp_every_message_with_the_trigger_time(probe, e
         assert {(m.height, m.width, m.encoding, m.header.frame_id) for m in imgs} == {
             (64, 64, "rgb8", f"cam{c}_optical")}
         assert {m.header.frame_id for m in cols[f"info{c}"].snapshot()} == {f"cam{c}_optical"}
+
+
+def test_messages_in_latency_leaves_out_the_drivers_lateness() -> None:
+    """summarise: per frame, result receipt - (trigger + the set's publish() start lateness);
+    the trigger-based latency stays as it was."""
+    from bench_perception_node import summarise
+
+    st = trigger_schedule(START, 100_000_000, 3)
+    rows = [{"stamp_ns": s, "recv_ns": s + (10 + k) * 1_000_000, "node_latency_s": 5e-3,
+             "detections": 1, "timings": {"input_age": 3e-3}} for k, s in enumerate(st)]
+    out = summarise(rows, st, [1e-3] * 3, "per-sensor", [1e-3, 2e-3, 0.5e-3],
+                    {"0": [1e-3] * 3})
+    assert out["latency_ms"]["max"] == pytest.approx(12.0)
+    got = sorted([10.0 - 1.0, 11.0 - 2.0, 12.0 - 0.5])
+    assert out["latency_from_publish_ms"]["max"] == pytest.approx(got[-1])
+    assert out["latency_from_publish_ms"]["p50"] == pytest.approx(got[1])
+    assert "latency_from_publish_ms" not in summarise(rows, st, [1e-3] * 3)  # one publisher
