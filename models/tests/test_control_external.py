@@ -184,57 +184,71 @@ def test_state_dict_plus_config(tmp_path: Path) -> None:
         load_policy(ModelSpec(path=str(path), config=PolicyConfig.tiny(obs_dim=OBS + 1)))
 
 
-class RslRlRecurrentExport(nn.Module):
-    """Isaac Lab's rsl_rl `_TorchPolicyExporter` for an LSTM policy: the state lives in
-    buffers [layers, 1, H] that forward updates and the exported reset() zeroes."""
+class RslRlStyleExport(nn.Module):
+    """Written the way Isaac Lab's rsl_rl exporter (`_TorchPolicyExporter`) writes policy.pt:
+    the class has a feed-forward `forward` and an exported no-op `reset`; for a recurrent
+    policy __init__ registers state buffers [layers, 1, H] and binds `forward` and `reset` to
+    the LSTM versions on the instance (scripting keeps that forward but not that reset)."""
 
-    def __init__(self) -> None:
+    def __init__(self, recurrent: bool) -> None:
         super().__init__()
         torch.manual_seed(7)
         self.rnn = nn.LSTM(OBS, H)
-        self.actor = nn.Linear(H, ACT)
-        self.register_buffer("hidden_state", torch.zeros(1, 1, H))
-        self.register_buffer("cell_state", torch.zeros(1, 1, H))
+        self.actor = nn.Linear(H if recurrent else OBS, ACT)
+        if recurrent:
+            self.register_buffer("hidden_state", torch.zeros(1, 1, H))
+            self.register_buffer("cell_state", torch.zeros(1, 1, H))
+            self.forward = self.forward_lstm
+            self.reset = self.reset_memory
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_lstm(self, x: torch.Tensor) -> torch.Tensor:
         x, (h, c) = self.rnn(x.unsqueeze(0), (self.hidden_state, self.cell_state))
         self.hidden_state[:] = h
         self.cell_state[:] = c
         return self.actor(x.squeeze(0))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.actor(x)
+
     @torch.jit.export
     def reset(self) -> None:
+        pass
+
+    def reset_memory(self) -> None:
         self.hidden_state[:] = 0.0
         self.cell_state[:] = 0.0
 
 
-def _fresh_outputs(xs) -> list[torch.Tensor]:
-    """The export's outputs from a zero state (a fresh module with the same weights)."""
-    ref = RslRlRecurrentExport().eval()
+def _fresh_outputs(xs, recurrent: bool = True) -> list[torch.Tensor]:
+    """The export's outputs from its load-time (zero) state: a fresh module, same weights."""
+    ref = RslRlStyleExport(recurrent).eval()
     with torch.no_grad():
         return [ref(x) for x in xs]
 
 
-def _rsl_rl_policy(tmp_path: Path):
+def _rsl_rl_policy(tmp_path: Path, recurrent: bool = True):
     path = tmp_path / "policy.pt"
-    torch.jit.script(RslRlRecurrentExport().eval()).save(str(path))
+    torch.jit.script(RslRlStyleExport(recurrent).eval()).save(str(path))
     return load_policy(ModelSpec(path=str(path), obs_dim=OBS))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_rsl_rl_internal_state_is_reset(tmp_path: Path, device: str) -> None:
     """Warm-up (and the loader's probe call) must not leave state behind, and reset_state must
-    zero the file's own buffers: else a NaN once would hold the robot for good. On CUDA through
-    the captured graph (the reset writes the buffers the graph reads, in place)."""
+    restore the file's own buffers: else a NaN once would hold the robot for good. On CUDA
+    through the captured graph (the reset writes the buffers the graph reads, in place)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     policy = _rsl_rl_policy(tmp_path)
     assert policy.state_shapes == () and "reset" in policy.extra
+    assert policy.extra["state_buffers"] == ["hidden_state", "cell_state"]
     backend = create_backend("cpu_eager" if device == "cpu" else "cuda_graph", policy, 1)
     want = _fresh_outputs(XS)
     tol = {"atol": 1e-6 if device == "cpu" else 1e-4, "rtol": 0}
-    for a, w in zip(run_steps(backend, XS), want, strict=True):  # after warm-up's reset
+    got = run_steps(backend, XS)  # after warm-up's reset
+    for a, w in zip(got, want, strict=True):
         torch.testing.assert_close(a, w, **tol)
+    assert not torch.allclose(got[0], got[1])  # the state did carry over between steps
     backend.reset_state(0)
     for a, w in zip(run_steps(backend, XS), want, strict=True):  # after a reset
         torch.testing.assert_close(a, w, **tol)
@@ -242,3 +256,18 @@ def test_rsl_rl_internal_state_is_reset(tmp_path: Path, device: str) -> None:
         create_backend("cpu_eager", policy, 2)
     with pytest.raises(BackendUnavailable, match=r"own buffers.*policy.onnx"):
         create_backend("onnxruntime", policy, 1, cache_dir=str(tmp_path))
+
+
+def test_rsl_rl_feedforward_export_is_stateless(tmp_path: Path) -> None:
+    """The feed-forward export's no-op reset() says nothing about state: no buffers change, so
+    the file batches several robots and exports to ONNX like any other."""
+    pytest.importorskip("onnxruntime")
+    policy = _rsl_rl_policy(tmp_path, recurrent=False)
+    assert "reset" not in policy.extra
+    want = _fresh_outputs(XS, recurrent=False)
+    for name in ("cpu_eager", "onnxruntime"):
+        backend = create_backend(name, policy, 2, cache_dir=str(tmp_path))
+        for x, w in zip(XS, want, strict=True):
+            backend.obs_host.copy_(torch.cat([x, x]))
+            backend.step()
+            torch.testing.assert_close(backend.act_host[1:], w, atol=1e-5, rtol=0)

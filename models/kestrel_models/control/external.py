@@ -10,11 +10,15 @@ parameter and the value, at configure time.
 TorchScript contract: `module(obs, *state_in) -> actions` (no state) or
 `(actions, *state_out)` (state names given). Its dims are found by a probe call on zeros.
 
-A recurrent policy.pt from Isaac Lab's rsl_rl exporter keeps its state INSIDE the module (buffers
-hidden_state / cell_state [layers, 1, H], updated by forward, zeroed by its exported `reset()`).
-Such a file (one with a `reset` method) is loaded as stateless I/O whose state the backends
-still reset: after warm-up, at activation and after a non-finite action (which would otherwise
-poison the state for good). Its buffers hold one robot, so it refuses a batch of more than one.
+A recurrent policy.pt from Isaac Lab's rsl_rl exporter keeps its state INSIDE the module: buffers
+hidden_state / cell_state [layers, 1, H] that forward writes. (Its `reset()` cannot be relied on:
+the exporter binds it per instance, which scripting drops; the feed-forward export has a no-op
+`reset()`.) So a file is taken as internally stateful when a probe call changes one of its
+buffers, or when it has buffers of those names; the backends then restore those buffers to
+their values at load time (zeros), in place: after warm-up, at activation and after a
+non-finite action, which would otherwise poison the state for good. Such buffers hold one robot,
+so the file refuses a batch of more than one, and an ONNX export of it (which would freeze
+them as constants).
 """
 
 from __future__ import annotations
@@ -78,15 +82,36 @@ class _Scripted(nn.Module):
         out = self.inner(obs, *states)
         return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 
-    @property
-    def has_internal_state(self) -> bool:
-        """The file keeps a recurrent state in its own buffers (rsl_rl's export: `reset()`)."""
-        return hasattr(self.inner, "reset")
+    def track_state(self, names: list[str], initial: list[torch.Tensor]) -> None:
+        """Buffers `names` of the file hold a recurrent state; `initial`: their load-time
+        values (CPU)."""
+        self._state_names, self._state_initial = list(names), list(initial)
 
     def reset_internal(self) -> None:
-        """Zero the file's own recurrent state in place (the buffers a captured CUDA graph
-        reads keep their addresses)."""
-        self.inner.reset()
+        """Restore the file's own recurrent state buffers in place: the tensors a captured
+        CUDA graph reads keep their addresses (looked up now: .cuda() replaced the objects)."""
+        buffers = dict(self.inner.named_buffers())
+        with torch.no_grad():
+            for name, value in zip(self._state_names, self._state_initial, strict=True):
+                buffers[name].copy_(value)
+
+
+STATE_BUFFER_NAMES = ("hidden_state", "cell_state")  # rsl_rl's recurrent export
+
+
+def _internal_state(module: nn.Module, before: dict[str, torch.Tensor], probe
+                    ) -> tuple[list[str], list[torch.Tensor]]:
+    """(names, load-time values) of the buffers that the calls so far and a probe call changed
+    (against `before`, taken at load) or that are named as rsl_rl's recurrent state; those
+    buffers are restored to their load-time values."""
+    probe()
+    buffers = dict(module.named_buffers())
+    names = [name for name, b in buffers.items()
+             if name.rsplit(".", 1)[-1] in STATE_BUFFER_NAMES or not torch.equal(b, before[name])]
+    with torch.no_grad():
+        for name in names:
+            buffers[name].copy_(before[name])
+    return names, [before[name] for name in names]
 
 
 def _check_dims(spec: ModelSpec, obs_dim: int, num_actions: int) -> None:
@@ -115,6 +140,7 @@ def _load_torchscript(spec: ModelSpec) -> StepPolicy:
         raise _err("model_state_shapes", [list(s) for s in shapes],
                    f"needs one shape per state input {list(spec.state_in_names)}")
     wrapped = _Scripted(module).eval()
+    loaded = {name: b.detach().clone() for name, b in module.named_buffers()}  # before any call
     try:
         with torch.no_grad():
             out = wrapped(torch.zeros(1, spec.obs_dim), *(torch.zeros(s) for s in shapes))
@@ -126,10 +152,20 @@ def _load_torchscript(spec: ModelSpec) -> StepPolicy:
                    f"{tuple(out[0].shape)}); expected actions [1, A] + {len(shapes)} states")
     num_actions = int(out[0].shape[1])
     _check_dims(spec, spec.obs_dim, num_actions)
+    # a probe on random observations (zeros might leave a state unchanged) finds the buffers
+    # that forward writes: the file's own recurrent state
+    g = torch.Generator().manual_seed(0)
+    obs = torch.randn(1, spec.obs_dim, generator=g)
+
+    def probe() -> None:
+        with torch.no_grad():
+            wrapped(obs, *(torch.randn(s, generator=g) for s in shapes))
+
+    names, initial = _internal_state(module, loaded, probe)
     extra = {}
-    if wrapped.has_internal_state:
-        wrapped.reset_internal()  # the probe call stepped it
-        extra = {"reset": wrapped.reset_internal, "max_batch": 1}
+    if names:
+        wrapped.track_state(names, initial)
+        extra = {"reset": wrapped.reset_internal, "max_batch": 1, "state_buffers": names}
     return StepPolicy(
         obs_dim=spec.obs_dim, num_actions=num_actions, module=wrapped, state_shapes=shapes,
         state_batch_dims=tuple(_batch_dim(s) for s in shapes), obs_name=spec.obs_name,

@@ -32,6 +32,8 @@ ISAAC_DIM = N + N + 3 + N
     ({"obs_layout": ["joint_vel*x"]}, r"'obs_layout' = 'joint_vel\*x': scale 'x'"),
     ({"obs_layout": ["joint_vel*0"]}, r"'obs_layout' = 'joint_vel\*0': the scale must"),
     ({"obs_layout": ["zeros:0"]}, r"'obs_layout' = 'zeros:0'"),
+    ({"obs_layout": ["zeros:\u00b2"]}, r"'obs_layout' = 'zeros:\u00b2'"),
+    ({"obs_layout": ["joint_pos*"]}, r"'obs_layout' = 'joint_pos\*': 'name\*' needs a scale"),
     ({"obs_layout": ["last_action*2"]}, r"last_action takes no scale"),
     ({"obs_layout": ["joint_pos", "joint_pos"]}, r"term 'joint_pos' appears twice"),
     ({"action_mode": "absolute"}, r"'action_mode' = 'absolute': must be one of"),

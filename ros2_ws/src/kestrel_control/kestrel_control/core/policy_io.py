@@ -92,14 +92,16 @@ def _parse_term(text: str, n: int, num_actions: int) -> tuple[str, int, int, boo
     layout = "obs_layout"
     if text.startswith("zeros:"):
         k = text[len("zeros:"):]
-        if not (k.isdigit() and int(k) >= 1):
+        if not (k.isascii() and k.isdigit() and int(k) >= 1):
             raise _err(layout, text, "zeros:K needs a whole number K >= 1 of zero columns")
         return "zeros", SRC_ZEROS, int(k), False, 1.0
-    name, _, scale_text = text.partition("*")
+    name, star, scale_text = text.partition("*")
     if name not in TERMS:
         raise _err(layout, text, f"unknown term {name!r}; terms: {sorted(TERMS)}, "
                    "'name*scale' or 'zeros:K'")
     scale = 1.0
+    if star and not scale_text:
+        raise _err(layout, text, "'name*' needs a scale after the '*'")
     if scale_text:
         try:
             scale = float(scale_text)
@@ -193,8 +195,10 @@ class RowIO:
         # the reference layout: one copy of [pos | vel | target] (the C tick writes the same)
         self._block = obs_row[:3 * n].reshape(3, n) if io.is_reference else None
         self._inputs = inputs
+        # (source [n], obs columns [n], offset [n] or None, scale): a plain term is one copy
+        # (the C tick's (x - 0) * 1 is the same value)
         self._copies = [(inputs[t.source], obs_row[t.col:t.col + n],
-                         io.default_q if t.relative else self._zeros, t.scale)
+                         io.default_q if t.relative else None, t.scale)
                         for t in io.terms if t.source in (SRC_POS, SRC_VEL, SRC_TARGET)]
         col = io.last_action_col
         self.prev_act = obs_row[col:col + act_row.shape[0]] if col >= 0 else None
@@ -208,7 +212,10 @@ class RowIO:
             return
         tmp = self._tmp
         for src, dst, off, scale in self._copies:
-            np.subtract(src, off, out=tmp)
+            if off is None and scale == 1.0:
+                np.copyto(dst, src)  # float64 -> float32
+                continue
+            np.subtract(src, self._zeros if off is None else off, out=tmp)
             np.multiply(tmp, scale, out=tmp)
             np.copyto(dst, tmp)
 
@@ -218,7 +225,9 @@ class RowIO:
         a = self.act_n
         if self._clip:
             np.copyto(self._a64, self._act_row)
-            np.clip(self._a64, self._lo, self._hi, out=self._a64)
+            # maximum then minimum, as np.clip and the C tick (np.clip's wrapper: +1.3 us)
+            np.maximum(self._a64, self._lo, out=self._a64)
+            np.minimum(self._a64, self._hi, out=self._a64)
             a = self._a64_n
         if io.mode == MODE_DELTA_TANH:
             # tanh in float64 (the C tick's too: glibc's and numpy's float32 tanh differ)
