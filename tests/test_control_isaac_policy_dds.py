@@ -1,7 +1,7 @@
 """An Isaac Lab style policy file in the control node over DDS: the observation terms and the
-action mapping come from parameters (obs_layout, action_mode, action_scale, action_clip,
-default_joint_positions), in the loop process with its C tick; a layout that does not cover the
-file's input fails configure, named."""
+action mapping come from parameters (obs_layout, action_mode, action_scales, action_clip,
+default_joint_positions), in the loop process with its C tick; a layout that does not cover
+the file's input fails configure, named."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ DQ = np.array([0.0, -0.5, 1.0, 0.0, 0.5, 0.0])  # default joint positions, rad
 Q = np.array([0.3, -0.2, 0.9, -0.4, 0.6, 0.1])  # positions sent, rad (velocities 0)
 BIAS = np.array([0.2, -0.4, 3.0, 0.6, -2.5, 1.0], np.float32)  # |a| > 1: clip_actions acts
 SCALE, CLIP = 0.5, 1.0
+SCALES = np.array([0.5, 0.5, 0.4, 0.5, 0.3, 0.5])  # action_scales: per joint (a scale dict)
 LAYOUT = ["joint_pos_rel", "joint_vel", "last_action"]  # mdp.joint_pos_rel, joint_vel_rel, ...
 
 
@@ -49,7 +50,7 @@ def _params(path, **extra) -> dict:
             "max_obs_age": 0.05, "joint_lower": LOWER, "joint_upper": UPPER,
             "model_path": str(path), "backend": "onnxruntime", "obs_dim": 3 * N,
             "loop_mode": "process", "obs_layout": LAYOUT, "action_mode": "position_offset",
-            "action_scale": SCALE, "action_clip": CLIP,
+            "action_scale": SCALE, "action_scales": SCALES.tolist(), "action_clip": CLIP,
             "default_joint_positions": DQ.tolist()} | extra
 
 
@@ -78,7 +79,7 @@ def test_isaac_lab_mapping_commands_default_q_plus_scaled_clipped_action(
         stop.set()
         thread.join(2.0)
     a = 0.1 * (Q - DQ).astype(np.float32) + BIAS  # float32, as the file computes it
-    expected = np.clip(DQ + SCALE * np.clip(a.astype(np.float64), -CLIP, CLIP), LOWER, UPPER)
+    expected = np.clip(DQ + SCALES * np.clip(a.astype(np.float64), -CLIP, CLIP), LOWER, UPPER)
     assert expected[5] == 0.2  # clamped at wrist_3's limit
     for msg in msgs[-10:]:
         assert list(msg.name) == JOINTS

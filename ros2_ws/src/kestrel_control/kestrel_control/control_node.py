@@ -97,9 +97,9 @@ class ControlNode(KestrelLifecycleNode):
         for name in ("joint_lower", "joint_upper"):
             if len(values[name]) != n:
                 raise ParamError(name, values[name], f"needs one value per joint ({n})")
-        if values["default_joint_positions"] and len(values["default_joint_positions"]) != n:
-            raise ParamError("default_joint_positions", values["default_joint_positions"],
-                             f"needs one value per joint ({n}) or none")
+        for name in ("default_joint_positions", "action_scales"):
+            if values[name] and len(values[name]) != n:
+                raise ParamError(name, values[name], f"needs one value per joint ({n}) or none")
         limits = zip(values["joint_lower"], values["joint_upper"], strict=True)
         for i, (lo, hi) in enumerate(limits):
             if lo > hi:
@@ -143,7 +143,8 @@ class ControlNode(KestrelLifecycleNode):
                 latency_compensation=p["latency_compensation"], gpu_programs=p["gpu_programs"],
                 obs_layout=tuple(p["obs_layout"]), action_mode=p["action_mode"],
                 action_clip=p["action_clip"] or math.inf,
-                default_joint_positions=tuple(p["default_joint_positions"]))
+                default_joint_positions=tuple(p["default_joint_positions"]),
+                action_scales=tuple(p["action_scales"]))
             self.loop_mode = resolve_loop_mode(p["loop_mode"], p["backend"], p["rt_priority"])
             if self.loop_mode == "process":
                 self._proc = LoopProcess(

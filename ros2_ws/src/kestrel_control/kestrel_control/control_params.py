@@ -51,6 +51,9 @@ SPECS = [
               "RelativeJointPositionAction); position_offset default_q + scale*a (Isaac Lab "
               "JointPositionAction, use_default_offset).", choices=ACTION_MODES,
               read_only=True),
+    ParamSpec("action_scales", [], "Per-joint action scales, joint_names order (Isaac Lab's "
+              "scale dict); empty = action_scale for every joint.", min=1e-6, max=10.0,
+              element_type=float, read_only=True),
     ParamSpec("action_clip", 0.0, "Raw actions clamped to [-c, c] before the mapping and the "
               "last_action term (rsl_rl's clip_actions); 0 = off.", min=0.0, max=1e6,
               read_only=True),

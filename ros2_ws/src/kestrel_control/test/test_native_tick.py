@@ -220,7 +220,8 @@ MAPPINGS = {
     "isaac_offset": {"obs_layout": ("joint_pos_rel", "joint_vel*0.05", "zeros:3", "target_rel",
                                     "last_action"),
                      "action_mode": "position_offset", "action_scale": 5.0, "action_clip": 0.1,
-                     "default_joint_positions": (0.4, -0.4, 0.0, 0.2, -0.1, 0.3)},
+                     "default_joint_positions": (0.4, -0.4, 0.0, 0.2, -0.1, 0.3),
+                     "action_scales": (5.0, 4.0, 6.0, 5.0, 3.0, 5.5)},
     "delta_no_last_action": {"obs_layout": ("joint_vel", "joint_pos*2.0"),
                              "action_mode": "position_delta", "action_scale": 0.3},
 }

@@ -41,6 +41,8 @@ ISAAC_DIM = N + N + 3 + N
     ({"action_clip": math.nan}, r"'action_clip' = nan"),
     ({"default_joint_positions": [0.1, 0.2]}, r"'default_joint_positions' = \[0.1, 0.2\]: "
                                               r"needs 4 finite values"),
+    ({"action_scales": [0.5, 0.5, -1.0, 0.5]}, r"'action_scales' = \[0.5, 0.5, -1.0, 0.5\]: "
+                                               r"needs 4 finite values > 0"),
 ])
 def test_bad_parameters_name_themselves(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -56,6 +58,7 @@ def test_default_is_the_reference_layout() -> None:
     assert io.last_action_col == 3 * N and not io.explicit
     assert not build_io(N, N, action_mode="position_offset").is_reference
     assert not build_io(N, N, action_clip=1.0).is_reference
+    assert not build_io(N, N, action_scales=[0.05] * N).is_reference
     assert not build_io(N, N, obs_layout=["joint_pos", "joint_vel*2", "target",
                                           "last_action"]).is_reference
 
@@ -90,6 +93,11 @@ def test_row_arithmetic() -> None:
     np.testing.assert_array_equal(obs[2 * N + 3:], clipped.astype(np.float32))
     row.clear_prev()
     assert (obs[2 * N + 3:] == 0.0).all()
+    scales = np.array([0.5, 0.25, 1.0, 2.0])
+    row = RowIO(build_io(N, N, ISAAC, "position_offset", 9.0, 1.0, DQ, scales), inputs, obs,
+                act)
+    row.propose(inputs[0], out)
+    np.testing.assert_array_equal(out, clipped * scales + DQ)  # per joint; action_scale unused
     for mode, expected in (("position_delta", act * 0.5 + inputs[0]),
                            ("position_delta_tanh", np.tanh(act.astype(np.float64)) * 0.5
                             + inputs[0])):

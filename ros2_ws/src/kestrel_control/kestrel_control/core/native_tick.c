@@ -27,13 +27,13 @@ enum {
     I_POST_STRIDE, I_LAT, I_COMPENSATE, I_CLAMP_CTR, I_CMD_CTR, I_AUX_LAT, I_EFD, I_MB_CTRL,
     I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_READ_NS, I_SPIN_NS, I_LATE_T0, I_GRAPH_EXEC,
     I_STREAM, I_CU_CTX, I_PLAUS_C, I_PLAUS_H, I_TERMS, I_NTERMS, I_TERM_SCALE, I_DEFAULT_Q,
-    I_ACT_MODE, I_PREV_COL, I_GLOBAL
+    I_ACT_MODE, I_PREV_COL, I_SCALES, I_GLOBAL
 };
 enum { /* per robot, at I_GLOBAL + r * R_SIZE; *_GOOD / *_GVS: the reader's fallback copy */
     R_JS_H, R_JS_S, R_TG_H, R_TG_S, R_CMD_H, R_CMD_S, R_INPUTS, R_TVER, R_LAST_SAFE,
     R_HAS_SAFE, R_JS_GOOD, R_JS_GVS, R_TG_GOOD, R_TG_GVS, R_SIZE
 };
-enum { D_MAX_AGE, D_SCALE, D_CLIP, D_SIZE };
+enum { D_MAX_AGE, D_CLIP, D_SIZE };
 /* policy_io.py: observation term table int64 [T, 4] = (source, column, length, relative) and
  * the action modes */
 enum { SRC_POS = 0, SRC_VEL = 1, SRC_TARGET = 2 };
@@ -299,7 +299,7 @@ int kt_infer(int64_t *ints, double *dbls) {
  * finishes them all). */
 int kt_finish(int64_t *ints, double *dbls, int64_t now_ns) {
     const int64_t R = ints[I_ROBOTS], n = ints[I_JOINTS], A = ints[I_ACTIONS];
-    const double scale = dbls[D_SCALE], clip = dbls[D_CLIP];
+    const double clip = dbls[D_CLIP], *scale = P(const double, I_SCALES); /* [n] */
     const int mode = (int)ints[I_ACT_MODE];
     const double *lo = P(double, I_LOWER), *hi = P(double, I_UPPER);
     const double *dq = P(double, I_DEFAULT_Q);
@@ -316,7 +316,7 @@ int kt_finish(int64_t *ints, double *dbls, int64_t now_ns) {
             for (int64_t j = 0; j < A; j++) acc += act[j] * 0.0f;
             if (acc != 0.0f) return 0;
             for (int64_t j = 0; j < n; j++)
-                if (!isfinite(propose(mode, action_in(act[j], clip), scale, pos[j], dq[j])))
+                if (!isfinite(propose(mode, action_in(act[j], clip), scale[j], pos[j], dq[j])))
                     return 0;
         }
     }
@@ -336,7 +336,7 @@ int kt_finish(int64_t *ints, double *dbls, int64_t now_ns) {
             clamped = row[n + 1] != 0.0f;
         } else { /* the host path (action_mode), in float64 */
             for (int64_t j = 0; j < n; j++) {
-                double p = propose(mode, action_in(act[j], clip), scale, pos[j], dq[j]);
+                double p = propose(mode, action_in(act[j], clip), scale[j], pos[j], dq[j]);
                 double c = p < lo[j] ? lo[j] : p;
                 c = c > hi[j] ? hi[j] : c;
                 clamped |= c != p;

@@ -51,10 +51,10 @@ SOURCE = Path(__file__).with_name("native_tick.c")
  I_POST_STRIDE, I_LAT, I_COMPENSATE, I_CLAMP_CTR, I_CMD_CTR, I_AUX_LAT, I_EFD, I_MB_CTRL,
  I_MB_STATE, I_COMMANDS, I_LOWER, I_UPPER, I_READ_NS, I_SPIN_NS, I_LATE_T0, I_GRAPH_EXEC,
  I_STREAM, I_CU_CTX, I_PLAUS_C, I_PLAUS_H, I_TERMS, I_NTERMS, I_TERM_SCALE, I_DEFAULT_Q,
- I_ACT_MODE, I_PREV_COL, I_GLOBAL) = range(35)
+ I_ACT_MODE, I_PREV_COL, I_SCALES, I_GLOBAL) = range(36)
 (R_JS_H, R_JS_S, R_TG_H, R_TG_S, R_CMD_H, R_CMD_S, R_INPUTS, R_TVER, R_LAST_SAFE,
  R_HAS_SAFE, R_JS_GOOD, R_JS_GVS, R_TG_GOOD, R_TG_GVS, R_SIZE) = range(15)
-D_MAX_AGE, D_SCALE, D_CLIP, D_SIZE = range(4)
+D_MAX_AGE, D_CLIP, D_SIZE = range(3)
 
 # return codes: what Python still has to do for this tick
 KT_DONE, KT_PY_ALL, KT_PY_INFER, KT_PY_LATE, KT_PY_FINISH = range(5)
@@ -205,7 +205,7 @@ class NativeTick:
                            np.ascontiguousarray(safety.plaus_half, np.float64))
             ints[I_PLAUS_C], ints[I_PLAUS_H] = (_ptr(x) for x in self._plaus)
         ints[I_READ_NS], ints[I_SPIN_NS] = READ_NS, SPIN_NS
-        dbls[D_MAX_AGE], dbls[D_SCALE] = safety.max_obs_age_s, runner.config.action_scale
+        dbls[D_MAX_AGE] = safety.max_obs_age_s
         # the observation layout and action mapping (policy_io.py): the term table
         # [T, 4] = (source, column, length, relative), per-term scales, default_q [n] rad
         io = runner.io
@@ -216,6 +216,8 @@ class NativeTick:
         ints[I_TERMS], ints[I_NTERMS] = _ptr(self._terms), len(io.terms)
         ints[I_TERM_SCALE], ints[I_DEFAULT_Q] = _ptr(self._term_scale), _ptr(self._default_q)
         ints[I_ACT_MODE], ints[I_PREV_COL] = io.mode, io.last_action_col
+        self._scales = np.ascontiguousarray(io.scales, dtype=np.float64)  # [n] per joint
+        ints[I_SCALES] = _ptr(self._scales)
         dbls[D_CLIP] = io.action_clip
         for r, robot in enumerate(robots):
             base = I_GLOBAL + r * R_SIZE

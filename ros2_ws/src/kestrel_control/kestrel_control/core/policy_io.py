@@ -3,6 +3,7 @@
 Kestrel's reference policy (the defaults):
   obs row [obs_dim] float32 = [joint_pos n | joint_vel n | target n | last_action A | 0 ...]
   command [n] rad = q + action_scale * tanh(a[:n])                 ('position_delta_tanh')
+(`action_scales` [n] replaces the one scale by one per joint, as Isaac Lab's scale dict.)
 
 A policy trained in Isaac Lab (manager-based env, exported by rsl_rl) expects other terms and
 maps its actions affinely, so both are parameters:
@@ -64,7 +65,8 @@ class PolicyIO:
     terms: tuple[ObsTerm, ...]
     width: int  # columns the terms cover
     mode: int  # MODE_*
-    action_scale: float  # rad per unit of (tanh) action
+    scales: np.ndarray  # [n] float64, rad per unit of (tanh) action, per joint
+    per_joint_scale: bool  # `action_scales` given (not one scale for all)
     action_clip: float  # raw actions clamped to [-c, c] before use; inf = off
     default_q: np.ndarray  # [n] float64 rad
     explicit: bool  # the layout was given (not the default)
@@ -80,7 +82,8 @@ class PolicyIO:
         q from obs[:, :n] and apply tanh), so only then may they do it."""
         return (tuple(t.name for t in self.terms) == DEFAULT_LAYOUT
                 and all(t.scale == 1.0 for t in self.terms)
-                and self.mode == MODE_DELTA_TANH and math.isinf(self.action_clip))
+                and self.mode == MODE_DELTA_TANH and math.isinf(self.action_clip)
+                and not self.per_joint_scale)
 
 
 def _err(param: str, value: object, reason: str) -> ValueError:
@@ -118,7 +121,8 @@ def _parse_term(text: str, n: int, num_actions: int) -> tuple[str, int, int, boo
 def build_io(num_joints: int, num_actions: int, obs_layout: Sequence[str] = (),
              action_mode: str = ACTION_MODES[0], action_scale: float = 0.05,
              action_clip: float = math.inf,
-             default_joint_positions: Sequence[float] = ()) -> PolicyIO:
+             default_joint_positions: Sequence[float] = (),
+             action_scales: Sequence[float] = ()) -> PolicyIO:
     """Validate the parameters (errors name the parameter and its value) into a PolicyIO."""
     n = num_joints
     if action_mode not in ACTION_MODES:
@@ -131,6 +135,12 @@ def build_io(num_joints: int, num_actions: int, obs_layout: Sequence[str] = (),
     if default_q.shape != (n,) or not np.isfinite(default_q).all():
         raise _err("default_joint_positions", list(default_joint_positions),
                    f"needs {n} finite values (one per joint, rad), or none for zeros")
+    per_joint = len(action_scales) > 0
+    scales = np.asarray(action_scales, dtype=np.float64) if per_joint else np.full(
+        n, float(action_scale))
+    if scales.shape != (n,) or not (np.isfinite(scales).all() and (scales > 0).all()):
+        raise _err("action_scales", list(action_scales),
+                   f"needs {n} finite values > 0 (one per joint), or none for action_scale")
     explicit = len(obs_layout) > 0
     terms, col = [], 0
     for text in (obs_layout if explicit else DEFAULT_LAYOUT):
@@ -141,7 +151,7 @@ def build_io(num_joints: int, num_actions: int, obs_layout: Sequence[str] = (),
             raise _err("obs_layout", list(obs_layout), "last_action appears twice")
         terms.append(ObsTerm(name, source, col, length, relative, scale))
         col += length
-    return PolicyIO(tuple(terms), col, ACTION_MODES.index(action_mode), float(action_scale),
+    return PolicyIO(tuple(terms), col, ACTION_MODES.index(action_mode), scales, per_joint,
                     clip, default_q, explicit)
 
 
@@ -188,7 +198,7 @@ class RowIO:
         self._a64 = np.zeros(act_row.shape[0])  # clipped raw action, float64
         self._a64_n = self._a64[:n]
         self._lo, self._hi = -io.action_clip, io.action_clip
-        self._scale = io.action_scale
+        self._scale = io.scales  # [n]
         self._tmp = np.zeros(n)
         self._zeros = np.zeros(n)
         self._act_row = act_row

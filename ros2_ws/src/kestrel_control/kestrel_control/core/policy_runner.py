@@ -73,6 +73,7 @@ class RunnerConfig:
     action_mode: str = ACTION_MODES[0]  # q + scale * tanh(a)
     action_clip: float = math.inf  # raw actions clamped to +-this first (rsl_rl clip_actions)
     default_joint_positions: tuple[float, ...] = ()  # [n] rad; () = zeros
+    action_scales: tuple[float, ...] = ()  # [n] per joint; () = action_scale for every joint
 
     def __post_init__(self) -> None:
         lower, upper = validate_limits(self.joint_lower, self.joint_upper)
@@ -95,9 +96,11 @@ class RunnerConfig:
                              "(and at most the GPU's SM count, checked by the backend)")
         self.obs_layout = tuple(self.obs_layout)
         self.default_joint_positions = tuple(self.default_joint_positions)
+        self.action_scales = tuple(self.action_scales)
         # the action mapping now; the layout's sizes once the policy is loaded (check_obs_dim)
         build_io(self.num_joints, self.num_joints, self.obs_layout, self.action_mode,
-                 self.action_scale, self.action_clip, self.default_joint_positions)
+                 self.action_scale, self.action_clip, self.default_joint_positions,
+                 self.action_scales)
         if self.model is None:
             self.model = ModelSpec(path=self.weights_path, format="state_dict",
                                    config=self.policy, seed=self.seed)
@@ -167,7 +170,7 @@ class PolicyRunner:
         n = config.num_joints
         self.io = build_io(n, self.policy.num_actions, config.obs_layout, config.action_mode,
                            config.action_scale, config.action_clip,
-                           config.default_joint_positions)
+                           config.default_joint_positions, config.action_scales)
         check_obs_dim(self.io, n, self.policy.obs_dim, self.policy.num_actions,
                       self.policy.source,
                       user_model=self.policy.source.startswith(("TorchScript", "ONNX")))
