@@ -77,7 +77,12 @@ def test_torchscript_feedforward(tmp_path: Path) -> None:
             torch.testing.assert_close(a, mlp(x), atol=1e-6, rtol=0)
 
 
-def test_torchscript_recurrent_state_io(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("backend", "atol"), [("cpu_eager", 1e-6), ("onnxruntime", 1e-5)])
+def test_torchscript_recurrent_state_io(tmp_path: Path, backend: str, atol: float) -> None:
+    """Explicit state I/O; on 'onnxruntime' the file is exported from the script module itself
+    (not the Python wrapper around it, which the exporter refuses)."""
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
     rec = Recurrent().eval()
     path = tmp_path / "policy.pt"
     torch.jit.trace(rec, (XS[0], torch.zeros(1, 1, H), torch.zeros(1, 1, H))).save(str(path))
@@ -85,30 +90,12 @@ def test_torchscript_recurrent_state_io(tmp_path: Path) -> None:
                      state_out_names=("h_out", "c_out"), state_shapes=((1, 1, H), (1, 1, H)))
     policy = load_policy(spec)
     assert policy.state_batch_dims == (1, 1) and policy.num_actions == ACT
-    got = run_steps(create_backend("cpu_eager", policy, 1), XS)
+    got = run_steps(create_backend(backend, policy, 1, cache_dir=str(tmp_path)), XS)
     h = c = torch.zeros(1, 1, H)
     with torch.no_grad():
         for x, a in zip(XS, got, strict=True):
             want, h, c = rec(x, h, c)
-            torch.testing.assert_close(a, want, atol=1e-6, rtol=0)
-
-
-def test_torchscript_file_on_onnxruntime(tmp_path: Path) -> None:
-    """A user's TorchScript file on 'onnxruntime': exported from the script module itself (not
-    the Python wrapper around it, which the exporter refuses), with its recurrent state I/O."""
-    pytest.importorskip("onnxruntime")
-    rec = Recurrent().eval()
-    path = tmp_path / "policy.pt"
-    torch.jit.trace(rec, (XS[0], torch.zeros(1, 1, H), torch.zeros(1, 1, H))).save(str(path))
-    spec = ModelSpec(path=str(path), obs_dim=OBS, state_in_names=("h_in", "c_in"),
-                     state_out_names=("h_out", "c_out"), state_shapes=((1, 1, H), (1, 1, H)))
-    got = run_steps(create_backend("onnxruntime", load_policy(spec), 1,
-                                   cache_dir=str(tmp_path)), XS)
-    h = c = torch.zeros(1, 1, H)
-    with torch.no_grad():
-        for x, a in zip(XS, got, strict=True):
-            want, h, c = rec(x, h, c)
-            torch.testing.assert_close(a, want, atol=1e-5, rtol=0)
+            torch.testing.assert_close(a, want, atol=atol, rtol=0)
 
 
 def test_unexportable_policy_is_a_named_configure_error(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ are parameters (`ModelSpec`); `load_policy` checks them against the file and ret
 parameter and the value, at configure time.
 
 TorchScript contract: `module(obs, *state_in) -> actions` (no state) or
-`(actions, *state_out)` (state names given). Its dims are found by a probe call on zeros.
+`(actions, *state_out)` (state names given). Its dims are found by one probe call on seeded
+random values (zeros might leave a state unchanged), which also finds the state below.
 
 A recurrent policy.pt from Isaac Lab's rsl_rl exporter keeps its state INSIDE the module: buffers
 hidden_state / cell_state [layers, 1, H] that forward writes. (Its `reset()` cannot be relied on:
@@ -99,12 +100,11 @@ class _Scripted(nn.Module):
 STATE_BUFFER_NAMES = ("hidden_state", "cell_state")  # rsl_rl's recurrent export
 
 
-def _internal_state(module: nn.Module, before: dict[str, torch.Tensor], probe
+def _internal_state(module: nn.Module, before: dict[str, torch.Tensor]
                     ) -> tuple[list[str], list[torch.Tensor]]:
-    """(names, load-time values) of the buffers that the calls so far and a probe call changed
-    (against `before`, taken at load) or that are named as rsl_rl's recurrent state; those
-    buffers are restored to their load-time values."""
-    probe()
+    """(names, load-time values) of the buffers that the probe call changed (against `before`,
+    taken at load) or that are named as rsl_rl's recurrent state; those buffers are restored
+    to their load-time values."""
     buffers = dict(module.named_buffers())
     names = [name for name, b in buffers.items()
              if name.rsplit(".", 1)[-1] in STATE_BUFFER_NAMES or not torch.equal(b, before[name])]
@@ -141,9 +141,11 @@ def _load_torchscript(spec: ModelSpec) -> StepPolicy:
                    f"needs one shape per state input {list(spec.state_in_names)}")
     wrapped = _Scripted(module).eval()
     loaded = {name: b.detach().clone() for name, b in module.named_buffers()}  # before any call
+    g = torch.Generator().manual_seed(0)
     try:
         with torch.no_grad():
-            out = wrapped(torch.zeros(1, spec.obs_dim), *(torch.zeros(s) for s in shapes))
+            out = wrapped(torch.randn(1, spec.obs_dim, generator=g),
+                          *(torch.randn(s, generator=g) for s in shapes))
     except Exception as exc:  # noqa: BLE001
         raise _err("model_path", spec.path, f"a probe call with obs [1, {spec.obs_dim}] and "
                    f"states {list(shapes)} failed: {exc}") from exc
@@ -152,16 +154,8 @@ def _load_torchscript(spec: ModelSpec) -> StepPolicy:
                    f"{tuple(out[0].shape)}); expected actions [1, A] + {len(shapes)} states")
     num_actions = int(out[0].shape[1])
     _check_dims(spec, spec.obs_dim, num_actions)
-    # a probe on random observations (zeros might leave a state unchanged) finds the buffers
-    # that forward writes: the file's own recurrent state
-    g = torch.Generator().manual_seed(0)
-    obs = torch.randn(1, spec.obs_dim, generator=g)
-
-    def probe() -> None:
-        with torch.no_grad():
-            wrapped(obs, *(torch.randn(s, generator=g) for s in shapes))
-
-    names, initial = _internal_state(module, loaded, probe)
+    # the buffers the probe wrote: the file's own recurrent state (restored to load time)
+    names, initial = _internal_state(module, loaded)
     extra = {}
     if names:
         wrapped.track_state(names, initial)
