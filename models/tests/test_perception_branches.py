@@ -64,12 +64,16 @@ def test_branched_forward_equals_the_model_forward(plan: BranchPlan) -> None:
     _assert_runs_alike(rt, ref, SETS, atol=1e-5, rtol=1e-5)
 
 
-def test_branched_parts_trace_as_whole_graphs_with_the_best_transforms() -> None:
+@pytest.mark.parametrize(("stem", "group_norm"), [("s2d", "native"), ("s2d4", "sums")])
+def test_branched_parts_trace_as_whole_graphs_with_the_best_transforms(
+        stem: str, group_norm: str) -> None:
     """Each part is one torch.compile region (fullgraph: a graph break fails); the 'eager'
-    backend checks the tracing without an inductor compile. ResNet-50 blocks, s2d stem,
-    grouped FCOS, fused trunk epilogues and stem (their CPU form)."""
+    backend checks the tracing without an inductor compile. ResNet-50 blocks, s2d / s2d4
+    stem, grouped FCOS, fused trunk epilogues and stem (their CPU form), native / sum-based
+    GroupNorm."""
     model = tiny_model(backbone_depth=50)
-    opt = OptimizeSpec("s2d", 8, "grouped", conv_act="cudnn", fuse_stem=True)
+    opt = OptimizeSpec(stem, 8, "grouped", conv_act="cudnn", fuse_stem=True,
+                       group_norm=group_norm)
     ref = PerceptionRuntime(model, VariantSpec(fold_bn=True), HW, cameras=2, lidar_points=256)
     rt = PerceptionRuntime(model, VariantSpec(fold_bn=True, whole_compile="default",
                                               backend="eager", optimize=opt,
@@ -127,7 +131,7 @@ def test_merge_outputs_orders_levels_whatever_order_the_parts_ran() -> None:
     assert list(out) == ["det_cls", "det_ltrb", "det_ctr", "seg", "lidar_uv"]
 
 
-@pytest.mark.parametrize("stem", ["s2d", "pad8", "plain"])
+@pytest.mark.parametrize("stem", ["s2d", "s2d4", "pad8", "plain"])
 def test_fused_stem_is_exact_on_cpu_and_needs_a_folded_stem(stem: str) -> None:
     model = tiny_model(backbone_depth=50)
     for m in model.modules():  # non-trivial BN statistics: the folded stem has a real bias
@@ -162,7 +166,8 @@ def test_branched_graph_variant_matches_the_whole_region_on_gpu() -> None:
                  for k, v in whole.run(img, pts, heads=hs).items()} for hs in map(frozenset, SETS)}
     ref_out = ref.run(img, pts)
     for name in ("branch_bf16w_fold_s2d_group_cudnn_stem_graph",
-                 "branchp_bf16w_fold_s2d_group_cudnn_graph"):
+                 "branchp_bf16w_fold_s2d_group_cudnn_graph",
+                 "branch_bf16w_fold_s2d4_group_cudnn_stem_gns_graph"):
         rt = PerceptionRuntime(model, name, **kw)
         rt.set_geometry(T, K)
         for _ in range(2):
@@ -174,12 +179,13 @@ def test_branched_graph_variant_matches_the_whole_region_on_gpu() -> None:
 
 @pytest.mark.gpu
 @needs_gpu
-def test_fused_stem_matches_unfused_on_gpu() -> None:
-    """torch.cudnn_convolution_relu for the s2d stem vs the same folded stem unfused."""
+@pytest.mark.parametrize("stem", ["s2d", "s2d4"])
+def test_fused_stem_matches_unfused_on_gpu(stem: str) -> None:
+    """torch.cudnn_convolution_relu for the s2d / s2d4 stem vs the same folded stem unfused."""
     torch.backends.cudnn.allow_tf32 = False
     model = tiny_model(backbone_depth=50)
     fold_batchnorm(model)
-    optimize_model(model, OptimizeSpec("s2d", 8))
+    optimize_model(model, OptimizeSpec(stem, 8))
     model = model.to("cuda").to(memory_format=torch.channels_last)
     fused = copy.deepcopy(model)
     optimize_model(fused, OptimizeSpec(fuse_stem=True))

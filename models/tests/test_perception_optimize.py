@@ -18,6 +18,7 @@ from kestrel_models.perception.optimize import (
     MergedFCOSHead,
     OptimizeSpec,
     SlicedConv2d,
+    SpaceToDepth4Conv2d,
     SpaceToDepthConv2d,
     optimize_model,
     pad_conv_outputs,
@@ -61,10 +62,12 @@ def _assert_same(out: dict, ref: dict) -> None:
 
 SPECS = [OptimizeSpec("pad4"), OptimizeSpec("pad8"), OptimizeSpec("s2d"),
          OptimizeSpec(pad_outputs=8), OptimizeSpec(fcos="merged"), OptimizeSpec(fcos="grouped"),
-         OptimizeSpec("s2d", 8, "grouped")]
+         OptimizeSpec("s2d", 8, "grouped"), OptimizeSpec("s2d4"),
+         OptimizeSpec(group_norm="sums"), OptimizeSpec("s2d4", 8, "grouped", group_norm="sums")]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.stem}-{s.pad_outputs}-{s.fcos}")
+@pytest.mark.parametrize("spec", SPECS,
+                         ids=lambda s: f"{s.stem}-{s.pad_outputs}-{s.fcos}-{s.group_norm}")
 def test_each_transform_keeps_fp32_outputs_and_the_users_state_dict(spec: OptimizeSpec) -> None:
     model = _model(head_convs=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -124,6 +127,49 @@ def test_merged_head_without_towers_and_odd_input_sizes() -> None:
         torch.testing.assert_close(stem(x), conv(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("cin", "cout", "k", "pad", "hw"), [
+    (3, 64, 7, 3, (64, 96)), (5, 9, 7, 3, (33, 18)), (3, 8, 3, 1, (45, 77)),
+    (2, 4, 5, 2, (20, 21))])
+def test_space_to_depth4_stem_is_exact(cin: int, cout: int, k: int, pad: int,
+                                       hw: tuple[int, int]) -> None:
+    """The s2d(4) stem equals the stride-2 conv in fp64 for stem-like and odd shapes (odd
+    output sizes: the extra sub-pixels are cut off); the ResNet stem becomes a 3x3 conv with
+    4x the filters over 48 channels."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(cin, cout, k, stride=2, padding=pad).double()
+    stem = SpaceToDepth4Conv2d.from_conv(conv)
+    x = torch.randn(2, cin, *hw, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(stem(x), conv(x), rtol=1e-12, atol=1e-12)
+    if k == 7:
+        assert stem.kernel_size == (3, 3) and stem.out_channels == 4 * cout
+        assert stem.in_channels == -(-16 * cin // 8) * 8
+
+
+def test_space_to_depth4_stem_fused_and_group_norm_sums_are_replaced() -> None:
+    """s2d4 + fuse_stem (unfused ops on the CPU: the same arithmetic as the GPU's fused
+    call) keeps the backbone's outputs; group_norm "sums" replaces every GroupNorm."""
+    from kestrel_models.perception.conv_act import FusedStem
+    from kestrel_models.perception.sums_group_norm import SumsGroupNorm
+
+    model = _model(backbone_depth=50)
+    fold_batchnorm(model)
+    x = torch.randn(2, 3, *HW)
+    with torch.no_grad():
+        ref = model.backbone(x)
+        done = optimize_model(model, OptimizeSpec("s2d4", 8, fuse_stem=True, group_norm="sums"))
+        out = model.backbone(x)
+    for a, b in zip(out, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert isinstance(model.backbone.conv1, FusedStem)
+    assert isinstance(model.backbone.conv1.conv, SpaceToDepth4Conv2d)
+    n_gn = sum(type(m) is torch.nn.GroupNorm for m in model.modules())
+    assert n_gn == 0 and done["group_norms"] == sum(
+        isinstance(m, SumsGroupNorm) for m in model.modules()) > 0
+    with pytest.raises(ValueError, match="'group_norm' = 'welford'"):
+        OptimizeSpec(group_norm="welford")
+
+
 def test_pad_conv_outputs_counts_and_slices() -> None:
     seq = torch.nn.Sequential(torch.nn.Conv2d(4, 6, 3, padding=1), torch.nn.ReLU(),
                               torch.nn.Conv2d(6, 16, 1), torch.nn.Conv2d(16, 3, 1))
@@ -143,7 +189,7 @@ def test_runtime_variants_apply_the_transforms_on_their_copy() -> None:
                        optimize=OptimizeSpec("s2d", 8, "grouped"))
     rt = PerceptionRuntime(model, spec, HW, cameras=2)
     assert rt.optimized == {"stem": 1, "fcos_merged": 1, "padded_convs": 3, "fused_blocks": 0,
-                            "fused_stem": 0}
+                            "fused_stem": 0, "group_norms": 0}
     _assert_same(rt.run(img), ref)
     assert type(model.backbone.conv1) is torch.nn.Conv2d  # the user's model is untouched
     for name in ("whole_bf16w_fold_pad_group_graph", "whole_bf16w_fold_s2d_group_graph",

@@ -94,7 +94,9 @@ class FusedStem(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         prepare = getattr(self.conv, "prepare_input", None)  # channel-pad / s2d stems
-        return conv_relu(self.conv, x if prepare is None else prepare(x))
+        y = conv_relu(self.conv, x if prepare is None else prepare(x))
+        finish = getattr(self.conv, "finish_output", None)  # s2d4: the pixel shuffle
+        return y if finish is None else finish(y, x.shape[-2:])
 
 
 def fuse_stem(backbone: nn.Module) -> int:

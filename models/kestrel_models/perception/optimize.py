@@ -10,6 +10,11 @@ in fp32 up to summation order (allclose 1e-5 on the tiny config), bf16-close aft
   uint8 -> float normalisation (one kernel writes the padded tensor).
 - stem "s2d": the 7x7 stride-2 stem as an exact 4x4 stride-1 conv over a space-to-depth(2)
   input (MLPerf ResNet trick): 3 -> 12 channels (padded to 16), kernel padded 7 -> 8 with zeros.
+- stem "s2d4": the same over a space-to-depth(4) input: 3 -> 48 channels, a 3x3 conv with 4x the
+  filters (each input block gives 2x2 outputs of the original conv), then a pixel shuffle
+  (fused by inductor into the max-pool that follows). Why: the s2d(2) stem is a 4x4 conv with
+  64 filters over 16 channels, a GEMM too narrow for Hopper's tensor cores (131 us at ~150
+  TFLOP/s on the H200, 6 x 640x640); this one is 256 filters x 432 inputs.
 - pad_outputs=m: every conv whose output-channel count is not a multiple of m gets zero filters
   appended; its output is sliced back (a view, inside the compiled region).
 - fcos "merged": the FCOS head's cls and box towers' first convs (same input) become one conv
@@ -20,6 +25,8 @@ in fp32 up to summation order (allclose 1e-5 on the tiny config), bf16-close aft
   instead of 11 convs + 8 GNs (4-conv towers).
 - conv_act "cudnn": every BN-folded ResNet block's convs run with their bias, residual add and
   ReLU in cuDNN's epilogue (`conv_act.py`; CUDA only, the unfused ops elsewhere).
+- group_norm "sums": every GroupNorm takes its statistics as per-channel sums over the pixels
+  (`sums_group_norm.py`; a reduction whose contiguous axis is the channel, for channels_last).
 - fuse_stem: the same for the stem conv (bias + ReLU; with "s2d", the space-to-depth input
   is built first, then the one fused conv).
 """
@@ -35,21 +42,24 @@ from torch import nn
 
 from .conv_act import fuse_residual_blocks, fuse_stem
 from .heads import FCOSHead, box_distances, fcos_levels
+from .sums_group_norm import use_sums_group_norm
 
-STEMS = ("plain", "pad4", "pad8", "s2d")
+STEMS = ("plain", "pad4", "pad8", "s2d", "s2d4")
 FCOS_MODES = ("plain", "merged", "grouped")
 CONV_ACTS = ("plain", "cudnn")
+GROUP_NORMS = ("native", "sums")
 
 
 @dataclass(frozen=True)
 class OptimizeSpec:
     """Which output-preserving transforms `optimize_model` applies (defaults: none)."""
 
-    stem: str = "plain"  # "plain", "pad4", "pad8" (input channels 3 -> 4/8), "s2d"
+    stem: str = "plain"  # "plain", "pad4", "pad8" (input channels 3 -> 4/8), "s2d", "s2d4"
     pad_outputs: int = 0  # pad conv output channels to a multiple of this (0 = off)
     fcos: str = "plain"  # "plain", "merged", "grouped" (see the module docstring)
     conv_act: str = "plain"  # "plain", "cudnn" (trunk conv epilogues fused; needs fold_bn)
     fuse_stem: bool = False  # the stem conv's bias + ReLU in cuDNN's epilogue (needs fold_bn)
+    group_norm: str = "native"  # "native", "sums" (sum-based statistics, sums_group_norm.py)
 
     def __post_init__(self) -> None:
         if self.stem not in STEMS:
@@ -62,11 +72,14 @@ class OptimizeSpec:
         if self.conv_act not in CONV_ACTS:
             raise ValueError(f"parameter 'conv_act' = {self.conv_act!r}: must be one of "
                              f"{CONV_ACTS}")
+        if self.group_norm not in GROUP_NORMS:
+            raise ValueError(f"parameter 'group_norm' = {self.group_norm!r}: must be one of "
+                             f"{GROUP_NORMS}")
 
     @property
     def active(self) -> bool:
         return self.stem != "plain" or self.pad_outputs > 1 or self.fcos != "plain" or \
-            self.conv_act != "plain" or self.fuse_stem
+            self.conv_act != "plain" or self.fuse_stem or self.group_norm != "native"
 
 
 def _new_conv(cls: type[nn.Conv2d], like: nn.Conv2d, cin: int, cout: int, kernel: tuple,
@@ -174,6 +187,90 @@ class SpaceToDepthConv2d(nn.Conv2d):
         if self.weight.is_contiguous(memory_format=torch.channels_last):
             x = x.contiguous(memory_format=torch.channels_last)
         return x
+
+
+class SpaceToDepth4Conv2d(nn.Conv2d):
+    """A stride-2 conv (the 7x7/2 ResNet stem) as a stride-1 conv over a space-to-depth(r)
+    input, r = 4: x [B, c, H, W] -> pad -> [B, r*r*c (zero-padded to in_channels), H'/r,
+    W'/r] -> conv with `taps` x `taps` taps and (r/2)^2 x out filters -> pixel shuffle(r/2)
+    -> [B, out, Ho, Wo], the original conv's output. Exact: every output sub-pixel's filter
+    is the original kernel placed at its offset in the block grid, zeros elsewhere.
+
+    Index map (per spatial dim; s = 2 the stride, p the padding, k the kernel, F = p the
+    front pad, m = r/s outputs per block): output o = m*O + u reads input s*o + t - p, i.e.
+    padded input r*O + (s*u + t - p + F) = block O + A, sub-position b, so tap A and input
+    channel b take the weight t = r*A + b - s*u + p - F when 0 <= t < k."""
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d, multiple: int = 8, block: int = 4
+                  ) -> SpaceToDepth4Conv2d:
+        _check_plain(conv, "stem 's2d4'")
+        s = conv.stride[0]
+        if conv.stride != (2, 2) or conv.groups != 1 or block % s:
+            raise ValueError(f"stem 's2d4': needs a stride-2 conv with groups 1 and a block "
+                             f"that is a multiple of 2, got stride {conv.stride}, groups "
+                             f"{conv.groups}, block {block}")
+        c, out, r, m = conv.in_channels, conv.out_channels, block, block // s
+        # front pad F = p: the largest padded offset s*(m-1) + k - 1 sets the taps
+        taps = [(s * (m - 1) + k - 1) // r + 1 for k in conv.kernel_size]
+        cin = math.ceil(r * r * c / multiple) * multiple
+        new = _new_conv(cls, conv, cin, out * m * m, tuple(taps), (1, 1), (0, 0),
+                        bias=conv.bias is not None)
+        new.src_channels, new.src_kernel, new.src_padding = c, conv.kernel_size, conv.padding
+        new.block, new.sub = r, m
+        # w6[o, uh, uw, ci, bh, bw, ah, aw]: channel order of the shuffle (o*m*m + uh*m + uw)
+        # and of the space-to-depth input (ci*r*r + bh*r + bw)
+        w6 = torch.zeros(out, m, m, c, r, r, taps[0], taps[1], dtype=conv.weight.dtype,
+                         device=conv.weight.device)
+        kh, kw = conv.kernel_size
+        for uh in range(m):
+            for uw in range(m):
+                for th in range(kh):
+                    ah, bh = divmod(s * uh + th, r)  # th = r*ah + bh - s*uh (F = p)
+                    for tw in range(kw):
+                        aw, bw = divmod(s * uw + tw, r)
+                        w6[:, uh, uw, :, bh, bw, ah, aw] = conv.weight[:, :, th, tw]
+        with torch.no_grad():
+            new.weight[:, : r * r * c].copy_(
+                w6.reshape(out * m * m, r * r * c, taps[0], taps[1]))
+            if conv.bias is not None:
+                new.bias.copy_(conv.bias.repeat_interleave(m * m))
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.finish_output(super().forward(self.prepare_input(x)), x.shape[-2:])
+
+    def output_size(self, hw: tuple[int, int] | torch.Size) -> tuple[int, int]:
+        """(Ho, Wo) of the original conv for an input of size hw."""
+        return tuple((size + 2 * p - k) // 2 + 1 for size, p, k in zip(
+            hw, self.src_padding, self.src_kernel, strict=True))
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, c, H, W] -> the padded [B, in_channels, H'/r, W'/r] input of the conv."""
+        b, c, h, w = x.shape
+        r, m = self.block, self.sub
+        pads = []  # (front, back) per spatial dim: front = p, back up to whole blocks
+        for size, out, p, taps in zip((h, w), self.output_size((h, w)), self.src_padding,
+                                      self.kernel_size, strict=True):
+            blocks = -(-out // m) + taps - 1  # input blocks the conv reads (no padding)
+            pads.append((p, r * blocks - size - p))
+        x = F.pad(x, (pads[1][0], pads[1][1], pads[0][0], pads[0][1]))
+        hs, ws = x.shape[-2] // r, x.shape[-1] // r
+        x = x.reshape(b, c, hs, r, ws, r).permute(0, 1, 3, 5, 2, 4).reshape(b, r * r * c, hs,
+                                                                            ws)
+        if self.in_channels > r * r * c:
+            x = F.pad(x, (0, 0, 0, 0, 0, self.in_channels - r * r * c))
+        if self.weight.is_contiguous(memory_format=torch.channels_last):
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    def finish_output(self, y: torch.Tensor, hw: tuple[int, int] | torch.Size
+                      ) -> torch.Tensor:
+        """The conv's [B, out*m*m, Hb, Wb] -> [B, out, Ho, Wo] (pixel shuffle, then the
+        sub-pixels past the original output cut off when Ho or Wo is not a multiple of m)."""
+        ho, wo = self.output_size(hw)
+        y = F.pixel_shuffle(y, self.sub)
+        return y if y.shape[-2:] == (ho, wo) else y[..., :ho, :wo]
 
 
 class SlicedConv2d(nn.Conv2d):
@@ -325,13 +422,17 @@ def optimize_model(model: nn.Module, spec: OptimizeSpec) -> dict[str, int]:
     padding, then the fused trunk epilogues. Call it on a copy: the state dict changes (shapes
     and names). Returns what was changed: {"stem": 0/1, "fcos_merged": 0/1, "padded_convs": n,
     "fused_blocks": n}."""
-    done = {"stem": 0, "fcos_merged": 0, "padded_convs": 0, "fused_blocks": 0, "fused_stem": 0}
+    done = {"stem": 0, "fcos_merged": 0, "padded_convs": 0, "fused_blocks": 0, "fused_stem": 0,
+            "group_norms": 0}
     stem = model.backbone.conv1
     if spec.stem in ("pad4", "pad8"):
         model.backbone.conv1 = ChannelPadConv2d.from_conv(stem, int(spec.stem[3:]))
         done["stem"] = 1
     elif spec.stem == "s2d":
         model.backbone.conv1 = SpaceToDepthConv2d.from_conv(stem, max(spec.pad_outputs, 8))
+        done["stem"] = 1
+    elif spec.stem == "s2d4":
+        model.backbone.conv1 = SpaceToDepth4Conv2d.from_conv(stem, max(spec.pad_outputs, 8))
         done["stem"] = 1
     if spec.fcos != "plain" and isinstance(model.det_head, FCOSHead):
         model.det_head = MergedFCOSHead(model.det_head, grouped=spec.fcos == "grouped")
@@ -342,4 +443,6 @@ def optimize_model(model: nn.Module, spec: OptimizeSpec) -> dict[str, int]:
         done["fused_blocks"] = fuse_residual_blocks(model.backbone)
     if spec.fuse_stem:
         done["fused_stem"] = fuse_stem(model.backbone)
+    if spec.group_norm == "sums":  # after the FCOS merge, which builds new GroupNorms
+        done["group_norms"] = use_sums_group_norm(model)
     return done

@@ -134,7 +134,13 @@ _OPTIMIZED = {"stem8": OptimizeSpec("pad8"), "pad": OptimizeSpec("pad8", 8),
               "s2d_group": OptimizeSpec("s2d", 8, "grouped"),
               "s2d_group_cudnn": OptimizeSpec("s2d", 8, "grouped", conv_act="cudnn"),
               "s2d_group_cudnn_stem": OptimizeSpec("s2d", 8, "grouped", conv_act="cudnn",
-                                                   fuse_stem=True)}
+                                                   fuse_stem=True),
+              "s2d4_group_cudnn_stem": OptimizeSpec("s2d4", 8, "grouped", conv_act="cudnn",
+                                                    fuse_stem=True),
+              "s2d_group_cudnn_stem_gns": OptimizeSpec("s2d", 8, "grouped", conv_act="cudnn",
+                                                       fuse_stem=True, group_norm="sums"),
+              "s2d4_group_cudnn_stem_gns": OptimizeSpec("s2d4", 8, "grouped", conv_act="cudnn",
+                                                        fuse_stem=True, group_norm="sums")}
 for _name, _opt in _OPTIMIZED.items():
     VARIANTS[f"whole_bf16w_fold_{_name}_graph"] = VariantSpec(
         "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default", optimize=_opt)
@@ -170,6 +176,12 @@ for _name, _plan in {"branch": BranchPlan(),
         VARIANTS[f"{_name}_bf16w_fold_s2d_group_cudnn{_suffix}_graph"] = VariantSpec(
             "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default",
             optimize=_opt, branches=_plan)
+# *_s2d4_*: the stem over a space-to-depth(4) input (optimize.py, stem "s2d4"); *_gns: every
+# GroupNorm with sum-based statistics (sums_group_norm.py)
+for _name in ("s2d4_group_cudnn_stem", "s2d_group_cudnn_stem_gns", "s2d4_group_cudnn_stem_gns"):
+    VARIANTS[f"branch_bf16w_fold_{_name}_graph"] = VariantSpec(
+        "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default",
+        optimize=_OPTIMIZED[_name], branches=BranchPlan())
 
 
 def enable_cudnn_autotune(device: torch.device) -> bool:
