@@ -55,7 +55,7 @@ for st in ${STRIDES:-default}; do
   k=$((k + 1)); [[ -e "$out/perception_node_h200$sfx${OUT_SFX:-}.json" ]] && sfx="${sfx}_$k"
   timeout 240 "$KPY" scripts/bench_perception_node.py --config r50 --device cuda --cams 6 \
     --image-hw 640 640 --points 120000 --rate 10 --frames "$frames" --publishers "$pubs" \
-    --variant "${VARIANT:-branch_bf16w_fold_s2d_group_cudnn_stem_graph}" --ready-timeout 160 \
+    --variant "${VARIANT:-branch_bf16w_fold_s2d4_group_cudnn_stem_graph}" --ready-timeout 160 \
     --git-commit "$commit" $rx_args ${NODE_ARGS:-} \
     --out "$out/perception_node_h200$sfx${OUT_SFX:-}" > "$out/node$sfx${OUT_SFX:-}.log" 2>&1
   echo "node bench ($pubs, receive $rx, output_stride $st) rc $?"

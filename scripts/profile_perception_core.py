@@ -60,7 +60,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", choices=tuple(CONFIGS), default="r50")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--variant", default="branch_bf16w_fold_s2d_group_cudnn_stem_graph")
+    ap.add_argument("--variant", default="branch_bf16w_fold_s2d4_group_cudnn_stem_graph")
     ap.add_argument("--cams", type=int, default=6)
     ap.add_argument("--image-hw", type=int, nargs=2, default=(640, 640))
     ap.add_argument("--points", type=int, default=120_000)

@@ -63,11 +63,11 @@ def _assert_same(out: dict, ref: dict) -> None:
 SPECS = [OptimizeSpec("pad4"), OptimizeSpec("pad8"), OptimizeSpec("s2d"),
          OptimizeSpec(pad_outputs=8), OptimizeSpec(fcos="merged"), OptimizeSpec(fcos="grouped"),
          OptimizeSpec("s2d", 8, "grouped"), OptimizeSpec("s2d4"),
-         OptimizeSpec(group_norm="sums"), OptimizeSpec("s2d4", 8, "grouped", group_norm="sums")]
+         OptimizeSpec("s2d4", 8, "grouped")]
 
 
 @pytest.mark.parametrize("spec", SPECS,
-                         ids=lambda s: f"{s.stem}-{s.pad_outputs}-{s.fcos}-{s.group_norm}")
+                         ids=lambda s: f"{s.stem}-{s.pad_outputs}-{s.fcos}")
 def test_each_transform_keeps_fp32_outputs_and_the_users_state_dict(spec: OptimizeSpec) -> None:
     model = _model(head_convs=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -146,28 +146,25 @@ def test_space_to_depth4_stem_is_exact(cin: int, cout: int, k: int, pad: int,
         assert stem.in_channels == -(-16 * cin // 8) * 8
 
 
-def test_space_to_depth4_stem_fused_and_group_norm_sums_are_replaced() -> None:
+def test_space_to_depth4_stem_fused_keeps_the_backbone_outputs() -> None:
     """s2d4 + fuse_stem (unfused ops on the CPU: the same arithmetic as the GPU's fused
-    call) keeps the backbone's outputs; group_norm "sums" replaces every GroupNorm."""
+    call) keeps the backbone's outputs."""
     from kestrel_models.perception.conv_act import FusedStem
-    from kestrel_models.perception.sums_group_norm import SumsGroupNorm
 
     model = _model(backbone_depth=50)
     fold_batchnorm(model)
     x = torch.randn(2, 3, *HW)
     with torch.no_grad():
         ref = model.backbone(x)
-        done = optimize_model(model, OptimizeSpec("s2d4", 8, fuse_stem=True, group_norm="sums"))
+        done = optimize_model(model, OptimizeSpec("s2d4", 8, fuse_stem=True))
         out = model.backbone(x)
     for a, b in zip(out, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert isinstance(model.backbone.conv1, FusedStem)
     assert isinstance(model.backbone.conv1.conv, SpaceToDepth4Conv2d)
-    n_gn = sum(type(m) is torch.nn.GroupNorm for m in model.modules())
-    assert n_gn == 0 and done["group_norms"] == sum(
-        isinstance(m, SumsGroupNorm) for m in model.modules()) > 0
-    with pytest.raises(ValueError, match="'group_norm' = 'welford'"):
-        OptimizeSpec(group_norm="welford")
+    assert done["stem"] == 1 and done["fused_stem"] == 1
+    with pytest.raises(ValueError, match="'stem' = 's2d8'"):
+        OptimizeSpec("s2d8")
 
 
 def test_pad_conv_outputs_counts_and_slices() -> None:
@@ -189,7 +186,7 @@ def test_runtime_variants_apply_the_transforms_on_their_copy() -> None:
                        optimize=OptimizeSpec("s2d", 8, "grouped"))
     rt = PerceptionRuntime(model, spec, HW, cameras=2)
     assert rt.optimized == {"stem": 1, "fcos_merged": 1, "padded_convs": 3, "fused_blocks": 0,
-                            "fused_stem": 0, "group_norms": 0}
+                            "fused_stem": 0}
     _assert_same(rt.run(img), ref)
     assert type(model.backbone.conv1) is torch.nn.Conv2d  # the user's model is untouched
     for name in ("whole_bf16w_fold_pad_group_graph", "whole_bf16w_fold_s2d_group_graph",

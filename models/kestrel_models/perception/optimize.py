@@ -25,8 +25,6 @@ in fp32 up to summation order (allclose 1e-5 on the tiny config), bf16-close aft
   instead of 11 convs + 8 GNs (4-conv towers).
 - conv_act "cudnn": every BN-folded ResNet block's convs run with their bias, residual add and
   ReLU in cuDNN's epilogue (`conv_act.py`; CUDA only, the unfused ops elsewhere).
-- group_norm "sums": every GroupNorm takes its statistics as per-channel sums over the pixels
-  (`sums_group_norm.py`; a reduction whose contiguous axis is the channel, for channels_last).
 - fuse_stem: the same for the stem conv (bias + ReLU; with "s2d", the space-to-depth input
   is built first, then the one fused conv).
 """
@@ -42,12 +40,10 @@ from torch import nn
 
 from .conv_act import fuse_residual_blocks, fuse_stem
 from .heads import FCOSHead, box_distances, fcos_levels
-from .sums_group_norm import use_sums_group_norm
 
 STEMS = ("plain", "pad4", "pad8", "s2d", "s2d4")
 FCOS_MODES = ("plain", "merged", "grouped")
 CONV_ACTS = ("plain", "cudnn")
-GROUP_NORMS = ("native", "sums")
 
 
 @dataclass(frozen=True)
@@ -59,7 +55,6 @@ class OptimizeSpec:
     fcos: str = "plain"  # "plain", "merged", "grouped" (see the module docstring)
     conv_act: str = "plain"  # "plain", "cudnn" (trunk conv epilogues fused; needs fold_bn)
     fuse_stem: bool = False  # the stem conv's bias + ReLU in cuDNN's epilogue (needs fold_bn)
-    group_norm: str = "native"  # "native", "sums" (sum-based statistics, sums_group_norm.py)
 
     def __post_init__(self) -> None:
         if self.stem not in STEMS:
@@ -72,14 +67,11 @@ class OptimizeSpec:
         if self.conv_act not in CONV_ACTS:
             raise ValueError(f"parameter 'conv_act' = {self.conv_act!r}: must be one of "
                              f"{CONV_ACTS}")
-        if self.group_norm not in GROUP_NORMS:
-            raise ValueError(f"parameter 'group_norm' = {self.group_norm!r}: must be one of "
-                             f"{GROUP_NORMS}")
 
     @property
     def active(self) -> bool:
         return self.stem != "plain" or self.pad_outputs > 1 or self.fcos != "plain" or \
-            self.conv_act != "plain" or self.fuse_stem or self.group_norm != "native"
+            self.conv_act != "plain" or self.fuse_stem
 
 
 def _new_conv(cls: type[nn.Conv2d], like: nn.Conv2d, cin: int, cout: int, kernel: tuple,
@@ -422,8 +414,7 @@ def optimize_model(model: nn.Module, spec: OptimizeSpec) -> dict[str, int]:
     padding, then the fused trunk epilogues. Call it on a copy: the state dict changes (shapes
     and names). Returns what was changed: {"stem": 0/1, "fcos_merged": 0/1, "padded_convs": n,
     "fused_blocks": n}."""
-    done = {"stem": 0, "fcos_merged": 0, "padded_convs": 0, "fused_blocks": 0, "fused_stem": 0,
-            "group_norms": 0}
+    done = {"stem": 0, "fcos_merged": 0, "padded_convs": 0, "fused_blocks": 0, "fused_stem": 0}
     stem = model.backbone.conv1
     if spec.stem in ("pad4", "pad8"):
         model.backbone.conv1 = ChannelPadConv2d.from_conv(stem, int(spec.stem[3:]))
@@ -443,6 +434,4 @@ def optimize_model(model: nn.Module, spec: OptimizeSpec) -> dict[str, int]:
         done["fused_blocks"] = fuse_residual_blocks(model.backbone)
     if spec.fuse_stem:
         done["fused_stem"] = fuse_stem(model.backbone)
-    if spec.group_norm == "sums":  # after the FCOS merge, which builds new GroupNorms
-        done["group_norms"] = use_sums_group_norm(model)
     return done

@@ -136,11 +136,7 @@ _OPTIMIZED = {"stem8": OptimizeSpec("pad8"), "pad": OptimizeSpec("pad8", 8),
               "s2d_group_cudnn_stem": OptimizeSpec("s2d", 8, "grouped", conv_act="cudnn",
                                                    fuse_stem=True),
               "s2d4_group_cudnn_stem": OptimizeSpec("s2d4", 8, "grouped", conv_act="cudnn",
-                                                    fuse_stem=True),
-              "s2d_group_cudnn_stem_gns": OptimizeSpec("s2d", 8, "grouped", conv_act="cudnn",
-                                                       fuse_stem=True, group_norm="sums"),
-              "s2d4_group_cudnn_stem_gns": OptimizeSpec("s2d4", 8, "grouped", conv_act="cudnn",
-                                                        fuse_stem=True, group_norm="sums")}
+                                                    fuse_stem=True)}
 for _name, _opt in _OPTIMIZED.items():
     VARIANTS[f"whole_bf16w_fold_{_name}_graph"] = VariantSpec(
         "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default", optimize=_opt)
@@ -176,12 +172,11 @@ for _name, _plan in {"branch": BranchPlan(),
         VARIANTS[f"{_name}_bf16w_fold_s2d_group_cudnn{_suffix}_graph"] = VariantSpec(
             "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default",
             optimize=_opt, branches=_plan)
-# *_s2d4_*: the stem over a space-to-depth(4) input (optimize.py, stem "s2d4"); *_gns: every
-# GroupNorm with sum-based statistics (sums_group_norm.py)
-for _name in ("s2d4_group_cudnn_stem", "s2d_group_cudnn_stem_gns", "s2d4_group_cudnn_stem_gns"):
-    VARIANTS[f"branch_bf16w_fold_{_name}_graph"] = VariantSpec(
-        "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default",
-        optimize=_OPTIMIZED[_name], branches=BranchPlan())
+# *_s2d4_*: the stem over a space-to-depth(4) input (optimize.py, stem "s2d4"): -0.05 ms on the
+# H200 (docs/benchmarks/perception_h200.md, session 18), the node's recommended variant
+VARIANTS["branch_bf16w_fold_s2d4_group_cudnn_stem_graph"] = VariantSpec(
+    "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default",
+    optimize=_OPTIMIZED["s2d4_group_cudnn_stem"], branches=BranchPlan())
 
 
 def enable_cudnn_autotune(device: torch.device) -> bool:
