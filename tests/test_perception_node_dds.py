@@ -181,6 +181,13 @@ def check_lidar_positions(r: PerceptionResult) -> None:
         assert var > 0
 
 
+def distorted_info(rig) -> CameraInfo:
+    """Camera 1's CameraInfo with plumb_bob distortion (an unrectified camera)."""
+    info = make_camera_info(K, W, H, make_header(rig.next_stamp(), "cam1_optical"))
+    info.d = [-0.2, 0.05, 0.0, 0.0, 0.0]
+    return info
+
+
 def set_bool(probe, name: str, value: bool):
     cli = probe.node.create_client(SetParameters, f"/{NODE}/set_parameters")
     assert cli.wait_for_service(timeout_sec=10.0)
@@ -252,6 +259,9 @@ def test_results_bad_inputs_and_runtime_heads(launch_node, probe):
     assert all(s == PerceptionResult.POSITION_PREDICTED_DEPTH for s in sources(r))
     assert counter(diag, "empty_cloud", before_empty + 1) > before_empty, node.output()
     assert "a LiDAR cloud with 0 points" in node.output()
+    # distortion coefficients: the camera is used with K alone, counted and warned about
+    bad("unrectified_camera_info", lambda: rig.info[1].publish(distorted_info(rig)))
+    assert "camera_info has distortion" in node.output()
     huge = np.zeros((10_001, 3), np.float32)  # > max_points
     bad("dropped_too_many_points", lambda: rig.cloud.publish(
         xyz_to_pointcloud2(huge, make_header(rig.next_stamp(), "world"))))
@@ -351,6 +361,11 @@ def test_user_model_through_the_node(launch_node, probe, run_dir):
     np.testing.assert_allclose(d["bbox"][:, :2], [[64.0, 48.0]] * 2)
     check_lidar_positions(r)
     assert len(r.masks) == 0 and len(r.depths) == 0  # no seg/depth in this contract
+    # switching off the model's only head is refused (it would leave every frame nothing
+    # to compute), naming the parameter that keeps it running
+    res = set_bool(probe, "enable_detection", False)
+    assert not res.successful and "'enable_detection'" in res.reason, res.reason
+    r = produce(rig, results, wall_points(), timeout=30.0, check=lambda r: len(r.score) == 2)
     assert node.alive() and "Traceback" not in node.output()
 
 
@@ -441,6 +456,8 @@ def test_receiver_processes(launch_node, probe):
         np.zeros((10_001, 3), np.float32), make_header(rig.next_stamp(), "world"))))
     bad("dropped_bad_camera_info", lambda: rig.info[1].publish(make_camera_info(  # K unset
         np.zeros((3, 3)), W, H, make_header(rig.next_stamp(), "cam1_optical"))))
+    bad("unrectified_camera_info", lambda: rig.info[1].publish(distorted_info(rig)))
+    assert "camera_info has distortion" in node.output()  # the receiver's log line
     r = produce(rig, results)
     check_result_content(r, stamp_to_ns(r.header.stamp))
     values = diagnostics_values(diag.snapshot(), NODE)

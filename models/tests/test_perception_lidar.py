@@ -84,6 +84,21 @@ def test_bucketing_pads_with_nan_and_truncates() -> None:
         bucket_points(pts, buckets=())
 
 
+def test_a_cloud_past_the_largest_bucket_is_subsampled_over_the_whole_scan() -> None:
+    """Rows i = 0..N-1 with x = i: the kept rows span the whole cloud (first 0, last near
+    N-1, evenly spaced, in order), not its first Nb rows; numpy and torch agree."""
+    n = 1000
+    pts = np.stack([np.arange(n, dtype=np.float32)] * 3, axis=1)
+    out, kept, cut = bucket_points(pts, buckets=(64, 256))
+    assert out.shape == (256, 3) and (kept, cut) == (256, 744)
+    x = out[:, 0]
+    assert x[0] == 0 and x[-1] > 0.99 * (n - 1) - n / 256
+    assert np.all(np.diff(x) >= 3) and np.all(np.diff(x) <= 4)  # n / 256 = 3.9 apart
+    t, kept_t, cut_t = bucket_points(torch.from_numpy(pts), buckets=(64, 256))
+    assert (kept_t, cut_t) == (kept, cut)
+    np.testing.assert_array_equal(t.numpy(), out)
+
+
 def _cam1_points_to_base(u: torch.Tensor, v: torch.Tensor, z: float) -> torch.Tensor:
     """Pixels (u, v) [N] of camera 1 at depth z m -> base-frame points [N,3]."""
     p_cam = torch.stack([(u - 50) / 100 * z, (v - 40) / 100 * z, torch.full_like(u, z)], dim=1)

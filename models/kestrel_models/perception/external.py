@@ -109,11 +109,12 @@ class ExternalPerceptionModel:
         self.device = torch.device(device)
         self.heads = contract.heads
         self._names: list[str] = []  # output names in the model's order (torch formats)
+        self.host_outputs: list[str] = []  # outputs the model returns off the device (check())
         try:
             if fmt == "torchscript":
                 self._fn = torch.jit.load(str(p), map_location=self.device).eval()
             elif fmt == "exported_program":
-                self._fn = torch.export.load(str(p)).module().to(self.device)
+                self._fn = self._exported_program(str(p))
             else:
                 self._fn = self._onnx_session(str(p))
         except ValueError:
@@ -121,6 +122,18 @@ class ExternalPerceptionModel:
         except Exception as exc:  # any load failure is a parameter error
             msg = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
             raise _fail("model_path", path, f"cannot load as {fmt}: {msg}") from exc
+
+    def _exported_program(self, path: str):
+        """An ExportedProgram's module on the device. Why not `.module().to(device)`: the
+        graph keeps the export's device as constants (`_assert_tensor_metadata(device=cpu)`
+        checks, tensors made with a device argument), so a CPU-exported file moved that way
+        fails, or returns CPU outputs, on CUDA. `move_to_device_pass` rewrites them."""
+        ep = torch.export.load(path)
+        if self.device.type != "cpu":
+            from torch.export.passes import move_to_device_pass
+
+            ep = move_to_device_pass(ep, self.device)
+        return ep.module()
 
     def _onnx_session(self, path: str):
         try:
@@ -159,12 +172,16 @@ class ExternalPerceptionModel:
                     for n, r in zip(self._names, res, strict=True)}
         with torch.inference_mode():
             out = self._fn(x)
-        if isinstance(out, dict):
-            return dict(out)
         if isinstance(out, torch.Tensor):
             out = (out,)
         # tuple/list outputs are named output0, output1, ... (also the usual ONNX names)
-        return {f"output{i}": t for i, t in enumerate(out)}
+        named = dict(out) if isinstance(out, dict) else {f"output{i}": t
+                                                        for i, t in enumerate(out)}
+        # a model that makes an output with a fixed device (torch.tensor(..., device="cpu"))
+        # would hand the core host tensors: moved here (a no-op when already on the device);
+        # check() names such outputs at load so the copy is a known cost, not a surprise
+        return {n: t.to(self.device) if isinstance(t, torch.Tensor) else t
+                for n, t in named.items()}
 
     def __call__(self, images: torch.Tensor, heads: frozenset[str] | None = None
                  ) -> dict[str, torch.Tensor]:
@@ -187,6 +204,20 @@ class ExternalPerceptionModel:
                 raw[role] = t
         return raw
 
+    def _host_outputs(self, x: torch.Tensor, names: list[str]) -> list[str]:
+        """The declared outputs a torch-format model itself returns off the device (each is
+        copied to the device every frame by `_raw_outputs`); [] on the CPU and for ONNX."""
+        if self.format == "onnx" or self.device.type == "cpu":
+            return []
+        with torch.inference_mode():
+            out = self._fn(self._prepare(x))
+        if isinstance(out, torch.Tensor):
+            out = (out,)
+        named = dict(out) if isinstance(out, dict) else {f"output{i}": t
+                                                        for i, t in enumerate(out)}
+        return [n for n in names if isinstance(named.get(n), torch.Tensor)
+                and named[n].device != self.device]
+
     def check(self, batch: int, image_hw: tuple[int, int], num_classes: int) -> None:
         """Run once on zeros and validate every declared output (names, ranks, sizes)."""
         h, w = image_hw
@@ -203,6 +234,7 @@ class ExternalPerceptionModel:
                 raise _fail("model_outputs", [f"{r}:{n}" for r, n in outs],
                             f"output '{name}' ({role}) not found; the model returns "
                             f"{sorted(got)}")
+        self.host_outputs = self._host_outputs(x, [n for _, n in outs])
         o, shape = self.contract.outputs, {r: tuple(got[n].shape) for r, n in outs}
         why = ""
         if "boxes" in o:

@@ -87,11 +87,13 @@ def bucket_size(n: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> int:
 
 def bucket_points(points: np.ndarray | torch.Tensor, buckets: tuple[int, ...] = DEFAULT_BUCKETS
                   ) -> tuple[np.ndarray | torch.Tensor, int, int]:
-    """Pad (with NaN) or truncate points [N,3] to a fixed bucket size so shapes stay static.
+    """Pad (with NaN) or subsample points [N,3] to a fixed bucket size so shapes stay static.
 
     Returns (padded [Nb,3] of the input's type/dtype/device, valid_count, truncated_count):
-    rows [0, valid_count) are the input's first rows, the rest NaN; truncated_count points
-    beyond the largest bucket were dropped.
+    rows [0, valid_count) are input rows in their order, the rest NaN. A cloud larger than
+    the largest bucket keeps rows evenly spread over all N (row floor(i * N / Nb)), not its
+    first Nb: an organised or time-ordered cloud's first rows are one part of the scan, and
+    boxes elsewhere would lose their LiDAR points. truncated_count rows were left out.
     """
     if not buckets or min(buckets) <= 0:
         raise ValueError(f"parameter 'buckets' = {buckets!r}: must be positive sizes")
@@ -100,10 +102,15 @@ def bucket_points(points: np.ndarray | torch.Tensor, buckets: tuple[int, ...] = 
     keep = min(n, nb)
     if isinstance(points, torch.Tensor):
         out_t = torch.full((nb, 3), float("nan"), dtype=points.dtype, device=points.device)
-        out_t[:keep] = points[:keep]
+        if keep < n:
+            idx = torch.arange(keep, device=points.device, dtype=torch.int64) * n // keep
+            out_t[:keep] = points[idx]
+        else:
+            out_t[:keep] = points[:keep]
         return out_t, keep, n - keep
     out = np.full((nb, 3), np.nan, dtype=points.dtype)
-    out[:keep] = points[:keep]
+    out[:keep] = points[np.arange(keep, dtype=np.int64) * n // keep] if keep < n \
+        else points[:keep]
     return out, keep, n - keep
 
 

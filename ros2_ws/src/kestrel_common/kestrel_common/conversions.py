@@ -115,6 +115,14 @@ def camera_info_to_k(msg: CameraInfo) -> np.ndarray:
     return k
 
 
+def camera_info_is_distorted(msg: CameraInfo) -> bool:
+    """True when the CameraInfo has non-zero distortion coefficients D. The perception node
+    projects with the pinhole K alone, so its images must be rectified (image_proc's
+    `image_rect` and its CameraInfo); an unrectified camera is counted and warned about,
+    and its LiDAR points land up to the distortion's pixel error off."""
+    return any(float(c) != 0.0 for c in msg.d)
+
+
 def make_camera_info(k: np.ndarray, width: int, height: int, header: Header) -> CameraInfo:
     """A pinhole CameraInfo (plumb_bob, zero distortion) from K [3,3]."""
     msg = CameraInfo()

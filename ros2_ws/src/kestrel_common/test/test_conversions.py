@@ -5,7 +5,8 @@ import pytest
 
 pytest.importorskip("sensor_msgs.msg", reason="ROS message packages not installed")
 
-from kestrel_common.conversions import (ConversionError, camera_info_to_k, image_to_numpy,  # noqa: E402
+from kestrel_common.conversions import (ConversionError, camera_info_is_distorted,  # noqa: E402
+                                        camera_info_to_k, image_to_numpy,
                                         make_camera_info, make_header, ns_to_stamp,
                                         numpy_to_image, pointcloud2_to_xyz, stamp_to_ns,
                                         xyz_to_pointcloud2)
@@ -64,6 +65,9 @@ def test_camera_info():
     k = np.array([[100.0, 0, 160], [0, 100.0, 128], [0, 0, 1]])
     msg = make_camera_info(k, 320, 256, make_header(0, "cam"))
     np.testing.assert_array_equal(camera_info_to_k(msg), k)
+    assert not camera_info_is_distorted(msg)
+    msg.d = [0.0, 0.0, 0.001, 0.0, 0.0]
+    assert camera_info_is_distorted(msg)
     msg.k = [0.0] * 9
     with pytest.raises(ConversionError):
         camera_info_to_k(msg)

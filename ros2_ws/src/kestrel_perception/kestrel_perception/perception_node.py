@@ -45,6 +45,7 @@ from geometry_msgs.msg import PoseStamped
 from kestrel_common.base_node import COMMAND_QOS, SENSOR_QOS, KestrelLifecycleNode, run_node
 from kestrel_common.conversions import (
     ConversionError,
+    camera_info_is_distorted,
     camera_info_to_k,
     make_header,
     numpy_to_image,
@@ -74,6 +75,7 @@ from kestrel_perception.core.params import (
     RUNTIME_PARAMS,
     SPECS,
     core_config,
+    missing_model_heads,
     pose_to_matrix,
     resolve_receive,
     validate_perception_params,
@@ -86,7 +88,8 @@ COUNTERS = ("processed", "dropped_bad_encoding", "dropped_bad_image", "dropped_s
             "dropped_bad_camera_info", "dropped_bad_pose", "dropped_bad_cloud",
             "dropped_too_many_points", "out_of_sync", "skipped_stale", "processing_error",
             "nan_points", "truncated_points", "runtime_shape_fallbacks", "nms_slow_path",
-            "missing_cloud", "cloud_out_of_sync", "dropped_input_overwritten", "empty_cloud")
+            "missing_cloud", "cloud_out_of_sync", "dropped_input_overwritten", "empty_cloud",
+            "unrectified_camera_info")
 # core InputError reason code -> counter
 REASON_COUNTER = {"bad_image": "dropped_bad_image", "size_mismatch": "dropped_size_mismatch",
                   "mixed_sizes": "dropped_size_mismatch", "bad_camera": "dropped_bad_camera_info",
@@ -137,6 +140,16 @@ class PerceptionNode(KestrelLifecycleNode):
         except (ValueError, RuntimeError) as exc:  # names the parameter and value
             self.get_logger().error(f"configure failed: {exc}")
             return TransitionCallbackReturn.FAILURE
+        why = self._no_model_head(p)
+        if why:
+            self.get_logger().error(f"configure failed: {why}")
+            self.core = None
+            return TransitionCallbackReturn.FAILURE
+        if self.core.external is not None and self.core.external.host_outputs:
+            self.get_logger().warning(
+                f"model_path: the model returns {self.core.external.host_outputs} on the CPU, "
+                f"not on {self.core.device}: copied to the device every frame (make them on "
+                "the input's device to avoid it)")
         n = p["num_cameras"]
         self._inline = p["processing"] == "callback"
         if p["gil_switch_interval_us"] > 0:  # process-wide: this process is the node
@@ -286,7 +299,14 @@ class PerceptionNode(KestrelLifecycleNode):
             return SetParametersResult(successful=False, reason=(
                 "parameters 'enable_detection', 'enable_segmentation', 'enable_depth' are all "
                 "false: at least one head must stay enabled"))
+        why = self._no_model_head(new)
+        if why:
+            return SetParametersResult(successful=False, reason=why)
         return SetParametersResult(successful=True)
+
+    def _no_model_head(self, enabled: dict[str, Any]) -> str:
+        """Why the enabled heads leave the configured model none of its own ('' if fine)."""
+        return "" if self.core is None else missing_model_heads(enabled, self.core.heads)
 
     def _heads(self) -> frozenset[str]:
         r = self._runtime
@@ -344,6 +364,12 @@ class PerceptionNode(KestrelLifecycleNode):
         except ConversionError as exc:
             self.drop("dropped_bad_camera_info", f"camera {cam}: {exc}")
             return
+        if camera_info_is_distorted(msg):  # used with K alone: counted and warned about
+            n = self.counters.inc("unrectified_camera_info")
+            self.get_logger().warning(
+                f"camera {cam}: camera_info has distortion D = {list(msg.d)} (total {n}): "
+                "this node projects with K alone; feed rectified images (image_proc) and "
+                "their CameraInfo", throttle_duration_sec=10.0)
         self._take_info(cam, stamp_to_ns(msg.header.stamp), time.monotonic(), k,
                         int(msg.width), int(msg.height))
 
@@ -457,7 +483,12 @@ class PerceptionNode(KestrelLifecycleNode):
         if out.dropped_points:
             self.counters.inc("nan_points", out.dropped_points)
         if out.truncated_points:
-            self.counters.inc("truncated_points", out.truncated_points)
+            n = self.counters.inc("truncated_points", out.truncated_points)
+            self.get_logger().warning(
+                f"a LiDAR cloud of {out.used_points + out.truncated_points + out.dropped_points}"
+                f" points is larger than the largest point bucket: {out.truncated_points} "
+                f"left out, the rest an even subsample (total {n}; raise 'point_buckets')",
+                throttle_duration_sec=5.0)
         if out.runtime_fallback:
             self.counters.inc("runtime_shape_fallbacks")
         if out.nms_fallback:

@@ -33,7 +33,12 @@ import time
 import rclpy
 from kestrel_common.affinity import pin_threads
 from kestrel_common.base_node import SENSOR_QOS
-from kestrel_common.conversions import ConversionError, camera_info_to_k, stamp_to_ns
+from kestrel_common.conversions import (
+    ConversionError,
+    camera_info_is_distorted,
+    camera_info_to_k,
+    stamp_to_ns,
+)
 from kestrel_common.heap import tune_malloc
 from kestrel_common.shm import ShmSegment, unlink_segment
 from rclpy.executors import SingleThreadedExecutor
@@ -98,6 +103,14 @@ class Receiver:
         except ConversionError as exc:
             self.drop("dropped_bad_camera_info", str(exc))
             return
+        if camera_info_is_distorted(msg):  # used, but counted and logged (not a drop)
+            self.ring.count("unrectified_camera_info")
+            now = time.monotonic()
+            if now - self._logged.get("unrectified", -1e9) >= 10.0:
+                self._logged["unrectified"] = now
+                _log(f"{self.name}: camera_info has distortion D = {list(msg.d)}: the node "
+                     "projects with K alone; feed rectified images (image_proc) and their "
+                     "CameraInfo")
         self.ring.write_info(stamp_to_ns(msg.header.stamp), recv_ns, k, msg.width, msg.height)
         os.eventfd_write(self.efd, 1)
 

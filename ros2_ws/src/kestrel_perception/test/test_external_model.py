@@ -38,12 +38,32 @@ def extrinsic() -> np.ndarray:
     return T
 
 
-@pytest.fixture(scope="module")
-def model_file(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("m") / "user.pt"
-    torch.jit.save(torch.jit.trace(UserModel(), torch.zeros((1, 3, H, W), dtype=torch.uint8)),
-                   str(path))
-    return str(path)
+FORMATS = ("torchscript", "exported_program", "onnx")
+
+
+def save_user_model(path_stem, fmt: str) -> str:
+    """UserModel saved as a user would: traced TorchScript (.pt), torch.export (.pt2) or ONNX
+    (.onnx, dynamic camera axis), all on the CPU."""
+    m, x = UserModel().eval(), torch.zeros((1, 3, H, W), dtype=torch.uint8)
+    if fmt == "torchscript":
+        path = f"{path_stem}.pt"
+        torch.jit.save(torch.jit.trace(m, x), path)
+    elif fmt == "exported_program":
+        path = f"{path_stem}.pt2"
+        cams = torch.export.Dim("cameras", min=1, max=16)  # traced at 2: 1 would specialise
+        torch.export.save(torch.export.export(m, (x.expand(2, -1, -1, -1).contiguous(),),
+                                              dynamic_shapes=({0: cams},)), path)
+    else:
+        path = f"{path_stem}.onnx"
+        torch.onnx.export(m, (x,), path, input_names=["images"], dynamo=False,
+                          output_names=[f"output{i}" for i in range(5)],
+                          dynamic_axes={"images": {0: "cameras"}})
+    return path
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def model_file(request, tmp_path_factory) -> str:
+    return save_user_model(tmp_path_factory.mktemp("m") / "user", request.param)
 
 
 def config(model_file: str, **kw: object) -> PerceptionCoreConfig:
@@ -55,8 +75,8 @@ def config(model_file: str, **kw: object) -> PerceptionCoreConfig:
     return PerceptionCoreConfig(**base)
 
 
-def test_user_model_detections_fused_like_the_reference(model_file) -> None:
-    core = PerceptionCore(config(model_file))
+def check_fused_like_the_reference(core: PerceptionCore) -> None:
+    """One frame through the core: NMS, LiDAR and predicted-depth positions, seg and depth."""
     assert core.heads == {"detection", "segmentation", "depth"}
     # LiDAR points 3 m in front, inside the cube box (pixels 20..40): base (3, y, z)
     u, v = np.meshgrid(np.linspace(22, 38, 5), np.linspace(22, 38, 5))
@@ -72,6 +92,35 @@ def test_user_model_detections_fused_like_the_reference(model_file) -> None:
     assert cup.position_source == PositionSource.PREDICTED_DEPTH  # no LiDAR point in it
     assert cup.position[0] == pytest.approx(2.0, abs=0.05)  # 2 m predicted depth, along +x
     assert np.all(out.masks[0] == 3) and np.allclose(out.depths[0], 2.0)
+
+
+def test_user_model_detections_fused_like_the_reference(model_file) -> None:
+    """Each format (TorchScript, ExportedProgram, ONNX) through the core on the CPU."""
+    check_fused_like_the_reference(PerceptionCore(config(model_file)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_user_model_files_saved_on_the_cpu_run_on_cuda(fmt, tmp_path) -> None:
+    """A file exported on a CPU machine runs on CUDA: an ExportedProgram keeps its export
+    device in the graph (`.module().to("cuda")` failed its device assertion), so it is moved
+    with torch.export's move_to_device_pass; every output ends on the device."""
+    if fmt == "onnx":
+        pytest.importorskip("onnxruntime")
+    core = PerceptionCore(config(save_user_model(tmp_path / "user", fmt), device="cuda"))
+    raw = core.external(torch.zeros((2, 3, H, W), dtype=torch.uint8, device="cuda"))
+    assert all(t.is_cuda for t in raw.values())
+    check_fused_like_the_reference(core)
+
+
+def test_a_head_switch_must_leave_the_model_one_of_its_heads() -> None:
+    from kestrel_perception.core.params import missing_model_heads
+
+    off = {"enable_detection": False, "enable_segmentation": True, "enable_depth": True}
+    why = missing_model_heads(off, frozenset({"detection"}))
+    assert "none of the model's heads ['detection']" in why and "'enable_detection'" in why
+    assert missing_model_heads(off, frozenset({"detection", "depth"})) == ""
 
 
 def test_contract_errors_fail_at_construction(model_file) -> None:

@@ -434,6 +434,12 @@ def test_param_cross_checks_and_core_config() -> None:
             validate_perception_params({**values, **bad})
     with pytest.raises(ParamError, match="parameter 'backbone_depth' = 101"):
         validate_params(SPECS, {"backbone_depth": 101})
+    # point_buckets: the node's static cloud sizes, validated and passed to the core
+    assert core_config(validate_params(SPECS, {"point_buckets": [1000, 250000]})
+                       ).point_buckets == (1000, 250000)
+    for bad in ([], [4096, 1024], [1024, 1024], [0, 8]):
+        with pytest.raises(ParamError, match="parameter 'point_buckets'"):
+            validate_params(SPECS, {"point_buckets": bad})
 
 
 def test_pose_to_matrix() -> None:

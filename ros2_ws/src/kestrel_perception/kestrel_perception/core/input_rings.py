@@ -47,7 +47,8 @@ FRAME_ID_BYTES = 128
 ENCODINGS = ("rgb8", "bgr8", "xyz32")  # meta ENC: image encodings, then the cloud's
 # receiver-side counters, named as the node's own (a drop in a receiver is the same drop)
 RX_COUNTERS = ("received", "dropped_bad_encoding", "dropped_bad_image", "dropped_size_mismatch",
-               "dropped_bad_cloud", "dropped_too_many_points", "dropped_bad_camera_info")
+               "dropped_bad_cloud", "dropped_too_many_points", "dropped_bad_camera_info",
+               "unrectified_camera_info")
 FREE, WRITING, PUBLISHED, HELD = 0, 1, 2, 3
 _PUB, _VER, _READY, _PID, _CNT = 0, 1, 2, 3, 8
 _HEADER = 16  # _CNT + len(RX_COUNTERS) <= _HEADER

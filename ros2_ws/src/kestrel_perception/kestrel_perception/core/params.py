@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 from kestrel_common.params import ParamError, ParamSpec
-from kestrel_models.perception import PerceptionConfig
+from kestrel_models.perception import DEFAULT_BUCKETS, PerceptionConfig
 from kestrel_models.perception.external import FORMATS, INPUT_FORMATS
 from kestrel_models.perception.runtime import VARIANTS
 
@@ -46,6 +46,13 @@ SPECS: tuple[ParamSpec, ...] = (
               min=0.1, max=1000.0),
     ParamSpec("max_points", 500_000, "Clouds with more points are dropped (counted)." + _CONF,
               min=1, max=50_000_000),
+    ParamSpec("point_buckets", list(DEFAULT_BUCKETS), "Static cloud sizes, ascending: a cloud "
+              "is NaN-padded to the smallest bucket that holds it (one prepared graph per "
+              "bucket); a larger cloud is subsampled evenly to the largest (counted "
+              "truncated_points, logged). Sizes the device buffers, so read-only." + _CONF,
+              element_type=int, min=1, max=50_000_000, read_only=True,
+              check=lambda v: None if v and list(v) == sorted(set(v)) and len(v) <= 8
+              else "must be 1-8 distinct sizes in ascending order"),
     ParamSpec("min_lidar_points", 5, "LiDAR points needed in a box for a LiDAR position."
               + _CONF, min=1, max=100_000),
     ParamSpec("sync_slop", 0.02, "Max stamp difference between the images, camera_infos and "
@@ -237,8 +244,22 @@ def core_config(values: dict[str, Any]) -> PerceptionCoreConfig:
         model_input_name=values["model_input_name"],
         model_input_format=values["model_input_format"],
         max_points=values["max_points"], min_lidar_points=values["min_lidar_points"],
+        point_buckets=tuple(values["point_buckets"]),
         amp=values["amp"], warmup_image_hw=(h, w), warmup_cameras=values["num_cameras"],
         num_threads=values["torch_threads"], runtime_variant=values["runtime_variant"],
         depth_encoding=values["depth_encoding"], output_stride=values["output_stride"],
         nms_rounds=values["nms_rounds"], zero_copy_maps=True,
         region_graph=values["region_graph"], region_compile=values["region_compile"])
+
+
+def missing_model_heads(enabled: dict, model_heads: frozenset[str] | set[str]) -> str:
+    """Why the `enable_*` values leave the model none of its own heads ('' if they do not).
+    A user model provides only the heads of its output contract (`model_outputs`); a frame
+    with none of them enabled would have nothing to compute, so such a setting is refused at
+    configure and at `ros2 param set`, naming the parameters that would help."""
+    on = {h for h in ("detection", "segmentation", "depth") if enabled.get(f"enable_{h}")}
+    if on & set(model_heads):
+        return ""
+    names = ", ".join(f"'enable_{h}'" for h in sorted(model_heads))
+    return (f"the enabled heads {sorted(on)} are none of the model's heads "
+            f"{sorted(model_heads)}: set {names} to true")
