@@ -2,22 +2,29 @@
 """Offline TensorRT engine build for the perception forward (never done at node start).
 
 Exports the model (fixed head set and shapes) to ONNX, computes the cache key
-(model hash + head set [+ calibration data hash for int8] + GPU name + TensorRT version +
-precision + input shapes) and builds CACHE_DIR/perception_<key>.engine unless it exists, printing
-TensorRT's optimizer phases as it goes. Exits with status 2 and a clear message where
-`tensorrt` (or a CUDA GPU) is absent.
+(`export.perception_engine_key`: model hash + head set + torch / opset + GPU name + TensorRT
+version + precision + input shapes, the key the node's `tensorrt_<precision>` runtime variant
+looks up) and builds CACHE_DIR/perception_<key>.engine unless it exists, printing TensorRT's
+optimizer phases as it goes, plus a .json beside it (what it was built from). Exits with status
+2 and a clear message where `tensorrt` (or a CUDA GPU) is absent. The architecture flags must
+match the node's parameters (backbone_depth, base_width, fpn_channels, head_convs, number of
+class_names); the node's error for a missing engine prints this command with them.
 
-  python scripts/build_trt_engine.py --weights W.pt --config r50 --cameras 6 --precision fp16
+  python scripts/build_trt_engine.py --weights W.pt --cameras 6 --precision fp16
   python scripts/build_trt_engine.py --weights W.pt --precision int8 \
       --calib-images frames.npy      # uint8 [N, cameras, 3, H, W]: N calibration batches
 INT8 = INT8 with FP16 fallback, calibrated by TensorRT's entropy calibrator on the given
 frames (use a few hundred real ones); the calibration cache is kept next to the engine.
+The calibration frames are not part of the key (the node cannot know them); their hash is in
+the .json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -33,17 +40,21 @@ from kestrel_models.perception.export import (  # noqa: E402
     PRECISIONS,
     TensorRTUnavailableError,
     build_engine,
-    engine_cache_key,
     engine_path,
     export_onnx,
-    model_hash,
+    perception_engine_key,
     tensorrt_version,
 )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", choices=("tiny", "r50"), default="r50")
+    ap.add_argument("--config", choices=("tiny", "r50"), default="r50",
+                    help="base architecture; the flags below override its fields")
+    for f, typ in (("backbone_depth", int), ("base_width", int), ("fpn_channels", int),
+                   ("num_classes", int), ("head_convs", int), ("dense_stride", int),
+                   ("depth_activation", str), ("max_depth", float)):
+        ap.add_argument(f"--{f.replace('_', '-')}", type=typ, default=None)
     ap.add_argument("--weights", default=None, help="state dict (.pt); default: random init")
     ap.add_argument("--heads", nargs="+", default=["detection", "segmentation", "depth"])
     ap.add_argument("--cameras", type=int, default=6)
@@ -79,15 +90,21 @@ def main() -> int:
         print("[build_trt_engine] skipped: no CUDA GPU here", file=sys.stderr)
         return 2
     cfg = PerceptionConfig() if args.config == "r50" else PerceptionConfig.tiny()
+    over = {f: getattr(args, f) for f in ("backbone_depth", "base_width", "fpn_channels",
+                                          "num_classes", "head_convs", "dense_stride",
+                                          "depth_activation", "max_depth")
+            if getattr(args, f) is not None}
+    try:
+        cfg = dataclasses.replace(cfg, **over)
+    except ValueError as exc:
+        print(f"[build_trt_engine] {exc}", file=sys.stderr)
+        return 2
     model = MultiTaskPerceptionModel(cfg).eval()
     if args.weights:
         model.load_state_dict(torch.load(args.weights, map_location="cpu", weights_only=True))
-    shapes = {"images": (args.cameras, 3, *args.image_hw)}
-    identity = model_hash(model) + "|heads=" + ",".join(sorted(args.heads))
-    if calib is not None:
-        identity += "|calib=" + hashlib.sha256(np.ascontiguousarray(calib).data).hexdigest()
-    key = engine_cache_key(identity, torch.cuda.get_device_name(), trt_version,
-                           args.precision, shapes)
+    heads = frozenset(args.heads)
+    key = perception_engine_key(model, heads, args.cameras, tuple(args.image_hw),
+                                args.precision, torch.cuda.get_device_name(), trt_version)
     out = engine_path(args.cache_dir, key)
     if out.is_file():
         print(f"[build_trt_engine] up to date: {out}")
@@ -98,6 +115,12 @@ def main() -> int:
         batches = None if calib is None else ({"images": np.asarray(c)} for c in calib)
         build_engine(onnx_path, out, args.precision, calibration=batches,
                      calibration_cache=out.with_suffix(".calib") if calib is not None else None)
+    meta = {"key": key, "command": " ".join(sys.argv), "config": repr(cfg),
+            "heads": sorted(heads), "weights": args.weights, "tensorrt": trt_version,
+            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+            "calibration_sha256": None if calib is None else
+            hashlib.sha256(np.ascontiguousarray(calib).data).hexdigest()}
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"[build_trt_engine] built {out} (key {key})")
     return 0
 

@@ -379,6 +379,9 @@ def test_user_model_through_the_node(launch_node, probe, run_dir):
      "parameter 'model_path' = '/nonexistent/user.onnx': file not found"),
     ({"model_path": "/nonexistent/user.onnx", "model_outputs": ["boxes:b"]},
      "parameter 'model_outputs'"),
+    ({"runtime_variant": "tensorrt_fp16"},
+     "parameter 'runtime_variant' = 'tensorrt_fp16': runs a TensorRT engine: needs device"),
+    ({"point_buckets": [4096, 1024]}, "parameter 'point_buckets'"),
 ])
 def test_bad_parameter_fails_configure(launch_node, params, fragment):
     node = launch_node("kestrel_perception.perception_node", NODE,

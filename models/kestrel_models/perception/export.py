@@ -8,6 +8,7 @@ rebuilt silently.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -22,7 +23,11 @@ from ..trt import PRECISIONS, TensorRTUnavailableError, build_engine, tensorrt_v
 
 __all__ = ["PRECISIONS", "TensorRTUnavailableError", "EngineMissingError", "build_engine",
            "tensorrt_version", "engine_cache_key", "engine_path", "find_engine", "model_hash",
-           "export_onnx", "output_names"]
+           "export_onnx", "output_names", "perception_engine_key", "build_command",
+           "ONNX_OPSET"]
+
+
+ONNX_OPSET = 17  # of export_onnx, and part of the engine key
 
 
 class EngineMissingError(FileNotFoundError):
@@ -69,7 +74,7 @@ class ExportWrapper(nn.Module):
 def export_onnx(model: MultiTaskPerceptionModel, path: str | Path,
                 heads: frozenset[str] | set[str] | None = None,
                 image_hw: tuple[int, int] = (640, 640), images_per_call: int = 1,
-                lidar_points: int = 0, opset: int = 17) -> list[str]:
+                lidar_points: int = 0, opset: int = ONNX_OPSET) -> list[str]:
     """Export the fp32 forward (fixed head set and shapes) to ONNX at `path`.
 
     Inputs: "images" [images_per_call, 3, H, W] uint8 and, with a BEV model and
@@ -98,9 +103,19 @@ def export_onnx(model: MultiTaskPerceptionModel, path: str | Path,
     return names
 
 
+# fields of PerceptionConfig that only the post-processing reads (thresholds, slots): they are
+# not in the exported forward, so changing them at run time must not change the engine key
+_POSTPROCESS_FIELDS = ("score_threshold", "nms_iou", "max_detections", "pre_nms_top_k")
+
+
 def model_hash(model: nn.Module) -> str:
-    """sha256 over the config repr and every state-dict tensor (name, dtype, shape, bytes)."""
-    h = hashlib.sha256(repr(getattr(model, "config", None)).encode())
+    """sha256 over the forward's config (the post-processing fields left out) and every
+    state-dict tensor (name, dtype, shape, bytes)."""
+    cfg = getattr(model, "config", None)
+    if dataclasses.is_dataclass(cfg):
+        cfg = dataclasses.replace(cfg, **{f: getattr(type(cfg)(), f)
+                                          for f in _POSTPROCESS_FIELDS if hasattr(cfg, f)})
+    h = hashlib.sha256(repr(cfg).encode())
     for name, t in sorted(model.state_dict().items()):
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         if t.numel():
@@ -123,6 +138,33 @@ def engine_cache_key(model_sha: str, gpu_name: str, trt_version: str, precision:
                         "shapes": {k: list(map(int, v)) for k, v in sorted(shapes.items())}},
                        sort_keys=True)
     return hashlib.sha256(canon.encode()).hexdigest()[:24]
+
+
+def perception_engine_key(model: nn.Module, heads: frozenset[str] | set[str], images: int,
+                          image_hw: tuple[int, int], precision: str, gpu_name: str,
+                          trt_version: str) -> str:
+    """The key of the engine of `model`'s forward for one head set and input shape, as the
+    build step (`scripts/build_trt_engine.py`) writes it and the runtime looks it up: model
+    hash + head set + torch and ONNX opset versions (the export) + GPU + TensorRT version +
+    precision + the images' shape [images, 3, H, W]."""
+    identity = (f"{model_hash(model)}|heads={','.join(sorted(heads))}"
+                f"|torch={torch.__version__}|opset={ONNX_OPSET}")
+    return engine_cache_key(identity, gpu_name, trt_version, precision,
+                            {"images": (int(images), 3, int(image_hw[0]), int(image_hw[1]))})
+
+
+def build_command(heads: frozenset[str] | set[str], images: int, image_hw: tuple[int, int],
+                  precision: str, cache_dir: str | Path, config: object | None = None) -> str:
+    """The `scripts/build_trt_engine.py` command line that builds the engine for these
+    settings (named in the error when the runtime finds none)."""
+    cmd = (f"python scripts/build_trt_engine.py --cameras {images} --image-hw {image_hw[0]} "
+           f"{image_hw[1]} --precision {precision} --heads {' '.join(sorted(heads))} "
+           f"--cache-dir {cache_dir}")
+    if dataclasses.is_dataclass(config):
+        for f in ("backbone_depth", "base_width", "fpn_channels", "num_classes", "head_convs",
+                  "dense_stride", "depth_activation", "max_depth"):
+            cmd += f" --{f.replace('_', '-')} {getattr(config, f)}"
+    return cmd + " --weights <your state dict>"
 
 
 def engine_path(cache_dir: str | Path, key: str) -> Path:

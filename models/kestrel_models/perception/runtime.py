@@ -48,6 +48,8 @@ from .config import HEAD_NAMES
 from .lidar import project_points
 from .model import MultiTaskPerceptionModel
 from .optimize import OptimizeSpec, optimize_model
+from .trt_runtime import TensorRTPerceptionModel
+from ..trt import PRECISIONS
 
 Outputs = dict[str, "torch.Tensor | list[torch.Tensor]"]
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune",
@@ -76,6 +78,9 @@ class VariantSpec:
     # branched forward (branches.py): the parts after the trunk as separate regions (compiled
     # with whole_compile's mode, or eager without it) on their own CUDA streams
     branches: BranchPlan | None = None
+    # a prebuilt TensorRT engine of this precision instead of the torch model (trt_runtime.py;
+    # "" = torch): looked up by key at configure, never built here
+    engine: str = ""
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -93,6 +98,11 @@ class VariantSpec:
                              "with whole_compile's mode; excludes trunk_compile/heads_compile")
         if self.freeze and self.whole_compile is None:
             raise ValueError("parameter 'freeze' = True: needs whole_compile")
+        if self.engine and (self.engine not in PRECISIONS or self.compiled or self.cuda_graph
+                            or self.branches is not None):
+            raise ValueError(f"parameter 'engine' = {self.engine!r}: one of {PRECISIONS}, "
+                             "without torch.compile, CUDA graphs or branches (the engine is "
+                             "the whole forward)")
 
     @property
     def compiled(self) -> bool:
@@ -177,6 +187,10 @@ for _name, _plan in {"branch": BranchPlan(),
 VARIANTS["branch_bf16w_fold_s2d4_group_cudnn_stem_graph"] = VariantSpec(
     "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default",
     optimize=_OPTIMIZED["s2d4_group_cudnn_stem"], branches=BranchPlan())
+# tensorrt_<precision>: the engine of scripts/build_trt_engine.py (trt_runtime.py); CUDA only,
+# needs `tensorrt` (absent on every machine of this project: never measured)
+for _p in PRECISIONS:
+    VARIANTS[f"tensorrt_{_p}"] = VariantSpec(engine=_p)
 
 
 def enable_cudnn_autotune(device: torch.device) -> bool:
@@ -248,7 +262,8 @@ class PerceptionRuntime:
     def __init__(self, model: MultiTaskPerceptionModel, variant: str | VariantSpec = "eager_fp32",
                  image_hw: tuple[int, int] = (640, 640), cameras: int = 1, batch: int = 1,
                  heads: Iterable | None = None, device: str | torch.device = "cpu",
-                 lidar_points: int = 0, warmup: int = 2, cudnn_autotune: bool = True) -> None:
+                 lidar_points: int = 0, warmup: int = 2, cudnn_autotune: bool = True,
+                 engine_dir: str = "") -> None:
         if isinstance(variant, str):
             if variant not in VARIANTS:
                 raise ValueError(f"parameter 'runtime_variant' = {variant!r}: must be one of "
@@ -276,8 +291,14 @@ class PerceptionRuntime:
         self.compile_s = 0.0  # s spent in the first (compiling) calls
         self.prepare_s = 0.0  # s for the whole configure step
         t0 = time.perf_counter()
-        self.model = self._prepare_model(model)
         n = cameras * batch
+        if self.spec.engine:  # the engine is the whole forward: no copy, no transforms
+            self.optimized: dict[str, int] = {}
+            self.model = TensorRTPerceptionModel(  # type: ignore[assignment]
+                model, frozenset().union(*self.head_sets), n, self.image_hw, self.spec.engine,
+                self.device, engine_dir)
+        else:
+            self.model = self._prepare_model(model)
         self._images = torch.zeros((n, 3, *self.image_hw), dtype=torch.uint8, device=self.device)
         self._points = self._T = self._K = None
         if self.lidar_points:

@@ -72,6 +72,10 @@ SPECS: tuple[ParamSpec, ...] = (
               "variant (kestrel_models.perception.runtime.VARIANTS), built at configure for "
               "num_cameras x warmup_size; other sizes run eager (counted)." + _CONF,
               choices=("eager", *VARIANTS)),
+    ParamSpec("trt_engine_dir", "", "runtime_variant tensorrt_<precision>: folder of the "
+              "engines built offline by scripts/build_trt_engine.py, looked up by key (model "
+              "hash, heads, shapes, GPU, TensorRT, precision) and never built at configure; "
+              "'' = ~/.cache/kestrel/trt." + _CONF),
     ParamSpec("weights_path", "", "state_dict file; '' = random init from 'seed'." + _CONF),
     ParamSpec("model_path", "", "A user's own multi-task model instead of the reference "
               "architecture: TorchScript, ExportedProgram (.pt2) or ONNX file; '' = the "
@@ -247,6 +251,7 @@ def core_config(values: dict[str, Any]) -> PerceptionCoreConfig:
         point_buckets=tuple(values["point_buckets"]),
         amp=values["amp"], warmup_image_hw=(h, w), warmup_cameras=values["num_cameras"],
         num_threads=values["torch_threads"], runtime_variant=values["runtime_variant"],
+        engine_dir=values["trt_engine_dir"],
         depth_encoding=values["depth_encoding"], output_stride=values["output_stride"],
         nms_rounds=values["nms_rounds"], zero_copy_maps=True,
         region_graph=values["region_graph"], region_compile=values["region_compile"])

@@ -107,6 +107,8 @@ class PerceptionCoreConfig:
     # warm-up for (warmup_cameras, warmup_image_hw) with every head subset; other shapes
     # fall back to the plain model (PerceptionOutput.runtime_fallback)
     runtime_variant: str = "eager"
+    # runtime_variant tensorrt_*: the folder of the prebuilt engines ("" = ~/.cache/kestrel/trt)
+    engine_dir: str = ""
     depth_encoding: str = "32FC1"  # "32FC1" (m) or "16UC1" (mm, 0 = no value, REP 118)
     output_stride: int = 1  # masks/depths subsampled [::s, ::s] (1, 2, 4 or 8)
     nms_rounds: int = 8  # fixed-point NMS rounds in the device region before the slow path
@@ -170,6 +172,9 @@ class PerceptionCoreConfig:
                     not self.device.startswith("cuda"):
                 raise _fail("runtime_variant", self.runtime_variant,
                             f"uses CUDA graphs: needs device 'cuda', got {self.device!r}")
+            if VARIANTS[self.runtime_variant].engine and not self.device.startswith("cuda"):
+                raise _fail("runtime_variant", self.runtime_variant,
+                            f"runs a TensorRT engine: needs device 'cuda', got {self.device!r}")
 
 
 class PerceptionCore:
@@ -243,7 +248,8 @@ class PerceptionCore:
             subsets = [frozenset(h for i, h in enumerate(built) if mask >> i & 1)
                        for mask in range(1, 2 ** len(built))]
             self.runtime = PerceptionRuntime(self.model, self.config.runtime_variant, (h, w),
-                                             cameras, 1, heads=subsets, device=self.device)
+                                             cameras, 1, heads=subsets, device=self.device,
+                                             engine_dir=self.config.engine_dir)
         K = np.array([[w, 0.0, w / 2], [0.0, w, h / 2], [0.0, 0.0, 1.0]])
         cams = [CameraModel(K, w, h, f"warmup_{i}") for i in range(cameras)]
         imgs = [np.zeros((h, w, 3), np.uint8) for _ in range(cameras)]
