@@ -19,16 +19,22 @@ ROLES = ("boxes:output0", "scores:output1", "labels:output2", "seg:output3", "de
 
 
 class UserModel(nn.Module):
-    """Two overlapping 'cube' boxes (0.9, 0.8), one 'cup' box (0.7); depth 2 m; seg = table."""
+    """Two overlapping 'cube' boxes (0.9, 0.8), one 'cup' box (0.7); depth 2 m; seg = table.
+    Every tensor is made on the input's device (a model that hard-codes a device in its
+    forward and is traced there keeps that device: a file traced on the CPU that way fails
+    configure on CUDA, named by `check()`)."""
 
     def forward(self, images: torch.Tensor):
-        b = images.shape[0]
+        b, h, w, dev = images.shape[0], images.shape[2], images.shape[3], images.device
         z = images.float().mean() * 0
-        boxes = torch.tensor([[10.0, 10, 50, 50], [12, 12, 52, 52], [80, 20, 110, 60]])
-        seg = torch.zeros((b, 4, H // 2, W // 2)) + z
+        boxes = torch.tensor([[10.0, 10.0, 50.0, 50.0], [12.0, 12.0, 52.0, 52.0],
+                              [80.0, 20.0, 110.0, 60.0]], device=dev)
+        seg = torch.zeros((b, 4, h // 2, w // 2), device=dev) + z
         seg[:, 3] = 1.0
-        return (boxes.expand(b, 3, 4) + z, torch.tensor([0.9, 0.8, 0.7]).expand(b, 3) + z,
-                torch.tensor([1, 1, 2]).expand(b, 3), seg, torch.full((b, 1, H, W), 2.0) + z)
+        return (boxes.expand(b, 3, 4) + z,
+                torch.tensor([0.9, 0.8, 0.7], device=dev).expand(b, 3) + z,
+                torch.tensor([1, 1, 2], device=dev).expand(b, 3), seg,
+                torch.full((b, 1, h, w), 2.0, device=dev) + z)
 
 
 def extrinsic() -> np.ndarray:
@@ -42,12 +48,13 @@ FORMATS = ("torchscript", "exported_program", "onnx")
 
 
 def save_user_model(path_stem, fmt: str) -> str:
-    """UserModel saved as a user would: traced TorchScript (.pt), torch.export (.pt2) or ONNX
-    (.onnx, dynamic camera axis), all on the CPU."""
+    """UserModel saved as a user would: scripted TorchScript (.pt; scripting keeps
+    `images.device`, tracing would bake the CPU in), torch.export (.pt2) or ONNX (.onnx,
+    dynamic camera axis), all on the CPU."""
     m, x = UserModel().eval(), torch.zeros((1, 3, H, W), dtype=torch.uint8)
     if fmt == "torchscript":
         path = f"{path_stem}.pt"
-        torch.jit.save(torch.jit.trace(m, x), path)
+        torch.jit.save(torch.jit.script(m), path)
     elif fmt == "exported_program":
         path = f"{path_stem}.pt2"
         cams = torch.export.Dim("cameras", min=1, max=16)  # traced at 2: 1 would specialise
