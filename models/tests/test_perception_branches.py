@@ -101,6 +101,27 @@ def test_every_head_set_compiles_within_dynamo_s_recompile_limit() -> None:
         _assert_runs_alike(rt, ref, sets, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["branch", "whole"])
+def test_runtimes_of_several_shapes_in_one_process_stay_within_the_recompile_limit(
+        variant: str) -> None:
+    """Four runtimes (camera counts 1-4) of one variant in one process: each compiles its
+    own parts. They shared one code object per part, and the 1-camera batch sweep on the
+    H200 failed its fourth runtime on Dynamo's recompile limit."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = tiny_model()
+    spec = VariantSpec(whole_compile="default", backend="eager",
+                       branches=BranchPlan() if variant == "branch" else None)
+    with torch._dynamo.config.patch(recompile_limit=3, fail_on_recompile_limit_hit=True):
+        for cams in (1, 2, 3, 4):
+            rt = PerceptionRuntime(model, spec, HW, cameras=cams, lidar_points=256)
+            ref = PerceptionRuntime(model, "eager_fp32", HW, cameras=cams, lidar_points=256)
+            img = torch.randint(0, 256, (cams, 3, *HW), dtype=torch.uint8)
+            pts = torch.randn(1, 256, 3)
+            _assert_same(rt.run(img, pts), ref.run(img, pts), atol=1e-5, rtol=1e-5)
+
+
 def test_branch_plan_validation_and_head_sets() -> None:
     plan = BranchPlan()
     assert plan.for_heads(frozenset({"segmentation"}), bev=False) == (("dense",),)

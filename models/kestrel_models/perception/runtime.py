@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .branches import BranchedForward, BranchParts, BranchPlan
+from .branches import BranchedForward, BranchParts, BranchPlan, own_code
 from .config import HEAD_NAMES
 from .lidar import project_points
 from .model import MultiTaskPerceptionModel
@@ -393,7 +393,7 @@ class PerceptionRuntime:
                    T: torch.Tensor | None, K: torch.Tensor | None) -> Outputs:
             return self._region(images, points, T, K, hs)
 
-        return self._compile(region)
+        return self._compile(own_code(region))  # its own Dynamo entries (branches.own_code)
 
     def _forward(self, heads: frozenset[str]) -> Outputs:
         """The whole forward on the static buffers (what a CUDA graph captures)."""
