@@ -157,6 +157,10 @@ def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variant
     torch.manual_seed(0)
     cfg = make_config(args.config, bev)
     model = MultiTaskPerceptionModel(cfg).eval()
+    if args.weights and not bev:  # trained weights: the drift columns then mean something
+        state = torch.load(args.weights, map_location="cpu", weights_only=True)
+        model.load_state_dict(state.get("state_dict", state) if isinstance(state, dict)
+                              else state, strict=True)
     images = torch.randint(0, 256, (cams * batch, 3, *hw), dtype=torch.uint8, generator=gen)
     points = make_points(batch, args.points, gen) if args.points else None
     T, K = camera_rig(cams, hw)
@@ -286,6 +290,10 @@ def main() -> None:
                     help="skip the target case's compiled variants after this wall time "
                          "(default --budget-s), leaving time for the other cases")
     ap.add_argument("--bev", action="store_true", help="also the target case with BEV fusion")
+    ap.add_argument("--weights", default="",
+                    help="state dict of the --config architecture (default: seeded random "
+                         "weights, whose near-tied scores make the detection agreement "
+                         "pessimistic); not used by the BEV case")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--gap-ms", type=float, default=0.0,
                     help="GPU idle time before each timed iteration (the node's frame gap)")
@@ -328,7 +336,8 @@ def main() -> None:
     commit = bench_common.git_commit(args.git_commit)
     result = {"command": "python " + " ".join(sys.argv), "git_commit": commit,
               "allow_tf32": bool(args.allow_tf32),
-              "torch": torch.__version__, "config": args.config, "iters": args.iters,
+              "torch": torch.__version__, "config": args.config,
+              "weights": args.weights or None, "iters": args.iters,
               "gap_ms": args.gap_ms,
               "machine": bench_common.machine_info(
                   torch.cuda.get_device_name(device) if gpu else None, cpu=platform.processor(),

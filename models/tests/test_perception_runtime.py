@@ -58,6 +58,26 @@ def test_channels_last_and_bf16_variants_stay_close_to_fp32() -> None:
     assert bf.det_agreement is not None and bf.det_agreement > 0.8
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("variant", ["eager_fp16_cl", "whole_fp16w_freeze_graph"])
+def test_fp16_variants_stay_close_to_fp32_on_gpu(variant: str) -> None:
+    """fp16 (autocast, and weights cast + inductor freezing in one CUDA graph): the same
+    accuracy check as bf16, against strict fp32 on the same GPU (TF32 off)."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model()
+    img = _images(2)
+    ref = PerceptionRuntime(model, "eager_fp32", HW, cameras=2, device="cuda").run(img)
+    ref = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone() for k, v in
+           ref.items()}
+    rep = compare_outputs(ref, PerceptionRuntime(model, variant, HW, cameras=2,
+                                                 device="cuda").run(img), HW, class_offset=1)
+    assert rep.seg_max_abs is not None and 0 <= rep.seg_max_abs < 0.05
+    assert rep.depth_max_abs is not None and rep.depth_max_abs < 0.05
+    assert rep.det_agreement is not None and rep.det_agreement > 0.8
+
+
 def test_bf16_weight_cast_keeps_fp32_normalisation() -> None:
     model = tiny_model()
     spec = VariantSpec("bf16", cast_weights=True, channels_last=True)
