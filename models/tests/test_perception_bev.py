@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kestrel_models.perception import MultiTaskPerceptionModel, PerceptionConfig
-from kestrel_models.perception.bev import BEVFusion, PillarScatter
+from kestrel_models.perception.bev import BEVFusion, PillarScatter, camera_attention_bias
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +50,56 @@ def test_bev_fusion_shapes_and_image_dependence() -> None:
     assert not torch.allclose(out2[1], out[1])  # cross-attention sees sample 1's images
     with pytest.raises(ValueError, match="split"):
         bev(pts, torch.randn(5, 16, 5, 6))
+
+
+def _forward_camera(yaw: float = 0.0) -> torch.Tensor:
+    """T_cam_from_base [4, 4] of a camera at the base origin, optical axis along base
+    (cos yaw, sin yaw, 0), image x to the right, y down."""
+    c, s = torch.cos(torch.tensor(yaw)), torch.sin(torch.tensor(yaw))
+    fwd = torch.stack([c, s, torch.tensor(0.0)])
+    right = torch.stack([s, -c, torch.tensor(0.0)])
+    down = torch.tensor([0.0, 0.0, -1.0])
+    T = torch.eye(4)
+    T[:3, :3] = torch.stack([right, down, fwd])  # rows: camera axes in base coordinates
+    return T
+
+
+def test_camera_bias_points_each_cell_at_its_projection() -> None:
+    """A 4x4 grid of 5 m cells (x, y in [-10, 10) m) at z = 0, two cameras of a 64x64 px image
+    (f = 32 px) looking along +x and -x, tokens of 16 px (4x4): a cell in front of camera 0
+    is biased to the token of its projection and masked in camera 1 (behind it); a cell
+    at the side, seen by neither, has no bias."""
+    K = torch.tensor([[32.0, 0.0, 32.0], [0.0, 32.0, 32.0], [0.0, 0.0, 1.0]])
+    T = torch.stack([_forward_camera(0.0), _forward_camera(torch.pi)])
+    bias = camera_attention_bias(T, K.repeat(2, 1, 1), (64, 64), (4, 4), 16.0, grid=4,
+                                 half_range=10.0, z=0.0)
+    assert bias.shape == (16, 2 * 16)
+    # cell (3, 1): centre x = 7.5, y = -2.5 -> camera 0: u = 32 + 32 * 2.5 / 7.5 = 42.7 px
+    # (token column 2), v = 32 (between token rows 1 and 2)
+    row = bias[3 * 4 + 1]
+    cam0, cam1 = row[:16].view(4, 4), row[16:].view(4, 4)
+    assert (cam1 == -1e4).all()  # behind camera 1
+    best = torch.nonzero(cam0 == cam0.max())
+    assert {tuple(t.tolist()) for t in best} <= {(1, 2), (2, 2)}
+    assert cam0.max() > -0.5 and cam0.min() < -3.0  # falls off with the token distance
+    # cell (0, 0): x = -7.5, y = -7.5: in front of camera 1, at 45 deg: u = 32 + 32 = 64 px,
+    # just outside the image; cell (1, 0): x = -2.5, y = -7.5: outside both images -> no bias
+    assert (bias[1 * 4 + 0] == 0).all()
+
+
+def test_bev_geometry_changes_the_occupancy_and_stays_finite() -> None:
+    torch.manual_seed(0)
+    bev = BEVFusion(channels=16, grid=8, half_range=10.0, z_range=(-2, 4), heads=4).eval()
+    pts = torch.randn(1, 100, 3) * 4
+    feats = torch.randn(2, 16, 4, 4)  # 1 sample x 2 cameras
+    K = torch.tensor([[32.0, 0.0, 32.0], [0.0, 32.0, 32.0], [0.0, 0.0, 1.0]]).repeat(2, 1, 1)
+    T = torch.stack([_forward_camera(0.0), _forward_camera(torch.pi)])
+    with torch.no_grad():
+        free = bev(pts, feats)
+        lifted = bev(pts, feats, (T, K, (64, 64), 16.0))
+        turned = bev(pts, feats, (T.flip(0), K, (64, 64), 16.0))  # cameras swapped
+    assert torch.isfinite(lifted).all() and not torch.allclose(free, lifted)
+    assert not torch.allclose(lifted, turned)  # the geometry decides which image a cell sees
 
 
 def test_model_with_bev_outputs_occupancy_only_when_points_given() -> None:

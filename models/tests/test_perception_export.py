@@ -53,12 +53,16 @@ def test_onnx_export_matches_torch_in_onnxruntime(tmp_path: Path, bev: bool) -> 
     pts[0, -5:] = float("nan")  # bucket padding
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     feeds = {"images": img.numpy()}
+    T = torch.eye(4).repeat(2, 1, 1)  # cameras at the base origin looking along base +x
+    T[:, :3, :3] = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, -1.0], [1.0, 0.0, 0.0]])
+    K = torch.tensor([[50.0, 0.0, 48.0], [0.0, 50.0, 32.0], [0.0, 0.0, 1.0]]).repeat(2, 1, 1)
     if bev:
-        feeds["points"] = pts.numpy()
+        feeds.update(points=pts.numpy(), T_cam_from_base=T.numpy(), K=K.numpy())
     got = sess.run(None, feeds)
     assert [o.name for o in sess.get_outputs()] == names
     with torch.no_grad():
-        ref = ExportWrapper(model, heads)(img, pts if bev else None)
+        ref = ExportWrapper(model, heads)(img, pts, T, K) if bev else \
+            ExportWrapper(model, heads)(img)
     assert len(got) == len(ref) == len(names)
     for name, a, b in zip(names, got, ref, strict=True):
         assert a.shape == tuple(b.shape), name

@@ -7,9 +7,14 @@ dropped afterwards, so no data-dependent shapes or host syncs appear.
 Data flow (C = fpn_channels, G = bev_grid, cams = cameras per sample):
   points [B, N, 3] m (base frame)  --PillarScatter-->  pillars [B, C, G, G]
   image features P5 [B*cams, C, h, w]  --tokens + learned camera/position embeddings-->
-      [B, cams*h*w, C]  (a learned projection: no camera geometry needed)
+      [B, cams*h*w, C]
   BEV queries = learned [G*G, C] + pillars  --cross-attention (SDPA) over image tokens-->
       fused [B, C, G, G]  --1x1 conv-->  occupancy logits [B, 1, G, G]
+The lift from image to BEV is geometric when the cameras are given (T_cam_from_base, K):
+every BEV cell centre (at the middle of bev_z_range) is projected into every camera, and the
+attention of that cell is biased towards the P5 tokens around its projection (a Gaussian of
+`sigma` tokens) and away from the cameras that do not see it (`camera_attention_bias`). A cell
+no camera sees attends freely (no bias). Without cameras the attention is learned only.
 Grid convention: cell (row i, col j) covers x in [-R + i*d, -R + (i+1)*d), y likewise with j,
 d = 2R / G, R = bev_range (m).
 """
@@ -64,11 +69,47 @@ class PillarScatter(nn.Module):
         return mean.transpose(1, 2).reshape(b, c, g, g)
 
 
+def camera_attention_bias(T_cam_from_base: torch.Tensor, K: torch.Tensor,
+                          image_hw: tuple[int, int], feat_hw: tuple[int, int], stride: float,
+                          grid: int, half_range: float, z: float, sigma: float = 1.0
+                          ) -> torch.Tensor:
+    """Attention bias [G*G, cams*h*w] of the BEV queries over the image tokens (the order of
+    `BEVFusion.image_tokens`): -(token distance to the cell's projection)^2 / (2 sigma^2) in
+    the cameras that see the cell centre (in front, 0.1 m or more, inside image_hw px),
+    -1e4 in the others; 0 everywhere for a cell no camera sees. T_cam_from_base [cams, 4, 4],
+    K [cams, 3, 3] px; feat_hw = (h, w) of the tokens, `stride` px per token; fp32 math."""
+    dev = T_cam_from_base.device
+    T, Kf = T_cam_from_base.float(), K.float()
+    cams, (h, w), g = T.shape[0], feat_hw, grid
+    d = 2.0 * half_range / g
+    c = -half_range + (torch.arange(g, device=dev, dtype=torch.float32) + 0.5) * d  # [G] m
+    x = c[:, None].expand(g, g)  # row i: x
+    y = c[None, :].expand(g, g)  # col j: y
+    pts = torch.stack([x, y, torch.full_like(x, z), torch.ones_like(x)], -1).reshape(-1, 4)
+    p_cam = torch.einsum("cij,nj->cni", T, pts)[..., :3]  # [cams, G*G, 3] m
+    zc = p_cam[..., 2]
+    uvw = torch.einsum("cij,cnj->cni", Kf, p_cam)  # [cams, G*G, 3]
+    zs = zc.clamp(min=1e-3)
+    u, v = uvw[..., 0] / zs, uvw[..., 1] / zs  # px
+    vis = (zc > 0.1) & (u >= 0) & (u < image_hw[1]) & (v >= 0) & (v < image_hw[0])
+    tu, tv = u / stride - 0.5, v / stride - 0.5  # token coordinates (centres at integers)
+    r = torch.arange(h, device=dev, dtype=torch.float32)
+    s = torch.arange(w, device=dev, dtype=torch.float32)
+    d2 = (tv[..., None, None] - r[:, None]) ** 2 + (tu[..., None, None] - s[None, :]) ** 2
+    bias = torch.where(vis[..., None, None], -d2 / (2.0 * sigma * sigma),
+                       torch.full_like(d2, -1e4))  # [cams, G*G, h, w]
+    bias = torch.where(vis.any(0)[None, :, None, None], bias, torch.zeros_like(bias))
+    return bias.permute(1, 0, 2, 3).reshape(g * g, cams * h * w)
+
+
 class BEVFusion(nn.Module):
     """BEV queries (learned + LiDAR pillars) cross-attend to the image tokens of all cameras.
 
-    forward(points [B, N, 3] m, image_feats [B*cams, C, h, w]) -> occupancy logits
-    [B, 1, G, G]. `max_tokens_hw` bounds h*w for the learned position embedding.
+    forward(points [B, N, 3] m, image_feats [B*cams, C, h, w], cameras=None) -> occupancy
+    logits [B, 1, G, G]. cameras = (T_cam_from_base [cams, 4, 4], K [cams, 3, 3] px,
+    image_hw (H, W) px, stride px per token): the geometric lift (`camera_attention_bias`),
+    the same rig for every sample. `max_tokens_hw` bounds h*w for the learned position
+    embedding.
     """
 
     def __init__(self, channels: int, grid: int, half_range: float,
@@ -77,7 +118,8 @@ class BEVFusion(nn.Module):
         super().__init__()
         if channels % heads:
             raise ValueError(f"parameter 'bev_heads' = {heads}: must divide {channels}")
-        self.grid, self.heads = grid, heads
+        self.grid, self.heads, self.half_range = grid, heads, float(half_range)
+        self.z_mid = 0.5 * (float(z_range[0]) + float(z_range[1]))  # m, height of the cells
         self.pillars = PillarScatter(channels, grid, half_range, z_range)
         self.query = nn.Parameter(torch.randn(grid * grid, channels) * 0.02)  # [G*G, C]
         self.cam_embed = nn.Parameter(torch.randn(max_cameras, channels) * 0.02)
@@ -105,7 +147,9 @@ class BEVFusion(nn.Module):
         t = t + self.cam_embed[:cams, None, :].to(t.dtype) + self.pos_embed[: h * w].to(t.dtype)
         return t.reshape(batch, cams * h * w, c)
 
-    def forward(self, points: torch.Tensor, image_feats: torch.Tensor) -> torch.Tensor:
+    def forward(self, points: torch.Tensor, image_feats: torch.Tensor,
+                cameras: tuple[torch.Tensor, torch.Tensor, tuple[int, int], float] | None = None
+                ) -> torch.Tensor:
         b = points.shape[0]
         g, nh = self.grid, self.heads
         pillars = self.pillars(points.float())  # [B, C, G, G]
@@ -114,7 +158,12 @@ class BEVFusion(nn.Module):
         kv = self.norm_kv(self.image_tokens(image_feats, b).to(q0.dtype))  # [B, T, C]
         q = self.q_proj(self.norm_q(q0)).view(b, g * g, nh, c // nh).transpose(1, 2)
         k, v = self.kv_proj(kv).view(b, -1, 2, nh, c // nh).permute(2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v)  # [B, nh, G*G, C/nh]
+        mask = None
+        if cameras is not None:  # [1, 1, G*G, cams*h*w], broadcast over samples and heads
+            T, K, image_hw, stride = cameras
+            mask = camera_attention_bias(T, K, image_hw, tuple(image_feats.shape[-2:]), stride,
+                                         g, self.half_range, self.z_mid).to(q.dtype)[None, None]
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nh, G*G, C/nh]
         x = q0 + self.out_proj(att.transpose(1, 2).reshape(b, g * g, c))
         x = x + self.ffn(x)
         return self.occ(x.transpose(1, 2).reshape(b, c, g, g))  # [B, 1, G, G] logits

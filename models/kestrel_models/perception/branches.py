@@ -119,10 +119,11 @@ class BranchParts:
             with autocast():
                 return model.dense(pyramid, frozenset(heads), hw)
 
-        def bev(points: torch.Tensor, p5: torch.Tensor) -> dict[str, torch.Tensor]:
-            assert model.bev is not None
+        def bev(points: torch.Tensor, p5: torch.Tensor, T: torch.Tensor | None,
+                K: torch.Tensor | None, hw: tuple[int, int]) -> dict[str, torch.Tensor]:
+            cams = None if T is None or K is None else (T, K)
             with autocast():
-                return {"bev_occ": model.bev(points, p5)}
+                return {"bev_occ": model.bev_occupancy(points, p5, cams, hw)}
 
         def lidar(points: torch.Tensor, T: torch.Tensor, K: torch.Tensor) -> Outputs:
             return lidar_fn(points, T, K)  # (inlined by Dynamo: the entries sit on `lidar`)
@@ -149,7 +150,8 @@ class BranchedForward:
                                        for _ in range(len(self.branches))]
 
     def _run_part(self, part: str, pyramid: dict[str, torch.Tensor], hw: tuple[int, int],
-                  points: torch.Tensor | None) -> Outputs:
+                  points: torch.Tensor | None, T: torch.Tensor | None,
+                  K: torch.Tensor | None) -> Outputs:
         if part in _DET:
             level = _DET[part]
             return self._p.det(pyramid[f"p{3 + level}"], level)
@@ -157,7 +159,7 @@ class BranchedForward:
             return self._p.dense(pyramid, self._dense_heads, hw)
         if points is None:  # bev without LiDAR points: the model's forward skips it too
             return {}
-        return self._p.bev(points, pyramid["p5"])
+        return self._p.bev(points, pyramid["p5"], T, K, hw)
 
     def __call__(self, images: torch.Tensor, points: torch.Tensor | None,
                  T: torch.Tensor | None, K: torch.Tensor | None) -> Outputs:
@@ -183,7 +185,7 @@ class BranchedForward:
         for i in list(range(1, len(self.branches))) + [0]:
             with fork(i):
                 for part in self.branches[i]:
-                    results[part] = self._run_part(part, pyramid, hw, points)
+                    results[part] = self._run_part(part, pyramid, hw, points, T, K)
         for s in forked:
             cur.wait_stream(s)
         return merge_outputs(results, lidar)

@@ -58,9 +58,11 @@ class ExportWrapper(nn.Module):
         self.model = model
         self.heads = frozenset(heads)
 
-    def forward(self, images: torch.Tensor, points: torch.Tensor | None = None
+    def forward(self, images: torch.Tensor, points: torch.Tensor | None = None,
+                T_cam_from_base: torch.Tensor | None = None, K: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, ...]:
-        out = self.model(images, self.heads, points=points)
+        cams = None if T_cam_from_base is None or K is None else (T_cam_from_base, K)
+        out = self.model(images, self.heads, points=points, cameras=cams)
         flat: list[torch.Tensor] = []
         if "detection" in self.heads:
             for kind in ("det_cls", "det_ltrb", "det_ctr"):
@@ -78,7 +80,9 @@ def export_onnx(model: MultiTaskPerceptionModel, path: str | Path,
     """Export the fp32 forward (fixed head set and shapes) to ONNX at `path`.
 
     Inputs: "images" [images_per_call, 3, H, W] uint8 and, with a BEV model and
-    lidar_points > 0, "points" [1, lidar_points, 3] float32 m. Returns the output names.
+    lidar_points > 0, "points" [1, lidar_points, 3] float32 m, "T_cam_from_base"
+    [images_per_call, 4, 4] and "K" [images_per_call, 3, 3] px (the BEV block's geometric
+    lift). Returns the output names.
     """
     heads = model.enabled_heads if heads is None else frozenset(heads)
     if not heads or not heads <= model.enabled_heads:
@@ -93,8 +97,10 @@ def export_onnx(model: MultiTaskPerceptionModel, path: str | Path,
     args: tuple[torch.Tensor, ...] = (images,)
     inputs = ["images"]
     if bev:
-        args = (images, torch.zeros((1, lidar_points, 3)))
-        inputs.append("points")
+        n = images_per_call
+        args = (images, torch.zeros((1, lidar_points, 3)), torch.eye(4).repeat(n, 1, 1),
+                torch.eye(3).repeat(n, 1, 1))
+        inputs += ["points", "T_cam_from_base", "K"]
     names = output_names(heads, bev)
     with torch.no_grad():
         torch.onnx.export(wrapper, args, str(path), input_names=inputs, output_names=names,

@@ -83,8 +83,11 @@ class MultiTaskPerceptionModel(nn.Module):
         return x.to(self.backbone.conv1.weight.dtype)  # weights cast to bf16/fp16: same
 
     def forward(self, images: torch.Tensor, heads: frozenset[str] | None = None,
-                points: torch.Tensor | None = None
+                points: torch.Tensor | None = None,
+                cameras: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        """cameras = (T_cam_from_base [cams, 4, 4], K [cams, 3, 3] px): the BEV block's
+        geometric lift (bev.py); without them its image attention is learned only."""
         heads = self._check_heads(heads)
         pyramid = self.trunk(images)
         out: dict[str, torch.Tensor | list[torch.Tensor]] = {}
@@ -92,8 +95,19 @@ class MultiTaskPerceptionModel(nn.Module):
             out.update(self.detection(pyramid))
         out.update(self.dense(pyramid, heads, image_hw(images)))
         if self.bev is not None and points is not None:
-            out["bev_occ"] = self.bev(points, pyramid["p5"])
+            out["bev_occ"] = self.bev_occupancy(points, pyramid["p5"], cameras,
+                                                image_hw(images))
         return out
+
+    def bev_occupancy(self, points: torch.Tensor, p5: torch.Tensor,
+                      cameras: tuple[torch.Tensor, torch.Tensor] | None,
+                      hw: tuple[int, int]) -> torch.Tensor:
+        """The BEV block on P5 [B*cams, C, h, w] (padded input: 32 px per token)."""
+        assert self.bev is not None
+        geo = None
+        if cameras is not None:
+            geo = (cameras[0], cameras[1], hw, float(padded_size(hw)[1]) / p5.shape[-1])
+        return self.bev(points, p5, geo)
 
     # The parts of forward, in its order. The runtime's branched forward (branches.py) runs
     # them as separately compiled regions on their own CUDA streams; forward is their sum.
