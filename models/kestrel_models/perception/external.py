@@ -8,13 +8,20 @@ switches its head off):
   labels  [B, N]    int class index in [0, num_classes)         } (Kestrel applies both)
   seg     [B, K, h, w] class logits (K = num_classes; any h, w: resized to the input size)
   depth   [B, 1, h, w] metric depth, m (any h, w: resized to the input size)
+  fcos    the reference FCOS head's raw maps, as `export.export_onnx` names them: the value
+          is a name prefix ('' for the export's own names), the outputs <prefix>det_cls_p3..p5
+          [B, num_classes - 1 (background excluded), h_l, w_l] logits, <prefix>det_ltrb_p3..p5
+          [B, 4, h_l, w_l] px and <prefix>det_ctr_p3..p5 [B, 1, h_l, w_l] logits; decoded
+          and NMSed like the reference model (so an exported reference model runs in ONNX
+          Runtime: `model_outputs: ['fcos:', 'seg:seg', 'depth:depth']`)
 Input: one tensor [B, 3, H, W] (`input_name` for ONNX), RGB, in `input_format`:
   uint8    0..255 uint8 (the model normalises itself)
   float01  float32 in [0, 1]
   imagenet float32 (x / 255 - mean) / std with the ImageNet mean/std
-Boxes, scores and labels come together (all three or none). Everything is checked once at
-load (`check`): a missing output, a wrong rank or size, a class count that does not match fails
-with a ValueError naming the parameter and the value, before the node goes active.
+Boxes, scores and labels come together (all three or none), and not with fcos. Everything
+is checked once at load (`check`): a missing output, a wrong rank or size, a class count that
+does not match fails with a ValueError naming the parameter and the value, before the node
+goes active.
 
 Formats: "torchscript" (torch.jit.save; .pt/.ts/.jit), "exported_program" (torch.export.save;
 .pt2) and "onnx" (onnxruntime; CUDA provider when the device is cuda and it is available);
@@ -35,7 +42,14 @@ __all__ = ["FORMATS", "INPUT_FORMATS", "OutputContract", "ExternalPerceptionMode
 
 FORMATS = ("auto", "torchscript", "exported_program", "onnx")
 INPUT_FORMATS = ("uint8", "float01", "imagenet")
-ROLES = ("boxes", "scores", "labels", "seg", "depth")
+ROLES = ("boxes", "scores", "labels", "seg", "depth", "fcos")
+FCOS_LEVELS = (3, 4, 5)  # the reference head's FPN levels (model.DET_STRIDES 8, 16, 32)
+
+
+def fcos_names(prefix: str) -> dict[str, list[str]]:
+    """Output names of the `fcos` role: {"det_cls": [<prefix>det_cls_p3, ...], ...}."""
+    return {k: [f"{prefix}{k}_p{lv}" for lv in FCOS_LEVELS]
+            for k in ("det_cls", "det_ltrb", "det_ctr")}
 _EXT = {".pt": "torchscript", ".ts": "torchscript", ".jit": "torchscript",
         ".pt2": "exported_program", ".onnx": "onnx"}
 _MEAN = (0.485, 0.456, 0.406)
@@ -52,7 +66,7 @@ def parse_outputs(items: list[str] | tuple[str, ...]) -> dict[str, str]:
     for item in items:
         role, sep, name = str(item).partition(":")
         role, name = role.strip(), name.strip()
-        if not sep or role not in ROLES or not name:
+        if not sep or role not in ROLES or (not name and role != "fcos"):
             raise _fail("model_outputs", list(items),
                         f"each entry must be '<role>:<output name>' with role in {ROLES}")
         if role in out:
@@ -61,6 +75,9 @@ def parse_outputs(items: list[str] | tuple[str, ...]) -> dict[str, str]:
     det = {"boxes", "scores", "labels"} & out.keys()
     if det and len(det) != 3:
         raise _fail("model_outputs", list(items), "boxes, scores and labels come together")
+    if det and "fcos" in out:
+        raise _fail("model_outputs", list(items), "decoded boxes or the raw fcos maps, not "
+                    "both")
     if not out:
         raise _fail("model_outputs", list(items), "names no output: the model would do nothing")
     return out
@@ -81,7 +98,7 @@ class OutputContract:
     def heads(self) -> frozenset[str]:
         """The reference model's head names this contract provides."""
         h = set()
-        if "boxes" in self.outputs:
+        if "boxes" in self.outputs or "fcos" in self.outputs:
             h.add("detection")
         if "seg" in self.outputs:
             h.add("segmentation")
@@ -191,7 +208,10 @@ class ExternalPerceptionModel:
         got = self._raw_outputs(self._prepare(images))
         o = self.contract.outputs
         raw: dict[str, torch.Tensor] = {}
-        if "detection" in heads:
+        if "detection" in heads and "fcos" in o:  # raw maps: the reference decode
+            for kind, names in fcos_names(o["fcos"]).items():
+                raw[kind] = [got[n].float() for n in names]  # type: ignore[assignment]
+        elif "detection" in heads:
             raw["det_boxes"] = got[o["boxes"]].float()
             raw["det_scores"] = got[o["scores"]].float()
             raw["det_labels"] = got[o["labels"]].long()
@@ -203,6 +223,19 @@ class ExternalPerceptionModel:
                     t = F.interpolate(t, size=(h, w), mode=mode, align_corners=False)
                 raw[role] = t
         return raw
+
+    def _check_fcos(self, got: dict[str, torch.Tensor], batch: int, num_classes: int) -> str:
+        """Why the raw FCOS maps do not fit the reference decode ('' if they do)."""
+        names = fcos_names(self.contract.outputs["fcos"])
+        for lv, (c, b, z) in enumerate(zip(*names.values(), strict=True)):
+            sc, sb, sz = (tuple(got[n].shape) for n in (c, b, z))
+            if len(sc) != 4 or sc[0] != batch or sc[1] != num_classes - 1:
+                return (f"{c} has shape {sc}, expected [{batch}, {num_classes - 1} classes "
+                        "(background excluded), h, w]")
+            if sb != (batch, 4, *sc[2:]) or sz != (batch, 1, *sc[2:]):
+                return (f"{b} {sb} / {z} {sz} must be [{batch}, 4 / 1, {sc[2]}, {sc[3]}] like "
+                        f"{c} (level P{FCOS_LEVELS[lv]})")
+        return ""
 
     def _host_outputs(self, x: torch.Tensor, names: list[str]) -> list[str]:
         """The declared outputs a torch-format model itself returns off the device (each is
@@ -228,22 +261,26 @@ class ExternalPerceptionModel:
             msg = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
             raise _fail("model_path", self.path, f"fails on a [{batch}, 3, {h}, {w}] "
                         f"{self.contract.input_format} input: {msg}") from exc
-        outs = list(self.contract.outputs.items())
+        outs = [(r, n) for r, n in self.contract.outputs.items() if r != "fcos"]
+        if "fcos" in self.contract.outputs:
+            outs += [("fcos", n) for names in fcos_names(self.contract.outputs["fcos"]).values()
+                     for n in names]
         for role, name in outs:
             if name not in got:
                 raise _fail("model_outputs", [f"{r}:{n}" for r, n in outs],
                             f"output '{name}' ({role}) not found; the model returns "
                             f"{sorted(got)}")
         self.host_outputs = self._host_outputs(x, [n for _, n in outs])
-        o, shape = self.contract.outputs, {r: tuple(got[n].shape) for r, n in outs}
-        why = ""
+        o, shape = self.contract.outputs, {r: tuple(got[n].shape) for r, n in outs
+                                           if r != "fcos"}
+        why = self._check_fcos(got, batch, num_classes) if "fcos" in o else ""
         if "boxes" in o:
             b, s, lab = shape["boxes"], shape["scores"], shape["labels"]
             if len(b) != 3 or b[0] != batch or b[2] != 4:
                 why = f"boxes has shape {b}, expected [{batch}, N, 4]"
             elif s != b[:2] or lab != b[:2]:
                 why = f"scores {s} and labels {lab} must be [{batch}, {b[1]}] like boxes"
-        if not why and "seg" in o:
+        if not why and "seg" in o:  # (after fcos)
             sg = shape["seg"]
             if len(sg) != 4 or sg[0] != batch or sg[1] != num_classes:
                 why = f"seg has shape {sg}, expected [{batch}, {num_classes} classes, h, w]"

@@ -142,3 +142,46 @@ def test_contract_errors_fail_at_construction(model_file) -> None:
         config(model_file, runtime_variant="compile_bf16")
     with pytest.raises(ValueError, match="parameter 'model_path'.*not both"):
         config(model_file, weights_path=model_file)
+
+
+def test_the_exported_reference_model_runs_through_the_onnx_path(tmp_path) -> None:
+    """export_onnx of the reference model, loaded back as a user model with the raw FCOS
+    role (`fcos:` = the export's names) plus seg and depth: the same detections, mask and
+    depth as the reference model with the same weights (decode and NMS are the core's)."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from kestrel_models.perception import MultiTaskPerceptionModel
+    from kestrel_models.perception.export import export_onnx
+
+    model_cfg = PerceptionConfig.tiny(num_classes=4, score_threshold=0.05, max_detections=12)
+    torch.manual_seed(3)
+    ref_model = MultiTaskPerceptionModel(model_cfg).eval()
+    weights, onnx = tmp_path / "w.pt", tmp_path / "ref.onnx"
+    torch.save(ref_model.state_dict(), weights)
+    export_onnx(ref_model, onnx, image_hw=(H, W), images_per_call=1)
+    base = dict(model=model_cfg, class_names=NAMES, warmup_image_hw=(H, W), warmup_cameras=1)
+    ref = PerceptionCore(PerceptionCoreConfig(**base, weights_path=str(weights)))
+    ext = PerceptionCore(PerceptionCoreConfig(
+        **base, model_path=str(onnx), model_outputs=("fcos:", "seg:seg", "depth:depth")))
+    assert ext.heads == {"detection", "segmentation", "depth"}
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, (H, W, 3), dtype=np.uint8)
+    cam = CameraModel(K, W, H, "cam0", extrinsic())
+    a, b = (c.process(FrameSet(1, [img], [cam], None)) for c in (ref, ext))
+    assert len(a.detections) == len(b.detections) > 0
+    sa = sorted(a.detections, key=lambda d: -d.score)
+    sb = sorted(b.detections, key=lambda d: -d.score)
+    np.testing.assert_allclose([d.score for d in sa], [d.score for d in sb], atol=1e-4)
+    np.testing.assert_allclose(np.stack([d.box_xyxy for d in sa]),
+                               np.stack([d.box_xyxy for d in sb]), atol=1e-2)
+    assert (a.masks[0] == b.masks[0]).mean() > 0.99
+    np.testing.assert_allclose(a.depths[0], b.depths[0], atol=1e-3)
+    with pytest.raises(ValueError, match="not both"):
+        PerceptionCore(PerceptionCoreConfig(**base, model_path=str(onnx), model_outputs=(
+            "fcos:", "boxes:b", "scores:s", "labels:l")))
+    with pytest.raises(ValueError, match=r"det_cls_p3 has shape \(1, 3, 12, 16\), expected "
+                                         r"\[1, 5 classes"):
+        PerceptionCore(PerceptionCoreConfig(
+            model=PerceptionConfig.tiny(num_classes=6), class_names=(*NAMES, "a", "b"),
+            warmup_image_hw=(H, W), warmup_cameras=1, model_path=str(onnx),
+            model_outputs=("fcos:",)))

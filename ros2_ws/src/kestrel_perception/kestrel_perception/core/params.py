@@ -84,8 +84,10 @@ SPECS: tuple[ParamSpec, ...] = (
               choices=FORMATS),
     ParamSpec("model_outputs", [], "Output contract of model_path: 'role:output name' for "
               "roles boxes [B,N,4] xyxy px, scores [B,N], labels [B,N] (together), seg "
-              "[B,K,h,w] logits, depth [B,1,h,w] m; torch models returning a tuple name their "
-              "outputs output0, output1, ..." + _CONF, element_type=str),
+              "[B,K,h,w] logits, depth [B,1,h,w] m, or fcos:<prefix> for the reference FCOS "
+              "head's raw maps (<prefix>det_cls_p3.. as export_onnx names them; instead of "
+              "boxes); torch models returning a tuple name their outputs output0, "
+              "output1, ..." + _CONF, element_type=str),
     ParamSpec("model_input_name", "images", "Input name of an ONNX model_path." + _CONF),
     ParamSpec("model_input_format", "uint8", "Input of model_path: uint8 0..255, float01, or "
               "imagenet (normalised float)." + _CONF, choices=INPUT_FORMATS),
