@@ -61,6 +61,8 @@ def main() -> int:
     ap.add_argument("--image-hw", type=int, nargs=2, default=(640, 640))
     ap.add_argument("--precision", choices=PRECISIONS, default="fp16")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "kestrel" / "trt"))
+    ap.add_argument("--force", action="store_true",
+                    help="rebuild even if the engine for this key exists")
     ap.add_argument("--calib-images", default="",
                     help="int8: .npy of uint8 [N, cameras, 3, H, W] calibration frames")
     args = ap.parse_args()
@@ -100,13 +102,25 @@ def main() -> int:
         print(f"[build_trt_engine] {exc}", file=sys.stderr)
         return 2
     model = MultiTaskPerceptionModel(cfg).eval()
-    if args.weights:
-        model.load_state_dict(torch.load(args.weights, map_location="cpu", weights_only=True))
+    if args.weights:  # a state dict, or a checkpoint {"state_dict": ...} (as the node takes)
+        state = torch.load(args.weights, map_location="cpu", weights_only=True)
+        if isinstance(state, dict) and "state_dict" in state:
+            state = state["state_dict"]
+        model.load_state_dict(state)
     heads = frozenset(args.heads)
     key = perception_engine_key(model, heads, args.cameras, tuple(args.image_hw),
                                 args.precision, torch.cuda.get_device_name(), trt_version)
     out = engine_path(args.cache_dir, key)
-    if out.is_file():
+    calib_sha = None if calib is None else \
+        hashlib.sha256(np.ascontiguousarray(calib).data).hexdigest()
+    if out.is_file() and not args.force:
+        meta_path = out.with_suffix(".json")
+        old = json.loads(meta_path.read_text()).get("calibration_sha256") \
+            if meta_path.is_file() else None
+        if calib_sha is not None and old != calib_sha:  # the frames are not in the key
+            print(f"[build_trt_engine] {out} exists, calibrated on other frames "
+                  f"({old}); pass --force to rebuild it with these", file=sys.stderr)
+            return 2
         print(f"[build_trt_engine] up to date: {out}")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,8 +132,7 @@ def main() -> int:
     meta = {"key": key, "command": " ".join(sys.argv), "config": repr(cfg),
             "heads": sorted(heads), "weights": args.weights, "tensorrt": trt_version,
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-            "calibration_sha256": None if calib is None else
-            hashlib.sha256(np.ascontiguousarray(calib).data).hexdigest()}
+            "calibration_sha256": calib_sha}
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"[build_trt_engine] built {out} (key {key})")
     return 0

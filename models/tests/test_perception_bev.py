@@ -87,6 +87,19 @@ def test_camera_bias_points_each_cell_at_its_projection() -> None:
     assert (bias[1 * 4 + 0] == 0).all()
 
 
+def test_camera_bias_is_fp32_geometry_under_bf16_autocast() -> None:
+    """The projection runs outside autocast (einsum would drop to bf16 and flip cells at the
+    image border in and out of view)."""
+    K = torch.tensor([[300.0, 0.0, 320.0], [0.0, 300.0, 240.0], [0.0, 0.0, 1.0]])
+    T = torch.stack([_forward_camera(0.3), _forward_camera(2.0)])
+    args = (T, K.repeat(2, 1, 1), (480, 640), (15, 20), 32.0, 64, 25.6, 1.0)
+    ref = camera_attention_bias(*args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = camera_attention_bias(*args)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref)
+
+
 def test_bev_geometry_changes_the_occupancy_and_stays_finite() -> None:
     torch.manual_seed(0)
     bev = BEVFusion(channels=16, grid=8, half_range=10.0, z_range=(-2, 4), heads=4).eval()

@@ -173,6 +173,44 @@ def test_the_key_ignores_run_time_thresholds_and_follows_weights_heads_shape_and
         assert other != key
 
 
+def test_the_key_is_the_same_in_another_process(tmp_path) -> None:
+    """The build script and the node are two processes: the key must not depend on the
+    process's string-hash seed (repr() of the heads' frozenset did)."""
+    import os
+    import subprocess
+
+    import tiny_perception
+
+    tests_dir = str(Path(tiny_perception.__file__).parent)
+    code = (f"import sys, torch; sys.path.insert(0, {tests_dir!r});"
+            "from tiny_perception import tiny_model;"
+            "from kestrel_models.perception.export import perception_engine_key;"
+            "torch.manual_seed(0); m = tiny_model();"
+            "print(perception_engine_key(m, {'detection', 'segmentation', 'depth'}, 6,"
+            " (64, 96), 'fp16', 'NVIDIA H200', '10.3'))")
+    keys = set()
+    for seed in ("1", "2", "3", "4"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env, timeout=120)
+        assert res.returncode == 0, res.stderr
+        keys.add(res.stdout.strip())
+    assert len(keys) == 1, keys
+
+
+def test_the_engine_variant_runs_beside_the_lidar_projection(standin, tmp_path) -> None:
+    """With LiDAR inputs (the benchmark's case) the runtime passes the cameras on; the
+    engine model takes and ignores them, and the projection outputs come with its maps."""
+    pytest.importorskip("onnx")
+    model = tiny_model().eval()
+    _build(model, tmp_path, images=2)
+    rt = PerceptionRuntime(model, "tensorrt_fp16", HW, cameras=2, lidar_points=64,
+                           engine_dir=str(tmp_path))
+    rt.set_geometry(torch.eye(4).repeat(2, 1, 1), torch.eye(3).repeat(2, 1, 1))
+    out = rt.run(torch.zeros((2, 3, *HW), dtype=torch.uint8), torch.randn(1, 64, 3))
+    assert {"det_cls", "seg", "depth", "lidar_uv", "lidar_valid"} <= set(out)
+
+
 def test_a_missing_or_mismatched_engine_fails_naming_the_variant_and_the_build(
         standin, tmp_path) -> None:
     pytest.importorskip("onnx")

@@ -78,8 +78,15 @@ def camera_attention_bias(T_cam_from_base: torch.Tensor, K: torch.Tensor,
     the cameras that see the cell centre (in front, 0.1 m or more, inside image_hw px),
     -1e4 in the others; 0 everywhere for a cell no camera sees. T_cam_from_base [cams, 4, 4],
     K [cams, 3, 3] px; feat_hw = (h, w) of the tokens, `stride` px per token; fp32 math."""
-    dev = T_cam_from_base.device
-    T, Kf = T_cam_from_base.float(), K.float()
+    with torch.autocast(T_cam_from_base.device.type, enabled=False):  # geometry in fp32
+        return _camera_attention_bias(T_cam_from_base.float(), K.float(), image_hw, feat_hw,
+                                      stride, grid, half_range, z, sigma)
+
+
+def _camera_attention_bias(T: torch.Tensor, Kf: torch.Tensor, image_hw: tuple[int, int],
+                           feat_hw: tuple[int, int], stride: float, grid: int,
+                           half_range: float, z: float, sigma: float) -> torch.Tensor:
+    dev = T.device
     cams, (h, w), g = T.shape[0], feat_hw, grid
     d = 2.0 * half_range / g
     c = -half_range + (torch.arange(g, device=dev, dtype=torch.float32) + 0.5) * d  # [G] m

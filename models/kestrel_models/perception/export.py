@@ -119,9 +119,16 @@ def model_hash(model: nn.Module) -> str:
     state-dict tensor (name, dtype, shape, bytes)."""
     cfg = getattr(model, "config", None)
     if dataclasses.is_dataclass(cfg):
-        cfg = dataclasses.replace(cfg, **{f: getattr(type(cfg)(), f)
-                                          for f in _POSTPROCESS_FIELDS if hasattr(cfg, f)})
-    h = hashlib.sha256(repr(cfg).encode())
+        # canonical JSON, not repr(): a frozenset (the heads) prints in an order that changes
+        # with each process's string-hash seed, and the build script and the node are two
+        # processes that must compute the same key
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                  if f.name not in _POSTPROCESS_FIELDS}
+        text = json.dumps({k: sorted(v) if isinstance(v, (set, frozenset)) else v
+                           for k, v in fields.items()}, sort_keys=True, default=str)
+    else:
+        text = repr(cfg)
+    h = hashlib.sha256(text.encode())
     for name, t in sorted(model.state_dict().items()):
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         if t.numel():

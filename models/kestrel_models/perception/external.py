@@ -249,7 +249,7 @@ class ExternalPerceptionModel:
         named = dict(out) if isinstance(out, dict) else {f"output{i}": t
                                                         for i, t in enumerate(out)}
         return [n for n in names if isinstance(named.get(n), torch.Tensor)
-                and named[n].device != self.device]
+                and named[n].device.type != self.device.type]  # (cuda vs cuda:0: the same)
 
     def check(self, batch: int, image_hw: tuple[int, int], num_classes: int) -> None:
         """Run once on zeros and validate every declared output (names, ranks, sizes)."""

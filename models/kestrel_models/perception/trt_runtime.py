@@ -111,9 +111,12 @@ class TensorRTPerceptionModel:
         self._bound_images = 0
 
     def __call__(self, images: torch.Tensor, heads: frozenset[str] | None = None,
-                 points: torch.Tensor | None = None) -> dict[str, object]:
+                 points: torch.Tensor | None = None, cameras: object = None
+                 ) -> dict[str, object]:
         """images [N, 3, H, W] uint8 on the device -> the model's dict for `heads` (a subset
-        of the engine's; outputs are the configure-time buffers, valid until the next call)."""
+        of the engine's; outputs are the configure-time buffers, valid until the next call).
+        points / cameras: the runtime's LiDAR inputs, used only by the BEV block, which an
+        engine model does not have (refused at configure)."""
         hs = self.heads if heads is None else frozenset(heads)
         if not hs <= self.heads:
             raise ValueError(f"heads {sorted(hs)}: the engine has {sorted(self.heads)}")

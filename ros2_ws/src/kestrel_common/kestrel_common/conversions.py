@@ -117,9 +117,9 @@ def camera_info_to_k(msg: CameraInfo) -> np.ndarray:
 
 def camera_info_is_distorted(msg: CameraInfo) -> bool:
     """True when the CameraInfo has non-zero distortion coefficients D. The perception node
-    projects with the pinhole K alone, so its images must be rectified (image_proc's
-    `image_rect` and its CameraInfo); an unrectified camera is counted and warned about,
-    and its LiDAR points land up to the distortion's pixel error off."""
+    projects with the pinhole K alone and ignores D, so its images must be undistorted and
+    described by a CameraInfo whose K matches them (D = 0); a camera with D is counted and
+    warned about, and its LiDAR points land up to the distortion's pixel error off."""
     return any(float(c) != 0.0 for c in msg.d)
 
 

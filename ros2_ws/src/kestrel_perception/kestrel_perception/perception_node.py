@@ -368,8 +368,10 @@ class PerceptionNode(KestrelLifecycleNode):
             n = self.counters.inc("unrectified_camera_info")
             self.get_logger().warning(
                 f"camera {cam}: camera_info has distortion D = {list(msg.d)} (total {n}): "
-                "this node projects with K alone; feed rectified images (image_proc) and "
-                "their CameraInfo", throttle_duration_sec=10.0)
+                "this node projects with the pinhole K alone and ignores D, so LiDAR points "
+                "and 3D positions are off by the lens distortion; feed undistorted images "
+                "with a CameraInfo whose K matches them and D = 0",
+                throttle_duration_sec=10.0)
         self._take_info(cam, stamp_to_ns(msg.header.stamp), time.monotonic(), k,
                         int(msg.width), int(msg.height))
 

@@ -109,8 +109,9 @@ class Receiver:
             if now - self._logged.get("unrectified", -1e9) >= 10.0:
                 self._logged["unrectified"] = now
                 _log(f"{self.name}: camera_info has distortion D = {list(msg.d)}: the node "
-                     "projects with K alone; feed rectified images (image_proc) and their "
-                     "CameraInfo")
+                     "projects with the pinhole K alone and ignores D (LiDAR points and 3D "
+                     "positions off by the lens distortion); feed undistorted images with a "
+                     "CameraInfo whose K matches them and D = 0")
         self.ring.write_info(stamp_to_ns(msg.header.stamp), recv_ns, k, msg.width, msg.height)
         os.eventfd_write(self.efd, 1)
 

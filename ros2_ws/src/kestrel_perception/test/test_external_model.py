@@ -118,6 +118,7 @@ def test_user_model_files_saved_on_the_cpu_run_on_cuda(fmt, tmp_path) -> None:
     core = PerceptionCore(config(save_user_model(tmp_path / "user", fmt), device="cuda"))
     raw = core.external(torch.zeros((2, 3, H, W), dtype=torch.uint8, device="cuda"))
     assert all(t.is_cuda for t in raw.values())
+    assert core.external.host_outputs == []  # ("cuda" vs "cuda:0" is no host output)
     check_fused_like_the_reference(core)
 
 

@@ -51,7 +51,8 @@ RX_COUNTERS = ("received", "dropped_bad_encoding", "dropped_bad_image", "dropped
                "unrectified_camera_info")
 FREE, WRITING, PUBLISHED, HELD = 0, 1, 2, 3
 _PUB, _VER, _READY, _PID, _CNT = 0, 1, 2, 3, 8
-_HEADER = 16  # _CNT + len(RX_COUNTERS) <= _HEADER
+_HEADER = 16  # _CNT + len(RX_COUNTERS) <= _HEADER (full: a new counter needs a bigger header)
+assert _CNT + len(RX_COUNTERS) <= _HEADER, "ring header too small for RX_COUNTERS"
 _I_VER, _I_STAMP, _I_RECV, _I_SIZE = range(4)
 _M_STAMP, _M_RECV, _M_ROWS, _M_COLS, _M_ENC, _M_BYTES, _M_VER, _M_FID, _M_PUBT = range(9)
 

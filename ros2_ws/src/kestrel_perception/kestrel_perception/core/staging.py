@@ -81,7 +81,7 @@ class StagedPoints:
     rows_in: int  # rows of the input cloud
     pad: int  # NaN padding rows appended (fast path)
     host_dropped: int | None
-    truncated: int  # finite points beyond the largest bucket (not used)
+    truncated: int  # finite points left out of a cloud past the largest bucket (subsampled)
 
 
 class InputStaging:

@@ -145,7 +145,8 @@ class PerceptionOutput:
     timings: dict[str, float]  # stage -> s: preprocess, model, postprocess, lidar_fusion,
     # download, unpack (see perception_core.STAGES)
     dropped_points: int = 0  # non-finite cloud points filtered out
-    truncated_points: int = 0  # finite points beyond the largest bucket (not used)
+    truncated_points: int = 0  # finite points left out of a cloud past the largest bucket
+    # (the rest is an even subsample, lidar.bucket_points)
     used_points: int = 0  # finite points projected into the cameras
     runtime_fallback: bool = False  # the prepared runtime did not fit: ran the eager model
     depth_encoding: str = "32FC1"  # encoding of `depths`
