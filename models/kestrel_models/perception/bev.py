@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .lidar import project_points
+
 
 class PillarScatter(nn.Module):
     """Per-point MLP, then mean of the point features of each BEV cell (a pillar).
@@ -92,12 +94,9 @@ def _camera_attention_bias(T: torch.Tensor, Kf: torch.Tensor, image_hw: tuple[in
     c = -half_range + (torch.arange(g, device=dev, dtype=torch.float32) + 0.5) * d  # [G] m
     x = c[:, None].expand(g, g)  # row i: x
     y = c[None, :].expand(g, g)  # col j: y
-    pts = torch.stack([x, y, torch.full_like(x, z), torch.ones_like(x)], -1).reshape(-1, 4)
-    p_cam = torch.einsum("cij,nj->cni", T, pts)[..., :3]  # [cams, G*G, 3] m
-    zc = p_cam[..., 2]
-    uvw = torch.einsum("cij,cnj->cni", Kf, p_cam)  # [cams, G*G, 3]
-    zs = zc.clamp(min=1e-3)
-    u, v = uvw[..., 0] / zs, uvw[..., 1] / zs  # px
+    pts = torch.stack([x, y, torch.full_like(x, z)], -1).reshape(-1, 3)  # [G*G, 3] m
+    uv, zc, _ = project_points(pts, T, Kf, image_hw, min_depth=0.1)  # [cams, G*G, 2], [..]
+    u, v = uv[..., 0], uv[..., 1]  # px (a camera that does not see the cell: masked below)
     vis = (zc > 0.1) & (u >= 0) & (u < image_hw[1]) & (v >= 0) & (v < image_hw[0])
     tu, tv = u / stride - 0.5, v / stride - 0.5  # token coordinates (centres at integers)
     r = torch.arange(h, device=dev, dtype=torch.float32)
