@@ -115,6 +115,12 @@ def camera_info_to_k(msg: CameraInfo) -> np.ndarray:
     return k
 
 
+# what the perception node and its receivers log for a CameraInfo with distortion
+DISTORTION_ADVICE = ("the perception node projects with the pinhole K alone and ignores D, so "
+                     "LiDAR points and 3D positions are off by the lens distortion; feed "
+                     "undistorted images with a CameraInfo whose K matches them and D = 0")
+
+
 def camera_info_is_distorted(msg: CameraInfo) -> bool:
     """True when the CameraInfo has non-zero distortion coefficients D. The perception node
     projects with the pinhole K alone and ignores D, so its images must be undistorted and

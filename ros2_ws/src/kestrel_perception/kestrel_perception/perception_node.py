@@ -44,6 +44,7 @@ from diagnostic_msgs.msg import DiagnosticStatus
 from geometry_msgs.msg import PoseStamped
 from kestrel_common.base_node import COMMAND_QOS, SENSOR_QOS, KestrelLifecycleNode, run_node
 from kestrel_common.conversions import (
+    DISTORTION_ADVICE,
     ConversionError,
     camera_info_is_distorted,
     camera_info_to_k,
@@ -368,10 +369,7 @@ class PerceptionNode(KestrelLifecycleNode):
             n = self.counters.inc("unrectified_camera_info")
             self.get_logger().warning(
                 f"camera {cam}: camera_info has distortion D = {list(msg.d)} (total {n}): "
-                "this node projects with the pinhole K alone and ignores D, so LiDAR points "
-                "and 3D positions are off by the lens distortion; feed undistorted images "
-                "with a CameraInfo whose K matches them and D = 0",
-                throttle_duration_sec=10.0)
+                f"{DISTORTION_ADVICE}", throttle_duration_sec=10.0)
         self._take_info(cam, stamp_to_ns(msg.header.stamp), time.monotonic(), k,
                         int(msg.width), int(msg.height))
 

@@ -34,6 +34,7 @@ import rclpy
 from kestrel_common.affinity import pin_threads
 from kestrel_common.base_node import SENSOR_QOS
 from kestrel_common.conversions import (
+    DISTORTION_ADVICE,
     ConversionError,
     camera_info_is_distorted,
     camera_info_to_k,
@@ -65,11 +66,16 @@ class Receiver:
         self._logged: dict[str, float] = {}
 
     def drop(self, counter: str, message: str) -> None:
+        self.count(counter, f"dropped ({counter}): {message}")
+
+    def count(self, counter: str, message: str, period_s: float = 1.0) -> None:
+        """Count `counter` in the ring and log `message`, at most once per `period_s` per
+        counter."""
         self.ring.count(counter)
         now = time.monotonic()
-        if now - self._logged.get(counter, -1e9) >= 1.0:  # at most once a second per reason
+        if now - self._logged.get(counter, -1e9) >= period_s:
             self._logged[counter] = now
-            _log(f"{self.name}: dropped ({counter}): {message}")
+            _log(f"{self.name}: {message}")
 
     def __call__(self, msg) -> None:
         recv_ns = time.monotonic_ns()
@@ -104,14 +110,8 @@ class Receiver:
             self.drop("dropped_bad_camera_info", str(exc))
             return
         if camera_info_is_distorted(msg):  # used, but counted and logged (not a drop)
-            self.ring.count("unrectified_camera_info")
-            now = time.monotonic()
-            if now - self._logged.get("unrectified", -1e9) >= 10.0:
-                self._logged["unrectified"] = now
-                _log(f"{self.name}: camera_info has distortion D = {list(msg.d)}: the node "
-                     "projects with the pinhole K alone and ignores D (LiDAR points and 3D "
-                     "positions off by the lens distortion); feed undistorted images with a "
-                     "CameraInfo whose K matches them and D = 0")
+            self.count("unrectified_camera_info", f"camera_info has distortion D = "
+                       f"{list(msg.d)}: {DISTORTION_ADVICE}", period_s=10.0)
         self.ring.write_info(stamp_to_ns(msg.header.stamp), recv_ns, k, msg.width, msg.height)
         os.eventfd_write(self.efd, 1)
 
