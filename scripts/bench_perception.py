@@ -41,6 +41,7 @@ from kestrel_models.perception.accuracy import compare_outputs  # noqa: E402
 from kestrel_models.perception.flops import count_flops  # noqa: E402
 from kestrel_models.perception.lidar import bucket_points  # noqa: E402
 from kestrel_models.perception.runtime import VARIANTS, PerceptionRuntime  # noqa: E402
+from kestrel_models.perception.model import load_weights  # noqa: E402
 
 
 def make_config(name: str, bev: bool) -> PerceptionConfig:
@@ -158,9 +159,7 @@ def run_case(args: argparse.Namespace, cams: int, batch: int, bev: bool, variant
     cfg = make_config(args.config, bev)
     model = MultiTaskPerceptionModel(cfg).eval()
     if args.weights and not bev:  # trained weights: the drift columns then mean something
-        state = torch.load(args.weights, map_location="cpu", weights_only=True)
-        model.load_state_dict(state.get("state_dict", state) if isinstance(state, dict)
-                              else state, strict=True)
+        load_weights(model, args.weights)
     images = torch.randint(0, 256, (cams * batch, 3, *hw), dtype=torch.uint8, generator=gen)
     points = make_points(batch, args.points, gen) if args.points else None
     T, K = camera_rig(cams, hw)

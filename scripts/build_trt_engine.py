@@ -36,7 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "models"))
 
 from kestrel_models.perception import MultiTaskPerceptionModel, PerceptionConfig  # noqa: E402
+from kestrel_models.perception.model import load_weights  # noqa: E402
 from kestrel_models.perception.export import (  # noqa: E402
+    ENGINE_CONFIG_FIELDS,
     PRECISIONS,
     TensorRTUnavailableError,
     build_engine,
@@ -51,10 +53,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", choices=("tiny", "r50"), default="r50",
                     help="base architecture; the flags below override its fields")
-    for f, typ in (("backbone_depth", int), ("base_width", int), ("fpn_channels", int),
-                   ("num_classes", int), ("head_convs", int), ("dense_stride", int),
-                   ("depth_activation", str), ("max_depth", float)):
-        ap.add_argument(f"--{f.replace('_', '-')}", type=typ, default=None)
+    for f in ENGINE_CONFIG_FIELDS:  # typed like the config's own default
+        ap.add_argument(f"--{f.replace('_', '-')}", type=type(getattr(PerceptionConfig(), f)),
+                        default=None)
     ap.add_argument("--weights", default=None, help="state dict (.pt); default: random init")
     ap.add_argument("--heads", nargs="+", default=["detection", "segmentation", "depth"])
     ap.add_argument("--cameras", type=int, default=6)
@@ -92,10 +93,7 @@ def main() -> int:
         print("[build_trt_engine] skipped: no CUDA GPU here", file=sys.stderr)
         return 2
     cfg = PerceptionConfig() if args.config == "r50" else PerceptionConfig.tiny()
-    over = {f: getattr(args, f) for f in ("backbone_depth", "base_width", "fpn_channels",
-                                          "num_classes", "head_convs", "dense_stride",
-                                          "depth_activation", "max_depth")
-            if getattr(args, f) is not None}
+    over = {f: getattr(args, f) for f in ENGINE_CONFIG_FIELDS if getattr(args, f) is not None}
     try:
         cfg = dataclasses.replace(cfg, **over)
     except ValueError as exc:
@@ -103,10 +101,7 @@ def main() -> int:
         return 2
     model = MultiTaskPerceptionModel(cfg).eval()
     if args.weights:  # a state dict, or a checkpoint {"state_dict": ...} (as the node takes)
-        state = torch.load(args.weights, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and "state_dict" in state:
-            state = state["state_dict"]
-        model.load_state_dict(state)
+        load_weights(model, args.weights)
     heads = frozenset(args.heads)
     key = perception_engine_key(model, heads, args.cameras, tuple(args.image_hw),
                                 args.precision, torch.cuda.get_device_name(), trt_version)

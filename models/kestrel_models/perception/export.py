@@ -24,7 +24,7 @@ from ..trt import PRECISIONS, TensorRTUnavailableError, build_engine, tensorrt_v
 __all__ = ["PRECISIONS", "TensorRTUnavailableError", "EngineMissingError", "build_engine",
            "tensorrt_version", "engine_cache_key", "engine_path", "find_engine", "model_hash",
            "export_onnx", "output_names", "perception_engine_key", "build_command",
-           "ONNX_OPSET"]
+           "ONNX_OPSET", "ENGINE_CONFIG_FIELDS", "detection_output_names"]
 
 
 ONNX_OPSET = 17  # of export_onnx, and part of the engine key
@@ -34,13 +34,26 @@ class EngineMissingError(FileNotFoundError):
     """No cached TensorRT engine matches the key (build it offline first)."""
 
 
+# PerceptionConfig fields that shape the exported forward and that the build script takes as
+# flags (the node's parameters set them): the error for a missing engine prints them
+ENGINE_CONFIG_FIELDS = ("backbone_depth", "base_width", "fpn_channels", "num_classes",
+                        "head_convs", "dense_stride", "depth_activation", "max_depth")
+
+
+def detection_output_names(prefix: str = "") -> dict[str, list[str]]:
+    """The FCOS head's flat output names per kind, levels P3..P5 in order:
+    {"det_cls": [<prefix>det_cls_p3, ...], "det_ltrb": [...], "det_ctr": [...]}."""
+    return {kind: [f"{prefix}{kind}_p{s.bit_length() - 1}" for s in DET_STRIDES]
+            for kind in ("det_cls", "det_ltrb", "det_ctr")}
+
+
 def output_names(heads: frozenset[str] | set[str], bev: bool = False) -> list[str]:
     """Flat output names, in the order of `ExportWrapper.forward`."""
     heads = frozenset(heads)
     names: list[str] = []
     if "detection" in heads:
-        for kind in ("det_cls", "det_ltrb", "det_ctr"):
-            names += [f"{kind}_p{s.bit_length() - 1}" for s in DET_STRIDES]
+        for kind_names in detection_output_names().values():
+            names += kind_names
     if "segmentation" in heads:
         names.append("seg")
     if "depth" in heads:
@@ -174,8 +187,7 @@ def build_command(heads: frozenset[str] | set[str], images: int, image_hw: tuple
            f"{image_hw[1]} --precision {precision} --heads {' '.join(sorted(heads))} "
            f"--cache-dir {cache_dir}")
     if dataclasses.is_dataclass(config):
-        for f in ("backbone_depth", "base_width", "fpn_channels", "num_classes", "head_convs",
-                  "dense_stride", "depth_activation", "max_depth"):
+        for f in ENGINE_CONFIG_FIELDS:
             cmd += f" --{f.replace('_', '-')} {getattr(config, f)}"
     return cmd + " --weights <your state dict>"
 

@@ -37,19 +37,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .export import detection_output_names
+
 __all__ = ["FORMATS", "INPUT_FORMATS", "OutputContract", "ExternalPerceptionModel",
            "parse_outputs"]
 
 FORMATS = ("auto", "torchscript", "exported_program", "onnx")
 INPUT_FORMATS = ("uint8", "float01", "imagenet")
 ROLES = ("boxes", "scores", "labels", "seg", "depth", "fcos")
-FCOS_LEVELS = (3, 4, 5)  # the reference head's FPN levels (model.DET_STRIDES 8, 16, 32)
-
-
-def fcos_names(prefix: str) -> dict[str, list[str]]:
-    """Output names of the `fcos` role: {"det_cls": [<prefix>det_cls_p3, ...], ...}."""
-    return {k: [f"{prefix}{k}_p{lv}" for lv in FCOS_LEVELS]
-            for k in ("det_cls", "det_ltrb", "det_ctr")}
+# output names of the `fcos` role: the reference head's, as export_onnx names them
+fcos_names = detection_output_names
 _EXT = {".pt": "torchscript", ".ts": "torchscript", ".jit": "torchscript",
         ".pt2": "exported_program", ".onnx": "onnx"}
 _MEAN = (0.485, 0.456, 0.406)
@@ -181,24 +178,31 @@ class ExternalPerceptionModel:
             x = (x - mean) / std
         return x.contiguous()
 
-    def _raw_outputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Run the model; returns {output name: tensor on the device}."""
+    def _named_outputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Run the model; returns {output name: tensor} where the model left it (ONNX
+        Runtime: on the host)."""
         if self.format == "onnx":
             res = self._fn.run(None, {self.contract.input_name: x.cpu().numpy()})
-            return {n: torch.from_numpy(r).to(self.device)
-                    for n, r in zip(self._names, res, strict=True)}
+            return {n: torch.from_numpy(r) for n, r in zip(self._names, res, strict=True)}
         with torch.inference_mode():
             out = self._fn(x)
         if isinstance(out, torch.Tensor):
             out = (out,)
         # tuple/list outputs are named output0, output1, ... (also the usual ONNX names)
-        named = dict(out) if isinstance(out, dict) else {f"output{i}": t
-                                                        for i, t in enumerate(out)}
-        # a model that makes an output with a fixed device (torch.tensor(..., device="cpu"))
-        # would hand the core host tensors: moved here (a no-op when already on the device);
-        # check() names such outputs at load so the copy is a known cost, not a surprise
+        return dict(out) if isinstance(out, dict) else {f"output{i}": t
+                                                       for i, t in enumerate(out)}
+
+    def _on_device(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every output on the device. A torch model that makes an output with a fixed device
+        (torch.tensor(..., device="cpu")) would hand the core host tensors: moved here (a
+        no-op when already on the device); check() names such outputs at load so the copy
+        is a known cost, not a surprise."""
         return {n: t.to(self.device) if isinstance(t, torch.Tensor) else t
                 for n, t in named.items()}
+
+    def _raw_outputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Run the model; returns {output name: tensor on the device}."""
+        return self._on_device(self._named_outputs(x))
 
     def __call__(self, images: torch.Tensor, heads: frozenset[str] | None = None
                  ) -> dict[str, torch.Tensor]:
@@ -234,33 +238,21 @@ class ExternalPerceptionModel:
                         "(background excluded), h, w]")
             if sb != (batch, 4, *sc[2:]) or sz != (batch, 1, *sc[2:]):
                 return (f"{b} {sb} / {z} {sz} must be [{batch}, 4 / 1, {sc[2]}, {sc[3]}] like "
-                        f"{c} (level P{FCOS_LEVELS[lv]})")
+                        f"{c} (level P{3 + lv})")
         return ""
 
-    def _host_outputs(self, x: torch.Tensor, names: list[str]) -> list[str]:
-        """The declared outputs a torch-format model itself returns off the device (each is
-        copied to the device every frame by `_raw_outputs`); [] on the CPU and for ONNX."""
-        if self.format == "onnx" or self.device.type == "cpu":
-            return []
-        with torch.inference_mode():
-            out = self._fn(self._prepare(x))
-        if isinstance(out, torch.Tensor):
-            out = (out,)
-        named = dict(out) if isinstance(out, dict) else {f"output{i}": t
-                                                        for i, t in enumerate(out)}
-        return [n for n in names if isinstance(named.get(n), torch.Tensor)
-                and named[n].device.type != self.device.type]  # (cuda vs cuda:0: the same)
 
     def check(self, batch: int, image_hw: tuple[int, int], num_classes: int) -> None:
         """Run once on zeros and validate every declared output (names, ranks, sizes)."""
         h, w = image_hw
         x = torch.zeros((batch, 3, h, w), dtype=torch.uint8, device=self.device)
         try:
-            got = self._raw_outputs(self._prepare(x))
+            named = self._named_outputs(self._prepare(x))
         except Exception as exc:
             msg = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
             raise _fail("model_path", self.path, f"fails on a [{batch}, 3, {h}, {w}] "
                         f"{self.contract.input_format} input: {msg}") from exc
+        got = self._on_device(named)
         outs = [(r, n) for r, n in self.contract.outputs.items() if r != "fcos"]
         if "fcos" in self.contract.outputs:
             outs += [("fcos", n) for names in fcos_names(self.contract.outputs["fcos"]).values()
@@ -270,7 +262,11 @@ class ExternalPerceptionModel:
                 raise _fail("model_outputs", [f"{r}:{n}" for r, n in outs],
                             f"output '{name}' ({role}) not found; the model returns "
                             f"{sorted(got)}")
-        self.host_outputs = self._host_outputs(x, [n for _, n in outs])
+        # the declared outputs a torch-format model itself returns off the device (copied
+        # there every frame); ONNX Runtime's host outputs are its known cost, not listed
+        self.host_outputs = [] if self.format == "onnx" else [
+            n for _, n in outs if isinstance(named[n], torch.Tensor)
+            and named[n].device.type != self.device.type]  # (cuda vs cuda:0: the same)
         o, shape = self.contract.outputs, {r: tuple(got[n].shape) for r, n in outs
                                            if r != "fcos"}
         why = self._check_fcos(got, batch, num_classes) if "fcos" in o else ""

@@ -157,6 +157,15 @@ def padded_size(hw: tuple[int, int]) -> tuple[int, int]:
     return hw[0] + -hw[0] % PAD_MULTIPLE, hw[1] + -hw[1] % PAD_MULTIPLE
 
 
+def load_weights(model: nn.Module, path: str) -> None:
+    """Load a state dict file (or a checkpoint {"state_dict": ...}) into `model`, strictly:
+    the node's `weights_path`, the benchmark's and the engine build's --weights."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and "state_dict" in state:
+        state = state["state_dict"]
+    model.load_state_dict(state, strict=True)
+
+
 def count_parameters(module: nn.Module) -> int:
     """Number of parameters (works for modules built on the meta device)."""
     return sum(p.numel() for p in module.parameters())

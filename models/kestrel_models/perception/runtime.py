@@ -349,8 +349,7 @@ class PerceptionRuntime:
         T [C,4,4] camera-from-base, K [C,3,3] px (inputs, never frozen into a compile)."""
         cams = (T, K) if points is not None and T is not None and K is not None else None
         with self._autocast():  # (the BEV block's geometric lift takes the cameras)
-            out = self.model(images, heads, points=points, cameras=cams) if cams is not None \
-                else self.model(images, heads, points=points)
+            out = self.model(images, heads, points=points, cameras=cams)
         if points is not None:  # geometry stays fp32 (outside autocast)
             out.update(self._project(points, T, K))
         return out

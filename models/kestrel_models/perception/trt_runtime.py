@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from ..trt import TensorRTUnavailableError, tensorrt_version
-from .export import (EngineMissingError, build_command, find_engine, output_names,
-                     perception_engine_key)
-from .model import DET_STRIDES, MultiTaskPerceptionModel
+from .export import (EngineMissingError, build_command, detection_output_names, find_engine,
+                     output_names, perception_engine_key)
+from .model import MultiTaskPerceptionModel
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16,
                  "INT32": torch.int32, "INT64": torch.int64, "UINT8": torch.uint8,
@@ -134,8 +134,8 @@ class TensorRTPerceptionModel:
             raise RuntimeError("TensorRT execute_async_v3 failed")
         o, out = self.outputs, {}
         if "detection" in hs:
-            for kind in ("det_cls", "det_ltrb", "det_ctr"):
-                out[kind] = [o[f"{kind}_p{s.bit_length() - 1}"] for s in DET_STRIDES]
+            for kind, names in detection_output_names().items():
+                out[kind] = [o[n] for n in names]
         if "segmentation" in hs:
             out["seg"] = o["seg"]
         if "depth" in hs:

@@ -13,6 +13,7 @@ import torch
 from kestrel_models.perception.external import (ExternalPerceptionModel, OutputContract,
                                                 parse_outputs)
 from kestrel_models.perception.runtime import VARIANTS, PerceptionRuntime
+from kestrel_models.perception.model import load_weights
 from kestrel_models.perception import (
     DEFAULT_BUCKETS,
     MultiTaskPerceptionModel,
@@ -225,10 +226,7 @@ class PerceptionCore:
             model = MultiTaskPerceptionModel(cfg.model)
         if cfg.weights_path:
             try:
-                state = torch.load(cfg.weights_path, map_location="cpu", weights_only=True)
-                if isinstance(state, dict) and "state_dict" in state:
-                    state = state["state_dict"]
-                model.load_state_dict(state, strict=True)
+                load_weights(model, cfg.weights_path)
             except Exception as exc:  # any load failure is a parameter error
                 msg = str(exc).splitlines()[0][:300]
                 raise _fail("weights_path", cfg.weights_path, f"cannot load: {msg}") from exc
