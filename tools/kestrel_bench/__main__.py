@@ -1,0 +1,37 @@
+"""`python -m kestrel_bench <subcommand> [args]` (also the `kestrel-bench` entry point).
+
+Each subcommand is a module of this package with `add_arguments(parser)` and `run(args) -> int`;
+modules are imported only when their subcommand runs, so `--help` needs neither torch nor rclpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help). Keep in the order a user meets them.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="kestrel_bench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
+    for name, (_module, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv)
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    name = argv[0]
+    module = importlib.import_module(f"kestrel_bench.{SUBCOMMANDS[name][0]}")
+    sub_parser = argparse.ArgumentParser(prog=f"kestrel_bench {name}",
+                                         description=SUBCOMMANDS[name][1])
+    module.add_arguments(sub_parser)
+    args = sub_parser.parse_args(argv[1:])
+    args.argv = ["python", "-m", "kestrel_bench", *argv]
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
