@@ -3,6 +3,11 @@
 No rclpy here: `base_node.KestrelLifecycleNode` turns each `ParamSpec` into a declared ROS
 parameter with a `ParameterDescriptor` (description, range, read-only), and `validate_params`
 checks the values a node got, raising `ParamError` whose message names the parameter and value.
+
+Dotted names group parameters (`runtime.precision`, `sync.slop`): ROS 2 declares them as they
+are, and a params file nests them (`runtime: {precision: bf16}` is `runtime.precision`);
+`flatten_params` turns such a nested mapping into dotted names, which `validate_params` and
+`check_known_names` accept either way. A name is a parameter or a group, never both.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ class ParamSpec:
     default: its type fixes the parameter type (bool, int, float, str, or a list of one of
         them; an empty list needs `element_type`).
     min/max: inclusive bounds for numbers (and for every element of a numeric list).
-    choices: allowed values (scalars) or allowed elements (lists).
+    choices: allowed values (scalars) or allowed elements (lists). A choice of another type
+        than the default is allowed as it is: default "auto" with choices ("auto", True, False)
+        makes a switch whose `auto` the node resolves (a bool is then accepted, a string
+        "true" is not).
     read_only: sizes that allocate memory are read-only (set at start-up only).
     check: extra validation, returns an error string or None.
     """
@@ -84,9 +92,20 @@ def _check_number(spec: ParamSpec, value: Any, shown: Any) -> None:
         raise ParamError(spec.name, shown, f"must be <= {spec.max}")
 
 
+def _is_choice(spec: ParamSpec, value: Any) -> bool:
+    """`value` is one of the scalar choices, of the same type (True is not 1)."""
+    return spec.choices is not None and any(
+        type(value) is type(c) and value == c for c in spec.choices)
+
+
 def validate_value(spec: ParamSpec, value: Any) -> Any:
     """Return the validated (type-normalised) value or raise ParamError."""
     vtype = spec.value_type
+    if vtype is not list and _is_choice(spec, value):  # a choice of any type, as it is
+        err = spec.check(value) if spec.check is not None else None
+        if err:
+            raise ParamError(spec.name, value, err)
+        return value
     if vtype is list:
         if not isinstance(value, (list, tuple)):
             try:
@@ -139,8 +158,23 @@ def validate_value(spec: ParamSpec, value: Any) -> Any:
     return value
 
 
+def flatten_params(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A params file's nested mapping -> dotted names: {"sync": {"slop": 0.02}} ->
+    {"sync.slop": 0.02} (what ROS 2 declares). Flat dotted keys pass as they are."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten_params(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
 def validate_params(specs: Sequence[ParamSpec], values: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate every spec's value (missing -> default). Raises the first ParamError."""
+    """Validate every spec's value (missing -> default); `values` flat (dotted names) or
+    nested. Raises the first ParamError."""
+    values = flatten_params(values)
     out: dict[str, Any] = {}
     for spec in specs:
         out[spec.name] = validate_value(spec, values.get(spec.name, spec.default))
@@ -156,11 +190,19 @@ def with_base_specs(base: Sequence[ParamSpec], specs: Sequence[ParamSpec]) -> li
 
 
 def check_unique_names(specs: Sequence[ParamSpec]) -> None:
+    """Each name once, with non-empty dotted parts, and none both a parameter and a group
+    (`receive` and `receive.cpus`: a params file could not nest them)."""
     seen: set[str] = set()
     for spec in specs:
         if spec.name in seen:
             raise ValueError(f"parameter '{spec.name}' is declared twice")
+        if not all(spec.name.split(".")):
+            raise ValueError(f"parameter '{spec.name}': empty part in a dotted name")
         seen.add(spec.name)
+    groups = {".".join(n.split(".")[:i]) for n in seen for i in range(1, n.count(".") + 1)}
+    for name in sorted(seen & groups):
+        raise ValueError(f"parameter '{name}' is also the group of "
+                         f"{sorted(n for n in seen if n.startswith(name + '.'))}")
 
 
 # Parameters every rclpy node may be given besides its own: the clock source, rclpy's type
@@ -177,10 +219,17 @@ def check_known_names(known: Sequence[str], given: Mapping[str, Any]) -> None:
     (`rate_hx: 1000`) would run the node with the default instead of failing at configure.
     """
     names = set(known)
-    for name, value in given.items():
+    for name, value in flatten_params(given).items():
         if name in names or name in ROS_PARAMETERS or name.startswith(ROS_PARAMETER_PREFIXES):
             continue
+        members = sorted(n for n in names if n.startswith(name + "."))
+        if members:  # a value for a whole group (`runtime: bf16`)
+            raise ParamError(name, value, f"a group of parameters, not one: give "
+                                          f"{', '.join(members)}")
+        group = name.rpartition(".")[0]
         close = difflib.get_close_matches(name, sorted(names), n=3)
+        siblings = sorted(n for n in names if group and n.startswith(group + "."))
         hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else \
+            f"the group '{group}' holds {', '.join(siblings)}" if siblings else \
             f"its parameters are {', '.join(sorted(names))}"
         raise ParamError(name, value, f"not a parameter of this node; {hint}")

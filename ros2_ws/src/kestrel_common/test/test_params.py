@@ -92,3 +92,58 @@ def test_the_control_node_publishes_diagnostics_at_10_hz_by_default():
     merged = {s.name: s for s in with_base_specs(BASE_SPECS, CONTROL)}
     assert merged["diagnostics_period"].default == 0.1
     assert merged["diagnostics_period"].read_only
+
+
+GROUPED = [
+    ParamSpec("num_cameras", 1, "cameras", min=1, max=8),
+    ParamSpec("runtime.precision", "auto", "precision", choices=("auto", "fp32", "bf16")),
+    ParamSpec("runtime.cuda_graph", "auto", "graph", choices=("auto", True, False)),
+    ParamSpec("sync.slop", 0.02, "s", min=0.0, max=1.0),
+]
+
+
+def test_nested_params_file_values_are_dotted_names():
+    from kestrel_common.params import flatten_params
+
+    nested = {"num_cameras": 2, "runtime": {"precision": "bf16", "cuda_graph": True},
+              "sync": {"slop": 0.05}}
+    assert flatten_params(nested) == {"num_cameras": 2, "runtime.precision": "bf16",
+                                      "runtime.cuda_graph": True, "sync.slop": 0.05}
+    values = validate_params(GROUPED, nested)
+    assert values["runtime.precision"] == "bf16" and values["sync.slop"] == 0.05
+    assert validate_params(GROUPED, {"sync.slop": 0.05})["sync.slop"] == 0.05
+    check_known_names([s.name for s in GROUPED], nested)
+
+
+def test_dotted_names_are_named_in_full_in_errors():
+    with pytest.raises(ParamError, match=r"parameter 'sync.slop' = 2.0: must be <= 1.0"):
+        validate_params(GROUPED, {"sync": {"slop": 2.0}})
+    known = [s.name for s in GROUPED]
+    with pytest.raises(ParamError, match=r"'runtime.precison' = 'bf16': not a parameter of "
+                                         r"this node; did you mean 'runtime.precision'\?"):
+        check_known_names(known, {"runtime": {"precison": "bf16"}})
+    with pytest.raises(ParamError, match=r"'sync.zzzzzzzzz' = 1: .*the group 'sync' holds "
+                                         r"sync.slop"):
+        check_known_names(known, {"sync": {"zzzzzzzzz": 1}})
+    with pytest.raises(ParamError, match=r"'runtime' = 'bf16': a group of parameters, not "
+                                         r"one: give runtime.cuda_graph, runtime.precision"):
+        check_known_names(known, {"runtime": "bf16"})
+
+
+def test_a_switch_with_auto_takes_its_choices_of_any_type():
+    spec = GROUPED[2]
+    for v in ("auto", True, False):
+        out = validate_params([spec], {spec.name: v})[spec.name]
+        assert out == v and type(out) is type(v)
+    for bad in ("true", 1, 0, "on"):
+        with pytest.raises(ParamError, match=r"parameter 'runtime.cuda_graph'"):
+            validate_params([spec], {spec.name: bad})
+
+
+def test_a_name_is_a_parameter_or_a_group_not_both():
+    with pytest.raises(ValueError, match=r"'receive' is also the group of \['receive.cpus'\]"):
+        check_unique_names([ParamSpec("receive", "auto", "mode"),
+                            ParamSpec("receive.cpus", [0], "cpus")])
+    with pytest.raises(ValueError, match="empty part"):
+        check_unique_names([ParamSpec("runtime..precision", "auto", "x")])
+    check_unique_names(GROUPED)
