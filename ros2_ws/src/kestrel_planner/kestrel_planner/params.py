@@ -42,7 +42,7 @@ SPECS = [
     ParamSpec("num_threads", 1, "torch CPU threads.", min=1, max=64, read_only=True),
     ParamSpec("image_size", 0, "Model input size, px; 0 = the preset's.", min=0, max=1024,
               read_only=True),
-    ParamSpec("max_new_tokens", 160, "Decode budget per plan, tokens.", min=3, max=8192,
+    ParamSpec("max_new_tokens", 160, "Decode budget per plan, tokens.", min=8, max=8192,
               read_only=True),
     ParamSpec("max_batch", 4, "Goals decoded together.", min=1, max=16, read_only=True),
     ParamSpec("backend", "generate", "Decoder: generate (our VLM, batch per call), engine "

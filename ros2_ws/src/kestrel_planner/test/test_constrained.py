@@ -27,7 +27,13 @@ def feed(g: PlanGrammar, text: str):
 
 def test_allowed_symbols_follow_the_grammar() -> None:
     g = PlanGrammar(OBJECTS, max_steps=4)
-    assert set(g.allowed(g.initial())) == {"m", "p", "o", "c", "h", "e"}
+    # a plan has >= 1 step: no 'end' at the start; 'refuse' only as the first line
+    assert set(g.allowed(g.initial())) == {"m", "p", "o", "c", "h", "r"}
+    assert set(g.allowed(feed(g, "home\n"))) == {"m", "p", "o", "c", "h", "e"}
+    assert set(g.allowed(feed(g, "refuse "))) == {"a", "u"}
+    assert g.allowed(feed(g, "refuse absent_object\n")) == ["e"]
+    assert feed(g, "end") is None and feed(g, "home\nrefuse") is None
+    assert feed(g, "refuse absent_object\nhome") is None
     assert set(g.allowed(feed(g, "pick "))) == {"r", "b", "c"}  # target initials only
     assert set(g.allowed(feed(g, "pick bin"))) == {"_", " ", "\n"}  # bin or bin_large
     assert set(g.allowed(feed(g, "pick bin "))) == {"s", "h"}  # speed, height
@@ -37,7 +43,7 @@ def test_allowed_symbols_follow_the_grammar() -> None:
     assert g.allowed(feed(g, "push cup2 speed=123")) == ["\n", " ", "."]
     assert set(g.allowed(feed(g, "push cup2 speed=1.234"))) == {"\n", " "}
     assert g.allowed(feed(g, "home")) == ["\n"]
-    assert g.allowed(feed(g, "end")) == [EOS]
+    assert g.allowed(feed(g, "home\nend")) == [EOS]
     assert feed(g, "pick blue_ball") is None
     assert feed(g, "self_destruct") is None
     assert feed(g, "pick red_cube speed=1e3") is None
@@ -48,7 +54,9 @@ def test_max_steps_and_empty_scene() -> None:
     g = PlanGrammar(OBJECTS, max_steps=2)
     assert g.allowed(feed(g, "home\nhome\n")) == ["e"]
     empty = PlanGrammar([], max_steps=3)
-    assert set(empty.allowed(empty.initial())) == {"o", "c", "h", "e"}  # no targeted skills
+    assert set(empty.allowed(empty.initial())) == {"o", "c", "h", "r"}  # no targeted skills
+    only_refusal = PlanGrammar(OBJECTS, max_steps=0)
+    assert only_refusal.allowed(only_refusal.initial()) == ["r"]
     with pytest.raises(ValueError, match="not a lower-case identifier"):
         PlanGrammar(["Red Cube"], 3)
 
@@ -57,7 +65,7 @@ def test_random_walks_always_parse() -> None:
     """Fuzz the automaton itself: random allowed symbols under the budget -> a parsing plan."""
     g = PlanGrammar(OBJECTS, max_steps=5)
     rng = random.Random(0)
-    for budget in [3, 4, 9, 25, 60, 200] * 20:
+    for budget in [8, 9, 12, 25, 60, 200] * 20:
         proc = PlanLogitsProcessor.for_tokenizer(g, TOK, budget)
         toks: list[int] = []
         while True:
@@ -87,13 +95,15 @@ def test_processor_masks_logits_and_recomputes_on_new_prefix() -> None:
 
 def test_budget_forces_completion() -> None:
     g = PlanGrammar(OBJECTS, max_steps=8)
-    # With 3 tokens left at a line start only 'end' fits; mid-target the shortest name wins.
-    proc = PlanLogitsProcessor.for_tokenizer(g, TOK, 3)
-    assert proc.allowed_ids([]) == TOK.encode("e")
+    # With 8 tokens only 'home\nend' fits; after a step, 3 left: 'end';
+    # mid-target the shortest name wins.
+    proc = PlanLogitsProcessor.for_tokenizer(g, TOK, 8)
+    assert proc.allowed_ids([]) == TOK.encode("h")
+    assert proc.allowed_ids(TOK.encode("home\n")) == TOK.encode("e")
     proc = PlanLogitsProcessor.for_tokenizer(g, TOK, len("pick b") + 2 + 1 + 3)
     assert {TOK.decode([i]) for i in proc.allowed_ids(TOK.encode("pick b"))} == {"i"}
     with pytest.raises(ValueError, match="max_new_tokens"):
-        PlanLogitsProcessor.for_tokenizer(g, TOK, 2)
+        PlanLogitsProcessor.for_tokenizer(g, TOK, 7)
 
 
 def test_random_weight_models_always_produce_parsing_plans() -> None:

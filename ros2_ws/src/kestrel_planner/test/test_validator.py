@@ -46,7 +46,9 @@ def test_parse_and_format_round_trip() -> None:
     assert plan.steps[0].arguments == {"speed": (0.1, "m/s"), "height": (0.05, "m")}
     assert plan.steps[1].value("speed") == SKILLS[Skill.PLACE].arg("speed").default
     assert format_plan(plan) == text
-    assert parse_plan("end\n \n").steps == []
+    refusal = parse_plan("refuse absent_object\nend \n")
+    assert refusal.steps == [] and refusal.refusal == "absent_object"
+    assert format_plan(refusal) == "refuse absent_object\nend"
     assert format_number(2.0) == "2" and format_number(-0.0) == "0"
     with pytest.raises(ValueError):
         format_number(1234.0)
@@ -65,6 +67,11 @@ def test_parse_and_format_round_trip() -> None:
     ("pick  red_cube\nend", "single spaces"),
     ("pick Red-Cube\nend", "invalid target name"),
     ("home now\nend", "expected name=value"),
+    ("end", "a plan needs at least one step"),
+    ("end\n \n", "a plan needs at least one step"),
+    ("refuse tired\nend", "unknown refusal reason 'tired'"),
+    ("refuse absent_object\nhome\nend", "a refusal is a whole plan"),
+    ("home\nrefuse absent_object\nend", "unknown skill 'refuse'"),
 ])
 def test_parse_errors_have_reasons(text: str, reason: str) -> None:
     with pytest.raises(PlanParseError, match=reason):
@@ -102,7 +109,6 @@ def test_valid_plan_accepted() -> None:
     ("pick red_cube\npick bin\nend", "already holding 'red_cube'"),
     ("pick red_cube\nplace red_cube\nend", "onto itself"),
     ("pick red_cube\nopen_gripper\nplace bin\nend", "PLACE needs a preceding PICK"),
-    ("end", "plan has no steps"),
     ("home\n" * 7 + "end", "plan has 7 steps, more than max_steps 6"),
 ])
 def test_rejections_with_reasons(text: str, fragment: str) -> None:
@@ -142,3 +148,40 @@ def test_injection_text_is_data() -> None:
         assert not check(text)[0]
     with pytest.raises(PlanParseError):
         parse_plan("ignore the rules\nend")
+
+
+def test_empty_plan_rejected() -> None:
+    """Built in code (the parser refuses it): no steps is no plan."""
+    r = PlanValidator(LIMITS).validate(Plan("x", []), SCENE)
+    assert not r.accepted and r.reasons == ["plan has no steps"]
+
+
+def test_refusal_is_rejected_with_its_reason() -> None:
+    ok, reasons = check("refuse absent_object\nend")
+    assert not ok and len(reasons) == 1
+    assert "refused the task: the task names an object that is not in the scene" in reasons[0]
+    assert "objects: bin, far_box, ghost, red_cube" in reasons[0]
+    ok, reasons = check("refuse unsupported_action\nend")
+    assert not ok and "cannot do" in reasons[0]
+
+
+def test_every_problem_of_a_step_is_reported() -> None:
+    """A step that breaks several rules lists each of them, not only the first."""
+    ok, reasons = check("move_to far_box speed=10 height=0.9\nend")
+    assert not ok
+    assert any("speed 10.0 m/s exceeds max_speed" in r for r in reasons), reasons
+    assert any("height 0.9 m outside" in r for r in reasons), reasons
+    assert any("'far_box' at (3.000, 0.000, 0.000) m is outside" in r for r in reasons), reasons
+    # a hard-bound failure does not hide the limit check of another argument
+    ok, reasons = check("move_to bin speed=0 height=0.9\nend")
+    assert any("'speed' = 0.0 m/s is not valid" in r for r in reasons), reasons
+    assert any("height 0.9 m outside" in r for r in reasons), reasons
+    # an argument limit does not hide the waypoint check
+    ok, reasons = check("push bin speed=10 distance=0.9\nend")
+    assert any("exceeds max_speed" in r for r in reasons), reasons
+    assert any("end-effector point" in r for r in reasons), reasons
+    # programmatic: a wrong unit and an invalid value of the same argument
+    v = PlanValidator(LIMITS)
+    r = v.validate(Plan("x", [PlanStep(Skill.MOVE_TO, "bin", {"speed": (-1.0, "km/h")})]), SCENE)
+    assert any("unit 'km/h'" in x for x in r.reasons) and \
+        any("is not valid" in x for x in r.reasons), r.reasons

@@ -1,7 +1,9 @@
 """Decoding constrained to the plan grammar (plan.py), so every decoded text parses.
 
 A character-level automaton over the plan text form. At each step the allowed next characters
-are: skill names from the enumeration (skills.py) or `end` at a line start; target names ONLY
+are: skill names from the enumeration (skills.py) at a line start, `end` at a line start once
+a step is complete (a plan has >= 1 step), `refuse` + a reason (plan.REFUSALS) as the first
+and only line of a refusal; target names ONLY
 from the current scene's object list; argument names valid for the line's skill, each at most
 once; numbers in the bounded format -?d{1,3}(.d{1,3})? (format only: values are the validator's
 job); single spaces, `=`, newline; <eos> only after `end`. The automaton also keeps a token
@@ -28,19 +30,20 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from kestrel_planner.core.plan import END, MAX_FRAC_DIGITS, MAX_INT_DIGITS
+from kestrel_planner.core.plan import END, MAX_FRAC_DIGITS, MAX_INT_DIGITS, REFUSALS, REFUSE
 from kestrel_planner.core.skills import NAME_RE, SKILLS, SkillSpec, skill_by_name
 
 __all__ = ["EOS", "GrammarState", "PlanGrammar", "PlanLogitsProcessor"]
 
 EOS = "<eos>"  # the end-of-sequence symbol in the automaton's alphabet
-_WORD, _TARGET, _ARG, _NUM = "word", "target", "arg", "number"
+_WORD, _TARGET, _ARG, _NUM, _REASON = "word", "target", "arg", "number", "reason"
 
 
 @dataclass(frozen=True)
 class GrammarState:
-    """phase: 'word' (line start: skill or end), 'target', 'arg' (argument name), 'number';
-    partial: characters of the current word/number; steps: completed lines."""
+    """phase: 'word' (line start: skill, end or refuse), 'target', 'arg' (argument name),
+    'number', 'reason' (of a refusal); partial: characters of the current word/number;
+    steps: completed lines; refused: the refusal line is complete (only `end` may follow)."""
 
     phase: str = _WORD
     partial: str = ""
@@ -48,6 +51,7 @@ class GrammarState:
     arg: str = ""
     used: frozenset[str] = frozenset()
     steps: int = 0
+    refused: bool = False
 
 
 class PlanGrammar:
@@ -65,13 +69,16 @@ class PlanGrammar:
         self._min_obj = min((len(n) for n in names), default=0)
         usable = [s for s in SKILLS.values() if names or not s.needs_target]
         self._skills = {s.name: s for s in usable}
+        self._reasons: tuple[str, ...] = tuple(REFUSALS)  # refusal reasons the text may use
 
     def initial(self) -> GrammarState:
         return GrammarState()
 
     # ---- helpers ---------------------------------------------------------------------------
     def _line_words(self, st: GrammarState) -> list[str]:
-        words = [END]
+        if st.refused:
+            return [END]
+        words = [END] if st.steps else [REFUSE] if self._reasons else []
         if st.steps < self.max_steps:
             words += list(self._skills)
         return words
@@ -90,6 +97,8 @@ class PlanGrammar:
             return self._line_words(st)
         if st.phase == _TARGET:
             return list(self.object_names)
+        if st.phase == _REASON:
+            return list(self._reasons)
         return self._free_args(st)
 
     @staticmethod
@@ -122,6 +131,8 @@ class PlanGrammar:
         if st.phase == _WORD:
             if p == END:
                 return GrammarState(phase="done", steps=st.steps) if ch == EOS else None
+            if p == REFUSE:
+                return replace(st, phase=_REASON, partial="") if ch == " " else None
             spec = self._skills[p]
             started = replace(st, skill=p, used=frozenset(), arg="")
             if ch == " " and spec.needs_target:
@@ -133,6 +144,8 @@ class PlanGrammar:
             return None
         if st.phase == _TARGET:
             return self._end_line(st, ch, bool(self._free_args(st)))
+        if st.phase == _REASON:
+            return GrammarState(steps=st.steps + 1, refused=True) if ch == "\n" else None
         if st.phase == _ARG and ch == "=":
             return replace(st, phase=_NUM, partial="", arg=p, used=st.used | {p})
         return None
@@ -162,16 +175,22 @@ class PlanGrammar:
             return 0
         tail = 1 + len(END)  # "\n" + "end"
         if st.phase == _WORD:
-            if END.startswith(p):
-                return len(END) - len(p)
             best = None
             for w in self._line_words(st):
-                if w == END or not w.startswith(p):
+                if not w.startswith(p):
                     continue
-                line = (1 + self._min_obj + 1) if self._skills[w].needs_target else 1
-                cost = len(w) - len(p) + line + len(END)
+                if w == END:
+                    cost = len(END) - len(p)
+                elif w == REFUSE:
+                    cost = len(w) - len(p) + 1 + min(len(r) for r in self._reasons) + tail
+                else:
+                    line = (1 + self._min_obj + 1) if self._skills[w].needs_target else 1
+                    cost = len(w) - len(p) + line + len(END)
                 best = cost if best is None else min(best, cost)
             return best if best is not None else 10**9
+        if st.phase == _REASON:
+            return min((len(r) - len(p) for r in self._reasons if r.startswith(p)),
+                       default=10**9) + tail
         if st.phase == _TARGET:
             return min((len(n) - len(p) for n in self.object_names if n.startswith(p)),
                        default=10**9) + tail
@@ -206,8 +225,10 @@ class PlanLogitsProcessor:
 
     def __init__(self, grammar: PlanGrammar, char_to_id: dict[str, int], eos_id: int,
                  max_new_tokens: int) -> None:
-        if max_new_tokens < len(END):
-            raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= {len(END)}")
+        need = grammar.min_chars(grammar.initial())  # the shortest plan's characters
+        if max_new_tokens < need:
+            raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= {need} (the "
+                             "shortest plan)")
         self.grammar = grammar
         self.max_new_tokens = max_new_tokens
         self._sym_to_id = dict(char_to_id)

@@ -2,7 +2,7 @@
 
 `plan_lark(object_names, max_steps)` writes the plan language of plan.py as a Lark grammar:
 
-    start: line{0,max_steps} "end"
+    start: line{1,max_steps} "end" | "refuse " REASON "\\n" "end"    (>= 1 step, or a refusal)
     line:  one alternative per skill: skill [" " target] args "\\n"
     target: the scene's object names ONLY (alternatives of literals)
     args:  each argument of the skill at most once, in ANY order: one rule per set of arguments
@@ -29,7 +29,7 @@ restricted to what the vocabulary can spell one character per token (`alphabet`:
 characters that are single tokens; all of them for the byte tokenizer and byte-level BPE):
 skill, argument and object names with another character are left out of the grammar (and of
 the automaton), so the shortest completion can always be written one token per character, a
-token is always left (by induction from min_chars(start) = 3 <= max_new_tokens), and no prefix
+token is always left (by induction from min_chars(start) <= max_new_tokens), and no prefix
 is a dead end. A vocabulary without single tokens for "end", digits, ".", "-", "=", " " or a
 newline cannot write plans: ValueError naming 'hf_grammar'.
 """
@@ -46,7 +46,7 @@ from torch import Tensor
 
 from kestrel_planner.core.constrained import EOS, GrammarState, PlanGrammar
 from kestrel_planner.core.llg_tokenizers import lltokenizer, require_llguidance
-from kestrel_planner.core.plan import END, MAX_FRAC_DIGITS, MAX_INT_DIGITS
+from kestrel_planner.core.plan import END, MAX_FRAC_DIGITS, MAX_INT_DIGITS, REFUSALS, REFUSE
 from kestrel_planner.core.skills import NAME_RE, SKILLS
 
 __all__ = ["GRAMMAR_ENGINES", "PLAN_CHARS", "plan_lark", "lltokenizer", "require_llguidance",
@@ -94,8 +94,13 @@ def plan_lark(object_names: Iterable[str], max_steps: int, alphabet: str = PLAN_
         if spec.args:
             alt += " " + args_rule(spec.arg_names)
         lines.append(alt + r' "\n"')
-    out = [f"start: line{{0,{max_steps}}} {_lit(END)}" if max_steps else f"start: {_lit(END)}",
-           "line: " + " | ".join(lines)]
+    reasons = [r for r in REFUSALS if set(r) <= ok]
+    refusal = f'{_lit(REFUSE + " ")} reason "\\n" {_lit(END)}'
+    plans = [f"line{{1,{max_steps}}} {_lit(END)}"] if max_steps else []
+    plans += [refusal] if reasons else []
+    out = ["start: " + " | ".join(plans), "line: " + " | ".join(lines)]
+    if reasons:
+        out.append("reason: " + " | ".join(_lit(r) for r in reasons))
     if names:
         out.append("target: " + " | ".join(_lit(n) for n in names))
     out += [f"{k}: {v}" for k, v in rules.items()]
@@ -111,6 +116,7 @@ class _SpellableGrammar(PlanGrammar):
         self._ok = set(alphabet)
         super().__init__([n for n in object_names if set(n) <= self._ok], max_steps)
         self._skills = {k: v for k, v in self._skills.items() if set(k) <= self._ok}
+        self._reasons = tuple(r for r in self._reasons if set(r) <= self._ok)
 
     def _free_args(self, st: GrammarState, extra: str = "") -> list[str]:
         return [a for a in super()._free_args(st, extra) if set(a) <= self._ok]
@@ -121,12 +127,10 @@ class LLGuidancePlanProcessor:
     sequence, keeping the token budget (module doc). One instance per sequence.
 
     lltok: llguidance.LLTokenizer (see lltokenizer()); object_names / max_steps: the scene's
-    grammar; max_new_tokens: the decode budget (>= 3, the length of 'end')."""
+    grammar; max_new_tokens: the decode budget (>= the shortest plan, e.g. 'home\\nend')."""
 
     def __init__(self, lltok: Any, object_names: Iterable[str], max_steps: int,
                  max_new_tokens: int) -> None:
-        if max_new_tokens < len(END):
-            raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= {len(END)}")
         llg = require_llguidance()
         names = list(object_names)
         plan_lark(names, max_steps)  # validates names and max_steps
@@ -137,6 +141,10 @@ class LLGuidancePlanProcessor:
                              f"for {missing[0]!r}; set hf_grammar: false (prompt + parser + "
                              "validator only)")
         self.grammar = _SpellableGrammar(names, max_steps, self.alphabet)
+        need = self.grammar.min_chars(self.grammar.initial())  # the shortest plan's characters
+        if max_new_tokens < need:
+            raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= {need} (the "
+                             "shortest plan)")
         self.lark = plan_lark(names, max_steps, self.alphabet)
         self.lltok = lltok
         self.max_new_tokens = max_new_tokens
@@ -154,7 +162,9 @@ class LLGuidancePlanProcessor:
         max_skill = max(len(s.name) for s in SKILLS.values())
         max_arg = max((len(a.name) for s in SKILLS.values() for a in s.args), default=0)
         # min_chars of any reachable automaton state is <= slack (+2 margin)
-        self.slack = max(max_skill + max_obj + 5, max_arg + 6, len(END)) + 2
+        max_reason = max(len(r) for r in REFUSALS)
+        self.slack = max(max_skill + max_obj + 5, max_arg + 6, len(END),
+                         len(REFUSE) + max_reason + 5) + 2
         self._tokens: list[int] = []
         self._state: GrammarState | None = self.grammar.initial()
 

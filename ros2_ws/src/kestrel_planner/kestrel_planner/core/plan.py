@@ -6,11 +6,16 @@ Text form, one step per line, single spaces, then a final `end` line:
     place bin
     end
 
-line   := skill [" " target] (" " arg "=" number)* "\\n"
-skill  := move_to | pick | place | push | open_gripper | close_gripper | home
-number := "-"? digit{1,3} ("." digit{1,3})?      (format only; values are checked later)
+plan    := line{1,max_steps} "end" | refusal "end"
+line    := skill [" " target] (" " arg "=" number)* "\\n"
+skill   := move_to | pick | place | push | open_gripper | close_gripper | home
+number  := "-"? digit{1,3} ("." digit{1,3})?      (format only; values are checked later)
+refusal := "refuse " reason "\\n"                   (reason: a key of REFUSALS)
 
-Arguments are given without units; each gets its unit from the skill schema (skills.py).
+A plan has at least one step. A refusal is the planner's answer to a task it cannot do with
+the scene and the skills (e.g. "refuse absent_object"); it is a whole plan of its own, and the
+validator always rejects it with the reason's text. Arguments are given without units; each
+gets its unit from the skill schema (skills.py).
 """
 
 from __future__ import annotations
@@ -23,13 +28,20 @@ from kestrel_planner.core.skills import NAME_RE, SKILLS, Skill, skill_by_name
 
 __all__ = [
     "SceneObject", "PlanStep", "Plan", "PlanParseError", "parse_plan", "format_plan",
-    "format_number", "NUMBER_RE", "MAX_INT_DIGITS", "MAX_FRAC_DIGITS", "END",
+    "format_number", "NUMBER_RE", "MAX_INT_DIGITS", "MAX_FRAC_DIGITS", "END", "REFUSE",
+    "REFUSALS",
 ]
 
 MAX_INT_DIGITS = 3
 MAX_FRAC_DIGITS = 3
 NUMBER_RE = re.compile(rf"^-?[0-9]{{1,{MAX_INT_DIGITS}}}(\.[0-9]{{1,{MAX_FRAC_DIGITS}}})?$")
 END = "end"
+REFUSE = "refuse"
+# Refusal reasons (plan text) -> what the validator reports.
+REFUSALS: dict[str, str] = {
+    "absent_object": "the task names an object that is not in the scene",
+    "unsupported_action": "the task asks for an action that the robot's skills cannot do",
+}
 
 
 class PlanParseError(ValueError):
@@ -78,8 +90,12 @@ class PlanStep:
 
 @dataclass
 class Plan:
+    """steps: what to do; refusal: a key of REFUSALS when the planner refused the task (then
+    there are no steps)."""
+
     instruction: str
     steps: list[PlanStep] = field(default_factory=list)
+    refusal: str = ""
 
 
 def format_number(value: float) -> str:
@@ -95,6 +111,8 @@ def format_number(value: float) -> str:
 
 def format_plan(plan: Plan) -> str:
     """Plan -> text form (ends with 'end', no trailing newline)."""
+    if plan.refusal:
+        return f"{REFUSE} {plan.refusal}\n{END}"
     lines = []
     for step in plan.steps:
         parts = [Skill(step.skill).text]
@@ -144,10 +162,21 @@ def parse_plan(text: str, instruction: str = "") -> Plan:
         raise PlanParseError(f"plan text must be str, got {type(text).__name__}")
     lines = text.rstrip().split("\n")
     steps: list[PlanStep] = []
+    if lines[0].startswith(REFUSE + " ") or lines[0] == REFUSE:
+        reason = lines[0][len(REFUSE) + 1:]
+        if reason not in REFUSALS:
+            raise PlanParseError(f"line 1: unknown refusal reason {reason!r} (one of "
+                                 f"{', '.join(REFUSALS)})")
+        if lines[1:] != [END]:
+            raise PlanParseError(f"a refusal is a whole plan: line 1 then '{END}'")
+        return Plan(instruction, [], reason)
     for i, line in enumerate(lines, start=1):
         if line == END:
             if i != len(lines):
                 raise PlanParseError(f"line {i}: text after '{END}'")
+            if not steps:
+                raise PlanParseError(f"line {i}: a plan needs at least one step before "
+                                     f"'{END}'")
             return Plan(instruction, steps)
         steps.append(_parse_line(i, line))
     raise PlanParseError(f"missing the final '{END}' line (text ends at line {len(lines)})")

@@ -68,8 +68,8 @@ class PlannerConfig:
     remote_response_format: str = "json_schema"  # json_schema | text
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 3:
-            raise ValueError(f"parameter 'max_new_tokens' = {self.max_new_tokens}: must be >= 3")
+        if self.max_new_tokens < 8:  # the shortest plan, 'home\nend'
+            raise ValueError(f"parameter 'max_new_tokens' = {self.max_new_tokens}: must be >= 8")
         if self.max_batch < 1:
             raise ValueError(f"parameter 'max_batch' = {self.max_batch}: must be >= 1")
         if self.max_instruction_chars < 1:

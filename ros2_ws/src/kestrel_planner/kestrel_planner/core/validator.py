@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kestrel_planner.core.plan import Plan, PlanStep, SceneObject
+from kestrel_planner.core.plan import REFUSALS, Plan, PlanStep, SceneObject
 from kestrel_planner.core.skills import SKILLS, Skill, skill_points
 
 __all__ = ["PlanLimits", "ValidationReport", "PlanValidator"]
@@ -79,6 +79,11 @@ class PlanValidator:
         lim = self.limits
         cap = lim.max_steps if not max_steps else min(max_steps, lim.max_steps)
         reasons: list[str] = []
+        if plan.refusal:
+            what = REFUSALS.get(plan.refusal, f"reason {plan.refusal!r}")
+            names = ", ".join(sorted(o.name for o in objects)) or "none"
+            return ValidationReport(False, [f"the planner refused the task: {what} "
+                                            f"(objects: {names})"])
         if not plan.steps:
             reasons.append("plan has no steps")
         if len(plan.steps) > cap:
@@ -98,7 +103,7 @@ class PlanValidator:
             return holding
         spec = SKILLS[skill]
         where = f"step {i} ({spec.name})"
-        ok_args = self._check_args(where, step, reasons)
+        bad_args = self._check_args(where, step, reasons)
         target = step.target_object
         pos = None
         if spec.needs_target and not target:
@@ -114,11 +119,11 @@ class PlanValidator:
                 reasons.append(f"{where}: target {target!r} has no 3D position")
             else:
                 pos = obj.position
-        if pos is not None and ok_args:
-            if not self.limits.in_workspace(pos):
-                reasons.append(f"{where}: target {target!r} at {_fmt(pos)} m is outside the "
-                               f"workspace {_fmt(self.limits.workspace_min)}.."
-                               f"{_fmt(self.limits.workspace_max)}")
+        if pos is not None and not self.limits.in_workspace(pos):
+            reasons.append(f"{where}: target {target!r} at {_fmt(pos)} m is outside the "
+                           f"workspace {_fmt(self.limits.workspace_min)}.."
+                           f"{_fmt(self.limits.workspace_max)}")
+        elif pos is not None and not bad_args & {"height", "distance"}:  # usable geometry
             dist = step.value("distance") if skill == Skill.PUSH else 0.0
             for p in skill_points(skill, pos, step.value("height"), dist):
                 if not self.limits.in_workspace(p):
@@ -139,28 +144,35 @@ class PlanValidator:
             return None
         return holding
 
-    def _check_args(self, where: str, step: PlanStep, reasons: list[str]) -> bool:
-        """Given arguments (name, unit, value) and the effective values incl. defaults."""
+    def _check_args(self, where: str, step: PlanStep, reasons: list[str]) -> set[str]:
+        """Given arguments (name, unit, value) and the effective values incl. defaults; every
+        problem of every argument is reported. Returns the names of the arguments whose value
+        is unusable (malformed, wrong unit, outside the hard bounds)."""
         spec = SKILLS[Skill(int(step.skill))]
         lim = self.limits
-        n0 = len(reasons)
+        bad: set[str] = set()  # arguments whose given value is unusable
         for name, given in step.arguments.items():
             arg = spec.arg(name)
             try:
                 value, unit = float(given[0]), str(given[1])
             except (TypeError, ValueError, IndexError):
                 reasons.append(f"{where}: argument {name!r} is not a (value, unit) pair")
+                bad.add(name)
                 continue
             if arg is None:
                 reasons.append(f"{where}: unknown argument {name!r}")
-            elif unit != arg.unit:
+                bad.add(name)
+                continue
+            if unit != arg.unit:
                 reasons.append(f"{where}: argument '{name}' has unit {unit!r}, expected "
                                f"{arg.unit!r}")
-            elif not arg.in_hard_bounds(value):
+                bad.add(name)
+            if not arg.in_hard_bounds(value):
                 reasons.append(f"{where}: argument '{name}' = {value} {unit} is not valid")
-        if len(reasons) > n0:
-            return False
+                bad.add(name)
         for arg in spec.args:
+            if arg.name in bad:
+                continue
             v = step.value(arg.name)
             src = "" if arg.name in step.arguments else " (default)"
             if arg.name == "speed" and v > lim.max_speed:
@@ -169,4 +181,4 @@ class PlanValidator:
             if arg.name == "height" and not lim.min_height <= v <= lim.max_height:
                 reasons.append(f"{where}: height {v} m{src} outside [{lim.min_height}, "
                                f"{lim.max_height}] m")
-        return len(reasons) == n0
+        return bad
