@@ -1,0 +1,75 @@
+"""What to change when a stage is bound by X: suggestions in Kestrel's own parameters.
+
+One table, so the texts follow the nodes' parameter names (kestrel_perception/core/params.py,
+kestrel_control/control_params.py with the backend registry kestrel_models/control/registry.py,
+kestrel_planner/params.py). Rows are tried in order; the first whose target, class and stage
+pattern match gives the advice. Texts may use {stage}, {kernels}, {mean_kernel_us},
+{busy_share}, {dtype}.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kestrel_bench.bottleneck import StageStats
+
+# (target or "*", class, stage regex or "", suggestion)
+SUGGESTIONS: tuple[tuple[str, str, str, str], ...] = (
+    # perception node (`precision`, `compile`, `cuda_graph`, `engine`, `optimize`, `receive`)
+    ("perception", "launch", "", "launch-bound in {stage} ({kernels} kernels, mean "
+     "{mean_kernel_us:.1f} us, device busy {busy_share:.0%}): set cuda_graph: true and "
+     "compile: branched (one graph replay instead of a launch per kernel)"),
+    ("perception", "memory", "", "memory-bound in {stage} ({dtype}): set precision: bf16 (half "
+     "the bytes) and optimize: true (channels_last and folded batch norms)"),
+    ("perception", "compute", "", "compute-bound in {stage} ({dtype}): set precision: bf16 or "
+     "fp16 (tensor cores), or engine: tensorrt with an engine built offline"),
+    ("perception", "transport", "", "transport-bound in {stage}: set receive: processes (images "
+     "off DDS in parallel, into shared memory) and keep the result on the device until it is "
+     "published; give the receivers CPUs of their own (receiver_cpus)"),
+    # control node (`backend` from the registry, `native_tick`, `loop_mode`)
+    ("control", "launch", "", "launch-bound in {stage} ({kernels} launches, mean "
+     "{mean_kernel_us:.1f} us): on a GPU set backend: cuda_graph (one replay per tick), "
+     "cuda_graph_triton (fused kernels) or cuda_persistent (no launch at all); on the CPU set "
+     "backend: onnxruntime and native_tick: true"),
+    ("control", "memory", "", "memory-bound in {stage}: the policy's weights stream every tick: "
+     "set backend: cuda_graph_triton or cuda_persistent (weights kept close to the SMs), or a "
+     "smaller policy (hidden_dims)"),
+    ("control", "compute", "", "compute-bound in {stage}: a smaller policy (hidden_dims, "
+     "lstm_hidden), or backend: tensorrt (FP16 engine) for a user's ONNX policy"),
+    ("control", "transport", "", "transport-bound in {stage}: set loop_mode: process (the loop "
+     "reads observations from shared memory, never from the executor)"),
+    # planner node (`backend`, `engine_compile`, `max_batch`, `hf_dtype`)
+    ("planner", "launch", "", "launch-bound in {stage} ({kernels} kernels per call): set "
+     "backend: engine (CUDA-graph decode) and engine_compile: true"),
+    ("planner", "memory", "", "memory-bound in {stage} (decode streams the weights per token): "
+     "raise max_batch (more goals per weight read) and use bf16 weights (hf_dtype: bfloat16)"),
+    ("planner", "compute", "", "compute-bound in {stage}: bf16 weights (hf_dtype: bfloat16), "
+     "or serve the model remotely (backend: remote) on a larger GPU"),
+    ("planner", "transport", "", "transport-bound in {stage}: with backend: remote set "
+     "remote_send_image: false when the plan does not need the frame"),
+    # any target
+    ("*", "launch", "", "launch-bound in {stage} ({kernels} kernels, mean {mean_kernel_us:.1f} "
+     "us, device busy {busy_share:.0%}): capture it in a CUDA graph or compile it "
+     "(fewer, fused kernels)"),
+    ("*", "memory", "", "memory-bound in {stage}: fewer bytes per item: bf16/fp16, "
+     "channels_last, fused element-wise steps"),
+    ("*", "compute", "", "compute-bound in {stage}: lower precision on tensor cores (bf16, "
+     "fp16, fp8) or less work"),
+    ("*", "transport", "", "transport-bound in {stage}: move fewer bytes (keep tensors on the "
+     "device, pinned host buffers, shared memory instead of serialisation)"),
+    ("*", "unknown", "", "{stage}: no FLOP or byte counts: profile with record_shapes=True and "
+     "with_flops=True"),
+)
+
+
+def suggest(target: str, stage: StageStats) -> str:
+    """The first matching row's text for `stage` (class stage.klass) of `target`."""
+    for tgt, klass, pattern, text in SUGGESTIONS:
+        if tgt not in ("*", target) or klass != stage.klass:
+            continue
+        if pattern and not re.search(pattern, stage.name):
+            continue
+        return text.format(stage=stage.name, kernels=stage.kernels,
+                           mean_kernel_us=stage.mean_kernel_us, busy_share=stage.busy_share,
+                           dtype=stage.dtype)
+    return ""
