@@ -8,5 +8,15 @@ source "$ROOT/scripts/env.sh"
 cd "$ROOT"
 echo "[test] ruff check"
 ruff check .
+# the benchmark regression gate (tools/kestrel_bench/gate.py): same-run ratios of the optimized
+# vs the baseline path, timed interleaved on this CPU, against the committed baseline; 40 %
+# tolerance on ratios (a 2x slower optimized path halves them)
+echo "[test] benchmark gate"
+gate_dir="$(mktemp -d)"
+trap 'rm -rf "$gate_dir"' EXIT
+python -m kestrel_bench paired --out "$gate_dir/gate" > "$gate_dir/paired.log" \
+  || { cat "$gate_dir/paired.log"; exit 1; }
+python -m kestrel_bench gate "$gate_dir/gate.json" --baseline docs/benchmarks/gate_cpu.json \
+  --only 'ratios.*' --tolerance ratios=0.4
 echo "[test] pytest"
-exec python -m pytest -q "$@"
+python -m pytest -q "$@"
