@@ -9,7 +9,7 @@
 #   1. system packages (Debian): OSMesa for offscreen MuJoCo rendering, cmake, a C++ compiler
 #   2. venv with pinned versions (requirements/base.txt + requirements/constraints.txt)
 #   3. the three fixes of the ROS 2 pip wheels (see docs/ROS2_ON_PIP.md)
-#   4. pip install -e models/ (kestrel_models)
+#   4. pip install -e models/ tools/ (kestrel_models, kestrel_bench)
 #   5. colcon build of ros2_ws (skipped when no source changed since the last build)
 set -euo pipefail
 
@@ -56,7 +56,7 @@ if [[ "$(cat "$STAMP_DIR/req" 2>/dev/null)" != "$req_hash" ]]; then
     -r "$ROOT/requirements/base.txt" -c "$ROOT/requirements/constraints.txt" \
     2>&1 | { grep -v "is ignored: it is neither" || true; }; [[ ${PIPESTATUS[0]} -eq 0 ]] || die "pip install failed (see above)"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
-    -e "$ROOT/models" || die "pip install -e models failed"
+    -e "$ROOT/models" -e "$ROOT/tools" || die "pip install -e models tools failed"
   echo "$req_hash" > "$STAMP_DIR/req"
   rm -f "$STAMP_DIR/fixed"
 else

@@ -11,7 +11,23 @@ import importlib
 import sys
 
 # subcommand -> (module, one-line help). Keep in the order a user meets them.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "control": ("control", "the control policy step per backend and the 1 kHz loop with ROS I/O"),
+    "perception": ("perception", "the perception forward per variant: latency, batch sweep, "
+                   "drift vs fp32, memory, power; --compile-modes"),
+    "perception-node": ("perception_node", "the perception node end to end with ROS I/O "
+                        "(messages in -> result out)"),
+    "transport": ("transport", "ROS 2 transport: camera sets, results, commands, DDS sizes"),
+    "planner": ("planner", "planner decoding: our engine vs HF transformers, tok/s, TTFT"),
+    "kernels": ("kernels", "GPU kernel micro-benchmarks: box medians, NMS rounds, decode "
+                "kernels"),
+    "profile": ("profile", "classify each stage of a step as compute-, memory-, launch- or "
+                "transport-bound, with the knobs to turn"),
+    "paired": ("paired", "baseline vs optimized paths timed interleaved: same-run ratios, "
+               "the CI gate's input"),
+    "gate": ("gate", "compare a record with a baseline of the same machine class and config; "
+             "exit 1 on a regression"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
