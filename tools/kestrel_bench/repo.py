@@ -17,6 +17,7 @@ SOURCES = {  # top-level package -> its source folder in the repository
     "kestrel_perception": "ros2_ws/src/kestrel_perception",
     "kestrel_planner": "ros2_ws/src/kestrel_planner",
     "ros_harness": "tests",
+    "kestrel_bench": "tools",
 }
 
 
