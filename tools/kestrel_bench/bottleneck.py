@@ -155,18 +155,32 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _op_bytes(args: dict) -> float:
+# ops that move no data (views, metadata), or none when they have no child op (to/contiguous
+# without a copy)
+NO_BYTES = frozenset(f"aten::{n}" for n in (
+    "as_strided", "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand",
+    "squeeze", "unsqueeze", "slice", "select", "detach", "alias", "resolve_conj",
+    "resolve_neg", "lift_fresh", "empty", "empty_strided", "unbind", "split", "chunk",
+    "narrow", "to", "contiguous", "numpy_T", "_reshape_alias", "view_as", "expand_as")) | {
+    "detach"}
+
+
+def _op_bytes(name: str, args: dict) -> float:
+    """Bytes an op moves: explicit args["bytes"], else its tensor inputs read once plus its
+    output written once (matmuls and convolutions: the exact output size; other ops: the size
+    of the largest input); 0 for views."""
     if "bytes" in args:
         return float(args["bytes"])
-    sizes = []
+    if name in NO_BYTES:
+        return 0.0
+    sizes, itemsize = [], 4
     for dims, typ in zip(args.get("Input Dims") or [], args.get("Input type") or [],
                          strict=False):
         if isinstance(dims, list) and dims and all(isinstance(d, int) for d in dims):
-            n = 1
-            for d in dims:
-                n *= d
-            sizes.append(n * _ITEMSIZE.get(str(typ), 4))
-    return float(sum(sizes) + max(sizes, default=0))
+            itemsize = _ITEMSIZE.get(str(typ), 4)
+            sizes.append(_numel(dims) * itemsize)
+    out = _out_numel(name, args.get("Input Dims") or [], args)
+    return float(sum(sizes) + (out * itemsize if out is not None else max(sizes, default=0)))
 
 
 _MATMUL = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1),
@@ -182,6 +196,28 @@ def _numel(dims: list) -> int:
     return n
 
 
+def _stride(args: dict) -> int:
+    concrete = args.get("Concrete Inputs") or []
+    if len(concrete) > 3 and str(concrete[3]).strip("[]"):
+        try:
+            return max(int(str(concrete[3]).strip("[]").split(",")[0]), 1)
+        except ValueError:
+            return 1
+    return 1
+
+
+def _out_numel(name: str, dims: list, args: dict) -> float | None:
+    """Output elements of a matmul ([..., M, N]) or convolution (input / stride), else None."""
+    if name in _MATMUL:
+        a, b = (dims[i] if len(dims) > i else [] for i in _MATMUL[name])
+        if len(a) >= 2 and len(b) >= 2:
+            return _numel(a[:-1]) * b[-1]
+    elif _CONV.match(name) and len(dims) >= 2 and len(dims[0]) >= 3 and len(dims[1]) >= 3:
+        x, w = dims[0], dims[1]
+        return x[0] * w[0] * _numel(x[2:]) / _stride(args) ** (len(x) - 2)
+    return None
+
+
 def _op_flops(name: str, args: dict) -> float:
     """The op's FLOPs: the profiler's count where the trace has it, else from the input shapes
     for matmuls (2*M*K*N per batch) and convolutions (2 * output elements * C/g * kh * kw,
@@ -189,23 +225,12 @@ def _op_flops(name: str, args: dict) -> float:
     if "flops" in args:
         return float(args["flops"])
     dims = args.get("Input Dims") or []
-    if name in _MATMUL:
-        a, b = (dims[i] if len(dims) > i else [] for i in _MATMUL[name])
-        if len(a) >= 2 and len(b) >= 2:
-            return 2.0 * _numel(a) * b[-1]
+    out = _out_numel(name, dims, args)
+    if out is None:
         return 0.0
-    if _CONV.match(name) and len(dims) >= 2 and len(dims[0]) >= 3 and len(dims[1]) >= 3:
-        x, w = dims[0], dims[1]
-        stride = 1
-        concrete = args.get("Concrete Inputs") or []
-        if len(concrete) > 3 and str(concrete[3]).strip("[]"):
-            try:
-                stride = int(str(concrete[3]).strip("[]").split(",")[0])
-            except ValueError:
-                stride = 1
-        out = x[0] * w[0] * _numel(x[2:]) / max(stride, 1) ** (len(x) - 2)
-        return 2.0 * out * _numel(w[1:])
-    return 0.0
+    if name in _MATMUL:
+        return 2.0 * out * dims[_MATMUL[name][0]][-1]
+    return 2.0 * out * _numel(dims[1][1:])
 
 
 def _op_dtype(args: dict) -> str | None:
@@ -295,7 +320,7 @@ def analyze(events: list[Event], peaks: Peaks, thresholds: dict | None = None) -
             ops = [o for o in work_idx.between(r.ts, r.end) if _inside(o, r)]
             for o in ops:
                 s.flops += _op_flops(o.name, o.args)
-                s.bytes += _op_bytes(o.args)
+                s.bytes += _op_bytes(o.name, o.args)
                 dt = _op_dtype(o.args)
                 if dt:
                     dtypes[dt] = dtypes.get(dt, 0.0) + o.dur

@@ -54,7 +54,7 @@ def parse(text: str, device: str = "custom") -> Peaks:
     return Peaks(device, flops, bw, "option")
 
 
-def probe(device: str = "cpu", seconds: float = 0.25) -> Peaks:
+def probe(device: str = "cpu", seconds: float = 0.5) -> Peaks:
     """Measure a matmul's FLOP/s (fp32; bf16 too on CUDA) and a copy's bytes/s on `device`
     (the best of a few repetitions)."""
     import torch

@@ -35,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--machine-class", default="",
                         help="peaks table to use with --trace (h200, h100, a100, ...; default: "
                              "this machine's)")
+    parser.add_argument("--steps", type=int, default=0, help="profiled steps (default: the "
+                        "target's)")
+    parser.add_argument("--config", default="", help="model config of the target (perception: "
+                        "tiny | r50; planner: tiny | 0.5b)")
+    parser.add_argument("--precision", default="", choices=("", "fp32", "bf16", "fp16"),
+                        help="perception: autocast precision of the profiled forward")
     parser.add_argument("--json", default="", help="also write the analysis to this file")
     parser.add_argument("--keep-trace", default="",
                         help="write the collected chrome trace to this file")
@@ -45,7 +51,9 @@ def _collect(args: argparse.Namespace, device: str) -> Path:
     from kestrel_bench import traces
 
     out = Path(args.keep_trace) if args.keep_trace else None
-    return Path(traces.collect(args.target, device=device, out=out))
+    options = {k: v for k, v in (("steps", args.steps), ("config", args.config),
+                                 ("precision", args.precision)) if v}
+    return Path(traces.collect(args.target, device=device, out=out, **options))
 
 
 def _device(args: argparse.Namespace) -> str:
@@ -105,6 +113,9 @@ def report(analysis: bottleneck.Analysis, target: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     device = _device(args)
+    if not args.trace and args.target == "other":
+        print("profile: target 'other' needs --trace FILE")
+        return 2
     trace = Path(args.trace) if args.trace else _collect(args, device)
     events = bottleneck.load_trace(trace)
     if not events:

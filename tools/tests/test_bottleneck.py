@@ -128,7 +128,11 @@ def test_cpu_trace_compute_memory_and_overhead() -> None:
 
 def test_bytes_estimated_from_input_shapes() -> None:
     args = {"Input Dims": [[2, 3], [3]], "Input type": ["c10::BFloat16", "c10::BFloat16"]}
-    assert bottleneck._op_bytes(args) == (6 + 3 + 6) * 2
+    assert bottleneck._op_bytes("aten::add", args) == (6 + 3 + 6) * 2
+    assert bottleneck._op_bytes("aten::as_strided", args) == 0.0
+    mm = {"Input Dims": [[256], [64, 128], [128, 256]], "Input type": ["float"] * 3}
+    assert bottleneck._op_bytes("aten::addmm", mm) == 4 * (256 + 64 * 128 + 128 * 256
+                                                           + 64 * 256)
     assert bottleneck._op_dtype(args) == "bf16"
 
 
