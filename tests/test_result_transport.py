@@ -7,10 +7,8 @@ The planner spins a MultiThreadedExecutor (its action server needs one). Here it
 ~5 s of results at 10 Hz (COMMAND_QOS, as the perception node publishes them), 640x640 rgb8
 camera frames at 10 Hz, joint states and TCP positions at 250 Hz each (the sim's
 joint_state_rate_hz) while it keeps decoding plans (one goal in flight at a time). It must
-count (`perception_results` on /diagnostics) nearly all results. Measured on the dev CPU with
-the detections then still nested Detection2D messages, before the planner set a 200 us GIL
-switch interval: 11-21 of 50 received, result age p99 75-514 ms; after: 50 of 50, p99 21-45
-ms (docs/benchmarks/result_transport_cpu.md).
+count (`perception_results` on /diagnostics) nearly all results. With nested Detection2D
+messages, or without the planner's short GIL switch interval, it missed most of them.
 """
 
 from __future__ import annotations

@@ -29,10 +29,10 @@ kestrel::rms_w13_silu(x, norm_w, eps, w13) -> a [M, F]
 
 `import triton` happens only here and is guarded: without triton (CPU CI) the ops still exist
 and their CPU path runs; their CUDA path raises RuntimeError saying that triton is missing.
-Launch configurations (BLOCK_* below): constants picked on an H200 with
-scripts/bench_planner_kernels.py, not autotuned at runtime. Measured in the compiled step
-(docs/benchmarks/planner_h200.md, call 4): fused attention 5.8 us per layer and 4 pointwise
-kernels fewer per layer than 'triton' (5.1 us + RoPE, cast and two index_put kernels).
+Launch configurations (BLOCK_* below): constants picked on an H200 with the kernel
+micro-benchmarks, not autotuned at runtime. In the compiled step the fused attention runs 4
+pointwise kernels per layer fewer than 'triton' (RoPE, the cast and two index_put kernels);
+figures in docs/benchmarks/planner_h200.md.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 A node's configure builds models, compiled graphs (torch.compile / inductor leave hundreds of
 thousands of Python objects behind) and buffers. Left in the collector's view, every later full
-collection walks all of them: measured here after one torch.compile of the tiny perception
-model, 631k objects and a 240-420 ms `gc.collect()` on the dev CPU; with gc.freeze() the same
-collection takes < 0.1 ms. Such pauses stop every thread of the node (executor included):
+collection walks all of them, which after a torch.compile takes hundreds of milliseconds,
+while a frozen heap's collection costs next to nothing. Such pauses stop every thread of the
+node (executor included):
 inputs queue up, camera sets fall out of sync, results arrive in bursts. So each node collects
 once and freezes the heap after a successful configure (base_node, parameter `gc_freeze`),
 and thaws it before cleanup and shutdown.
@@ -12,11 +12,9 @@ and thaws it before cleanup and shutdown.
 Native heap (`tune_malloc`): every large ROS message a process receives is put in fresh buffers
 (the DDS reader's sample, rmw's take, the Python bytes / arrays), freed after the callback. With
 glibc's defaults a buffer over the mmap threshold is mmap()ed and munmap()ed again, and freed
-memory at the heap top is trimmed, so each message's pages are faulted in anew. Measured on the
-dev VM (scripts/bench_dds_sizes.py, Fast DDS SHM, reliable, raw subscriber): 2 MiB from
-publish() to the callback 4.1 ms p50 with the defaults, 4.4 with either setting alone, 1.7 with
-both, set in the SUBSCRIBING process (docs/benchmarks/malloc_tuning.md). The perception result
-(1.85 MB) to a consumer: 2.90 -> 1.56 ms on the H200 machine. So every Kestrel process
+memory at the heap top is trimmed, so each message's pages are faulted in anew. Only both
+settings together help, and only in the SUBSCRIBING process (docs/benchmarks/transport_h200.md).
+So every Kestrel process
 (run_node, the perception receivers) keeps allocations up to 32 MiB on the heap and trims only
 above 256 MiB, as the ROS 2 real-time guides advise (there: mmap off and trimming off entirely;
 these bounds keep a process from holding gigabytes of freed memory after a large CPU-tensor

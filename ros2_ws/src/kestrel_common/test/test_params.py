@@ -80,7 +80,7 @@ def test_a_node_spec_replaces_the_base_spec_of_its_name():
 
 
 def test_the_control_node_publishes_diagnostics_at_10_hz_by_default():
-    """Issue 3: loop statistics on /diagnostics at ~10 Hz, also without control.yaml."""
+    """Loop statistics on /diagnostics at ~10 Hz, also without control.yaml."""
     import importlib.util
 
     if importlib.util.find_spec("kestrel_control") is None:

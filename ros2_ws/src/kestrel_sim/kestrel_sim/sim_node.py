@@ -8,7 +8,12 @@ Threads (started on activate, stopped on deactivate/shutdown):
   LiDAR (points, frame "world") at their rates in sim time, from snapshots of the state, so
   rendering never blocks physics for more than a state copy. It owns the GL context.
 Every output is stamped with the sim time of the state it shows.
-Input: ~/input/joint_command (JointState, position = targets, rad). Service: ~/reset.
+Episodes: ~/reset (ResetWorld) starts one from a seed (which task objects, distractors, poses:
+the episode.* parameters) and a goal object; ~/output/episode (EpisodeStatus) carries its seed
+and the ground-truth task status (objects in the bin and settled, held) at ground_truth_rate_hz.
+Input: ~/input/joint_command (JointState, position = targets: the arm's joints in rad, and the
+gripper's driven finger joint `finger_left` in m, 0 = open; the other finger mimics it, as in
+the URDF). ~/output/joint_states carries the arm's joints and both fingers.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import mujoco
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticStatus
 from geometry_msgs.msg import Point, PointStamped, Pose, PoseStamped, Vector3
-from kestrel_interfaces.msg import GroundTruth, ObjectState
+from kestrel_interfaces.msg import EpisodeStatus, GroundTruth, ObjectState
 from kestrel_interfaces.srv import ResetWorld
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from rclpy.qos import QoSProfile, ReliabilityPolicy
@@ -34,8 +39,8 @@ from kestrel_common.base_node import (COMMAND_QOS, LATCHED_QOS, SENSOR_QOS,
 from kestrel_common.conversions import (make_camera_info, make_header, ns_to_stamp,
                                         numpy_to_image, xyz_to_pointcloud2)
 from kestrel_common.params import ParamError, ParamSpec
-from kestrel_sim.core import (JOINT_NAMES, CameraSensor, LidarSensor, SimWorld,
-                              SimWorldConfig)
+from kestrel_sim.core import (GRIPPER_JOINT, JOINT_NAMES, CameraSensor, LidarSensor,
+                              SimWorld, SimWorldConfig)
 
 # /clock: reliable keep-last-1 matches both best-effort (rclpy TimeSource) and reliable readers.
 CLOCK_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE)
@@ -69,6 +74,14 @@ SPECS = [
     ParamSpec("seed", 0, "Initial layout: 0 = default, else random object placement.",
               min=0, max=2**31 - 1, read_only=True),
     ParamSpec("world_file", "", "MJCF file; '' = the packaged tabletop.xml.", read_only=True),
+    ParamSpec("robot_file", "", "URDF of the arm attached at the world's robot_mount site; '' = "
+              "kestrel_description's kestrel_arm.urdf.", read_only=True),
+    ParamSpec("episode.min_objects", 3, "Episodes (seed != 0): at least this many of the task "
+              "objects are on the table (uniform up to all of them), the others parked.",
+              min=1, max=64, read_only=True),
+    ParamSpec("episode.max_distractors", 0, "Episodes (seed != 0): distractors (objects of no "
+              "perception class) on the table, uniform in [0, this].", min=0, max=64,
+              read_only=True),
     ParamSpec("world_frame", "world", "Frame of points, poses and ground truth.",
               read_only=True),
     ParamSpec("camera_frame", "camera_optical_frame", "Camera optical frame id.",
@@ -129,6 +142,8 @@ class SimNode(KestrelLifecycleNode):
                                                   "lidar")}
         self._gt_due: Periodic | None = None
         self._sensor_ms = {"render_ms": float("nan"), "scan_ms": float("nan")}
+        self._goal = ""  # goal object of the episode ("" = any)
+        self._episode = 0  # resets since configure
         for name in ("joint_command_applied", "joint_command_bad_length",
                      "joint_command_unknown_joint", "joint_command_nonfinite",
                      "joint_command_clamped", "joint_command_inactive", "physics_overruns",
@@ -147,8 +162,11 @@ class SimNode(KestrelLifecycleNode):
         if p is None:
             return TransitionCallbackReturn.FAILURE
         try:
-            self.world = SimWorld(SimWorldConfig(world_file=p["world_file"],
-                                                 timestep_s=1.0 / p["physics_rate_hz"]))
+            self.world = SimWorld(SimWorldConfig(
+                world_file=p["world_file"], robot_file=p["robot_file"],
+                timestep_s=1.0 / p["physics_rate_hz"],
+                min_objects=p["episode.min_objects"],
+                max_distractors=p["episode.max_distractors"]))
             self.world.reset(p["seed"])
             self.camera = CameraSensor(self.world, p["camera_width"], p["camera_height"])
             self.lidar = LidarSensor(self.world, p["lidar_n_vertical"], p["lidar_n_horizontal"],
@@ -168,6 +186,8 @@ class SimNode(KestrelLifecycleNode):
             # tool-centre-point position (forward kinematics), what a robot driver's TF gives
             "ee_position": mk(PointStamped, "~/output/ee_position", SENSOR_QOS),
             "ground_truth": mk(GroundTruth, "~/output/ground_truth", LATCHED_QOS),
+            # latched: an evaluator that subscribes late still gets the episode's status
+            "episode": mk(EpisodeStatus, "~/output/episode", LATCHED_QOS),
         }
         if p["publish_depth"]:
             self._pubs["depth"] = mk(Image, "~/output/depth", SENSOR_QOS)
@@ -270,7 +290,7 @@ class SimNode(KestrelLifecycleNode):
             self._pubs["clock"].publish(Clock(clock=ns_to_stamp(now_ns)))
             self._meters["clock"].tick()
         if js_due.due(now_ns):
-            names, q, qd, eff = world.joint_state()
+            names, q, qd, eff = world.joint_state_all()  # the arm, then both fingers
             msg = JointState(header=make_header(now_ns, ""), name=names, position=q.tolist(),
                              velocity=qd.tolist(), effort=eff.tolist())
             self._pubs["joint_states"].publish(msg)
@@ -281,6 +301,7 @@ class SimNode(KestrelLifecycleNode):
                 point=Point(x=float(ee[0]), y=float(ee[1]), z=float(ee[2]))))
         if self._gt_due.due(now_ns):
             self._pubs["ground_truth"].publish(self._ground_truth_msg(now_ns))
+            self._pubs["episode"].publish(self._episode_msg(now_ns))
 
     def _ground_truth_msg(self, stamp_ns: int) -> GroundTruth:
         msg = GroundTruth(header=make_header(stamp_ns, self.params["world_frame"]))
@@ -294,6 +315,16 @@ class SimNode(KestrelLifecycleNode):
                 name=o.name, class_name=o.class_name, class_index=o.class_index, pose=pose,
                 size=Vector3(x=float(o.size[0]), y=float(o.size[1]), z=float(o.size[2]))))
         return msg
+
+    def _episode_msg(self, stamp_ns: int) -> EpisodeStatus:
+        status = self.world.task_status()
+        goal = self._goal
+        present = list(self.world.task_objects)
+        return EpisodeStatus(
+            header=make_header(stamp_ns, self.params["world_frame"]), seed=self.world.seed,
+            episode=self._episode, goal_object=goal, success=status.success(goal),
+            objects_present=present, objects_in_bin=list(status.in_bin),
+            objects_held=list(status.held))
 
     # ---- sensor thread ---------------------------------------------------------------------
     def _sensor_loop(self) -> None:
@@ -311,8 +342,8 @@ class SimNode(KestrelLifecycleNode):
                     cam, lidar = cam_due.due(now_ns), lidar_due.due(now_ns)
                     # due together: one snapshot for both, so the image and the cloud carry
                     # the same stamp (a rig's hardware trigger; the perception node pairs
-                    # them within sync_slop). The render (~70 ms on the CPU) would else put
-                    # the scan's snapshot ~70 ms of sim time after the image's.
+                    # them within sync_slop). The render (tens of ms on the CPU) would else
+                    # put the scan's snapshot that much sim time after the image's.
                     snap = (None, 0)
                     if cam and lidar:  # (the MjData is reused from the previous trigger)
                         snap = self.world.take_snapshot(trigger)
@@ -368,13 +399,13 @@ class SimNode(KestrelLifecycleNode):
             self.counters.inc("joint_command_inactive")
             return
         pos = list(msg.position)
+        known = (*JOINT_NAMES, GRIPPER_JOINT)
         if msg.name:
             if len(msg.name) != len(pos):
                 self.drop("joint_command_bad_length",
                           f"{len(msg.name)} names but {len(pos)} positions")
                 return
-            index = {n: i for i, n in enumerate(JOINT_NAMES)}
-            unknown = [n for n in msg.name if n not in index]
+            unknown = [n for n in msg.name if n not in known]
             if unknown or len(set(msg.name)) != len(msg.name):
                 self.drop("joint_command_unknown_joint",
                           f"unknown or repeated joint names {unknown or list(msg.name)}")
@@ -386,14 +417,27 @@ class SimNode(KestrelLifecycleNode):
         if not all(math.isfinite(v) for v in pos):
             self.drop("joint_command_nonfinite", f"positions {pos}")
             return
+        gripper = None
         if msg.name:  # a named subset: the other joints keep their targets
             q = self.world.joint_targets()
+            arm = False
             for n, v in zip(msg.name, pos, strict=True):
-                q[JOINT_NAMES.index(n)] = v
+                if n == GRIPPER_JOINT:
+                    gripper = v
+                else:
+                    q[JOINT_NAMES.index(n)] = v
+                    arm = True
+            if not arm:
+                q = None
         else:
             q = np.asarray(pos, dtype=np.float64)
-        applied = self.world.set_joint_targets(q)
-        if not np.allclose(applied, q):
+        clamped = False
+        if q is not None:
+            applied = self.world.set_joint_targets(q)
+            clamped = not np.allclose(applied, q)
+        if gripper is not None:  # m, finger position (0 = open)
+            clamped |= self.world.set_gripper_target(gripper) != gripper
+        if clamped:
             self.counters.inc("joint_command_clamped")
         self.counters.inc("joint_command_applied")
 
@@ -401,17 +445,26 @@ class SimNode(KestrelLifecycleNode):
         if not self._active or self.world is None:
             resp.success, resp.message = False, "sim is not active"
             return resp
+        goal = str(req.goal_object)
+        if goal and goal not in {o.name for o in self.world.info.objects if o.is_free}:
+            resp.success, resp.message = False, (f"goal_object '{goal}': not a task object of "
+                                                 "this world")
+            return resp
         try:
             self.world.reset(int(req.seed))
         except (ValueError, RuntimeError) as exc:
             resp.success, resp.message = False, str(exc)
             return resp
+        self._goal = goal
+        self._episode += 1
         if self._gt_due is not None:
             self._gt_due.next_ns = 0  # publish the new layout with the next batch
         self.counters.inc("resets")
         resp.success = True
+        resp.seed = int(req.seed)
+        resp.objects = list(self.world.task_objects)
         resp.message = (f"reset with seed {req.seed} at sim time "
-                        f"{self.world.sim_time_ns / 1e9:.3f} s")
+                        f"{self.world.sim_time_ns / 1e9:.3f} s: {', '.join(resp.objects)}")
         return resp
 
     # ---- diagnostics -----------------------------------------------------------------------

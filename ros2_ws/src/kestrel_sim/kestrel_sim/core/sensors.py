@@ -116,7 +116,7 @@ class CameraSensor:
         return t
 
     def render(self, source: mujoco.MjData | None = None, stamp_ns: int = 0) -> CameraFrame:
-        """Render RGB + depth of a snapshot in one GL pass (~10 ms at 320x256, osmesa).
+        """Render RGB + depth of a snapshot in one GL pass.
         source: a snapshot taken by the caller (stamp_ns its sim time) instead of a new one:
         sensors triggered together see the same instant (take_snapshot)."""
         with self._render_lock:
@@ -151,10 +151,10 @@ class LidarSensor:
     fov = (min, max) elevation in rad (negative = below the site's x-y plane); azimuth covers
     360 degrees. Rays are cast against all geoms up to max_range (m).
 
-    ray_method: "exact" casts one mj_ray per ray (~13 ms for 11,520 rays; releases the GIL
-    between rays); "multiray" uses mj_multiRay (~2 ms, holds the GIL), whose geom culling in
-    MuJoCo < 3.5 misses some geoms (measured here: rays through the gripper, a bin wall, whole
-    table legs); "auto" picks "multiray" only on MuJoCo >= 3.5.
+    ray_method: "exact" casts one mj_ray per ray (slower; releases the GIL between rays);
+    "multiray" uses mj_multiRay (several times faster, holds the GIL), whose geom culling in
+    MuJoCo < 3.5 misses some geoms (rays pass through the gripper, a bin wall, whole table
+    legs); "auto" picks "multiray" only on MuJoCo >= 3.5.
     """
 
     def __init__(self, world: SimWorld, n_vertical: int = 32, n_horizontal: int = 360,
