@@ -104,7 +104,7 @@ def test_engine_cache_key_covers_every_field() -> None:
 
 def test_missing_engine_is_never_built_silently(tmp_path: Path) -> None:
     key = engine_cache_key("abc", "NVIDIA H200", "10.3.0", "fp16", SHAPES)
-    with pytest.raises(EngineMissingError, match="build_trt_engine.py"):
+    with pytest.raises(EngineMissingError, match="kestrel_models.perception.build_engine"):
         find_engine(tmp_path, key)
     assert not any(tmp_path.iterdir())  # the lookup created nothing
     engine_path(tmp_path, key).write_bytes(b"engine")
@@ -131,7 +131,6 @@ def test_build_script_rejects_bad_shapes_before_any_work(args: list[str], fragme
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "build_trt_engine.py"
-    res = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run([sys.executable, "-m", "kestrel_models.perception.build_engine", *args],
+                         capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and fragment in res.stderr, res.stderr

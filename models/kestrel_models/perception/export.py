@@ -1,6 +1,6 @@
 """ONNX export of the perception forward and TensorRT engine cache keys / build step.
 
-The TensorRT engine is built offline (`scripts/build_trt_engine.py`), keyed by
+The TensorRT engine is built offline (`python -m kestrel_models.perception.build_engine`), keyed by
 model hash + GPU name + TensorRT version + precision + input shapes, and only *looked up* at
 node start: a missing engine raises `EngineMissingError` naming the build command, it is never
 rebuilt silently.
@@ -170,9 +170,9 @@ def perception_engine_key(model: nn.Module, heads: frozenset[str] | set[str], im
                           image_hw: tuple[int, int], precision: str, gpu_name: str,
                           trt_version: str) -> str:
     """The key of the engine of `model`'s forward for one head set and input shape, as the
-    build step (`scripts/build_trt_engine.py`) writes it and the runtime looks it up: model
-    hash + head set + torch and ONNX opset versions (the export) + GPU + TensorRT version +
-    precision + the images' shape [images, 3, H, W]."""
+    build step (`kestrel_models.perception.build_engine`) writes it and the runtime looks it
+    up: model hash + head set + torch and ONNX opset versions (the export) + GPU + TensorRT
+    version + precision + the images' shape [images, 3, H, W]."""
     identity = (f"{model_hash(model)}|heads={','.join(sorted(heads))}"
                 f"|torch={torch.__version__}|opset={ONNX_OPSET}")
     return engine_cache_key(identity, gpu_name, trt_version, precision,
@@ -181,9 +181,10 @@ def perception_engine_key(model: nn.Module, heads: frozenset[str] | set[str], im
 
 def build_command(heads: frozenset[str] | set[str], images: int, image_hw: tuple[int, int],
                   precision: str, cache_dir: str | Path, config: object | None = None) -> str:
-    """The `scripts/build_trt_engine.py` command line that builds the engine for these
+    """The `kestrel_models.perception.build_engine` command line that builds the engine for these
     settings (named in the error when the runtime finds none)."""
-    cmd = (f"python scripts/build_trt_engine.py --cameras {images} --image-hw {image_hw[0]} "
+    cmd = (f"python -m kestrel_models.perception.build_engine --cameras {images} --image-hw "
+           f"{image_hw[0]} "
            f"{image_hw[1]} --precision {precision} --heads {' '.join(sorted(heads))} "
            f"--cache-dir {cache_dir}")
     if dataclasses.is_dataclass(config):
@@ -201,5 +202,6 @@ def find_engine(cache_dir: str | Path, key: str) -> Path:
     p = engine_path(cache_dir, key)
     if not p.is_file():
         raise EngineMissingError(f"no TensorRT engine for key {key} in {cache_dir}: build it "
-                                 "offline with scripts/build_trt_engine.py (never at node start)")
+                                 "offline with python -m kestrel_models.perception.build_engine "
+                                 "(never at node start)")
     return p

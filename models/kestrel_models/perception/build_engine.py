@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Offline TensorRT engine build for the perception forward (never done at node start).
 
 Exports the model (fixed head set and shapes) to ONNX, computes the cache key
@@ -10,8 +9,8 @@ optimizer phases as it goes, plus a .json beside it (what it was built from). Ex
 match the node's parameters (backbone_depth, base_width, fpn_channels, head_convs, number of
 class_names); the node's error for a missing engine prints this command with them.
 
-  python scripts/build_trt_engine.py --weights W.pt --cameras 6 --precision fp16
-  python scripts/build_trt_engine.py --weights W.pt --precision int8 \
+  python -m kestrel_models.perception.build_engine --weights W.pt --cameras 6 --precision fp16
+  python -m kestrel_models.perception.build_engine --weights W.pt --precision int8 \
       --calib-images frames.npy      # uint8 [N, cameras, 3, H, W]: N calibration batches
 INT8 = INT8 with FP16 fallback, calibrated by TensorRT's entropy calibrator on the given
 frames (use a few hundred real ones); the calibration cache is kept next to the engine.
@@ -32,12 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "models"))
-
-from kestrel_models.perception import MultiTaskPerceptionModel, PerceptionConfig  # noqa: E402
-from kestrel_models.perception.model import load_weights  # noqa: E402
-from kestrel_models.perception.export import (  # noqa: E402
+from kestrel_models.perception import MultiTaskPerceptionModel, PerceptionConfig
+from kestrel_models.perception.export import (
     ENGINE_CONFIG_FIELDS,
     PRECISIONS,
     TensorRTUnavailableError,
@@ -47,10 +42,12 @@ from kestrel_models.perception.export import (  # noqa: E402
     perception_engine_key,
     tensorrt_version,
 )
+from kestrel_models.perception.model import load_weights
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kestrel_models.perception.build_engine",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--config", choices=("tiny", "r50"), default="r50",
                     help="base architecture; the flags below override its fields")
     for f in ENGINE_CONFIG_FIELDS:  # typed like the config's own default
@@ -66,7 +63,7 @@ def main() -> int:
                     help="rebuild even if the engine for this key exists")
     ap.add_argument("--calib-images", default="",
                     help="int8: .npy of uint8 [N, cameras, 3, H, W] calibration frames")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not 1 <= args.cameras <= 64:
         ap.error(f"parameter 'cameras' = {args.cameras}: must be in [1, 64]")
     if min(args.image_hw) < 32 or max(args.image_hw) > 8192:
@@ -74,30 +71,30 @@ def main() -> int:
     calib = None
     if args.precision == "int8":
         if not args.calib_images:
-            print("[build_trt_engine] parameter 'precision' = 'int8' needs --calib-images",
+            print("[build_engine] parameter 'precision' = 'int8' needs --calib-images",
                   file=sys.stderr)
             return 2
         calib = np.load(args.calib_images, mmap_mode="r")
         want = (args.cameras, 3, *args.image_hw)
         if calib.dtype != np.uint8 or calib.ndim != 5 or tuple(calib.shape[1:]) != want:
-            print(f"[build_trt_engine] parameter 'calib_images' = {args.calib_images!r}: need "
+            print(f"[build_engine] parameter 'calib_images' = {args.calib_images!r}: need "
                   f"uint8 [N, {', '.join(map(str, want))}], got {calib.dtype} "
                   f"{tuple(calib.shape)}", file=sys.stderr)
             return 2
     try:
         trt_version = tensorrt_version()
     except TensorRTUnavailableError as exc:
-        print(f"[build_trt_engine] skipped: {exc}", file=sys.stderr)
+        print(f"[build_engine] skipped: {exc}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("[build_trt_engine] skipped: no CUDA GPU here", file=sys.stderr)
+        print("[build_engine] skipped: no CUDA GPU here", file=sys.stderr)
         return 2
     cfg = PerceptionConfig() if args.config == "r50" else PerceptionConfig.tiny()
     over = {f: getattr(args, f) for f in ENGINE_CONFIG_FIELDS if getattr(args, f) is not None}
     try:
         cfg = dataclasses.replace(cfg, **over)
     except ValueError as exc:
-        print(f"[build_trt_engine] {exc}", file=sys.stderr)
+        print(f"[build_engine] {exc}", file=sys.stderr)
         return 2
     model = MultiTaskPerceptionModel(cfg).eval()
     if args.weights:  # a state dict, or a checkpoint {"state_dict": ...} (as the node takes)
@@ -113,10 +110,10 @@ def main() -> int:
         old = json.loads(meta_path.read_text()).get("calibration_sha256") \
             if meta_path.is_file() else None
         if calib_sha is not None and old != calib_sha:  # the frames are not in the key
-            print(f"[build_trt_engine] {out} exists, calibrated on other frames "
+            print(f"[build_engine] {out} exists, calibrated on other frames "
                   f"({old}); pass --force to rebuild it with these", file=sys.stderr)
             return 2
-        print(f"[build_trt_engine] up to date: {out}")
+        print(f"[build_engine] up to date: {out}")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         onnx_path = Path(tmp) / "perception.onnx"
@@ -124,12 +121,14 @@ def main() -> int:
         batches = None if calib is None else ({"images": np.asarray(c)} for c in calib)
         build_engine(onnx_path, out, args.precision, calibration=batches,
                      calibration_cache=out.with_suffix(".calib") if calib is not None else None)
-    meta = {"key": key, "command": " ".join(sys.argv), "config": repr(cfg),
+    command = ["python", "-m", "kestrel_models.perception.build_engine",
+               *(sys.argv[1:] if argv is None else argv)]
+    meta = {"key": key, "command": " ".join(command), "config": repr(cfg),
             "heads": sorted(heads), "weights": args.weights, "tensorrt": trt_version,
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
             "calibration_sha256": calib_sha}
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"[build_trt_engine] built {out} (key {key})")
+    print(f"[build_engine] built {out} (key {key})")
     return 0
 
 
