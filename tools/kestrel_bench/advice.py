@@ -15,38 +15,39 @@ from kestrel_bench.bottleneck import StageStats
 
 # (target or "*", class, stage regex or "", suggestion)
 SUGGESTIONS: tuple[tuple[str, str, str, str], ...] = (
-    # perception node (`precision`, `compile`, `cuda_graph`, `engine`, `optimize`, `receive`)
+    # perception node (`runtime.*`, `receive.*`)
     ("perception", "launch", "", "launch-bound in {stage} ({kernels} kernels, mean "
-     "{mean_kernel_us:.1f} us, device busy {busy_share:.0%}): set cuda_graph: true and "
-     "compile: branched (one graph replay instead of a launch per kernel)"),
-    ("perception", "memory", "", "memory-bound in {stage} ({dtype}): set precision: bf16 (half "
-     "the bytes) and optimize: true (channels_last and folded batch norms)"),
-    ("perception", "compute", "", "compute-bound in {stage} ({dtype}): set precision: bf16 or "
-     "fp16 (tensor cores), or engine: tensorrt with an engine built offline"),
-    ("perception", "transport", "", "transport-bound in {stage}: set receive: processes (images "
-     "off DDS in parallel, into shared memory) and keep the result on the device until it is "
-     "published; give the receivers CPUs of their own (receiver_cpus)"),
-    # control node (`backend` from the registry, `native_tick`, `loop_mode`)
+     "{mean_kernel_us:.1f} us, device busy {busy_share:.0%}): set runtime.cuda_graph: true and "
+     "runtime.compile: branched (one graph replay instead of a launch per kernel)"),
+    ("perception", "memory", "", "memory-bound in {stage} ({dtype}): set runtime.precision: bf16 "
+     "(half the bytes) and runtime.optimize: true (channels_last, folded batch norms)"),
+    ("perception", "compute", "", "compute-bound in {stage} ({dtype}): set runtime.precision: bf16 "
+     "or fp16 (tensor cores), or runtime.engine: tensorrt with an engine built offline"),
+    ("perception", "transport", "", "transport-bound in {stage}: set receive.mode: processes "
+     "(images off DDS in parallel, into shared memory) and give the receivers CPUs of their own "
+     "(receive.cpus)"),
+    # control node (`policy.backend` from the registry, `loop.*`)
     ("control", "launch", "", "launch-bound in {stage} ({kernels} launches, mean "
-     "{mean_kernel_us:.1f} us): on a GPU set backend: cuda_graph (one replay per tick), "
-     "cuda_graph_triton (fused kernels) or cuda_persistent (no launch at all); on the CPU set "
-     "backend: onnxruntime and native_tick: true"),
+     "{mean_kernel_us:.1f} us): on a GPU set policy.backend: cuda_graph (one replay per "
+     "tick), cuda_graph_triton (fused kernels) or cuda_persistent (no launch at all); on the "
+     "CPU set policy.backend: onnxruntime and loop.native_tick: true"),
     ("control", "memory", "", "memory-bound in {stage}: the policy's weights stream every tick: "
-     "set backend: cuda_graph_triton or cuda_persistent (weights kept close to the SMs), or a "
-     "smaller policy (hidden_dims)"),
-    ("control", "compute", "", "compute-bound in {stage}: a smaller policy (hidden_dims, "
-     "lstm_hidden), or backend: tensorrt (FP16 engine) for a user's ONNX policy"),
-    ("control", "transport", "", "transport-bound in {stage}: set loop_mode: process (the loop "
-     "reads observations from shared memory, never from the executor)"),
-    # planner node (`backend`, `engine_compile`, `max_batch`, `hf_dtype`)
+     "set policy.backend: cuda_graph_triton or cuda_persistent (weights kept close to the SMs), "
+     "or a smaller policy (policy.hidden_dims)"),
+    ("control", "compute", "", "compute-bound in {stage}: a smaller policy "
+     "(policy.hidden_dims, policy.lstm_hidden), or policy.backend: tensorrt (FP16 engine) for a "
+     "user's ONNX policy"),
+    ("control", "transport", "", "transport-bound in {stage}: set loop.mode: process (the "
+     "loop reads observations from shared memory, never from the executor)"),
+    # planner node (`backend`, `engine_compile`, `max_batch`, `hf.dtype`)
     ("planner", "launch", "", "launch-bound in {stage} ({kernels} kernels per call): set "
      "backend: engine (CUDA-graph decode) and engine_compile: true"),
     ("planner", "memory", "", "memory-bound in {stage} (decode streams the weights per token): "
-     "raise max_batch (more goals per weight read) and use bf16 weights (hf_dtype: bfloat16)"),
-    ("planner", "compute", "", "compute-bound in {stage}: bf16 weights (hf_dtype: bfloat16), "
+     "raise max_batch (more goals per weight read) and use bf16 weights (hf.dtype: bfloat16)"),
+    ("planner", "compute", "", "compute-bound in {stage}: bf16 weights (hf.dtype: bfloat16), "
      "or serve the model remotely (backend: remote) on a larger GPU"),
     ("planner", "transport", "", "transport-bound in {stage}: with backend: remote set "
-     "remote_send_image: false when the plan does not need the frame"),
+     "remote.send_image: false when the plan does not need the frame"),
     # any target
     ("*", "launch", "", "launch-bound in {stage} ({kernels} kernels, mean {mean_kernel_us:.1f} "
      "us, device busy {busy_share:.0%}): capture it in a CUDA graph or compile it "
