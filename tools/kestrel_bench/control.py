@@ -322,7 +322,8 @@ def run(args: argparse.Namespace) -> int:
                        power=r["power"], config={"backend": backend, "rate_hz": rate,
                                                  "cycles": cycles, "mode": mode,
                                                  "measure": "loop step latency"},
-                       loop=r["extra"])
+                       loop=r["extra"],
+                       **({"histogram_us": r["histogram_us"]} if r.get("histogram_us") else {}))
 
     for phase in ((loop_rows, steps) if args.loops_first else (steps, loop_rows)):
         phase()

@@ -186,6 +186,19 @@ def tail_pattern(lat: np.ndarray, wake: np.ndarray, rate: float) -> dict:
     return out
 
 
+def step_histogram(samples_us: np.ndarray, bins: int = 60) -> dict:
+    """Loop step latencies -> {"edges": [bins + 1] us, log-spaced, "counts": [bins]} (the
+    report's histogram with the deadline); {} without samples."""
+    a = np.asarray(samples_us, dtype=np.float64)
+    a = a[np.isfinite(a) & (a > 0)]
+    if a.size == 0:
+        return {}
+    lo, hi = a.min(), a.max()
+    edges = np.geomspace(lo, hi * 1.001 if hi > lo else lo * 2, bins + 1)
+    counts, _ = np.histogram(a, bins=edges)
+    return {"edges": [round(float(e), 3) for e in edges], "counts": counts.tolist()}
+
+
 def run_loop(config: Any, rate: float, cycles: int, mode: str, args: Any) -> dict:
     """One loop with ROS I/O live. Returns {"summary": step-latency seconds summary (ms),
     "metrics": {...}, "extra": {...}} or {"skipped": reason}."""
@@ -280,7 +293,7 @@ def run_loop(config: Any, rate: float, cycles: int, mode: str, args: Any) -> dic
               f" p99.9 {stats.summary(lat, us).get('p999', 0):.1f} us", flush=True)
         power = meter.result(items=int(loop_stats.cycles), item="control step") if meter else None
         return {"latency_ms": stats.summary(lat, 1e3), "metrics": metrics, "extra": extra,
-                "power": power}
+                "power": power, "histogram_us": step_histogram(lat * us)}
     finally:
         io.close()
         if proc is not None:
