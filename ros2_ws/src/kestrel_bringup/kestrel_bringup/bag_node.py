@@ -6,6 +6,7 @@
         [--topics /camera/image_raw ...] [--remap /camera/image_raw:=/cam0/image]
         [--wait-subscribers 5]
     python -m kestrel_bringup.bag_node info runs/pick1
+    python -m kestrel_bringup.bag_node reindex runs/pick1   # a recording cut short
 
 Record: subscribes raw (no deserialisation: the CDR bytes go straight to the file), with the QoS
 the publishers offer (reliable only if every publisher is; transient local likewise, so latched
@@ -15,7 +16,9 @@ later are picked up by a rescan every 0.5 s. Ends on SIGINT/SIGTERM, --duration 
 Play: publishes the recorded bytes with the recorded timing (scaled by --rate) and the recorded
 QoS. For a stack on `use_sim_time`: replay the bag's own /clock if it was recorded (a sim run),
 or give `--clock HZ` to publish the bag's receive time as /clock (a wall-clock recording from a
-real robot). Typical replay: `run_stack` without the sim node + `play --clock 100`.
+real robot); a bag that has /clock replays it and ignores --clock (with a warning: two clocks
+would jump time back and forth). Typical replay: `run_stack` without the sim node +
+`play --clock 100`. `record --all` includes actions' feedback and status topics.
 Format and core: kestrel_bringup.bag.
 """
 
@@ -30,7 +33,6 @@ import time
 from typing import Any
 
 import rclpy
-import yaml
 from rclpy.duration import Duration
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
@@ -38,39 +40,58 @@ from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPo
 from rclpy.signals import SignalHandlerOptions
 from rosgraph_msgs.msg import Clock
 
-from kestrel_bringup.bag import BagError, BagReader, BagWriter, normalize_type
+from kestrel_bringup import bag_qos
+from kestrel_bringup.bag import BagError, BagReader, BagWriter, normalize_type, reindex
 
 
 def message_class(type_name: str) -> Any:
-    """'sensor_msgs/msg/JointState' -> the generated class (BagError if it is not importable)."""
+    """'sensor_msgs/msg/JointState' -> the generated class; 'pkg/action/X_FeedbackMessage' ->
+    X.Impl.FeedbackMessage (BagError if it is not importable)."""
     pkg, sub, name = normalize_type(type_name).split("/")
     try:
-        return getattr(importlib.import_module(f"{pkg}.{sub}"), name)
-    except (ImportError, AttributeError) as exc:
+        module = importlib.import_module(f"{pkg}.{sub}")
+        if sub == "action":
+            action, _, part = name.rpartition("_")
+            return getattr(getattr(module, action).Impl, part)
+        return getattr(module, name)
+    except (ImportError, AttributeError, ValueError) as exc:
         raise BagError(f"message type {type_name} is not available here: {exc}") from exc
 
 
-def qos_to_yaml(profiles: list[QoSProfile]) -> str:
-    return yaml.safe_dump([{"history": int(p.history), "depth": int(p.depth),
-                            "reliability": int(p.reliability), "durability": int(p.durability)}
-                           for p in profiles])
+def qos_to_profiles(profiles: list[QoSProfile]) -> list[dict]:
+    """rclpy profiles -> rosbag2's version-9 dicts (bag_qos.profile)."""
+    return [bag_qos.profile(
+        int(p.history), int(p.depth), int(p.reliability), int(p.durability),
+        p.deadline.nanoseconds, p.lifespan.nanoseconds, int(p.liveliness),
+        p.liveliness_lease_duration.nanoseconds, bool(p.avoid_ros_namespace_conventions))
+        for p in profiles]
 
 
 def qos_from_yaml(text: str, depth: int = 10) -> QoSProfile:
     """The QoS for a recorded topic: reliable / transient local only if every recorded publisher
-    offered it (as rosbag2 does: a reliable reader would not match a best-effort writer)."""
-    try:
-        offered = yaml.safe_load(text) or []
-    except yaml.YAMLError:
-        offered = []
-    offered = [o for o in offered if isinstance(o, dict)]
-    reliable = bool(offered) and all(o.get("reliability") in (1, "reliable") for o in offered)
-    rel = ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT
-    dur = (DurabilityPolicy.TRANSIENT_LOCAL if offered and all(
-        o.get("durability") in (1, "transient_local") for o in offered)
-        else DurabilityPolicy.VOLATILE)
+    offered it (as rosbag2 does: a reliable reader would not match a best-effort writer). A
+    topic recorded without profiles (foreign bags may have none) is replayed reliable and
+    volatile, rosbag2's default: a reliable writer matches readers of either reliability."""
+    offered = bag_qos.parse_profiles(text)
+    rel = (ReliabilityPolicy.RELIABLE
+           if not offered or bag_qos.all_offer(offered, "reliability", "reliable")
+           else ReliabilityPolicy.BEST_EFFORT)
+    dur = (DurabilityPolicy.TRANSIENT_LOCAL
+           if bag_qos.all_offer(offered, "durability", "transient_local")
+           else DurabilityPolicy.VOLATILE)
     return QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=depth, reliability=rel,
                       durability=dur)
+
+
+def clock_source(topics: set[str], clock_hz: float) -> tuple[bool, str]:
+    """Whether play publishes its own /clock, and a warning when --clock is ignored because
+    the bag replays a recorded /clock (two clocks would make time jump back and forth)."""
+    if clock_hz <= 0:
+        return False, ""
+    if "/clock" in topics:
+        return False, ("play: the bag has /clock: replaying the recorded clock; --clock "
+                       f"{clock_hz:g} is ignored (no second clock is published)")
+    return True, ""
 
 
 class Recorder(Node):
@@ -102,10 +123,10 @@ class Recorder(Node):
                 self.get_logger().warning(f"not recording {topic}: {exc}")
                 self._subs[topic] = None
                 continue
-            offered = [i.qos_profile for i in infos]
+            offered = qos_to_profiles([i.qos_profile for i in infos])
             # a deep reader queue: a burst waits for the (single) writer thread, not dropped
-            qos = qos_from_yaml(qos_to_yaml(offered), self.queue_depth)
-            self.writer.add_topic(topic, types[0], qos_to_yaml(offered))
+            qos = qos_from_yaml(bag_qos.to_yaml(offered), self.queue_depth)
+            self.writer.add_topic(topic, types[0], offered)
             self._subs[topic] = self.create_subscription(
                 cls, topic, lambda data, t=topic: self._on_message(t, data), qos, raw=True)
             self.get_logger().info(f"recording {topic} [{types[0]}]")
@@ -158,7 +179,10 @@ def _play(args: argparse.Namespace) -> int:
             pubs[m.topic] = node.create_publisher(message_class(m.type_name),
                                                   remap.get(m.topic, m.topic),
                                                   qos_from_yaml(m.qos_yaml, 100))
-    clock_pub = node.create_publisher(Clock, "/clock", 10) if args.clock > 0 else None
+    own_clock, warning = clock_source(set(pubs), args.clock)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    clock_pub = node.create_publisher(Clock, "/clock", 10) if own_clock else None
     if args.wait_subscribers > 0:
         deadline = time.monotonic() + args.wait_subscribers
         while time.monotonic() < deadline and any(
@@ -241,6 +265,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       help="wait (bounded, s) until every topic has a subscriber")
     info = sub.add_parser("info", help="topics, types, counts")
     info.add_argument("bag")
+    fix = sub.add_parser("reindex", help="recover a recording cut short (keeps every complete "
+                         "message, rewrites the file and metadata.yaml)")
+    fix.add_argument("bag")
     args = ap.parse_args(argv)
     if args.cmd == "play":
         if not 0.01 <= args.rate <= 100:
@@ -256,11 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     ours = argv[1:argv.index("--ros-args")] if "--ros-args" in argv else argv[1:]
     args = parse_args(ours)
-    if args.cmd == "info":
+    if args.cmd in ("info", "reindex"):
         try:
-            return _info(args)
+            if args.cmd == "info":
+                return _info(args)
+            print(f"reindexed {args.bag}: kept {reindex(args.bag)} messages", flush=True)
+            return 0
         except BagError as exc:
-            print(f"info: {exc}", file=sys.stderr)
+            print(f"{args.cmd}: {exc}", file=sys.stderr)
             return 1
     # play owns SIGINT/SIGTERM (it never spins); record relies on rclpy's (spin_once returns).
     # only the --ros-args part goes to rcl (it would read our `from:=to` remaps as its own)
