@@ -24,7 +24,8 @@ def declare_common_arguments() -> list[DeclareLaunchArgument]:
 
 
 def node_action(e: NodeEntry | str) -> Node:
-    """One Node action: its params file, use_sim_time, remappings, autostart (lifecycle)."""
+    """One Node action: its params file, use_sim_time, remappings, autostart (lifecycle),
+    respawn policy."""
     e = entry(e) if isinstance(e, str) else e
     sim_time = (ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool)
                 if e.use_sim_time else False)
@@ -38,4 +39,6 @@ def node_action(e: NodeEntry | str) -> Node:
         remappings=list(e.remappings),
         arguments=["--ros-args", "--log-level", LaunchConfiguration("log_level")],
         additional_env=dds_environment(),  # the large-data Fast DDS profile (stack.py)
+        respawn=e.respawn,
+        respawn_delay=e.respawn_delay,
     )

@@ -5,10 +5,12 @@ as the launch files, for machines without ROS 2 launch (e.g. ROS from PyPI wheel
     python -m kestrel_bringup.run_stack ...
 
 Deliberately small: no substitutions, events or conditions. It starts each node with
-`python -m <module> --ros-args ...` (see stack.ros_args), prefixes its output with the node
-name, and stops everything (SIGINT, then SIGTERM, then SIGKILL, each bounded) on Ctrl-C,
-SIGTERM, the end of --duration, or when any node exits. Exit status: 0 when every node ran
-until it was asked to stop, else 1.
+`python -m <module> --ros-args ...` (see stack.ros_args) and prefixes its output with the node
+name. A node that exits by itself is restarted after its respawn_delay when its table entry
+says respawn (as launch's `respawn` does; `--respawn` / `--no-respawn` override the table);
+any other exit stops everything (SIGINT, then SIGTERM, then SIGKILL, each bounded), as do
+Ctrl-C, SIGTERM and the end of --duration. Exit status: 0 when every node ran until it was
+asked to stop (restarts included), else 1.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
@@ -31,6 +34,8 @@ class StackProcess:
         self.entry = e
         self.proc = proc
         self.pump = pump
+        self.restarts = 0
+        self.restart_at: float | None = None   # monotonic s: when a respawn is due
 
 
 class StackRunner:
@@ -38,8 +43,12 @@ class StackRunner:
 
     def __init__(self, nodes: list[str] | None = None, env: dict[str, str] | None = None,
                  extra_params: dict[str, dict[str, str]] | None = None,
-                 log_dir: Path | None = None, echo: bool = True) -> None:
+                 log_dir: Path | None = None, echo: bool = True,
+                 respawn: dict[str, bool] | None = None) -> None:
         self.entries = [entry(n) for n in nodes] if nodes else list(STACK)
+        # per-node override of the table's respawn policy
+        self.entries = [replace(e, respawn=(respawn or {}).get(e.name, e.respawn))
+                        for e in self.entries]
         self.env = dict(env if env is not None else os.environ)
         self.env.update(dds_environment(self.env))
         self.env.setdefault("PYTHONUNBUFFERED", "1")
@@ -52,16 +61,45 @@ class StackRunner:
 
     def start(self) -> None:
         for e in self.entries:
-            cmd = [sys.executable, "-m", e.module,
-                   *ros_args(e, extra_params=self.extra_params.get(e.name))]
-            proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, text=True, bufsize=1)
-            log = open(self.log_dir / f"{e.name}.log", "w") if self.log_dir else None
-            pump = threading.Thread(target=self._pump, args=(e.name, proc.stdout, log),
-                                    daemon=True)
-            pump.start()
-            self.procs.append(StackProcess(e, proc, pump))
+            self.procs.append(StackProcess(e, *self._spawn(e, "w")))
+
+    def _spawn(self, e: NodeEntry, log_mode: str) -> tuple[subprocess.Popen, threading.Thread]:
+        cmd = [sys.executable, "-m", e.module,
+               *ros_args(e, extra_params=self.extra_params.get(e.name))]
+        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, text=True, bufsize=1)
+        log = open(self.log_dir / f"{e.name}.log", log_mode) if self.log_dir else None
+        pump = threading.Thread(target=self._pump, args=(e.name, proc.stdout, log),
+                                daemon=True)
+        pump.start()
+        return proc, pump
+
+    def supervise(self) -> list[tuple[str, int]]:
+        """Restart exited nodes whose policy is respawn (after their delay); returns the nodes
+        that exited and are not restarted: (name, return code). Call periodically."""
+        final = []
+        now = time.monotonic()
+        for p in self.procs:
+            code = p.proc.poll()
+            if code is None or self._stopping:
+                continue
+            if not p.entry.respawn:
+                final.append((p.entry.name, code))
+            elif p.restart_at is None:
+                p.restart_at = now + p.entry.respawn_delay
+                self._say(f"node '{p.entry.name}' exited with code {code}; restarting in "
+                          f"{p.entry.respawn_delay:g} s")
+            elif now >= p.restart_at:
+                p.pump.join(timeout=2.0)
+                p.proc, p.pump = self._spawn(p.entry, "a")
+                p.restarts += 1
+                p.restart_at = None
+                self._say(f"node '{p.entry.name}' restarted ({p.restarts})")
+        return final
+
+    def _say(self, text: str) -> None:
+        print(f"[run_stack] {text}", file=sys.stderr, flush=True)
 
     def _pump(self, name: str, stream: IO[str], log: IO[str] | None) -> None:
         width = max(len(n) for n in NODE_NAMES)
@@ -111,11 +149,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop after this many seconds (0 = until Ctrl-C)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="also write each node's output to <dir>/<node>.log")
+    parser.add_argument("--respawn", default="", help="comma-separated nodes restarted when "
+                        "they exit (adds to the table's: "
+                        f"{','.join(e.name for e in STACK if e.respawn)})")
+    parser.add_argument("--no-respawn", default="", help="comma-separated nodes never "
+                        "restarted ('all' for every node)")
     args = parser.parse_args(argv)
     names = [n for n in args.nodes.split(",") if n]
+    policy = {n: True for n in args.respawn.split(",") if n}
+    off = NODE_NAMES if args.no_respawn == "all" else args.no_respawn.split(",")
+    policy.update({n: False for n in off if n})
+    unknown = sorted(set(names) - set(NODE_NAMES)) + sorted(set(policy) - set(NODE_NAMES))
+    if unknown:
+        parser.error(f"unknown node(s) {unknown}: nodes are {','.join(NODE_NAMES)}")
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    runner = StackRunner(names, log_dir=args.log_dir)
+    runner = StackRunner(names, log_dir=args.log_dir, respawn=policy)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -123,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.duration if args.duration > 0 else float("inf")
     early: list[tuple[str, int]] = []
     while not stop.is_set() and time.monotonic() < deadline:
-        early = runner.exited()
+        early = runner.supervise()
         if early:
             break
         stop.wait(0.2)

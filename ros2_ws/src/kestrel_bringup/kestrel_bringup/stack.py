@@ -24,6 +24,12 @@ class NodeEntry:
     params_file: str                        # file in kestrel_bringup/config/
     remappings: tuple[tuple[str, str], ...]  # role-named topic -> stack topic
     use_sim_time: bool = True               # the sim publishes /clock; it runs on its own time
+    # Restart the node when it exits by itself (launch's `respawn` / `respawn_delay`; the
+    # runner does the same). On for nodes whose state is rebuilt from their inputs (perception,
+    # planner); off for the sim (the world's state would be lost) and for control, whose
+    # restart under a moving arm is an operator's decision.
+    respawn: bool = False
+    respawn_delay: float = 2.0              # s between the exit and the restart
 
 
 STACK: tuple[NodeEntry, ...] = (
@@ -44,6 +50,7 @@ STACK: tuple[NodeEntry, ...] = (
     NodeEntry(
         name="perception", package="kestrel_perception", executable="perception_node",
         module="kestrel_perception.perception_node", params_file="perception.yaml",
+        respawn=True,
         remappings=(
             ("~/input/camera_0/image", "/camera/image_raw"),
             ("~/input/camera_0/camera_info", "/camera/camera_info"),
@@ -55,6 +62,7 @@ STACK: tuple[NodeEntry, ...] = (
     NodeEntry(
         name="planner", package="kestrel_planner", executable="planner_node",
         module="kestrel_planner.planner_node", params_file="planner.yaml",
+        respawn=True,
         remappings=(
             ("~/input/image", "/camera/image_raw"),
             ("~/input/perception", "/perception/result"),
