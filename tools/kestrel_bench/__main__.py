@@ -27,6 +27,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                "the CI gate's input"),
     "gate": ("gate", "compare a record with a baseline of the same machine class and config; "
              "exit 1 on a regression"),
+    "doctor": ("doctor", "deployment checklist: params, models, real-time settings, GPU, DDS, "
+               "time source; PASS/WARN/FAIL with the fix"),
+    "report": ("report", "render docs/benchmarks' records into REPORT.md with plots"),
 }
 
 
