@@ -29,6 +29,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
              "exit 1 on a regression"),
     "doctor": ("doctor", "deployment checklist: params, models, real-time settings, GPU, DDS, "
                "time source; PASS/WARN/FAIL with the fix"),
+    "soak": ("soak", "the whole stack for a given time: per-node RSS, threads, fds, misses, "
+             "drops; fails on growth or a crash"),
     "report": ("report", "render docs/benchmarks' records into REPORT.md with plots"),
 }
 
