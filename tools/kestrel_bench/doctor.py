@@ -1,7 +1,8 @@
 """`kestrel_bench doctor` (also `python -m kestrel_bringup.doctor`): the deployment checklist.
 
-Checks a stack's params files (default: kestrel_bringup's config/*.yaml), the models given with
-`--model`, and this machine, each item PASS / WARN / FAIL / SKIP with the fix:
+Checks a stack's params files (default: kestrel_bringup's config/*.yaml), or the parameters of
+the running nodes (`--live`, through their parameter services: doctor_node.py), the models
+given with `--model`, and this machine, each item PASS / WARN / FAIL / SKIP with the fix:
   params.<node>        names known and values valid, as configure would check them
   <node>.* settings    precision, compile and CUDA graph where the device allows, backends
   files                weights / model files present; the TensorRT engine for the node's key
@@ -114,6 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", action="append", default=[], metavar="FILE",
                         help="a params file (repeatable; default: kestrel_bringup's config/"
                              "*.yaml)")
+    parser.add_argument("--live", action="store_true",
+                        help="read the parameters of the running stack's nodes instead (ROS)")
     parser.add_argument("--model", action="append", default=[], metavar="FILE",
                         help="a model file to check (TorchScript .pt, ExportedProgram .pt2)")
     parser.add_argument("--cuda", choices=("auto", "yes", "no"), default="auto",
@@ -134,13 +137,23 @@ def _cuda(choice: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    files = [Path(p) for p in args.params] or sorted(CONFIG_DIR.glob("*.yaml"))
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        print(f"doctor: no such params file: {', '.join(missing)}")
-        return 2
-    nodes = doctor_params.load_params_files(files)
-    source = ", ".join(str(f) for f in files)
+    if args.live:
+        from kestrel_bench.doctor_node import read_live_params
+
+        nodes = {n: {k: v.tolist() if hasattr(v, "tolist") else v for k, v in p.items()}
+                 for n, p in read_live_params().items()}
+        if not nodes:
+            print("doctor: no node of the stack is running (same ROS_DOMAIN_ID?)")
+            return 2
+        source = "running nodes " + ", ".join(sorted(nodes))
+    else:
+        files = [Path(p) for p in args.params] or sorted(CONFIG_DIR.glob("*.yaml"))
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            print(f"doctor: no such params file: {', '.join(missing)}")
+            return 2
+        nodes = doctor_params.load_params_files(files)
+        source = ", ".join(str(f) for f in files)
     cuda = _cuda(args.cuda)
     checks = run_checks(nodes, cuda, [Path(m) for m in args.model], host=not args.no_host)
     print(f"doctor: {source} (deployment {'with' if cuda else 'without'} a CUDA GPU)\n")
