@@ -213,3 +213,17 @@ def test_cli_prints_table_verdict_and_advice(tmp_path, capsys) -> None:
     assert "cuda_graph: true" in text
     saved = json.loads(out_json.read_text())
     assert saved["step"]["klass"] == "launch" and saved["stages"][0]["name"] == "heads"
+
+
+def test_profile_control_target_end_to_end(tmp_path, capsys) -> None:
+    """profile <target>: the control tick profiled here (CPU), its three stages classified."""
+    out_json = tmp_path / "analysis.json"
+    rc = main(["profile", "control", "--device", "cpu", "--steps", "3", "--peaks",
+               "flops=1e11,bw=1e10", "--json", str(out_json)])
+    assert rc == 0
+    saved = json.loads(out_json.read_text())
+    stages = {s["name"]: s for s in saved["stages"]}
+    assert set(stages) == {"observation", "policy", "command"}
+    assert stages["policy"]["flops"] > 0 and stages["policy"]["occurrences"] == 3
+    assert all(s["klass"] in bottleneck.CLASSES for s in stages.values())
+    assert "Suggestions:" in capsys.readouterr().out
