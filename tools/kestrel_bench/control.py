@@ -22,6 +22,9 @@ _tick_p99 (baseline tick / optimized tick), optimized_vs_baseline_step_p50 (back
 Pinning: --loop-cpus (or 'auto': the CPU that served the fewest interrupts over 2 s, not CPU
 0), --shield (move every other task and, with root, the interrupts off the loop CPU:
 kestrel_control.core.cpu_shield), --node-cpus (this process), --publisher-cpus.
+Left out: the resident kernel's programs sweep and its cost to co-tenant GPU work (a study
+of cuda_persistent whose outcome is in docs/benchmarks), and the host tick's parts timed with a
+no-op step (`kestrel_bench profile control` splits the tick instead).
 """
 
 from __future__ import annotations

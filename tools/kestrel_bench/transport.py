@@ -20,6 +20,7 @@ sizes_optimized_vs_baseline_p50_<bytes>.
 
   python -m kestrel_bench transport
   python -m kestrel_bench transport --parts results inputs --sets 50
+Left out: the result builder of an older git revision side by side (a one-off comparison).
 """
 
 from __future__ import annotations

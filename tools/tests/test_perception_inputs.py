@@ -1,19 +1,13 @@
-"""The perception node benchmark's input side (scripts/bench_perception_pub.py): the trigger
+"""The perception node benchmark's input side (kestrel_bench.perception_inputs): the trigger
 schedule, the trigger wait, the merge of the per-sensor processes' records, and one live
 per-sensor run (2 cameras + LiDAR, one process each) received by a plain rclpy subscriber:
 every message of a frame carries the same stamp, the scheduled trigger time."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from bench_perception_pub import (InputConfig, merge_sensor_runs, publish_inputs,  # noqa: E402
-                                  rate_period_ns, trigger_schedule, wait_until_ns)
+from kestrel_bench.perception_inputs import (InputConfig, merge_sensor_runs, publish_inputs,
+                                             rate_period_ns, trigger_schedule, wait_until_ns)
 
 START = 1_700_000_000_123_456_789  # ns, a wall-clock time
 
@@ -106,7 +100,7 @@ def test_input_config_validates_and_names_the_sensors() -> None:
 
 @pytest.mark.dds
 def test_per_sensor_processes_stamp_every_message_with_the_trigger_time(probe, env,
-                                                                          run_dir) -> None:
+                                                                          tmp_path) -> None:
     from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
     from sensor_msgs.msg import CameraInfo, Image, PointCloud2
 
@@ -120,7 +114,7 @@ def test_per_sensor_processes_stamp_every_message_with_the_trigger_time(probe, e
         cols[f"info{c}"] = probe.subscribe(CameraInfo, f"{pre}/camera_{c}/camera_info", qos)
         cols[f"image{c}"] = probe.subscribe(Image, f"{pre}/camera_{c}/image", qos)
     cfg = InputConfig(2, (64, 64), 1000, 10.0, 3, warmup_s=0.0, publishers="per-sensor")
-    pub = publish_inputs(cfg, env, run_dir)  # bounded: ready <= 60 s, run <= 30.8 s
+    pub = publish_inputs(cfg, env, tmp_path)  # bounded: ready <= 60 s, run <= 30.8 s
 
     sched = trigger_schedule(pub["start_ns"], 100_000_000, 3)
     assert pub["stamps_ns"] == sched and pub["sensors"] == ["0", "1", "cloud"]
@@ -144,15 +138,16 @@ def test_per_sensor_processes_stamp_every_message_with_the_trigger_time(probe, e
 def test_messages_in_latency_leaves_out_the_drivers_lateness() -> None:
     """summarise: per frame, result receipt - (trigger + the set's publish() start lateness);
     the trigger-based latency stays as it was."""
-    from bench_perception_node import summarise
+    from kestrel_bench.perception_node import summarise
 
     st = trigger_schedule(START, 100_000_000, 3)
     rows = [{"stamp_ns": s, "recv_ns": s + (10 + k) * 1_000_000, "node_latency_s": 5e-3,
              "detections": 1, "timings": {"input_age": 3e-3}} for k, s in enumerate(st)]
-    out = summarise(rows, st, [1e-3] * 3, "per-sensor", [1e-3, 2e-3, 0.5e-3],
-                    {"0": [1e-3] * 3})
-    assert out["latency_ms"]["max"] == pytest.approx(12.0)
-    got = sorted([10.0 - 1.0, 11.0 - 2.0, 12.0 - 0.5])
-    assert out["latency_from_publish_ms"]["max"] == pytest.approx(got[-1])
-    assert out["latency_from_publish_ms"]["p50"] == pytest.approx(got[1])
-    assert "latency_from_publish_ms" not in summarise(rows, st, [1e-3] * 3)  # one publisher
+    pub = {"stamps_ns": st, "publish_s": [1e-3] * 3, "trigger_lateness_s": [1e-3, 2e-3, 0.5e-3]}
+    out = summarise(rows, pub)
+    assert max(out["e2e"]) == pytest.approx(12.0)
+    assert sorted(out["from_publish"]) == pytest.approx(sorted([10.0 - 1.0, 11.0 - 2.0,
+                                                                12.0 - 0.5]))
+    assert out["result_transport"] == pytest.approx([2.0, 3.0, 4.0])
+    assert summarise(rows, {"stamps_ns": st, "publish_s": [1e-3] * 3})["from_publish"] == []
+    assert out["dropped"] == 0 and out["results"] == 3
