@@ -1,14 +1,14 @@
 """`cuda_persistent`: the reference policy step in ONE resident Triton kernel, served through a
 mailbox in pinned host memory: no kernel launch, no graph replay and no stream sync per tick.
 
-Why: on the H200 a cuda_graph_triton tick is ~11 us of GPU work inside ~45 us (p50) of graph
-launch, completion and polling, and the launch/completion path is where the 1 kHz loop's tail
-lives (docs/benchmarks/control_h200.md). Here the kernel is launched once and stays resident:
+Why: a cuda_graph_triton tick is a little GPU work inside a larger share of graph launch,
+completion and polling, and the launch/completion path is where the 1 kHz loop's tail lives
+(docs/benchmarks/control_h200.md). Here the kernel is launched once and stays resident:
 
   host, step():  obs_host [B, D] float32 is written by the caller (pinned; the GPU reads it
                  through its mapping of host memory), then ctrl[REQ] = seq (a plain store; x86
                  keeps store order, so the observation is visible first), then the host spins on
-                 ctrl[DONE] == seq (a numpy read of pinned memory, ~0.1 us per poll).
+                 ctrl[DONE] == seq (a numpy read of pinned memory per poll).
   GPU, one tick: program 0 polls ctrl[REQ] (ld.acquire.sys over PCIe), copies obs into device
                  memory, zeroes the state rows the host flagged in reset_host [B], and opens the
                  tick; then all P programs run, with a grid barrier between phases:
@@ -24,7 +24,7 @@ its weight slice once, before the loop, and keeps it in registers.
 Idle retirement: when no request comes for `idle_retire_s`, program 0 ends the kernel (GPU
 global timer) and sets ctrl[RETIRED]; the next step() relaunches it (counted in `relaunches`,
 one slower tick). So a deactivated node holds no SM. While resident the kernel holds P SMs
-(default 64 of the H200's 132) and busy-polls: a device-wide synchronisation in the same
+(default 64) and busy-polls: a device-wide synchronisation in the same
 process (torch.cuda.synchronize, empty_cache) waits until the kernel retires or `close()` —
 the backend is meant for the control node's own loop process (process mode).
 
@@ -516,3 +516,8 @@ class PersistentTritonBackend(PolicyBackend):
 def _f32(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device="cuda")
 
+
+def create_persistent_backend(policy: StepPolicy, batch: int, *, post: PostSpec | None = None,
+                              programs: int = 64, **_: object) -> PersistentTritonBackend:
+    """The registry's factory (registry.py)."""
+    return PersistentTritonBackend(policy, batch, post=post, programs=programs)

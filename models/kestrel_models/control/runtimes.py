@@ -8,45 +8,8 @@ A backend runs `actions, *states' = f(obs, *states)` once per control tick:
 `step()` allocates nothing on the Python side (torch's own allocators aside) and makes one
 host synchronisation. B is fixed at construction (the runner pads its robots to a power of 2).
 
-Backends (`BACKENDS`; `create_backend(name, policy, batch)`):
-  cpu_eager            fp32 eager; the LSTM as one fused torch.lstm_cell
-  cpu_int8             torch.ao dynamic INT8 quantization of every Linear (encoder, LSTM gates,
-                       heads; activations quantized per call)
-  cpu_compile          torch.compile (inductor, default mode) of the step
-  cuda_eager           fp32 eager on the GPU: pinned H2D copy, kernels, D2H copy (sync)
-  cuda_graph           one CUDA graph captured over static buffers: H2D copy, the step, state
-                       update and D2H copy are all inside; a tick = replay + one stream sync
-                       (in the loop process the C tick launches the graph itself: any torch
-                       module, e.g. a user's TorchScript policy; graph_handles)
-  cuda_graph_compiled  the step compiled by inductor (default mode: fused Triton kernels for the
-                       LayerNorm/ELU/LSTM-gate elementwise work, no cudagraph trees), then the
-                       compiled function captured in one raw torch.cuda.CUDAGraph like
-                       cuda_graph; with a `PostSpec` the command post-processing runs inside the
-                       graph too: command = clamp(positions + scale * tanh(actions[:, :n]),
-                       limits) and per row flags (all actions finite, clamped), copied back with
-                       the actions (`post_np` [B, n + 2]); the host only decides from the flags
-                       (H200, docs/benchmarks/control_h200.md: step p50 73 us vs 47 us for
-                       cuda_graph; the post ops are captured as separate eager kernels: not
-                       the default, kept as a measured variant; its GPU equivalence test passes
-                       on the H200: the earlier failure was the test's own clamp-count
-                       threshold, 8 clamps seen vs > 10 expected, not the backend)
-  cuda_graph_triton    the step as ~4 fused Triton kernels (one per encoder layer with the
-                       previous LayerNorm+ELU in its prologue, one LSTM cell, heads + the
-                       command post-processing) between one H2D and one D2H copy, in one CUDA
-                       graph (triton_step.py; triton optional: BackendUnavailable without it)
-  cuda_persistent      the same fused step as ONE resident Triton kernel served through flags in
-                       pinned host memory: no launch, graph or stream sync per tick; holds 64
-                       SMs while ticks come, retires itself after 1 s idle (persistent_step.py)
-  cuda_compile         torch.compile default mode on the GPU
-  cuda_compile_graphs  torch.compile mode="reduce-overhead" (inductor + CUDA graph trees)
-  onnxruntime          the step exported to ONNX (states as extra I/O), CPU execution provider,
-                       I/O binding on preallocated arrays, state ping-pong between two bindings
-  tensorrt             FP16 TensorRT engine built once from the step's ONNX (or the user's ONNX
-                       file) and cached on disk under a key of ONNX bytes + GPU + TensorRT
-                       version + precision + batch (trt_backend.py); refused at configure with
-                       a clear message where `tensorrt` or CUDA is missing. Written against the
-                       TensorRT 10 Python API; no machine of this project's CI or benchmarks
-                       has TensorRT, so it has not run here (its GPU tests skip with that reason)
+The backends a user picks, and when each wins, are listed in `registry.py` (name -> factory,
+imported on first use); the factories of the plain torch and ONNX Runtime ones are here.
 """
 
 from __future__ import annotations
@@ -60,19 +23,13 @@ import torch
 from torch import nn
 
 from kestrel_models.control.policy import ActorCritic
+from kestrel_models.control.registry import (BACKENDS, CUDA_BACKENDS, POST_BACKENDS,
+                                             BackendUnavailable, check_backend, create_backend)
 
-BACKENDS = ("cpu_eager", "cpu_int8", "cpu_compile", "cuda_eager", "cuda_graph",
-            "cuda_graph_compiled", "cuda_graph_triton", "cuda_persistent", "cuda_compile",
-            "cuda_compile_graphs", "onnxruntime", "tensorrt")
-CUDA_BACKENDS = ("cuda_eager", "cuda_graph", "cuda_graph_compiled", "cuda_graph_triton",
-                 "cuda_persistent",
-                 "cuda_compile", "cuda_compile_graphs")
-# run the command post-processing in the graph
-POST_BACKENDS = ("cuda_graph_compiled", "cuda_graph_triton", "cuda_persistent")
-
-
-class BackendUnavailable(ValueError):
-    """The backend cannot run here (no CUDA, package missing, model format unsupported)."""
+__all__ = ["BACKENDS", "CUDA_BACKENDS", "POST_BACKENDS", "BackendUnavailable", "CudaGraphBackend",
+           "OrtBackend", "PolicyBackend", "PostSpec", "StepModule", "StepPolicy", "TorchBackend",
+           "check_backend", "create_backend", "export_onnx", "graph_handles",
+           "policy_from_actor_critic"]
 
 
 class StepModule(nn.Module):
@@ -80,7 +37,7 @@ class StepModule(nn.Module):
     c [B, H]) -> (actions [B, A], h' [B, H], c' [B, H]).
 
     fused=True: one torch.lstm_cell (fastest in eager); fused=False: the gates written out with
-    two Linear layers carrying the LSTM's weights (quantizable, ONNX-exportable, compilable).
+    two Linear layers carrying the LSTM's weights (ONNX-exportable).
     """
 
     def __init__(self, model: ActorCritic, fused: bool = True) -> None:
@@ -202,10 +159,9 @@ class PolicyBackend:
 
 
 class TorchBackend(PolicyBackend):
-    """Eager / compiled torch module on CPU or CUDA (states kept on the device)."""
+    """Eager torch module on CPU or CUDA (states kept on the device)."""
 
-    def __init__(self, name: str, policy: StepPolicy, batch: int, fn=None,
-                 device: str = "cpu") -> None:
+    def __init__(self, name: str, policy: StepPolicy, batch: int, device: str = "cpu") -> None:
         self.name, self.device = name, torch.device(device)
         super().__init__(policy, batch)
         if policy.module is None:
@@ -216,9 +172,7 @@ class TorchBackend(PolicyBackend):
                              f"({policy.source}) keeps the recurrent state of one robot in its "
                              "own buffers (rsl_rl's policy.pt); run one robot per node, or "
                              "export the state as inputs/outputs (policy.onnx: h_in, c_in)")
-        module = policy.fused_module if fn is None and policy.fused_module is not None \
-            else policy.module
-        self.fn = fn if fn is not None else module
+        self.fn = policy.fused_module if policy.fused_module is not None else policy.module
         with torch.no_grad():
             self.obs_dev = self.obs_host if self.device.type == "cpu" \
                 else torch.zeros_like(self.obs_host, device=self.device)
@@ -259,23 +213,12 @@ class CudaGraphBackend(TorchBackend):
     sync='block' uses `Stream.synchronize()` (releases the GIL while waiting).
     """
 
-    def __init__(self, policy: StepPolicy, batch: int, sync: str = "poll", fn=None,
-                 post: PostSpec | None = None, name: str = "cuda_graph") -> None:
+    def __init__(self, policy: StepPolicy, batch: int, sync: str = "poll",
+                 name: str = "cuda_graph") -> None:
         if sync not in ("poll", "block"):
             raise ValueError(f"parameter 'sync' = {sync!r}: must be 'poll' or 'block'")
         self.sync = sync
-        super().__init__(name, policy, batch, fn=fn, device="cuda")
-        self.post = post
-        self.post_np = None  # [B, n + 2] float32: command rad | all-finite flag | clamped flag
-        if post is not None:
-            n = post.num_joints
-            if not 1 <= n <= min(policy.num_actions, policy.obs_dim):
-                raise ValueError(f"parameter 'num_joints' = {n}: must be in [1, "
-                                 f"{min(policy.num_actions, policy.obs_dim)}]")
-            self._lower = torch.tensor(post.lower, dtype=torch.float32, device="cuda")  # [n]
-            self._upper = torch.tensor(post.upper, dtype=torch.float32, device="cuda")  # [n]
-            self.post_host = torch.zeros(self.batch, n + 2, pin_memory=True)
-            self.post_np = self.post_host.numpy()
+        super().__init__(name, policy, batch, device="cuda")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
@@ -291,18 +234,9 @@ class CudaGraphBackend(TorchBackend):
         torch.cuda.synchronize()
 
     def _tick_ops(self) -> None:
-        """What the graph holds: H2D obs, the step, [post-processing], D2H copies."""
+        """What the graph holds: H2D obs, the step, the D2H copy of the actions."""
         self.obs_dev.copy_(self.obs_host, non_blocking=True)  # pinned -> device
-        act = self._forward()  # [B, A]
-        self.act_host.copy_(act, non_blocking=True)  # device -> pinned
-        if self.post is not None:
-            n = self.post.num_joints
-            raw = self.obs_dev[:, :n] + self.post.action_scale * torch.tanh(act[:, :n])
-            cmd = torch.minimum(torch.maximum(raw, self._lower), self._upper)  # [B, n] rad
-            finite = torch.isfinite(act).all(dim=1, keepdim=True)  # [B, 1]
-            clamped = (cmd != raw).any(dim=1, keepdim=True)  # [B, 1]
-            post = torch.cat([cmd, finite.float(), clamped.float()], dim=1)  # [B, n + 2]
-            self.post_host.copy_(post, non_blocking=True)
+        self.act_host.copy_(self._forward(), non_blocking=True)  # device -> pinned
 
     def step(self) -> None:
         self.graph.replay()
@@ -432,87 +366,36 @@ def export_onnx(policy: StepPolicy, batch: int, cache_dir: str = "") -> str:
     return path
 
 
-def _quantized(policy: StepPolicy) -> nn.Module:
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao deprecation notices
-        return torch.ao.quantization.quantize_dynamic(policy.module, {nn.Linear},
-                                                      dtype=torch.qint8)
+def check_onnxruntime() -> None:
+    """BackendUnavailable naming the parameter when the onnxruntime package is missing."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError as exc:
+        raise BackendUnavailable("parameter 'backend' = 'onnxruntime': the onnxruntime "
+                                 f"package is not installed ({exc})") from None
 
 
-def check_backend(name: str) -> None:
-    """Configure-time check: BackendUnavailable (names the parameter) when it cannot run here."""
-    if name not in BACKENDS:
-        raise ValueError(f"parameter 'backend' = {name!r}: must be one of {BACKENDS}")
-    if name in CUDA_BACKENDS and not torch.cuda.is_available():
-        raise BackendUnavailable(f"parameter 'backend' = {name!r}: CUDA is not available")
-    if name == "cuda_graph_triton":
-        from kestrel_models.control.triton_step import check_triton
-
-        check_triton()
-    if name == "cuda_persistent":
-        from kestrel_models.control.persistent_step import check_persistent
-
-        check_persistent()
-    if name == "tensorrt":
-        try:
-            import tensorrt  # noqa: F401
-        except ImportError:
-            raise BackendUnavailable(
-                "parameter 'backend' = 'tensorrt': the tensorrt Python package is not installed "
-                "here; use 'cuda_graph' (GPU) or 'onnxruntime'") from None
-        if not torch.cuda.is_available():
-            raise BackendUnavailable("parameter 'backend' = 'tensorrt': CUDA is not available")
+# ---- factories of the registry (registry.py): f(policy, batch, **options) -> PolicyBackend ----
+def make_cpu_eager(policy: StepPolicy, batch: int, **_: object) -> PolicyBackend:
+    return TorchBackend("cpu_eager", policy, batch)
 
 
-def create_backend(name: str, policy: StepPolicy, batch: int = 1, *, cache_dir: str = "",
-                   warmup_steps: int = 10, post: PostSpec | None = None,
-                   programs: int = 64) -> PolicyBackend:
-    """Build, warm up and return backend `name` for `policy` at a fixed `batch`. `post`: the
-    in-graph command post-processing (used by POST_BACKENDS only; `backend.post_np` is None
-    for the others). `programs`: cuda_persistent's resident programs (one SM each)."""
-    check_backend(name)
-    if name == "onnxruntime":
-        backend: PolicyBackend = OrtBackend(policy, batch, cache_dir)
-    elif name == "tensorrt":
-        from kestrel_models.control.trt_backend import TensorRTBackend  # needs this module
+def make_onnxruntime(policy: StepPolicy, batch: int, *, cache_dir: str = "",
+                     **_: object) -> PolicyBackend:
+    return OrtBackend(policy, batch, cache_dir)
 
-        backend = TensorRTBackend(policy, batch, cache_dir)
-    elif policy.module is None:
-        raise BackendUnavailable(f"parameter 'backend' = {name!r}: {policy.source} has no torch "
-                                 "module; an ONNX file runs on 'onnxruntime'")
-    elif name == "cpu_eager":
-        backend = TorchBackend(name, policy, batch)
-    elif name == "cpu_int8":
-        backend = TorchBackend(name, policy, batch, fn=_quantized(policy))
-    elif name == "cpu_compile":
-        backend = TorchBackend(name, policy, batch, fn=torch.compile(policy.module))
-    elif name == "cuda_graph":
-        policy.module.cuda()
-        if policy.fused_module is not None:
-            policy.fused_module.cuda()
-        backend = CudaGraphBackend(policy, batch)
-    elif name == "cuda_graph_triton":
-        from kestrel_models.control.triton_step import TritonGraphBackend
 
-        backend = TritonGraphBackend(policy, batch, post=post)
-    elif name == "cuda_persistent":
-        from kestrel_models.control.persistent_step import PersistentTritonBackend
+def _to_cuda(policy: StepPolicy) -> None:
+    policy.module.cuda()
+    if policy.fused_module is not None:
+        policy.fused_module.cuda()
 
-        backend = PersistentTritonBackend(policy, batch, post=post, programs=programs)
-    elif name == "cuda_graph_compiled":
-        policy.module.cuda()
-        fn = torch.compile(policy.module, dynamic=False)  # inductor; graphs: ours, below
-        backend = CudaGraphBackend(policy, batch, fn=fn, post=post, name=name)
-    else:  # cuda_eager, cuda_compile, cuda_compile_graphs
-        policy.module.cuda()
-        if policy.fused_module is not None:
-            policy.fused_module.cuda()
-        fn = None
-        if name == "cuda_compile":
-            fn = torch.compile(policy.module)
-        elif name == "cuda_compile_graphs":
-            fn = torch.compile(policy.module, mode="reduce-overhead")
-        backend = TorchBackend(name, policy, batch, fn=fn, device="cuda")
-    backend.warmup(warmup_steps)
-    return backend
+
+def make_cuda_eager(policy: StepPolicy, batch: int, **_: object) -> PolicyBackend:
+    _to_cuda(policy)
+    return TorchBackend("cuda_eager", policy, batch, device="cuda")
+
+
+def make_cuda_graph(policy: StepPolicy, batch: int, **_: object) -> PolicyBackend:
+    _to_cuda(policy)
+    return CudaGraphBackend(policy, batch)

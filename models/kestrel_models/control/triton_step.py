@@ -11,7 +11,7 @@ The graph of one tick (batch B, the reference sizes obs 256 -> 512 -> 256, LSTM 
              the cell update; c is updated in place (only its owner reads it), h' goes to a
              scratch buffer (every program reads all of h)
   kernel 4   policy head a = W_p h' + b_p [B, A], h <- h' (the state copy-back, free here), and
-             with a PostSpec the command post-processing exactly as cuda_graph_compiled does it:
+             with a PostSpec the command post-processing:
              command = clamp(obs[:, :n] + action_scale * tanh(a[:, :n]), lower, upper) and per
              row flags (every action finite, any joint clamped)
   D2H copy   out_dev [B, A (+ n + 2)] -> one pinned host buffer; `act_np` [B, A] and `post_np`
@@ -333,6 +333,7 @@ class TritonGraphBackend(PolicyBackend):
                 state[index].zero_()
 
 
-def create_triton_backend(policy: StepPolicy, batch: int,
-                          post: PostSpec | None = None) -> TritonGraphBackend:
+def create_triton_backend(policy: StepPolicy, batch: int, *, post: PostSpec | None = None,
+                          **_: object) -> TritonGraphBackend:
+    """The registry's factory (registry.py)."""
     return TritonGraphBackend(policy, batch, post=post)

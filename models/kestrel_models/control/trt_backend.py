@@ -32,7 +32,8 @@ from kestrel_models.control.runtimes import (BackendUnavailable, PolicyBackend, 
 from kestrel_models.trt import (PRECISIONS, TensorRTUnavailableError, build_engine,
                                 tensorrt_version)
 
-__all__ = ["TensorRTBackend", "policy_engine_key", "default_cache_dir"]
+__all__ = ["TensorRTBackend", "check_tensorrt", "create_tensorrt_backend", "default_cache_dir",
+           "policy_engine_key"]
 
 
 def default_cache_dir() -> str:
@@ -144,3 +145,19 @@ class TensorRTBackend(PolicyBackend):
                     else:
                         s.select(self.policy.state_batch_dims[i], index).zero_()
         torch.cuda.synchronize()
+
+
+def check_tensorrt() -> None:
+    """Configure-time check: BackendUnavailable naming the parameter without TensorRT."""
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        raise BackendUnavailable(
+            "parameter 'backend' = 'tensorrt': the tensorrt Python package is not installed "
+            "here; use 'cuda_graph' (GPU) or 'onnxruntime'") from None
+
+
+def create_tensorrt_backend(policy: StepPolicy, batch: int, *, cache_dir: str = "",
+                            **_: object) -> TensorRTBackend:
+    """The registry's factory (registry.py)."""
+    return TensorRTBackend(policy, batch, cache_dir)

@@ -44,8 +44,8 @@ def _runner(backend: str, tmp_path: Path, user_file: bool) -> PolicyRunner:
     return PolicyRunner(config, counters=LoopStats(1e-3))
 
 
-CASES = [("cuda_graph", False), ("cuda_graph", True), ("cuda_graph_compiled", False),
-         ("cuda_graph_triton", False), ("cuda_persistent", False)]
+CASES = [("cuda_graph", False), ("cuda_graph", True), ("cuda_graph_triton", False),
+         ("cuda_persistent", False)]
 
 
 @pytest.mark.parametrize(("backend", "user_file"), CASES,

@@ -352,8 +352,7 @@ def test_no_cuda_driver_leaves_the_graph_step_to_python() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", ["cuda_persistent", "cuda_graph_triton", "cuda_graph",
-                                     "cuda_graph_compiled"])
+@pytest.mark.parametrize("backend", ["cuda_persistent", "cuda_graph_triton", "cuda_graph"])
 def test_c_tick_equals_the_python_tick_on_the_gpu(backend: str) -> None:
     """The real in-graph post-processing (cuda_graph: the host command); the whole tick in one
     C call (KT_DONE): with cuda_persistent through the resident kernel's mailbox, with the graph

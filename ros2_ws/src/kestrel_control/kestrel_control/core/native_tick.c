@@ -73,7 +73,7 @@ static inline int64_t mono_ns(void) {
 /* SharedLatestValue.read_into: the newest complete value into out[count] and into the reader's
  * fallback copy good[count] / gvs [version, stamp] (as Python keeps them); 1 on success, 0 when
  * the writer kept its slot busy for budget_ns (Python then reads, falling back to `good`). A
- * Python writer holds a slot ~0.5-1 us, so the budget is in time, not tries; a read that had to
+ * Python writer holds a slot about a microsecond, so the budget is in time, not tries; a read that had to
  * retry counts once in the header's retries (Python counts each try). */
 static int sl_read(int64_t *h, const double *slots, int64_t count, double *out,
                    double *good, int64_t *gvs, int64_t *version, int64_t *stamp,
@@ -211,7 +211,7 @@ static void record_step(int64_t *ints, int64_t t0) {
     lat[0] += 0.05 * (dt - lat[0]);
 }
 
-/* A captured CUDA graph's step (cuda_graph / _compiled / _triton: step() = replay + poll)
+/* A captured CUDA graph's step (cuda_graph / cuda_graph_triton: step() = replay + poll)
  * through the CUDA driver API, loaded at run time (no link-time CUDA dependency): the graph's
  * executable and stream handles are torch's (CUDAGraph.raw_cuda_graph_exec, the stream it is
  * replayed on), the context the one current where the tick was built. */

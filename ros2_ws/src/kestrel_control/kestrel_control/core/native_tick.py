@@ -1,16 +1,14 @@
 """The loop process's tick in C (`native_tick.c`), for its common case; Python for the rest.
 
-Why: on the H200 the loop process's tick took ~42 us at p50 around a ~21 us `cuda_persistent`
-step, and its p99.9 (127 us, target 100 us) came from episodes where the machine ran the whole
-tick ~2x slower (docs/benchmarks/control_persistent_h200.md). The host part is ~20 numpy and
-Python calls per tick (~10 us on the dev CPU, after session 8's trimming); no further Python
-trimming is left. In C the same work is a few hundred instructions, so the tick exposed to a
-slow episode is about the GPU step alone.
+Why: with a fast GPU step the host part of the tick (~20 numpy and Python calls) is a large
+share of the tick, and the tick's tail comes from episodes where the machine runs all of it
+slower (docs/benchmarks/control_native_h200.md). In C the same work is a few hundred
+instructions, so the tick exposed to a slow episode is about the GPU step alone.
 
 What runs in C (one ctypes call per tick, `kt_tick`): the joint-state and target seqlock reads,
 the stale and finite checks, the latency compensation, the observation rows; with
 `cuda_persistent` the request to the resident kernel and the wait for its answer, with
-`cuda_graph`, `cuda_graph_compiled` and `cuda_graph_triton` the graph launch and the stream
+`cuda_graph` and `cuda_graph_triton` the graph launch and the stream
 poll (CUDA driver API, libcuda loaded at run time, on torch's graph executable and stream: what
 CUDAGraph.replay does for a graph without RNG state); the command
 (the backend's in-graph post-processing, or positions + action_scale * tanh(actions) on the
@@ -60,10 +58,10 @@ D_MAX_AGE, D_CLIP, D_SIZE = range(3)
 KT_DONE, KT_PY_ALL, KT_PY_INFER, KT_PY_LATE, KT_PY_FINISH = range(5)
 
 # the persistent kernel's answer is waited for in C up to this long, then by Python's slow
-# path (relaunch of a retired kernel, the backend's timeout); ~2x its p99.9 on the H200
+# path (relaunch of a retired kernel, the backend's timeout); well above a normal answer
 SPIN_NS = 200_000
-# a seqlock read retries (writer mid-write) this long before Python's read takes over; a
-# Python writer (the node's subscription callback) holds a slot ~0.5-1 us
+# a seqlock read retries (writer mid-write) this long before Python's read takes over; far
+# longer than a Python writer (the node's subscription callback) holds a slot
 READ_NS = 20_000
 
 _FLAGS = ["-O2", "-std=gnu11", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off",
@@ -155,6 +153,9 @@ class NativeTick:
         if not isinstance(runner.counters, SharedLoopStats):
             raise NativeUnavailable("the safety counters are not in shared memory (the C tick "
                                     "serves the loop process only)")
+        if runner.io.uses_ee:
+            raise NativeUnavailable("the observation layout's ee_* terms need the arm's "
+                                    "forward kinematics (Pinocchio), which runs in Python")
         robots = runner.robots
         for r, robot in enumerate(robots):
             if not (isinstance(robot.joint_states, SharedLatestValue)
