@@ -1,5 +1,5 @@
 # Source me on the GPU machine (the `device` tool), from the repo root, with carry [".whl"]:
-#   source scripts/device_ros_env.sh && "$KPY" scripts/bench_....py
+#   source scripts/device_ros_env.sh && "$KPY" -m kestrel_bench <subcommand> ...
 # Builds (once per machine start, ~1 min) a Python 3.12 venv with rclpy from the carried ROS 2
 # kilted wheels, builds the project's kestrel_interfaces for that Python with plain cmake (the
 # colcon build of scripts/setup.sh is for the dev machine's Python 3.11), registers the
@@ -60,7 +60,7 @@ fi
 _kpyver="$("$KV/bin/python" -c "import sys;print(f'python{sys.version_info[0]}.{sys.version_info[1]}')")"
 export AMENT_PREFIX_PATH="$KWS:$KV"
 export LD_LIBRARY_PATH="$KWS/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-_kpp="$KWS/lib/$_kpyver/site-packages:$_kroot/models:$_kroot/tests"
+_kpp="$KWS/lib/$_kpyver/site-packages:$_kroot/models:$_kroot/tools:$_kroot/tests"
 for _kp in "$_kroot"/ros2_ws/src/*/; do [[ -f "$_kp/setup.py" ]] && _kpp="$_kpp:${_kp%/}"; done
 export PYTHONPATH="$_kpp${PYTHONPATH:+:$PYTHONPATH}"
 export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST RMW_IMPLEMENTATION=rmw_fastrtps_cpp

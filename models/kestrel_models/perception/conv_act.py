@@ -5,7 +5,7 @@ then one Triton pointwise kernel that reads the conv output (and the residual) b
 folded-BN bias and apply the ReLU. `torch.cudnn_convolution_relu` /
 `torch.cudnn_convolution_add_relu` do the bias, the residual add and the ReLU in the conv's own
 epilogue, so each activation is written once. Measured per shape on the H200
-(`scripts/bench_conv_fusion.py`, docs/benchmarks/conv_fusion_h200.md): the trunk's 42 convs
+(docs/benchmarks/conv_fusion_h200.md): the trunk's 42 convs
 1,439 -> 1,065 us per forward (bf16, 6 x 640x640), the ops kept as fallback kernels inside
 torch.compile and inside a CUDA graph.
 
