@@ -49,7 +49,7 @@ THRESHOLDS = {"transport_share": 0.4, "busy_share": 0.5, "small_kernel_us_gpu": 
 TRANSPORT_NAME = re.compile(r"transport|receive|recv|publish|serial|deseriali|dds|to_host|"
                             r"h2d|d2h|memcpy|upload|download", re.IGNORECASE)
 STEP_NAME = re.compile(r"^ProfilerStep#\d+$")
-HOST_CATS = ("user_annotation", "cpu_op", "python_function")
+HOST_CATS = ("user_annotation", "cpu_op")  # python_function (with_stack) wraps all: not read
 DEVICE_CATS = ("kernel", "gpu_memset")
 COPY_CATS = ("gpu_memcpy",)
 _ITEMSIZE = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "half": 2,

@@ -63,6 +63,14 @@ def test_compute_bound_gpu_stage() -> None:
     assert s.kernels == 10 and s.flop_util == pytest.approx(0.9)
 
 
+def test_python_stack_events_do_not_hide_stages() -> None:
+    t = Trace()
+    t.range("forward (model.py:10)", -10, 1100, cat="python_function")  # with_stack=True
+    t.range("backbone", 0, 1000)
+    t.dense_kernels(0, 10, 95, flops=0.9e12 * 95e-6, bytes=1e5)
+    assert [s.name for s in analyze(t).stages] == ["backbone"]
+
+
 def test_memory_bound_gpu_stage() -> None:
     t = Trace()
     t.range("layer1", 0, 1000)
