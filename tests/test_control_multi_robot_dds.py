@@ -25,13 +25,13 @@ MODULE = "kestrel_control.control_node"
 JOINTS = ["shoulder_pan", "shoulder_lift", "elbow", "wrist_1", "wrist_2", "wrist_3"]
 SCALE = 0.05
 QS = {"left": np.full(6, 0.4), "right": np.full(6, -0.6)}
-PARAMS = {"rate_hz": 250.0, "stats_period": 0.1, "diagnostics_period": 0.2,
-          "max_obs_age": 0.05, "action_scale": SCALE, "robots": ["left", "right"]}
+PARAMS = {"loop.rate_hz": 250.0, "loop.stats_period": 0.1, "diagnostics_period": 0.2,
+          "safety.max_obs_age": 0.05, "policy.action_scale": SCALE, "robots": ["left", "right"]}
 
 
 @pytest.mark.parametrize("loop_mode", ["thread", "process"])
 def test_two_robots_own_topics_and_cartesian_target_held(launch_node, probe, loop_mode):
-    node = launch_node(MODULE, "control", params=dict(PARAMS, loop_mode=loop_mode))
+    node = launch_node(MODULE, "control", params=PARAMS | {"loop.mode": loop_mode})
     pubs = {ns: probe.publisher(JointState, f"/control/{ns}/input/joint_states", SENSOR_QOS)
             for ns in QS}
     cmds = {ns: probe.subscribe(JointState, f"/control/{ns}/output/joint_command", COMMAND_QOS)
@@ -76,8 +76,8 @@ def test_onnx_policy_with_too_few_actions_fails_configure(launch_node, tmp_path)
         torch.onnx.export(torch.nn.Linear(64, 4), (torch.zeros(1, 64),), str(path),
                           dynamo=False, input_names=["obs"], output_names=["actions"])
     node = launch_node(MODULE, "control", params={
-        "model_path": str(path), "backend": "onnxruntime", "obs_dim": 64})
+        "policy.model_path": str(path), "policy.backend": "onnxruntime", "policy.obs_dim": 64})
     assert node.wait_for_output("autostart: configure failed", timeout=30.0), node.output()
-    assert "parameter 'num_actions' = 4: the policy (ONNX" in node.output()
-    assert "has 6 joints" in node.output()
+    assert "parameter 'policy.model_path': the policy (ONNX" in node.output()
+    assert "outputs 4 actions and the robot has 6 joints" in node.output()
     assert node.proc.wait(10) == 2

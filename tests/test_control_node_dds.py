@@ -29,8 +29,9 @@ UPPER = [3.14159, 2.0, 2.6, 2.6, 2.6, 0.2]  # wrist_3 limited to 0.2 rad: clampi
 Q = np.array([0.1, -0.3, 0.5, -0.7, 0.9, 0.5])  # joint positions sent, node order, rad
 SCALE = 0.05  # action_scale: |command - position| <= SCALE unless clamped
 RATE = 500.0
-PARAMS = {"rate_hz": RATE, "stats_period": 0.1, "diagnostics_period": 0.2, "max_obs_age": 0.05,
-          "action_scale": SCALE, "joint_upper": UPPER, "joint_lower": LOWER}
+PARAMS = {"loop.rate_hz": RATE, "loop.stats_period": 0.1, "diagnostics_period": 0.2,
+          "safety.max_obs_age": 0.05, "policy.action_scale": SCALE, "safety.joint_upper": UPPER,
+          "safety.joint_lower": LOWER}
 
 
 class JointStateSource:
@@ -101,7 +102,7 @@ LOOP_MODES = pytest.mark.parametrize("loop_mode", ["thread", "process"])
 
 @LOOP_MODES
 def test_commands_stats_bad_inputs_and_stale_hold(launch_node, probe, loop_mode):
-    node = launch_node(MODULE, "control", params=dict(PARAMS, loop_mode=loop_mode))
+    node = launch_node(MODULE, "control", params=PARAMS | {"loop.mode": loop_mode})
     commands = probe.subscribe(JointState, "/control/output/joint_command", COMMAND_QOS)
     stats = probe.subscribe(LoopStatistics, "/control/output/loop_stats", COMMAND_QOS)
     diag = probe.subscribe(DiagnosticArray, "/diagnostics")
@@ -211,8 +212,8 @@ def test_sim_time_observation_age_uses_clock_topic(launch_node, probe, loop_mode
     # max_obs_age 0.5 s of sim time (100 joint states): loose enough that a loaded CI machine
     # delaying /clock against joint states does not matter, while ages taken against wall time
     # (sim stamps start at 1000 s) would make every cycle stale
-    node = launch_node(MODULE, "control", params=dict(PARAMS, use_sim_time=True,
-                                                      max_obs_age=0.5, loop_mode=loop_mode))
+    node = launch_node(MODULE, "control", params=PARAMS | {
+        "use_sim_time": True, "safety.max_obs_age": 0.5, "loop.mode": loop_mode})
     sim_ns = [1000 * 10**9]  # sim time starts at 1000 s
     clock_pub = probe.publisher(Clock, "/clock", 10)
     commands = probe.subscribe(JointState, "/control/output/joint_command", COMMAND_QOS)
@@ -243,12 +244,57 @@ def test_sim_time_observation_age_uses_clock_topic(launch_node, probe, loop_mode
         source.close()
 
 
+@LOOP_MODES
+def test_reactivation_sends_nothing_before_a_fresh_joint_state(launch_node, probe, loop_mode):
+    """deactivate -> activate: the joint state received before (fresh by its stamp: max_obs_age
+    30 s) gives no command; commands resume with the first joint state after activation."""
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState
+
+    node = launch_node(MODULE, "control", params=PARAMS | {
+        "loop.mode": loop_mode, "safety.max_obs_age": 30.0})
+    commands = probe.subscribe(JointState, "/control/output/joint_command", COMMAND_QOS)
+    cli = probe.node.create_client(ChangeState, "/control/change_state")
+
+    def transition(tid: int) -> bool:
+        fut = cli.call_async(ChangeState.Request(transition=Transition(id=tid)))
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline and not fut.done():
+            time.sleep(0.02)  # polling a future, bounded
+        return fut.done() and fut.result().success
+
+    source = JointStateSource(probe, probe.now_ns)
+    try:
+        assert cli.wait_for_service(timeout_sec=30.0), node.output()
+        assert commands.wait_for(lambda m: len(m) >= 20, timeout=30.0), node.output()
+        source.mode = "off"
+        assert transition(Transition.TRANSITION_DEACTIVATE), node.output()
+        t_act = probe.now_ns()
+        assert transition(Transition.TRANSITION_ACTIVATE), node.output()
+
+        def since(t: int) -> list:
+            return [m for m in commands.snapshot() if stamp_to_ns(m.header.stamp) > t]
+
+        # the loop runs (1 s = 500 cycles) with only the old joint state: nothing is sent
+        commands.wait_for(lambda m: len(since(t_act)) > 0, timeout=1.0)
+        assert since(t_act) == [], f"{len(since(t_act))} commands from the old joint state"
+        t_on = probe.now_ns()
+        source.mode = "good"
+        assert commands.wait_for(lambda m: len(since(t_act)) >= 20, timeout=30.0)
+        assert all(stamp_to_ns(m.header.stamp) > t_on for m in since(t_act))
+    finally:
+        source.close()
+    assert node.stop() == 0, node.output()
+    assert "Traceback" not in node.output()
+
+
 @pytest.mark.parametrize(("params", "fragment"), [
-    ({"joint_lower": [0.0, -2.0, -2.6, -2.6, -2.6, -3.0],
-      "joint_upper": [-0.5, 2.0, 2.6, 2.6, 2.6, 3.0]},
-     "parameter 'joint_lower' = [0.0, -2.0, -2.6, -2.6, -2.6, -3.0]: joint 0 (shoulder_pan): "
-     "lower 0.0 > upper -0.5"),
-    ({"rate_hz": 0}, "parameter 'rate_hz' = 0"),
+    ({"safety.joint_lower": [0.0, -2.0, -2.6, -2.6, -2.6, -3.0],
+      "safety.joint_upper": [-0.5, 2.0, 2.6, 2.6, 2.6, 3.0]},
+     "parameter 'safety.joint_lower' = [0.0, -2.0, -2.6, -2.6, -2.6, -3.0]: joint 0 "
+     "(shoulder_pan): lower 0.0 > upper -0.5"),
+    ({"loop.rate_hz": 0}, "parameter 'loop.rate_hz' = 0"),
+    ({"rate_hz": 500.0}, "parameter 'rate_hz' = 500.0: renamed to 'loop.rate_hz'"),
 ])
 def test_bad_parameters_fail_configure(launch_node, params, fragment):
     node = launch_node(MODULE, "control", params=params)
@@ -259,11 +305,11 @@ def test_bad_parameters_fail_configure(launch_node, params, fragment):
 
 
 def test_loop_process_start_failure_fails_configure_with_its_message(launch_node):
-    """loop_mode process: the child's error (here: no weights file) fails configure, named."""
-    node = launch_node(MODULE, "control", params=dict(
-        PARAMS, loop_mode="process", weights_path="/nonexistent/policy_weights.pt"))
+    """loop.mode process: the child's error (here: no weights file) fails configure, named."""
+    node = launch_node(MODULE, "control", params=PARAMS | {
+        "loop.mode": "process", "policy.weights_path": "/nonexistent/policy_weights.pt"})
     assert node.wait_for_output("autostart: configure failed", timeout=60.0), node.output()
-    assert ("loop process failed to start: ValueError: parameter 'weights_path' = "
+    assert ("loop process failed to start: ValueError: parameter 'policy.weights_path' = "
             "'/nonexistent/policy_weights.pt'") in node.output()
     assert node.proc.wait(10) == 2
     assert not glob.glob(f"/dev/shm/kestrel_control_{node.proc.pid}_*")

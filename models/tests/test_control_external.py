@@ -168,7 +168,8 @@ def test_state_dict_plus_config(tmp_path: Path) -> None:
     with torch.no_grad():
         torch.testing.assert_close(got, ref.step(XS[0], h, c)[0], atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="'weights_path'.*does not match the policy dims"):
-        load_policy(ModelSpec(path=str(path), config=PolicyConfig.tiny(obs_dim=OBS + 1)))
+        load_policy(ModelSpec(path=str(path), config=PolicyConfig.tiny(obs_dim=OBS + 1),
+                              path_param="weights_path"))
 
 
 class RslRlStyleExport(nn.Module):
@@ -258,3 +259,66 @@ def test_rsl_rl_feedforward_export_is_stateless(tmp_path: Path) -> None:
             backend.obs_host.copy_(torch.cat([x, x]))
             backend.step()
             torch.testing.assert_close(backend.act_host[1:], w, atol=1e-5, rtol=0)
+
+
+def _scripted_bytes(tmp_path: Path) -> bytes:
+    path = tmp_path / "good.pt"
+    torch.jit.script(Mlp().eval()).save(str(path))
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize(("kind", "reason"), [
+    ("empty", "the file is empty"),
+    ("random", "not a TorchScript file nor a state_dict saved by torch.save"),
+    ("truncated", "not a TorchScript file nor a state_dict saved by torch.save"),
+    ("pickled_module", "holds Python objects besides tensors"),
+])
+def test_unloadable_policy_file_names_model_path_and_never_unsafe_loading(
+        tmp_path: Path, kind: str, reason: str) -> None:
+    """A user's policy.pt that cannot be loaded: the error names the parameter the user set
+    (model_path, not the reference policy's weights_path) with the reason, and never repeats
+    torch's advice to load with weights_only=False (which would run pickled code)."""
+    path = tmp_path / "policy.pt"
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "random":
+        path.write_bytes(bytes(range(256)) * 8)
+    elif kind == "truncated":
+        path.write_bytes(_scripted_bytes(tmp_path)[:300])
+    else:
+        torch.save(Mlp(), path)  # a whole pickled module, not tensors
+    with pytest.raises(ValueError) as err:
+        load_policy(ModelSpec(path=str(path), obs_dim=OBS))
+    text = str(err.value)
+    assert text.startswith(f"parameter 'model_path' = '{path}': ") and reason in text, text
+    assert "weights_only" not in text and "weights_path" not in text, text
+    assert "\n" not in text, text
+
+
+def test_torchscript_obs_dim_mismatch_says_both_sizes(tmp_path: Path) -> None:
+    """As for ONNX files: the parameter (obs_dim) and both sizes, no TorchScript traceback."""
+    path = tmp_path / "policy.pt"
+    torch.jit.script(Mlp().eval()).save(str(path))
+    with pytest.raises(ValueError) as err:
+        load_policy(ModelSpec(path=str(path), obs_dim=OBS + 2))
+    assert str(err.value) == (f"parameter 'obs_dim' = {OBS + 2}: the model '{path}' takes "
+                              f"{OBS} values")
+
+
+def test_torchscript_obs_dim_mismatch_at_a_normaliser_says_both_sizes(tmp_path: Path) -> None:
+    """rsl_rl's export starts with the observation normaliser (elementwise), not a Linear."""
+
+    class Normalised(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(OBS))
+            self.actor = nn.Linear(OBS, ACT)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.actor(x - self.mean)
+
+    path = tmp_path / "policy.pt"
+    torch.jit.script(Normalised().eval()).save(str(path))
+    with pytest.raises(ValueError, match=rf"^parameter 'obs_dim' = {OBS - 3}: the model "
+                                         rf"'.*' takes {OBS} values$"):
+        load_policy(ModelSpec(path=str(path), obs_dim=OBS - 3))

@@ -25,6 +25,7 @@ them as constants).
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ class ModelSpec:
     num_actions: int = 0  # expected action count; 0 = take it from the file
     config: PolicyConfig = field(default_factory=PolicyConfig)  # for state dicts / no path
     seed: int = 0
+    path_param: str = "model_path"  # the parameter that named `path` (errors name it)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -114,6 +116,54 @@ def _internal_state(module: nn.Module, before: dict[str, torch.Tensor]
     return names, [before[name] for name in names]
 
 
+def _load_failure(path: str, exc: BaseException) -> str:
+    """Why `path` could not be loaded, in one line: the file's problem, never torch's advice
+    (which suggests weights_only=False: loading arbitrary pickled code is not an option)."""
+    try:
+        if os.path.getsize(path) == 0:
+            return "the file is empty"
+    except OSError as err:
+        return f"cannot read it ({err.strerror})"
+    text = str(exc)
+    what = "not a TorchScript file nor a state_dict saved by torch.save"
+    if "weights_only" in text or "Weights only load failed" in text:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        if found:
+            return (f"it holds Python objects besides tensors ({found.group(1)}), which are "
+                    "not loaded (only tensors are: loading pickled code could run it); save "
+                    "the model's state_dict() with torch.save, or export TorchScript "
+                    "(torch.jit.script / the Isaac Lab exporter)")
+        detail = text.partition("WeightsUnpickler error:")[2].partition("Check the doc")[0]
+        detail = " ".join(detail.split())
+        return f"{what} (unreadable pickle{': ' + detail if detail else ''})"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{what} ({lines[0] if lines else type(exc).__name__})"
+
+
+# the file's first op against obs [1, obs_dim]: (given size, the file's size) as groups 1, 2.
+# A Linear layer ("(1 x given) and (in x out)"), an elementwise op such as rsl_rl's observation
+# normaliser ("tensor a (given) ... tensor b (the file's)").
+_SIZE_ERRORS = (
+    re.compile(r"mat1 and mat2 shapes cannot be multiplied \(\d+x(\d+) and (\d+)x\d+\)"),
+    re.compile(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)"),
+)
+
+
+def _probe_failure(spec: ModelSpec, exc: BaseException) -> ValueError:
+    """A TorchScript probe call failed: the sizes when they are the cause (obs_dim against
+    the file's input, as for ONNX files), else the last line of the error."""
+    text = str(exc)
+    for pattern in _SIZE_ERRORS:
+        m = pattern.search(text)
+        if m is not None and int(m.group(1)) == spec.obs_dim != int(m.group(2)):
+            return _err("obs_dim", spec.obs_dim,
+                        f"the model {spec.path!r} takes {int(m.group(2))} values")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return _err(spec.path_param, spec.path,
+                f"a probe call with obs [1, {spec.obs_dim}] failed: "
+                f"{lines[-1] if lines else type(exc).__name__}")
+
+
 def _check_dims(spec: ModelSpec, obs_dim: int, num_actions: int) -> None:
     if spec.obs_dim and obs_dim != spec.obs_dim:
         raise _err("obs_dim", spec.obs_dim, f"the model {spec.path!r} takes {obs_dim} values")
@@ -132,7 +182,8 @@ def _load_torchscript(spec: ModelSpec) -> StepPolicy:
     try:
         module = _jit_load(spec.path).eval()
     except Exception as exc:  # noqa: BLE001 - configuration error
-        raise _err("model_path", spec.path, f"cannot load as TorchScript: {exc}") from exc
+        raise _err(spec.path_param, spec.path,
+                   f"cannot load as TorchScript: {_load_failure(spec.path, exc)}") from None
     if not spec.obs_dim:
         raise _err("obs_dim", spec.obs_dim, "must be given for a TorchScript model (> 0)")
     shapes = tuple(tuple(s) for s in spec.state_shapes)
@@ -147,8 +198,7 @@ def _load_torchscript(spec: ModelSpec) -> StepPolicy:
             out = wrapped(torch.randn(1, spec.obs_dim, generator=g),
                           *(torch.randn(s, generator=g) for s in shapes))
     except Exception as exc:  # noqa: BLE001
-        raise _err("model_path", spec.path, f"a probe call with obs [1, {spec.obs_dim}] and "
-                   f"states {list(shapes)} failed: {exc}") from exc
+        raise _probe_failure(spec, exc) from None
     if len(out) != 1 + len(shapes) or out[0].dim() != 2 or out[0].shape[0] != 1:
         raise _err("model_path", spec.path, f"returned {len(out)} outputs (first shape "
                    f"{tuple(out[0].shape)}); expected actions [1, A] + {len(shapes)} states")
@@ -219,13 +269,14 @@ def _load_state_dict(spec: ModelSpec) -> StepPolicy:
     try:
         state = torch.load(spec.path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
-        raise _err("weights_path", spec.path, f"cannot load: {exc}") from exc
+        raise _err(spec.path_param, spec.path, _load_failure(spec.path, exc)) from None
     if not isinstance(state, dict):
-        raise _err("weights_path", spec.path, "not a state_dict")
+        raise _err(spec.path_param, spec.path, f"holds a {type(state).__name__}, not a "
+                   "state_dict")
     try:
         model = build_policy(spec.config, seed=spec.seed, state_dict=state)
     except RuntimeError as exc:
-        raise _err("weights_path", spec.path,
+        raise _err(spec.path_param, spec.path,
                    f"does not match the policy dims: {exc}") from exc
     policy = policy_from_actor_critic(model)
     policy.extra["model"] = model
@@ -240,8 +291,7 @@ def load_policy(spec: ModelSpec) -> StepPolicy:
         policy.extra["model"] = model
         return policy
     if not os.path.isfile(spec.path):
-        param = "weights_path" if spec.format == "state_dict" else "model_path"
-        raise _err(param, spec.path, "no such file")
+        raise _err(spec.path_param, spec.path, "no such file")
     fmt = spec.format
     if fmt == "auto":
         if spec.path.endswith(".onnx"):

@@ -3,37 +3,39 @@
 Data flow (all numerics in kestrel_control.core, no ROS there):
   ~/input/joint_states (JointState, SENSOR_QOS) --callback--> LatestValueBuffer [2, n]
   ~/input/target (ControlTarget, COMMAND_QOS)   --callback--> LatestValueBuffer [n]
-  RealtimeLoop thread, every 1/rate_hz: PolicyRunner.step_all(node-clock now) -> commands [R, n]
-      -> ~/output/joint_command (JointState, COMMAND_QOS, position = command, stamp = now)
-  ~/output/loop_stats (LoopStatistics) every stats_period (steady clock); /diagnostics.
+  RealtimeLoop thread, every 1/loop.rate_hz: PolicyRunner.step_all(node-clock now)
+      -> commands [R, n] -> ~/output/joint_command (JointState, COMMAND_QOS, position =
+      command, stamp = now)
+  ~/output/loop_stats (LoopStatistics) every loop.stats_period (steady clock); /diagnostics.
+Parameters (control_params.py): `safety.*`, `policy.*`, `loop.*`.
 With `robots: [a, b, ...]` the R robots are batched into one inference (padded to a power of
 two) and each has its own topics: ~/<ns>/input/joint_states, ~/<ns>/input/target,
-~/<ns>/output/joint_command. The policy is the reference ActorCritic (dims + weights_path) or a
-user's TorchScript / ONNX file (`model_*` parameters); `backend` picks the runtime
-(kestrel_models.control.runtimes). ControlTarget: MODE_JOINT sets the joint target; MODE_HOLD and
-MODE_CARTESIAN keep the current one (Cartesian needs IK: TODO, counted).
+~/<ns>/output/joint_command. The policy is the reference ActorCritic (dims +
+policy.weights_path) or a user's TorchScript / ONNX file (`policy.model_*`); `policy.backend`
+picks the runtime (kestrel_models.control.registry). ControlTarget: MODE_JOINT sets the joint
+target, approached at most at the target's max_speed (rad/s, 0 = no limit); MODE_HOLD and
+MODE_CARTESIAN keep the current one (Cartesian is counted as target_cartesian_held).
 Callbacks only check the message's structure (length, joint names: counted drops) and write
 into the buffers; values (NaN/inf, staleness, joint limits) are the SafetyFilter's job, counted
 in the loop statistics. Observation age = node clock now - header stamp, so it works on wall time
 and on /clock (use_sim_time; the node clock stands still while the sim is paused, so a paused
 sim is not "stale"). A zero header stamp is replaced by the node clock at receipt.
+Activation clears the input buffers: nothing from before a deactivation is acted on, and no
+command is sent before the first joint state received after the activation.
 
-loop_mode (read-only): 'thread' runs PolicyRunner + RealtimeLoop on a thread of this process;
+loop.mode (read-only): 'thread' runs PolicyRunner + RealtimeLoop on a thread of this process;
 'process' runs them in a child interpreter (kestrel_control.core.loop_process / loop_child, no
 rclpy there) that shares the input, command and statistics buffers with this node through
 shared memory: the callbacks write there, a publisher thread woken by the loop (eventfd)
 publishes the commands, and the executor no longer competes with the loop for one GIL. 'auto'
-(default): 'process' for the cuda_* backends (the GIL contention is what kept the H200 loop off
-its targets), 'thread' for the CPU backends (a second interpreter + torch import per node is
-not worth it on small CPU machines, and CPU CI keeps the single-process path).
+(default): 'process' for the cuda_* backends and with loop.rt_priority > 0, 'thread' otherwise
+(a second interpreter + torch import per node is not worth it on small CPU machines).
 
-Publishing (thread mode): directly from the loop thread. Measured on the 2-core dev CPU
-(scripts/bench_command_publish.py, docs/benchmarks/command_publish_cpu.md: rclpy 9.1, Fast DDS,
-6 joints, one preallocated message, stamp + positions updated in place, a RELIABLE subscriber
-in another process): publish p50 21 us / p99 75 us, clock read 6 / 24 us (~3 % of a 1 ms
-period at p50); a publisher thread in the same interpreter would add a wake-up and one more
-GIL contender per cycle. In process mode the publisher thread
-is outside the loop's interpreter, so there it costs the loop only an eventfd write.
+Publishing (thread mode): directly from the loop thread, one preallocated message with the
+stamp and positions updated in place; a publisher thread in the same interpreter would add a
+wake-up and one more GIL contender per cycle (docs/benchmarks/command_publish_cpu.md). In
+process mode the publisher thread is outside the loop's interpreter, so there it costs the loop
+only an eventfd write.
 """
 
 from __future__ import annotations
@@ -57,11 +59,12 @@ from sensor_msgs.msg import JointState
 from kestrel_common.base_node import COMMAND_QOS, SENSOR_QOS, KestrelLifecycleNode, run_node
 from kestrel_common.conversions import stamp_to_ns
 from kestrel_common.params import ParamError
-from kestrel_control.control_params import SPECS, resolve_loop_mode
+from kestrel_control.control_params import RENAMED, SPECS, qualify, resolve_loop_mode
 from kestrel_control.core import LoopStats, PolicyRunner, RealtimeLoop, RunnerConfig
 from kestrel_control.core.loop_process import LoopProcess, LoopSettings
 from kestrel_control.core.miss_cause import CAUSES as MISS_CAUSES
 from kestrel_control.core.stats import window_end_ns
+from kestrel_control.core.target_limit import TargetRamp, speed_limit
 from kestrel_models.control.external import ModelSpec
 from kestrel_models.control.policy import PolicyConfig
 
@@ -83,6 +86,8 @@ class ControlNode(KestrelLifecycleNode):
         self._pubs: list[Any] = []
         self._subs: list[Any] = []
         self._stats_timer = None
+        self._ramp_timer = None
+        self._ramps: list[TargetRamp] = []
         self._steady = Clock(clock_type=ClockType.STEADY_TIME)
         # Per robot: joint-name order of the last accepted message, message index per joint.
         self._perm_names: list[list[str]] = []
@@ -92,63 +97,85 @@ class ControlNode(KestrelLifecycleNode):
         self._last_diag = dict.fromkeys(LoopStats.COUNTERS, 0)
 
     # ---- configuration ----------------------------------------------------------------------
+    def load_params(self) -> dict[str, Any] | None:
+        """The base node's validation, after refusing a parameter under its name from before
+        the grouping (ROS would ignore it and run with the default)."""
+        for name, param in getattr(self, "_parameter_overrides", {}).items():
+            if name in RENAMED:
+                self.get_logger().error(
+                    f"configure failed: parameter '{name}' = {param.value!r}: renamed to "
+                    f"'{RENAMED[name]}'")
+                return None
+        return super().load_params()
+
     def validate_extra(self, values: dict[str, Any]) -> None:
         n = len(values["joint_names"])
-        for name in ("joint_lower", "joint_upper"):
+        for name in ("safety.joint_lower", "safety.joint_upper"):
             if len(values[name]) != n:
                 raise ParamError(name, values[name], f"needs one value per joint ({n})")
-        for name in ("default_joint_positions", "action_scales"):
+        for name in ("policy.default_joint_positions", "policy.action_scales"):
             if values[name] and len(values[name]) != n:
                 raise ParamError(name, values[name], f"needs one value per joint ({n}) or none")
-        limits = zip(values["joint_lower"], values["joint_upper"], strict=True)
-        for i, (lo, hi) in enumerate(limits):
+        lower, upper = values["safety.joint_lower"], values["safety.joint_upper"]
+        for i, (lo, hi) in enumerate(zip(lower, upper, strict=True)):
             if lo > hi:
-                raise ParamError("joint_lower", values["joint_lower"],
+                raise ParamError("safety.joint_lower", lower,
                                  f"joint {i} ({values['joint_names'][i]}): lower {lo} > upper "
-                                 f"{hi} (joint_upper)")
+                                 f"{hi} (safety.joint_upper)")
         robots = values["robots"]
         if len(set(robots)) != len(robots) or any(
                 not r or not r.replace("_", "a").isalnum() or r[0].isdigit() for r in robots):
             raise ParamError("robots", robots, "namespaces must be unique identifiers "
                              "(letters, digits, '_'; not starting with a digit)")
-        if values["spin_us"] * 1e-6 >= 1.0 / values["rate_hz"]:
-            raise ParamError("spin_us", values["spin_us"], "must be shorter than the period")
+        if values["loop.spin_us"] * 1e-6 >= 1.0 / values["loop.rate_hz"]:
+            raise ParamError("loop.spin_us", values["loop.spin_us"],
+                             "must be shorter than the period (loop.rate_hz)")
+
+    @staticmethod
+    def runner_config(p: dict[str, Any]) -> RunnerConfig:
+        """The core's configuration from the validated parameters (ValueError naming the
+        core's argument by its short name: see control_params.qualify)."""
+        policy = PolicyConfig(obs_dim=p["policy.obs_dim"],
+                              hidden_dims=tuple(p["policy.hidden_dims"]),
+                              num_actions=p["policy.num_actions"],
+                              lstm_hidden=p["policy.lstm_hidden"], history=p["policy.history"])
+        model = None
+        if p["policy.model_path"]:
+            states = p["policy.model_state_inputs"]
+            shape = tuple(p["policy.model_state_shape"])
+            model = ModelSpec(
+                path=p["policy.model_path"], format=p["policy.model_format"],
+                obs_name=p["policy.model_input"], actions_name=p["policy.model_output"],
+                state_in_names=tuple(states),
+                state_out_names=tuple(p["policy.model_state_outputs"]),
+                state_shapes=(shape,) * len(states) if shape else (),
+                obs_dim=p["policy.obs_dim"], num_actions=0)
+        return RunnerConfig(
+            joint_lower=p["safety.joint_lower"], joint_upper=p["safety.joint_upper"],
+            policy=policy, action_scale=p["policy.action_scale"],
+            max_obs_age_s=p["safety.max_obs_age"],
+            obs_position_margin=p["safety.obs_position_margin"],
+            max_obs_velocity=p["safety.max_obs_velocity"], backend=p["policy.backend"],
+            weights_path=p["policy.weights_path"], seed=p["policy.seed"], model=model,
+            num_robots=max(1, len(p["robots"])),
+            latency_compensation=p["policy.latency_compensation"],
+            gpu_programs=p["policy.gpu_programs"], obs_layout=tuple(p["policy.obs_layout"]),
+            action_mode=p["policy.action_mode"], action_clip=p["policy.action_clip"] or math.inf,
+            default_joint_positions=tuple(p["policy.default_joint_positions"]),
+            action_scales=tuple(p["policy.action_scales"]))
 
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         p = self.load_params()
         if p is None:
             return TransitionCallbackReturn.FAILURE
         try:
-            policy = PolicyConfig(obs_dim=p["obs_dim"], hidden_dims=tuple(p["hidden_dims"]),
-                                  num_actions=p["num_actions"], lstm_hidden=p["lstm_hidden"],
-                                  history=p["history"])
-            self._stats = LoopStats(1.0 / p["rate_hz"])
-            model = None
-            if p["model_path"]:
-                states = p["model_state_inputs"]
-                shape = tuple(p["model_state_shape"])
-                model = ModelSpec(
-                    path=p["model_path"], format=p["model_format"], obs_name=p["model_input"],
-                    actions_name=p["model_output"], state_in_names=tuple(states),
-                    state_out_names=tuple(p["model_state_outputs"]),
-                    state_shapes=(shape,) * len(states) if shape else (),
-                    obs_dim=p["obs_dim"], num_actions=0)
-            config = RunnerConfig(
-                joint_lower=p["joint_lower"], joint_upper=p["joint_upper"], policy=policy,
-                action_scale=p["action_scale"], max_obs_age_s=p["max_obs_age"],
-                obs_position_margin=p["obs_position_margin"],
-                max_obs_velocity=p["max_obs_velocity"],
-                backend=p["backend"], weights_path=p["weights_path"], seed=p["seed"],
-                model=model, num_robots=max(1, len(p["robots"])),
-                latency_compensation=p["latency_compensation"], gpu_programs=p["gpu_programs"],
-                obs_layout=tuple(p["obs_layout"]), action_mode=p["action_mode"],
-                action_clip=p["action_clip"] or math.inf,
-                default_joint_positions=tuple(p["default_joint_positions"]),
-                action_scales=tuple(p["action_scales"]))
-            self.loop_mode = resolve_loop_mode(p["loop_mode"], p["backend"], p["rt_priority"])
+            self._stats = LoopStats(1.0 / p["loop.rate_hz"])
+            config = self.runner_config(p)
+            self.loop_mode = resolve_loop_mode(p["loop.mode"], p["policy.backend"],
+                                               p["loop.rt_priority"])
             if self.loop_mode == "process":
                 self._proc = LoopProcess(
-                    config, self._loop_settings(p), start_timeout_s=p["loop_start_timeout"],
+                    config, self._loop_settings(p), start_timeout_s=p["loop.start_timeout"],
                     sim_time=bool(self.get_parameter("use_sim_time").value),
                     log=self.get_logger().info)
                 info = self._proc.start()  # LoopProcessError (a ValueError): child's message
@@ -161,7 +188,7 @@ class ControlNode(KestrelLifecycleNode):
                 self._tgt_bufs = [r.target for r in self._runner.robots]
                 batch, source = self._runner.batch, self._runner.policy.source
         except ValueError as exc:  # names the parameter and value
-            self.get_logger().error(f"configure failed: {exc}")
+            self.get_logger().error(f"configure failed: {qualify(str(exc))}")
             self._close_process()
             self._runner = self._stats = None
             return TransitionCallbackReturn.FAILURE
@@ -173,6 +200,13 @@ class ControlNode(KestrelLifecycleNode):
         self._subs = []
         self._perm_names = [[] for _ in prefixes]
         self._perm = [np.zeros(0, dtype=np.intp) for _ in prefixes]
+        # speed-limited joint targets (ControlTarget.max_speed): per robot, advanced by a timer
+        # in the callbacks' group; the latest joint positions start a ramp
+        self._ramps = [TargetRamp(len(names)) for _ in prefixes]
+        self._ramp_stamps = [0] * len(prefixes)
+        self._last_pos = np.zeros((len(prefixes), len(names)))  # rad, node joint order
+        self._have_pos = [False] * len(prefixes)
+        self._group = group
         for r, prefix in enumerate(prefixes):
             msg = JointState()  # reused every cycle (loop thread only)
             msg.name = names
@@ -199,9 +233,9 @@ class ControlNode(KestrelLifecycleNode):
         self._clock = self.get_clock()
         self.get_logger().info(
             f"configured: {len(names)} joints {names}, {len(prefixes)} robot(s) (batch "
-            f"{batch}), {p['rate_hz']:g} Hz, backend {p['backend']}, loop in a "
-            f"{self.loop_mode}, policy {source if p['model_path'] else policy}, latency "
-            f"compensation {'on' if p['latency_compensation'] else 'off'}"
+            f"{batch}), {p['loop.rate_hz']:g} Hz, backend {p['policy.backend']}, loop in a "
+            f"{self.loop_mode}, policy {source if p['policy.model_path'] else config.policy}, "
+            f"latency compensation {'on' if p['policy.latency_compensation'] else 'off'}"
             + (f", native tick {self._proc.info.get('native_tick', '?')}"
                if self._proc is not None else ""))
         return TransitionCallbackReturn.SUCCESS
@@ -209,11 +243,11 @@ class ControlNode(KestrelLifecycleNode):
     @staticmethod
     def _loop_settings(p: dict[str, Any]) -> LoopSettings:
         return LoopSettings(
-            period_s=1.0 / p["rate_hz"], spin_s=p["spin_us"] * 1e-6,
-            rt_priority=p["rt_priority"], cpu_affinity=tuple(p["cpu_affinity"]),
-            lock_memory=p["lock_memory"], manage_gc=p["disable_gc"],
-            switch_interval_s=(p["gil_switch_interval_us"] * 1e-6) or None,
-            native_tick=p["native_tick"], miss_attribution=p["miss_attribution"])
+            period_s=1.0 / p["loop.rate_hz"], spin_s=p["loop.spin_us"] * 1e-6,
+            rt_priority=p["loop.rt_priority"], cpu_affinity=tuple(p["loop.cpu_affinity"]),
+            lock_memory=p["loop.lock_memory"], manage_gc=p["loop.disable_gc"],
+            switch_interval_s=(p["loop.gil_switch_interval_us"] * 1e-6) or None,
+            native_tick=p["loop.native_tick"], miss_attribution=p["loop.miss_attribution"])
 
     def _close_process(self) -> None:
         if self._proc is not None:
@@ -223,7 +257,11 @@ class ControlNode(KestrelLifecycleNode):
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         p, stats = self.params, self._stats
         self._last_diag = dict.fromkeys(LoopStats.COUNTERS, 0)
-        self._active = True
+        # nothing from before: the loop clears its input buffers (PolicyRunner.reset) before it
+        # starts, and the callbacks write again only once it runs
+        for ramp in self._ramps:
+            ramp.reset()
+        self._have_pos = [False] * len(self._ramps)
         try:
             if self._proc is not None:  # the child resets the policy and the statistics
                 self._applied = self._proc.activate(self._publish_command)
@@ -239,10 +277,15 @@ class ControlNode(KestrelLifecycleNode):
                     log=self.get_logger().info)
                 self._applied = self._loop.start()
         except (RuntimeError, ValueError) as exc:
-            self._active = False
             self.get_logger().error(f"activate failed: {exc}")
             return TransitionCallbackReturn.FAILURE
-        self._stats_timer = self.create_timer(p["stats_period"], self._publish_stats,
+        self._active = True
+        self._ramp_period = 1.0 / p["safety.target_rate_hz"]
+        self._ramp_last_ns = 0
+        self._ramp_timer = self.create_timer(self._ramp_period, self._advance_targets,
+                                             callback_group=self._group)
+        self._ramp_timer.cancel()  # started by a speed-limited target
+        self._stats_timer = self.create_timer(p["loop.stats_period"], self._publish_stats,
                                               clock=self._steady)
         self.start_diagnostics(self._diagnostic_status)
         return TransitionCallbackReturn.SUCCESS
@@ -268,9 +311,11 @@ class ControlNode(KestrelLifecycleNode):
             self._loop = None
         if self._proc is not None:
             self._proc.deactivate()
-        if self._stats_timer is not None:
-            self.destroy_timer(self._stats_timer)
-            self._stats_timer = None
+        for name in ("_stats_timer", "_ramp_timer"):
+            timer = getattr(self, name)
+            if timer is not None:
+                self.destroy_timer(timer)
+                setattr(self, name, None)
 
     # ---- input callbacks (executor threads): structure checks, then write a buffer -------
     def _on_joint_state(self, robot: int, msg: JointState) -> None:
@@ -291,6 +336,7 @@ class ControlNode(KestrelLifecycleNode):
                           f"names {list(names)} are not the node's joints {list(self._index)}")
                 return
             self._perm_names[robot], self._perm[robot] = list(names), perm
+        self.check_stamp(msg.header.stamp)   # a stack on two clocks -> ERROR, named fix
         stamp = stamp_to_ns(msg.header.stamp) or self._clock.now().nanoseconds
         pos_a = np.frombuffer(pos, dtype=np.float64) if isinstance(pos, array.array) \
             else np.asarray(pos, dtype=np.float64)
@@ -306,26 +352,62 @@ class ControlNode(KestrelLifecycleNode):
                 slot[1] = 0.0
 
         self._js_bufs[robot].write_with(fill, stamp)
+        np.take(pos_a, perm, out=self._last_pos[robot])  # where a speed-limited target starts
+        self._have_pos[robot] = True
 
     def _on_target(self, robot: int, msg: ControlTarget) -> None:
         if not self._active:
             return
         if msg.mode != ControlTarget.MODE_JOINT:
-            # MODE_HOLD: keep the current joint target. MODE_CARTESIAN: also held, counted.
-            # TODO(control): Cartesian targets need IK (not in this node yet); the planner's
-            # Cartesian position is ignored and the last joint target stays in force.
+            # MODE_HOLD: keep the current joint target. MODE_CARTESIAN: also held, counted
+            # (the planner's Cartesian position is not tracked; the last joint target stays).
             if msg.mode == ControlTarget.MODE_CARTESIAN:
                 self.counters.inc("target_cartesian_held")
             else:
                 self.counters.inc("target_hold")
             return
         n, q = len(self._index), msg.joint_positions
-        if len(q) == n:
-            self._tgt_bufs[robot].write(np.asarray(q, dtype=np.float64),
-                                        stamp_to_ns(msg.header.stamp))
-        else:
+        if len(q) != n:
             self.drop("target_bad_length",
                       f"target has {len(q)} joint positions, the node has {n} joints")
+            return
+        limit = speed_limit(msg.max_speed)
+        if limit is None:
+            self.drop("target_bad_max_speed",
+                      f"max_speed {msg.max_speed}: must be >= 0 rad/s (0 = no limit)")
+            return
+        goal = np.asarray(q, dtype=np.float64)
+        stamp = stamp_to_ns(msg.header.stamp)
+        ramp = self._ramps[robot]
+        if limit == math.inf:  # no limit: the target as given (a later ramp starts there)
+            ramp.reset()
+            ramp.current = goal
+            self._tgt_bufs[robot].write(goal, stamp)
+            return
+        ramp.set_goal(goal, limit)
+        self._ramp_stamps[robot] = stamp
+        if self._ramp_timer.is_canceled():
+            self._ramp_last_ns = self._clock.now().nanoseconds
+            self._ramp_timer.reset()
+        self._advance_targets()  # the start point now (dt 0), then one step per timer period
+
+    def _advance_targets(self) -> None:
+        """Timer (the callbacks' group): every ramping robot's target one step on, written
+        into the loop's target buffer; the timer stops when none is left."""
+        now = self._clock.now().nanoseconds
+        # a late timer moves the target by at most two periods' worth: never a jump
+        dt = min(max(now - self._ramp_last_ns, 0) * 1e-9, 2.0 * self._ramp_period)
+        self._ramp_last_ns = now
+        busy = False
+        for r, ramp in enumerate(self._ramps):
+            if not ramp.active:
+                continue
+            nxt = ramp.advance(dt, self._last_pos[r] if self._have_pos[r] else None)
+            if nxt is not None:
+                self._tgt_bufs[r].write(nxt, self._ramp_stamps[r])
+            busy = busy or ramp.active
+        if not busy:
+            self._ramp_timer.cancel()
 
     # ---- the real-time loop's step (loop thread) ---------------------------------------------
     def _tick(self, deadline_ns: int) -> None:
@@ -374,7 +456,7 @@ class ControlNode(KestrelLifecycleNode):
             return DiagnosticStatus.STALE, "not configured", {}
         counters = stats.counters()
         values: dict[str, Any] = {f"loop_{k}": v for k, v in counters.items()}
-        window = max(1, int(self.params["diagnostics_period"] * self.params["rate_hz"]))
+        window = max(1, int(self.params["diagnostics_period"] * self.params["loop.rate_hz"]))
         values.update({f"loop_{k}": v for k, v in stats.percentiles(window).items()})
         proc = self._proc
         values["loop_mode"] = self.loop_mode
@@ -411,7 +493,7 @@ class ControlNode(KestrelLifecycleNode):
 
 def main(args: list[str] | None = None) -> int:
     # Two executor threads: the callbacks are short, and every extra Python thread is one more
-    # contender for the GIL the real-time loop needs (measured: 4 threads -> higher p50/p99).
+    # contender for the GIL the real-time loop needs.
     return run_node(ControlNode, args, num_threads=2)
 
 

@@ -1,12 +1,16 @@
 """The control node's parameters (ParamSpec list, no rclpy): see control_node.py for what they
-drive. Every one is declared once by the node and validated at configure."""
+drive. Every one is declared once by the node and validated at configure. Grouped by what they
+govern: `safety.*` (what the loop refuses, the command limits), `policy.*` (the model, its
+backend, its observation and action mapping) and `loop.*` (the real-time loop)."""
 
 from __future__ import annotations
 
+import re
+
 from kestrel_common.params import ParamSpec
-from kestrel_control.core import BACKENDS
 from kestrel_control.core.policy_io import ACTION_MODES, TERMS
 from kestrel_models.control.external import FORMATS
+from kestrel_models.control.registry import BACKENDS, REGISTRY
 
 # The sim arm (kestrel_sim.core.scene.JOINT_NAMES and the joint ranges of tabletop.xml).
 SIM_JOINTS = ["shoulder_pan", "shoulder_lift", "elbow", "wrist_1", "wrist_2", "wrist_3"]
@@ -25,119 +29,149 @@ def _unique_names(names: list[str]) -> str | None:
 SPECS = [
     ParamSpec("joint_names", SIM_JOINTS, "Joints in command order.", read_only=True,
               check=_unique_names),
-    ParamSpec("joint_lower", SIM_LOWER, "Lower joint limits, rad.", read_only=True),
-    ParamSpec("joint_upper", SIM_UPPER, "Upper joint limits, rad.", read_only=True),
-    ParamSpec("rate_hz", 1000.0, "Control loop rate, Hz.", min=10.0, max=2000.0, read_only=True),
-    # replaces the base spec (1 s): the loop statistics on /diagnostics at ~10 Hz (issue 3)
-    ParamSpec("diagnostics_period", 0.1, "Period of /diagnostics publication (and of the "
-              "loop-stats window), s.", min=0.01, max=60.0, read_only=True),
-    ParamSpec("max_obs_age", 0.02, "Older joint states -> hold, s.", min=1e-4, max=10.0),
-    ParamSpec("obs_position_margin", 0.5, "Joint states with a position outside the joint "
-              "limits by more than this are implausible -> hold (never a command from that "
-              "position), counted as rejected_implausible, rad.", min=0.0, max=1000.0),
-    ParamSpec("max_obs_velocity", 100.0, "Joint states with a speed above this are implausible "
-              "-> hold, counted as rejected_implausible, rad/s.", min=1e-3, max=1e6),
-    ParamSpec("action_scale", 0.05, "rad per unit of action: of tanh(action) in "
-              "position_delta_tanh, of the action in position_delta / position_offset (Isaac "
-              "Lab's JointPositionAction scale).", min=1e-6, max=10.0, read_only=True),
-    # what the policy sees and what its actions mean (core/policy_io.py): the defaults are the
-    # reference policy's; an Isaac Lab policy sets them to its env's terms and action term
-    ParamSpec("obs_layout", [], "Observation terms in order (empty = joint_pos, joint_vel, "
-              f"target, last_action): {', '.join(sorted(TERMS))}, each optionally "
-              "'name*scale', or 'zeros:K' for K zero columns; for a model file it must cover "
-              "obs_dim exactly.", element_type=str, read_only=True),
-    ParamSpec("action_mode", ACTION_MODES[0], "Command from action a: position_delta_tanh "
-              "q + scale*tanh(a) (reference policy); position_delta q + scale*a (Isaac Lab "
-              "RelativeJointPositionAction); position_offset default_q + scale*a (Isaac Lab "
-              "JointPositionAction, use_default_offset).", choices=ACTION_MODES,
-              read_only=True),
-    ParamSpec("action_scales", [], "Per-joint action scales, joint_names order (Isaac Lab's "
-              "scale dict); empty = action_scale for every joint.", min=1e-6, max=10.0,
-              element_type=float, read_only=True),
-    ParamSpec("action_clip", 0.0, "Raw actions clamped to [-c, c] before the mapping and the "
-              "last_action term (rsl_rl's clip_actions); 0 = off.", min=0.0, max=1e6,
-              read_only=True),
-    ParamSpec("default_joint_positions", [], "default_q per joint, rad, in joint_names order "
-              "(Isaac Lab's default joint positions; joint_pos_rel, target_rel and "
-              "position_offset); empty = zeros.", element_type=float, read_only=True),
-    ParamSpec("obs_dim", 256, "Policy observation size.", min=1, max=65536, read_only=True),
-    ParamSpec("hidden_dims", [512, 256], "Policy encoder widths.", min=1, max=65536,
-              read_only=True),
-    ParamSpec("num_actions", 12, "Policy action size (>= number of joints).", min=1,
-              max=4096, read_only=True),
-    ParamSpec("lstm_hidden", 256, "Policy LSTM state size.", min=1, max=65536, read_only=True),
-    ParamSpec("history", 8, "Policy window length (window form; the loop steps the LSTM).",
-              min=1, max=4096, read_only=True),
-    ParamSpec("backend", "cpu_eager", "Inference backend.", choices=BACKENDS, read_only=True),
-    ParamSpec("gpu_programs", 64, "cuda_persistent: resident kernel programs, one SM each, held "
-              "while ticks come (H200, 132 SMs: 64 -> step p50 21 us, other GPU work keeps ~1/4 "
-              "of its throughput; 128 -> 18 us, ~3 %).", min=1, max=1024, read_only=True),
-    ParamSpec("weights_path", "", "Policy state_dict file; empty = seeded random weights.",
-              read_only=True),
-    ParamSpec("model_path", "", "A user's policy file (TorchScript .pt or ONNX .onnx, Isaac Lab "
-              "export style); overrides the reference policy and weights_path.", read_only=True),
-    ParamSpec("model_format", "auto", "Format of model_path.", choices=FORMATS, read_only=True),
-    ParamSpec("model_input", "obs", "Observation input name (ONNX).", read_only=True),
-    ParamSpec("model_output", "actions", "Action output name (ONNX).", read_only=True),
-    ParamSpec("model_state_inputs", [], "Recurrent state input names, e.g. [h_in, c_in].",
-              element_type=str, read_only=True),
-    ParamSpec("model_state_outputs", [], "Recurrent state output names, e.g. [h_out, c_out].",
-              element_type=str, read_only=True),
-    ParamSpec("model_state_shape", [], "Batch-1 shape of every recurrent state, e.g. [1, 1, "
-              "256] (empty = from the ONNX file).", min=1, max=65536, element_type=int,
-              read_only=True),
-    ParamSpec("latency_compensation", True, "Predict joint positions forward by observation "
-              "age + compute latency (linear).", read_only=True),
     ParamSpec("robots", [], "Robot namespaces batched into one inference (empty = one robot on "
               "~/input/..., ~/output/...; else ~/<ns>/input/joint_states, ~/<ns>/input/target, "
               "~/<ns>/output/joint_command).", element_type=str, read_only=True),
-    ParamSpec("seed", 0, "Seed of the random weights.", min=0, max=2**31 - 1, read_only=True),
-    ParamSpec("stats_period", 0.1, "Period of ~/output/loop_stats, s.", min=0.01, max=60.0,
+    # replaces the base spec: the loop statistics on /diagnostics as often as on loop_stats
+    ParamSpec("diagnostics_period", 0.1, "Period of /diagnostics publication (and of the "
+              "loop-stats window), s.", min=0.01, max=60.0, read_only=True),
+    # ---- safety.*: what the loop refuses to act on, and the limits of every command ----------
+    ParamSpec("safety.joint_lower", SIM_LOWER, "Lower joint limits, rad (commands clamped).",
               read_only=True),
-    ParamSpec("rt_priority", 0, "SCHED_FIFO priority of the loop thread (0 = none; refused "
-              "-> nice -20, reported as rt_sched_fifo on /diagnostics).", min=0,
-              max=99, read_only=True),
-    ParamSpec("cpu_affinity", [], "CPUs for the loop thread (empty = any).", min=0,
-              max=4095, element_type=int, read_only=True),
-    ParamSpec("lock_memory", False, "mlockall the process at activation.", read_only=True),
-    ParamSpec("spin_us", 200.0, "Busy-wait before each deadline, us.", min=0.0, max=5000.0,
+    ParamSpec("safety.joint_upper", SIM_UPPER, "Upper joint limits, rad (commands clamped).",
               read_only=True),
-    # 50 us: measured with ROS I/O live (scripts/bench_control.py, docs/benchmarks/control_*):
-    # H200 cuda_graph loop p50 425 -> 121 us together with poll sync; 2-core CPU onnxruntime
-    # loop p99.9 778 -> 385 us vs 200 us.
-    ParamSpec("gil_switch_interval_us", 50.0, "sys.setswitchinterval while the loop runs, us "
-              "(bounds how long another thread can keep the GIL from the loop; in loop_mode "
-              "process also in this node's process, from its command publisher thread; 0 = "
-              "unchanged).",
-              min=0.0, max=100000.0, read_only=True),
-    ParamSpec("loop_mode", "auto", "Where the real-time loop runs: 'thread' (this process), "
+    ParamSpec("safety.max_obs_age", 0.02, "Older joint states -> hold, s.", min=1e-4, max=10.0),
+    ParamSpec("safety.obs_position_margin", 0.5, "Joint states with a position outside the "
+              "joint limits by more than this are implausible -> hold (never a command from "
+              "that position), counted as rejected_implausible, rad.", min=0.0, max=1000.0),
+    ParamSpec("safety.max_obs_velocity", 100.0, "Joint states with a speed above this are "
+              "implausible -> hold, counted as rejected_implausible, rad/s.", min=1e-3,
+              max=1e6),
+    ParamSpec("safety.target_rate_hz", 100.0, "Rate at which a speed-limited joint target "
+              "(ControlTarget.max_speed > 0, rad/s per joint) is moved toward its goal, Hz.",
+              min=1.0, max=1000.0, read_only=True),
+    # ---- policy.*: the model, where it runs, what it sees and what its actions mean ----------
+    ParamSpec("policy.backend", "cpu_eager", "Inference backend: "
+              + "; ".join(f"{b.name}: {b.when}" for b in REGISTRY.values()) + ".",
+              choices=BACKENDS, read_only=True),
+    ParamSpec("policy.model_path", "", "A user's policy file (TorchScript .pt or ONNX .onnx, "
+              "Isaac Lab export style); overrides the reference policy and "
+              "policy.weights_path.", read_only=True),
+    ParamSpec("policy.model_format", "auto", "Format of policy.model_path.", choices=FORMATS,
+              read_only=True),
+    ParamSpec("policy.model_input", "obs", "Observation input name (ONNX).", read_only=True),
+    ParamSpec("policy.model_output", "actions", "Action output name (ONNX).", read_only=True),
+    ParamSpec("policy.model_state_inputs", [], "Recurrent state input names, e.g. [h_in, c_in].",
+              element_type=str, read_only=True),
+    ParamSpec("policy.model_state_outputs", [], "Recurrent state output names, e.g. [h_out, "
+              "c_out].", element_type=str, read_only=True),
+    ParamSpec("policy.model_state_shape", [], "Batch-1 shape of every recurrent state, e.g. "
+              "[1, 1, 256] (empty = from the ONNX file).", min=1, max=65536, element_type=int,
+              read_only=True),
+    ParamSpec("policy.weights_path", "", "Reference policy: state_dict file; empty = seeded "
+              "random weights.", read_only=True),
+    ParamSpec("policy.seed", 0, "Reference policy: seed of the random weights.", min=0,
+              max=2**31 - 1, read_only=True),
+    ParamSpec("policy.obs_dim", 256, "Policy observation size.", min=1, max=65536,
+              read_only=True),
+    ParamSpec("policy.hidden_dims", [512, 256], "Reference policy: encoder widths.", min=1,
+              max=65536, read_only=True),
+    ParamSpec("policy.num_actions", 12, "Reference policy: action size (>= number of joints).",
+              min=1, max=4096, read_only=True),
+    ParamSpec("policy.lstm_hidden", 256, "Reference policy: LSTM state size.", min=1,
+              max=65536, read_only=True),
+    ParamSpec("policy.history", 8, "Reference policy: window length (window form; the loop "
+              "steps the LSTM).", min=1, max=4096, read_only=True),
+    # what the policy sees and what its actions mean (core/policy_io.py): the defaults are the
+    # reference policy's; an Isaac Lab policy sets them to its env's terms and action term
+    ParamSpec("policy.obs_layout", [], "Observation terms in order (empty = joint_pos, "
+              f"joint_vel, target, last_action): {', '.join(sorted(TERMS))}, each optionally "
+              "'name*scale', or 'zeros:K' for K zero columns; for a model file it must cover "
+              "policy.obs_dim exactly.", element_type=str, read_only=True),
+    ParamSpec("policy.action_mode", ACTION_MODES[0], "Command from action a: "
+              "position_delta_tanh q + scale*tanh(a) (reference policy); position_delta "
+              "q + scale*a (Isaac Lab RelativeJointPositionAction); position_offset "
+              "default_q + scale*a (Isaac Lab JointPositionAction, use_default_offset).",
+              choices=ACTION_MODES, read_only=True),
+    ParamSpec("policy.action_scale", 0.05, "rad per unit of action: of tanh(action) in "
+              "position_delta_tanh, of the action in position_delta / position_offset (Isaac "
+              "Lab's JointPositionAction scale).", min=1e-6, max=10.0, read_only=True),
+    ParamSpec("policy.action_scales", [], "Per-joint action scales, joint_names order (Isaac "
+              "Lab's scale dict); empty = policy.action_scale for every joint.", min=1e-6,
+              max=10.0, element_type=float, read_only=True),
+    ParamSpec("policy.action_clip", 0.0, "Raw actions clamped to [-c, c] before the mapping "
+              "and the last_action term (rsl_rl's clip_actions); 0 = off.", min=0.0, max=1e6,
+              read_only=True),
+    ParamSpec("policy.default_joint_positions", [], "default_q per joint, rad, in joint_names "
+              "order (Isaac Lab's default joint positions; joint_pos_rel, target_rel and "
+              "position_offset); empty = zeros.", element_type=float, read_only=True),
+    ParamSpec("policy.latency_compensation", True, "Predict joint positions forward by "
+              "observation age + compute latency (linear).", read_only=True),
+    ParamSpec("policy.gpu_programs", 64, "cuda_persistent: resident kernel programs, one SM "
+              "each, held while ticks come (more: a faster step, less of the GPU left to other "
+              "work).", min=1, max=1024, read_only=True),
+    # ---- loop.*: the real-time loop ----------------------------------------------------------
+    ParamSpec("loop.rate_hz", 1000.0, "Control loop rate, Hz.", min=10.0, max=2000.0,
+              read_only=True),
+    ParamSpec("loop.mode", "auto", "Where the real-time loop runs: 'thread' (this process), "
               "'process' (a child process sharing memory with the node) or 'auto' (process for "
-              "the cuda_* backends and whenever rt_priority > 0, thread otherwise).",
+              "the cuda_* backends and whenever loop.rt_priority > 0, thread otherwise).",
               choices=("auto", "thread", "process"), read_only=True),
-    ParamSpec("loop_start_timeout", 120.0, "Bound on the loop process start (policy load, "
+    ParamSpec("loop.rt_priority", 0, "SCHED_FIFO priority of the loop thread (0 = none; "
+              "refused -> nice -20, reported as rt_sched_fifo on /diagnostics).", min=0,
+              max=99, read_only=True),
+    ParamSpec("loop.cpu_affinity", [], "CPUs for the loop thread (empty = any).", min=0,
+              max=4095, element_type=int, read_only=True),
+    ParamSpec("loop.lock_memory", False, "mlockall the process at activation.",
+              read_only=True),
+    ParamSpec("loop.spin_us", 200.0, "Busy-wait before each deadline, us.", min=0.0,
+              max=5000.0, read_only=True),
+    ParamSpec("loop.gil_switch_interval_us", 50.0, "sys.setswitchinterval while the loop runs, "
+              "us (bounds how long another thread can keep the GIL from the loop; in loop.mode "
+              "process also in this node's process, from its command publisher thread; 0 = "
+              "unchanged).", min=0.0, max=100000.0, read_only=True),
+    ParamSpec("loop.start_timeout", 120.0, "Bound on the loop process start (policy load, "
               "warm-up, graph capture / compile), s.", min=1.0, max=3600.0, read_only=True),
-    ParamSpec("native_tick", True, "loop_mode process: run the tick's common case (inputs, "
-              "checks, the cuda_persistent step, command, clamp) in C, compiled once with the "
-              "system C compiler (CC, else cc) into ~/.cache/kestrel/native; without a compiler "
-              "the Python tick runs and the loop process logs why. Same commands (host-side "
-              "tanh: within 1e-12 rad) and counters either way (test_native_tick.py).",
-              read_only=True),
-    ParamSpec("miss_attribution", True, "Count each deadline miss by cause (preempted / "
+    ParamSpec("loop.native_tick", True, "loop.mode process: run the tick's common case "
+              "(inputs, checks, the graph or resident-kernel step, command, clamp) in C, "
+              "compiled once with the system C compiler (CC, else cc) into "
+              "~/.cache/kestrel/native; without a compiler the Python tick runs and the loop "
+              "process logs why. Same commands (host-side tanh: within 1e-12 rad) and counters "
+              "either way.", read_only=True),
+    ParamSpec("loop.miss_attribution", True, "Count each deadline miss by cause (preempted / "
               "blocked / late wake / slow step) from the loop thread's schedstat and getrusage: "
-              "two reads per cycle, one of them (~1.3-3 us) between the wake-up and the step "
+              "two reads per cycle, one of them between the wake-up and the step "
               "(core/miss_cause.py).", read_only=True),
-    ParamSpec("disable_gc", True, "gc.freeze + gc.disable (process-wide) while the loop runs.",
-              read_only=True),
+    ParamSpec("loop.disable_gc", True, "gc.freeze + gc.disable (process-wide) while the loop "
+              "runs.", read_only=True),
+    ParamSpec("loop.stats_period", 0.1, "Period of ~/output/loop_stats, s.", min=0.01,
+              max=60.0, read_only=True),
 ]
+
+# The names before the parameters were grouped: a params file or command line that still uses
+# one fails configure naming its new name; errors from the core (which names its arguments by
+# their short names) are reported under the node's parameter names.
+RENAMED = {s.name.partition(".")[2]: s.name for s in SPECS if "." in s.name}
+RENAMED.update({"loop_mode": "loop.mode", "loop_start_timeout": "loop.start_timeout",
+                "rate_hz": "loop.rate_hz", "stats_period": "loop.stats_period"})
+RENAMED.pop("mode")
+RENAMED.pop("start_timeout")
+_PARAM_RE = re.compile(r"parameter '([A-Za-z_][A-Za-z0-9_]*)'")
+
+
+def qualify(message: str) -> str:
+    """`message` with every "parameter 'short'" of a grouped parameter as "parameter
+    'group.short'" (the core and kestrel_models name their arguments by the short names)."""
+    return _PARAM_RE.sub(lambda m: f"parameter '{RENAMED.get(m.group(1), m.group(1))}'",
+                         message)
 
 
 def resolve_loop_mode(loop_mode: str, backend: str, rt_priority: int,
                       machine: str | None = None) -> str:
-    """'auto' -> 'process' for the cuda_* backends (H200: no GIL shared with the executor,
-    control_h200.md) and whenever the loop gets SCHED_FIFO (2-core CPU with rt_priority 80:
-    process beat thread in all 4 backend x rate pairs, onnxruntime 0 misses at 1 kHz,
-    control_cpu.md); else 'thread' (without the priority, process mode's extra busy process on
-    2 cores was a wash). Explicit 'thread' / 'process' are kept.
+    """'auto' -> 'process' for the cuda_* backends (the loop shares no GIL with the executor)
+    and whenever the loop gets SCHED_FIFO; else 'thread' (without the priority, a second busy
+    process on a small CPU costs about what the GIL contention it removes does; measurements in
+    docs/benchmarks/control_*.md). Explicit 'thread' / 'process' are kept.
 
     On a weakly ordered CPU (ARM: a Jetson, most robot computers that are not x86) the node's
     Python writes into the shared-memory seqlocks have no fences, so a reader could see a

@@ -19,6 +19,7 @@ import torch
 
 from kestrel_control.core.loop_process import LoopProcess, LoopProcessError, LoopSettings
 from kestrel_control.core.policy_runner import PolicyRunner, RunnerConfig
+from kestrel_control.core.safety import SafetyStatus
 from kestrel_control.core.shm_control import ShmLayout, ShmSegment, ShmViews
 from kestrel_models.control.policy import PolicyConfig
 
@@ -158,9 +159,10 @@ def test_loop_process_commands_equal_the_in_process_runner() -> None:
         info = proc.start()
         assert info["batch"] == 1 and info["backend"] == "cpu_eager"
         assert len(_segments(os.getpid())) == 1
-        proc.joint_states[0].write(js, time.time_ns())
         applied = proc.activate(lambda r, c, s: published.append((r, c.copy(), s)))
         assert "gc" in applied
+        proc.joint_states[0].write(js, time.time_ns())  # after activation: what came before
+        # it is forgotten
         # the node process too (its publisher thread), while active
         assert sys.getswitchinterval() == pytest.approx(1e-4)
         assert _wait(lambda: len(published) >= 20, 20.0), "no commands published"
@@ -325,3 +327,41 @@ def test_failed_activation_leaves_no_publisher_and_restores_the_gil_interval() -
     finally:
         del proc._reply
         proc.close()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python_tick", "c_tick"])
+def test_reset_forgets_inputs_until_fresh_ones(segment, native: bool) -> None:
+    """Activation (runner.reset) clears the shared input buffers: the joint state written
+    before it, though still fresh by its stamp, gives no command, in Python and in the C tick;
+    the first joint state written after it does."""
+    from kestrel_control.core.loop_child import _Tick
+
+    _, _, views = segment
+    runner = PolicyRunner(_config(num_robots=2), counters=views.stats,
+                          buffers=list(zip(views.joint_states, views.targets, strict=True)))
+    efd = os.eventfd(0, os.EFD_NONBLOCK)
+    tick = _Tick(runner, views, efd, native=native)
+    if native and tick.native is None:
+        pytest.skip(f"C tick unavailable: {tick.native_status}")
+    js = np.full((2, N), 0.1)
+    try:
+        for r in range(2):
+            views.joint_states[r].write(js, time.time_ns())
+            views.targets[r].write(np.full(N, 0.5), time.time_ns())
+        for _ in range(5):
+            tick(0)
+        sent = [c.version for c in views.commands]
+        assert sent == [5, 5]
+        runner.reset()  # deactivate -> activate
+        assert [b.version for b in views.joint_states] == [0, 0]
+        for _ in range(5):
+            tick(0)
+        assert [c.version for c in views.commands] == sent  # nothing from before
+        assert runner.robots[0].info.status is SafetyStatus.NO_INPUT
+        views.joint_states[1].write(js, time.time_ns())  # robot 1 only: fresh input
+        tick(0)
+        assert [c.version for c in views.commands] == [sent[0], sent[1] + 1]
+        assert np.all(runner.robots[1].target_now == 0.0)  # the old target is gone too
+    finally:
+        os.close(efd)
+        runner.close()

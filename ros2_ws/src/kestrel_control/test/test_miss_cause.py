@@ -154,8 +154,7 @@ def test_a_cpu_hog_on_the_loop_cpu_is_counted_as_preemption() -> None:
 def test_a_stopped_loop_is_not_taken_for_a_late_wake() -> None:
     """SIGSTOP takes the CPU from the spinning thread without a run-queue wait, but the thread
     is switched out (and in again): blocked. What the hypervisor does to a virtual CPU leaves
-    no switch in the guest at all: that alone is a late wake (scripted above; the H200 runs in
-    docs/benchmarks/control_miss_causes_h200.md)."""
+    no switch in the guest at all: that alone is a late wake (scripted above)."""
     def stop_three_times(pid: int, _cpu: int) -> None:
         for _ in range(3):
             os.kill(pid, signal.SIGSTOP)

@@ -325,3 +325,20 @@ def test_a_model_file_needs_one_action_per_joint(actions: int, tmp_path: Path) -
     runner = make(model=ModelSpec(path=str(good), obs_dim=32))
     feed(runner, np.zeros(N), np.zeros(N), 0)
     assert runner.step(MS)[1].valid
+
+
+def test_reset_forgets_the_joint_state_and_target_from_before() -> None:
+    """Activation (reset) after a deactivation: a joint state received before, still fresh by
+    its stamp, must not produce a command; the first one written after the reset does."""
+    runner = make(max_obs_age_s=10.0)
+    feed(runner, np.full(N, 0.2), np.zeros(N), 1 * MS)
+    runner.target.write(np.full(N, 0.7), 1 * MS)
+    _, info = runner.step(2 * MS)
+    assert info.valid and np.all(runner.robots[0].target_now == 0.7)
+    runner.reset()
+    for k in range(3, 10):
+        _, info = runner.step(k * MS)
+        assert info.status is SafetyStatus.NO_INPUT and not info.valid
+    feed(runner, np.full(N, 0.2), np.zeros(N), 10 * MS)
+    _, info = runner.step(11 * MS)
+    assert info.valid and np.all(runner.robots[0].target_now == 0.0)  # no target since

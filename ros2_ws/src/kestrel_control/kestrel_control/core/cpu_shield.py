@@ -2,7 +2,7 @@
 
 Why: without SCHED_FIFO (refused in most containers) the loop thread is an ordinary fair-class
 thread, and any runnable task the scheduler places on the loop's CPU takes its share of it: a
-busy-waiting loop thread then loses a whole scheduler slice (~3 ms on a 16-CPU EEVDF kernel) and
+busy-waiting loop thread then loses a whole scheduler slice (milliseconds) and
 misses deadlines. The kernel's answers are `isolcpus=` / `nohz_full=` on the boot command line or
 a cpuset partition (`cset shield`); this module is what an unprivileged process can do in their
 place: rewrite the CPU affinity of every task it may touch (same user, or root in a container)

@@ -19,7 +19,7 @@ thread then waited on an executor thread running a Python callback.
 Why the slots are plain (pageable) memory, not pinned: the GPU never reads them. Between a slot
 and the device sit the checks the loop must make first (stale, finite, plausible), the latency
 prediction and the observation layout (policy_io.py), so the loop reads the slot into its own
-float64 row (~100 bytes, well under 1 us) and writes the float32 observation into the backend's
+float64 row (a few hundred bytes) and writes the float32 observation into the backend's
 pinned `obs_host`, which the captured graph copies to the device asynchronously. A pinned slot
 would save no copy: the GPU would still need the checked, compensated row. (In the loop process
 the slots live in POSIX shared memory: shm_control.SharedLatestValue.)
@@ -66,6 +66,20 @@ class LatestValueBuffer:
     def version(self) -> int:
         """Number of writes published so far (0 = nothing written yet)."""
         return self._version
+
+    def clear(self) -> None:
+        """Forget every value: version 0 again, as never written (activation: nothing from
+        before may be read). Call while no reader runs; writers wait on the lock."""
+        with self._write_lock:
+            for slot in self._slots:
+                slot.fill(0)
+            self._seq[:] = [0, 0]
+            self._stamps[:] = [0, 0]
+            self._versions[:] = [0, 0]
+            self._published = 0
+            self._version = 0
+            self._good.fill(0)
+            self._good_version = self._good_stamp = 0
 
     # ---- writer side -----------------------------------------------------------------------
     def write(self, value: np.ndarray, stamp_ns: int = 0) -> int:

@@ -38,8 +38,8 @@ from kestrel_control.core.shm_control import (AUX_COMPUTE_LATENCY, CLOCK_SIM, CT
 
 # How often the idle main thread wakes to check that the node is alive (the pipe's EOF is the
 # normal signal). Every wake-up takes the GIL from the loop thread (a forced switch after the
-# switch interval, then a cross-core hand-back): once a second, that could disturb ~100 cycles
-# of a 100 s run, the size of its p99.9. Every 30 s keeps it to a handful.
+# switch interval, then a cross-core hand-back); rare wake-ups keep that out of the loop's
+# tail.
 PARENT_CHECK_S = 30.0
 
 

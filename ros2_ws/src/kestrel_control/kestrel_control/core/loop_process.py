@@ -1,8 +1,8 @@
-"""Node side of `loop_mode: process`: the real-time loop in a child interpreter of its own.
+"""Node side of `loop.mode: process`: the real-time loop in a child interpreter of its own.
 
 Why: in one interpreter the rclpy executor thread (deserialising joint states at 1 kHz, running
-callbacks) and the loop thread share one GIL; measured on the H200 that put the cuda_graph tick
-at p99.9 487 us with ROS I/O live against 139 us without it (docs/benchmarks/control_h200.md).
+callbacks) and the loop thread share one GIL, which stretches the tick's tail whenever ROS I/O
+is live (docs/benchmarks/control_h200.md).
 The child (`python -m kestrel_control.core.loop_child`, no rclpy) owns the PolicyRunner and the
 RealtimeLoop; the node keeps the ROS I/O:
   subscription callbacks -> SharedLatestValue (joint states, targets) in shared memory;
@@ -45,7 +45,7 @@ from kestrel_control.core.shm_control import (CLOCK_SIM, CLOCK_SYSTEM, CTRL_CLOC
 CHILD_MODULE = "kestrel_control.core.loop_child"
 # With rt_priority > 0 the node's command publisher thread runs SCHED_FIFO this much below the
 # loop: on a loaded machine it then gets a core as soon as the loop wrote a command, instead of
-# waiting behind the other processes (measured in docs/benchmarks/foundation.md).
+# waiting behind the other processes.
 PUBLISHER_PRIORITY_BELOW = 10
 
 

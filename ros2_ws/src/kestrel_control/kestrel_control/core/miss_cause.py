@@ -18,13 +18,13 @@ spent runnable but not running; CONFIG_SCHED_INFO, on in mainstream kernels; it 
 run queue's clock, so steal while the thread is queued counts as preempted, steal while it runs
 does not) and `ru_nvcsw` of getrusage(RUSAGE_THREAD) (voluntary context switches: a sleep, a
 futex wait for the GIL, a stop; not a preemption, which is `ru_nivcsw`). Both are read into
-preallocated buffers right after each cycle's end time (also the next cycle's start; ~2.0 us on
-the dev CPU, before the sleep), and run_delay again just before the wake-up time is taken
-(~1.3 us: it delays the step by that much); parsed only when a cycle is late. The reads go
+preallocated buffers right after each cycle's end time (also the next cycle's start, before
+the sleep), and run_delay again just before the wake-up time is taken (it delays the step by
+the time of that read); parsed only when a cycle is late. The reads go
 through ctypes.PyDLL, which keeps the GIL: os.pread releases and retakes it every cycle, and a
 loop that spins the whole period then starves every other thread of the interpreter (a waiting
-thread only forces a switch after 5 ms without one; measured here: loop.start() returned after
-22 s instead of 0.09 s).
+thread only forces a switch after the switch interval without one, so loop.start() could
+take seconds to return).
 
 The rule, for a cycle that ended `overrun` after its next deadline:
 1. preempted if the run-queue wait that could delay the deadline is at least the overrun: the
@@ -53,7 +53,7 @@ _RU_NVCSW = 16  # ru_nvcsw: the 13th long after the two timevals (byte 128)
 
 def _libc_keeping_gil():
     """PyDLL: calls keep the GIL (module docstring). No argtypes: the loop passes prebuilt
-    ctypes arguments (0.4 us less per call than converting Python ints)."""
+    ctypes arguments (cheaper per call than converting Python ints)."""
     libc = ctypes.PyDLL(None, use_errno=True)
     libc.pread.restype = ctypes.c_ssize_t
     libc.getrusage.restype = ctypes.c_int
@@ -118,8 +118,8 @@ class MissAttributor:
         self._getrusage(self._who, self._ru_end)
 
     def mark_wake(self) -> None:
-        """Just before the loop takes its wake-up time (after the spin; ~1.3 us, it delays the
-        step by that much). Never raises."""
+        """Just before the loop takes its wake-up time (after the spin; it delays the step by the
+        time of one read). Never raises."""
         self._pread(self._cfd, self._wake, self._size, self._off)
 
     def cause(self, wake_error_ns: int, overrun_ns: int, slept: bool) -> int:

@@ -37,8 +37,8 @@ from kestrel_control.core.safety import (SafetyCounters, SafetyFilter, SafetySta
                                          validate_limits, validate_plausibility)
 from kestrel_models.control.external import ModelSpec, load_policy
 from kestrel_models.control.policy import ActorCritic, PolicyConfig
-from kestrel_models.control.runtimes import (BACKENDS, POST_BACKENDS, PolicyBackend, PostSpec,
-                                             check_backend, create_backend)
+from kestrel_models.control.registry import POST_BACKENDS, check_backend, create_backend
+from kestrel_models.control.runtimes import PolicyBackend, PostSpec
 
 
 def padded_batch(num_robots: int) -> int:
@@ -78,9 +78,7 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         lower, upper = validate_limits(self.joint_lower, self.joint_upper)
         self.joint_lower, self.joint_upper = lower, upper
-        if self.backend not in BACKENDS:
-            raise ValueError(f"parameter 'backend' = {self.backend!r}: must be one of {BACKENDS}")
-        check_backend(self.backend)
+        check_backend(self.backend)  # an unknown name, or one that cannot run here
         if not (isinstance(self.action_scale, (int, float)) and math.isfinite(self.action_scale)
                 and self.action_scale > 0):
             raise ValueError(f"parameter 'action_scale' = {self.action_scale!r}: must be > 0")
@@ -103,7 +101,8 @@ class RunnerConfig:
                  self.action_scales)
         if self.model is None:
             self.model = ModelSpec(path=self.weights_path, format="state_dict",
-                                   config=self.policy, seed=self.seed)
+                                   config=self.policy, seed=self.seed,
+                                   path_param="weights_path")
 
     @property
     def num_joints(self) -> int:
@@ -234,12 +233,18 @@ class PolicyRunner:
         self.reset()
 
     def reset(self) -> None:
-        """Zero recurrent state and observations; forget the last safe commands (activation)."""
+        """Activation: zero the recurrent state and observations, forget the last safe commands
+        and clear the input buffers, so that nothing received before is acted on: no robot
+        has input (no command) until a joint state written after this call."""
         self.backend.reset_state()
         self.backend.obs_np[:] = 0.0
         self.backend.act_np[:] = 0.0
+        self._tver[:] = 0
         for robot in self.robots:
             robot.safety.reset()
+            robot.joint_states.clear()
+            robot.target.clear()
+            robot.inputs.fill(0.0)
 
     def close(self) -> None:
         """Release the backend's non-memory resources (cuda_persistent: its resident kernel);

@@ -5,10 +5,8 @@ Deadline k is `t0 + k * period` on CLOCK_MONOTONIC (time.monotonic_ns). Each cyc
 busy-waits the rest (holding the GIL: other Python threads wait at most `spin_ns`), runs
 `step_fn(deadline_ns)` and records wake error, period and step latency into `LoopStats`.
 A sleep shorter than MIN_SLEEP_NS is not taken (the loop spins instead): it saves almost no
-CPU, and on the H200 VM a short sleep is an idle exit of the virtual CPU plus a timer wake-up.
-There the C tick (26 us) left ~20 us to sleep before the 950 us spin each cycle, and its run had
-wake-up p99.9 46.5 us and one 1.85 ms late wake-up against 0.4 us and 0.1 ms for the Python tick
-(~49 us, no time left to sleep) in the same call (docs/benchmarks/control_native_h200.md).
+CPU, and on a virtual machine a short sleep is an idle exit of the virtual CPU plus a timer
+wake-up, which makes late wake-ups (docs/benchmarks/control_native_h200.md).
 Overrun: when a cycle ends after the next deadline, the loop skips to the first future deadline
 (no catch-up burst) and counts every skipped deadline in `stats.deadline_misses`; so
 cycles + deadline_misses == deadlines elapsed. Each miss is also counted by its cause
@@ -21,8 +19,8 @@ gc.freeze() (the warmed-up objects leave the collector's view) and gc.disable().
 process-wide: it stays disabled while the loop runs and is re-enabled on stop (if it was on).
 Optionally `sys.setswitchinterval(switch_interval_s)` while running (process-wide, restored on
 stop): torch ops release the GIL, and another Python thread that takes it then keeps it up to
-the switch interval (5 ms by default) while the loop waits. Measured here against a thread
-holding the GIL 4 ms at a time: 200 us cut the 1 kHz loop's deadline misses by a third.
+the switch interval (5 ms by default) while the loop waits; a shorter interval bounds that
+wait.
 """
 
 from __future__ import annotations
@@ -57,9 +55,9 @@ def rt_throttle_check(period_ns: int, spin_ns: int,
                       proc: str = "/proc/sys/kernel") -> str:
     """A SCHED_FIFO loop that sleeps less than the kernel's real-time throttle leaves idle is
     stopped for the rest of every throttle period: with the defaults (sched_rt_runtime_us
-    950000 of sched_rt_period_us 1000000) 50 ms in each second. Measured on the H200 VM: the
-    eager loops, which never sleep at 1 kHz, woke up to 50.7 ms late ("sched: RT throttling
-    activated"; docs/benchmarks/control_miss_causes_h200.md). The loop sleeps only when more than
+    950000 of sched_rt_period_us 1000000) 50 ms in each second: a loop that never sleeps then
+    wakes up tens of ms late ("sched: RT throttling activated" in the kernel log). The loop
+    sleeps only when more than
     spin_ns + MIN_SLEEP_NS of the period is left after the step, so a spin that leaves less
     than the throttle's idle share (before the step's own time) is flagged here, at start."""
     try:
@@ -87,10 +85,8 @@ def rt_throttle_check(period_ns: int, spin_ns: int,
 
 def _eperm_hint(exc: BaseException) -> str:
     """EPERM although the process holds CAP_SYS_NICE: the kernel's real-time group scheduling
-    gives the process's cgroup no real-time runtime. Seen on the H200 VM: the command's cgroup
-    (/process_api/<id>) refuses, the cgroup v2 root accepts
-    (docs/benchmarks/control_miss_causes_h200.md). Docker's answer is --cpu-rt-runtime;
-    systemd's, a unit in the root."""
+    gives the process's cgroup no real-time runtime (a nested cgroup refuses where the cgroup v2
+    root accepts). Docker's answer is --cpu-rt-runtime; systemd's, a unit in the root."""
     if not isinstance(exc, PermissionError):
         return ""
     try:
@@ -183,7 +179,7 @@ class RealtimeLoop:
         self.lock_memory = bool(lock_memory)
         self.manage_gc = bool(manage_gc)
         self.switch_interval_s = switch_interval_s
-        self.miss_attribution = bool(miss_attribution)  # miss_cause.py: ~3 us per cycle
+        self.miss_attribution = bool(miss_attribution)  # miss_cause.py: two reads per cycle
         self._old_switch_interval = sys.getswitchinterval()
         self.name = name
         self._log = log or logging.getLogger(__name__).info
@@ -308,7 +304,7 @@ class RealtimeLoop:
             while clock() < deadline:
                 pass  # busy-wait the last `spin` ns
             if mark_wake is not None:
-                mark_wake()  # ~1.3 us (dev CPU), in the wake error rather than in the step
+                mark_wake()  # its cost lands in the wake error rather than in the step
             wake = clock()
             try:
                 step(deadline)

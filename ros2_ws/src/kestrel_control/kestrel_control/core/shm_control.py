@@ -77,7 +77,7 @@ class SharedLatestValue:
             raise ValueError(f"parameter 'max_retries' = {max_retries!r}: must be >= 1")
         self._h = header  # int64 [_HEADER], in the segment
         # the hot paths (write, read_into) index the header through a memoryview: plain
-        # int64 loads/stores at ~0.05 us instead of numpy scalar access at ~0.15 us
+        # int64 loads/stores, cheaper than numpy scalar access
         self._hv = memoryview(header).cast("B").cast("q")
         self._slots = (slots[0], slots[1])  # float64 [*shape] each, in the segment
         self._max_retries = int(max_retries)
@@ -111,15 +111,20 @@ class SharedLatestValue:
         return int(self._h[_H_FAILED])
 
     def clear(self) -> None:
-        """Zero everything (before any reader or writer runs)."""
-        self._h[:] = 0
-        self._slots[0][...] = 0.0
-        self._slots[1][...] = 0.0
+        """Zero everything: version 0 again, as never written, and this reader's fallback
+        value (in place: the C tick holds their addresses). Only while no reader or writer
+        runs (start-up; activation, before the loop starts and the callbacks write)."""
+        with self._write_lock:
+            self._h[:] = 0
+            self._slots[0][...] = 0.0
+            self._slots[1][...] = 0.0
+            self._good.fill(0.0)
+            self._good_vs.fill(0)
 
     # ---- writer ------------------------------------------------------------------------------
     def write(self, value: np.ndarray, stamp_ns: int = 0) -> int:
         # the loop process's tick writes every command here: `_finish`'s stores are inlined
-        # (calling it costs 0.1 us of the ~1 us write, profile_control_tick.py)
+        # (a call is a noticeable share of the write)
         with self._write_lock:
             h = self._hv
             idx = 1 - h[_H_PUB]
@@ -235,8 +240,8 @@ class SharedLoopStats(LoopStats):
         self.wake_time = _SharedRing(rings[3], ints, k + 3)
         self.window_end_wake_ns = 0  # reader side (this view's snapshots)
         self._win_cycles = self._win_period = self._win_wake = self._win_latency = 0
-        # record(): element access through memoryviews (plain stores, ~0.1 us) instead of
-        # numpy scalar indexing behind properties (1.9 -> 0.6 us per cycle on the dev CPU)
+        # record(): element access through memoryviews (plain stores) instead of
+        # numpy scalar indexing behind properties (a third of the cost per cycle)
         self._iv = memoryview(ints).cast("B").cast("q")
         self._rv = [memoryview(rings[i]).cast("B").cast("d") for i in range(4)]
         self._cap = int(rings.shape[1])
