@@ -15,6 +15,7 @@ compared by ratio against a stated tolerance (TOLERANCES, overridable with `--to
   power.energy_j_per_item   lower    +15 %
   drift.max_abs             lower    +100 % (2x)
   metrics.misses            lower    +0 (absolute: any new miss)
+  metrics.deadline_misses   lower    +0 (absolute: the control loop's)
   ratios.*                  higher   -15 % (same-run ratios, > 1 = the optimized path wins)
 
 Prints the table; exit 1 when any gated figure regressed, or a baseline result is missing
@@ -47,6 +48,7 @@ TOLERANCES: dict[str, tuple[str, str, float]] = {
     "power.energy_j_per_item": ("lower", "rel", 0.15),
     "drift.max_abs": ("lower", "rel", 1.0),
     "metrics.misses": ("lower", "abs", 0.0),
+    "metrics.deadline_misses": ("lower", "abs", 0.0),
     "ratios": ("higher", "rel", 0.15),
 }
 EXIT_PASS, EXIT_REGRESSION, EXIT_MISMATCH = 0, 1, 2
