@@ -1,9 +1,10 @@
-# Kestrel: the two commands a new user needs.
-#   make demo   # set up if needed, run the whole stack on the embedded sim (~30 s), print a table
-#   make test   # set up if needed, then lint + the test suite (what CI runs)
+# Kestrel: the commands a new user needs.
+#   make demo        # set up if needed, run the whole stack on the embedded sim (~30 s), print a table
+#   make test        # set up if needed, then lint + the whole test suite (what CI runs)
+#   make test-fast   # lint + unit and in-process tests: no DDS, no launch, no slow, no GPU tests
 DURATION ?= 30
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-fast lint clean
 setup:
 	bash scripts/setup.sh
 
@@ -12,6 +13,9 @@ demo: setup
 
 test: setup
 	bash scripts/test.sh
+
+test-fast: setup
+	bash scripts/test.sh --fast
 
 lint: setup
 	bash scripts/run.sh ruff check .

@@ -1,22 +1,21 @@
 #!/usr/bin/env bash
-# The test command (`make test`, and CI through .ci/run): lint, then the whole pytest suite.
-# Extra arguments go to pytest, e.g. scripts/test.sh -k control -x
+# The test command: lint, then pytest.
+#   scripts/test.sh            the whole suite (`make test`, and CI through .ci/run)
+#   scripts/test.sh --fast     the fast tier (`make test-fast`): unit and in-process node tests;
+#                              deselects the markers dds (multi-process over DDS), launch, slow
+#                              and gpu (pytest.ini)
+# Further arguments go to pytest, e.g. scripts/test.sh -k control -x
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
 source "$ROOT/scripts/env.sh"
 cd "$ROOT"
+MARKERS=()
+if [[ "${1:-}" == "--fast" ]]; then
+    shift
+    MARKERS=(-m "not dds and not launch and not slow and not gpu")
+fi
 echo "[test] ruff check"
 ruff check .
-# the benchmark regression gate (tools/kestrel_bench/gate.py): same-run ratios of the optimized
-# vs the baseline path, timed interleaved on this CPU, against the committed baseline; 40 %
-# tolerance on ratios (a 2x slower optimized path halves them)
-echo "[test] benchmark gate"
-gate_dir="$(mktemp -d)"
-trap 'rm -rf "$gate_dir"' EXIT
-python -m kestrel_bench paired --out "$gate_dir/gate" > "$gate_dir/paired.log" \
-  || { cat "$gate_dir/paired.log"; exit 1; }
-python -m kestrel_bench gate "$gate_dir/gate.json" --baseline docs/benchmarks/gate_cpu.json \
-  --only 'ratios.*' --tolerance ratios=0.4
-echo "[test] pytest"
-python -m pytest -q "$@"
+echo "[test] pytest ${MARKERS[*]}"
+exec python -m pytest -q "${MARKERS[@]}" "$@"
