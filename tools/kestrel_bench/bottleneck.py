@@ -26,8 +26,9 @@ Rules, in order (thresholds in THRESHOLDS):
   transport  copies (or a stage named like transport: receive, publish, serialize...) take
              >= transport_share of the wall time
   launch     the device is busy < busy_share of the wall time (it waits on the host: Python,
-             dispatch, launches), or its kernels are small (mean < 10 x small_kernel_us) and
-             neither FLOP/s nor bytes/s reach low_util of the peak (per-launch overhead)
+             dispatch, launches), a stage of a GPU trace has no device work at all, or its
+             kernels are small (mean < 10 x small_kernel_us) and neither FLOP/s nor bytes/s
+             reach low_util of the peak (per-launch overhead)
   compute    FLOP/s share of peak >= bytes/s share of peak (arithmetic intensity above the
              ridge point peak_flops / peak_bytes_per_s)
   memory     otherwise
@@ -378,6 +379,10 @@ def _classify(s: StageStats, peaks: Peaks, th: dict, gpu: bool) -> None:
         s.klass = "transport"
         s.reason = ("named as transport" if TRANSPORT_NAME.search(s.name)
                     else f"host<->device copies take {s.copy_us / wall:.0%} of the time")
+    elif gpu and not s.kernels:
+        s.klass = "launch"
+        s.reason = (f"no device work: {s.host_us / 1e3:.3f} ms of host time (Python, "
+                    "dispatch, host-side math) while the GPU waits")
     elif s.kernels and s.busy_share < th["busy_share"]:
         s.klass = "launch"
         s.reason = (f"the {'GPU' if gpu else 'CPU'} computes {s.busy_share:.0%} of the time "

@@ -92,6 +92,16 @@ def test_launch_bound_gpu_stage() -> None:
     assert s.kernels == 100 and s.gaps_us > 700
 
 
+def test_host_only_stage_of_a_gpu_trace_is_overhead_bound() -> None:
+    t = Trace()
+    t.range("policy", 0, 500)
+    t.dense_kernels(0, 5, 95, flops=0.9e12 * 95e-6, bytes=1e5)
+    t.range("command", 600, 300)
+    t.op("aten::clamp", 600, 250, flops=10.0, bytes=100.0)
+    s = stage(analyze(t), "command")
+    assert s.klass == "launch" and "no device work" in s.reason
+
+
 def test_tiny_kernels_back_to_back_are_launch_bound() -> None:
     t = Trace()
     t.range("post", 0, 300)
