@@ -190,6 +190,11 @@ def gate(new: dict, old: dict, tolerances: dict | None = None, only: list[str] |
         return EXIT_MISMATCH, "gate: no figure of the baseline matched (--only?)"
     bad = [r for r in rows if r.verdict in ("REGRESSION", "MISSING")]
     text = format_rows(rows) + "\n\n"
+    for key in ("cpu_model", "gpu", "torch"):
+        a, b = (r.get("machine", {}).get(key) for r in (new, old))
+        if a != b:
+            text += (f"note: machine.{key} {a!r} vs baseline {b!r} (same class; figures may "
+                     "shift: re-record the baseline on this machine if they do)\n")
     if bad:
         text += (f"gate: FAIL, {len(bad)} of {len(rows)} figures regressed: "
                  + ", ".join(r.key for r in bad))

@@ -57,6 +57,13 @@ def test_identical_passes() -> None:
     assert "gate: PASS" in text and "| onnxruntime.latency_ms.p50 |" in text
 
 
+def test_other_cpu_model_is_noted() -> None:
+    other = record()
+    other["machine"]["cpu_model"] = "another CPU"
+    code, text = gate.gate(other, record())
+    assert code == gate.EXIT_PASS and "note: machine.cpu_model 'another CPU'" in text
+
+
 def test_injected_2x_slowdown_fails() -> None:
     code, text = gate.gate(slowed(record()), record())
     assert code == gate.EXIT_REGRESSION
