@@ -405,6 +405,9 @@ def _classify(s: StageStats, peaks: Peaks, th: dict, gpu: bool) -> None:
         s.klass = "memory"
         s.reason = (f"{s.bw_util:.0%} of peak bandwidth vs {s.flop_util:.0%} of peak "
                     f"{s.dtype} FLOP/s")
+    if s.klass in ("compute", "memory") and max(s.flop_util, s.bw_util) < th["low_util"]:
+        s.reason += ("; far from either peak: the kernels themselves are inefficient (small "
+                     "shapes, layout, dtype) or the device is shared")
 
 
 def verdict_by_time(stages: list[StageStats]) -> dict[str, float]:

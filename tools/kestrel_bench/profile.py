@@ -104,7 +104,7 @@ def report(analysis: bottleneck.Analysis, target: str) -> str:
     seen = set()
     ranked = sorted(analysis.stages, key=lambda s: -s.wall_us) or [step]
     for s in ranked:
-        text = advice.suggest(target, s)
+        text = advice.suggest(target, s, analysis.device)
         if text and s.klass not in seen:
             seen.add(s.klass)
             lines.append(f"- {text}")

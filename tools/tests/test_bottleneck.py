@@ -211,8 +211,15 @@ def test_suggestions_name_the_nodes_parameters() -> None:
     assert "precision: bf16" in advice.suggest("perception", memory)
     assert "memory-bound in layer1" in advice.suggest("perception", memory)
     assert "backend: cuda_graph" in advice.suggest("control", launch)
+    assert "policy.backend: onnxruntime" in advice.suggest("control", launch, "cpu")
     assert "backend: engine" in advice.suggest("planner", launch)
     assert "CUDA graph" in advice.suggest("other", launch)
+    # every class has a suggestion for every target on either device
+    for target in ("perception", "control", "planner", "other"):
+        for klass in bottleneck.CLASSES:
+            for device in ("gpu", "cpu"):
+                s = bottleneck.StageStats("x", klass=klass)
+                assert advice.suggest(target, s, device), (target, klass, device)
 
 
 def test_cli_prints_table_verdict_and_advice(tmp_path, capsys) -> None:
