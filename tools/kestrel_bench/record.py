@@ -82,6 +82,10 @@ def machine_info(use_torch: bool = True, **extra: object) -> dict:
     except AttributeError:
         pass
     try:
+        info["loadavg_1m"] = round(os.getloadavg()[0], 2)  # other work on the machine
+    except OSError:
+        pass
+    try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 info["cpu_model"] = line.split(":", 1)[1].strip()

@@ -33,7 +33,7 @@ def _num(v: object, nd: int = 3) -> str:
 
 def _machine_line(m: dict) -> str:
     parts = [f"class **{m.get('class', '?')}**"]
-    for key in ("gpu", "cpu_model", "cpus", "torch", "cuda", "python", "host"):
+    for key in ("gpu", "cpu_model", "cpus", "torch", "cuda", "python", "host", "loadavg_1m"):
         if m.get(key) is not None:
             parts.append(f"{key} {m[key]}")
     return ", ".join(parts)
