@@ -305,8 +305,13 @@ def analyze(events: list[Event], peaks: Peaks, thresholds: dict | None = None) -
     gpu = bool(device_ev or copies)
     stage_ranges, top_ops, work_ops = _nesting(host)
 
-    def launched_at(d: Event) -> float:  # device work belongs where its launch ran
-        h = launches.get(d.args.get("correlation"))
+    ops_by_ext = {e.args.get("External id"): e for e in host if e.cat == "cpu_op"
+                  and e.args.get("External id") is not None}
+
+    def launched_at(d: Event) -> float:
+        """Device work belongs where its launch ran (the runtime call of its correlation id,
+        else the op of its External id, else its own start)."""
+        h = launches.get(d.args.get("correlation")) or ops_by_ext.get(d.args.get("External id"))
         return h.ts if h is not None else d.ts
 
     work_idx, top_idx = _ByTime(work_ops), _ByTime(top_ops)

@@ -71,6 +71,16 @@ def test_python_stack_events_do_not_hide_stages() -> None:
     assert [s.name for s in analyze(t).stages] == ["backbone"]
 
 
+def test_kernels_found_by_external_id_without_runtime_events() -> None:
+    t = Trace()
+    t.range("backbone", 0, 100)
+    t.op("aten::mm", 10, 20, **{"External id": 5})
+    # the kernel runs after the range ended: only its External id ties it to the stage
+    t.events.append({"ph": "X", "cat": "kernel", "name": "gemm", "ts": 500, "dur": 50,
+                     "pid": 0, "tid": 7, "args": {"External id": 5}})
+    assert stage(analyze(t), "backbone").kernels == 1
+
+
 def test_memory_bound_gpu_stage() -> None:
     t = Trace()
     t.range("layer1", 0, 1000)
