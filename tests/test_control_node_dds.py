@@ -247,12 +247,12 @@ def test_sim_time_observation_age_uses_clock_topic(launch_node, probe, loop_mode
 @LOOP_MODES
 def test_reactivation_sends_nothing_before_a_fresh_joint_state(launch_node, probe, loop_mode):
     """deactivate -> activate: the joint state received before (fresh by its stamp: max_obs_age
-    30 s) gives no command; commands resume with the first joint state after activation."""
+    10 s) gives no command; commands resume with the first joint state after activation."""
     from lifecycle_msgs.msg import Transition
     from lifecycle_msgs.srv import ChangeState
 
     node = launch_node(MODULE, "control", params=PARAMS | {
-        "loop.mode": loop_mode, "safety.max_obs_age": 30.0})
+        "loop.mode": loop_mode, "safety.max_obs_age": 10.0})
     commands = probe.subscribe(JointState, "/control/output/joint_command", COMMAND_QOS)
     cli = probe.node.create_client(ChangeState, "/control/change_state")
 
