@@ -11,7 +11,8 @@ Triton; on a machine without them every row is recorded as skipped).
               compiled step runs (torch.compile): attention over the KV cache, the MLP's SiLU
               down projection, RMSNorm + w13, the whole MLP block; each timed as a CUDA graph of
               24 calls on distinct per-layer data (no weight served from L2)
-Every row: device time per call from CUDA events around CUDA-graph replays. Roles: the
+Every row: device time per call from CUDA events around CUDA-graph replays (no power figure:
+the timed windows are shorter than NVML's update period). Roles: the
 original / reference path = baseline, the shipped default = optimized. ratios:
 <group>_optimized_vs_baseline_p50[_<case>].
 Left out: one-off studies whose outcome is recorded in docs/benchmarks and that test no
