@@ -23,7 +23,8 @@ pytestmark = pytest.mark.dds
 
 MODULE = "kestrel_sim.sim_node"
 JOINTS = ["shoulder_pan", "shoulder_lift", "elbow", "wrist_1", "wrist_2", "wrist_3"]
-HOME = np.array([0.0, -0.2, 1.4, 1.2, 0.0, 0.0])  # worlds/tabletop.xml keyframe "home", rad
+FINGERS = ["finger_left", "finger_right"]  # finger_left is the gripper's driven joint, m
+HOME = np.array([0.0, -0.2, 1.4, 1.2, 0.0, 0.0])  # SimWorldConfig.home_joint_positions, rad
 RED_CUBE_DEFAULT = np.array([0.5, -0.15, 0.425])  # m
 FAST = {"diagnostics_period": 0.3, "lidar_n_vertical": 16}  # lighter on the shared CPU
 
@@ -143,9 +144,10 @@ def test_streams_clock_camera_lidar_joints(probe, launch_node):
     assert {_ns(m.header.stamp) for m in img.snapshot()} & \
         {_ns(m.header.stamp) for m in pts.snapshot()}, "no image and cloud share a stamp"
 
-    # joint states: 6 named joints at the home pose
+    # joint states: the 6 arm joints at the home pose, then both fingers (open)
     jm = js.snapshot()[-1]
-    assert list(jm.name) == JOINTS and len(jm.position) == len(jm.velocity) == 6
+    assert list(jm.name) == JOINTS + FINGERS and len(jm.position) == len(jm.velocity) == 8
+    assert max(abs(v) for v in jm.position[6:]) < 2e-3
     np.testing.assert_allclose(_latest_q(js), HOME, atol=0.02)
 
     vals = diagnostics_values(diag.wait_for(
@@ -201,32 +203,46 @@ def test_joint_commands_and_bad_commands(probe, launch_node):
     # still working: an unnamed full command is applied
     pub.publish(JointState(position=HOME.tolist()))
     assert js.wait_for(at(HOME), timeout=20.0), _latest_q(js)
+    # the gripper: its driven finger joint by name (m); both fingers close
+    pub.publish(JointState(name=["finger_left"], position=[0.03]))
+    assert js.wait_for(lambda m: len(m) > 0 and all(
+        abs(m[-1].position[m[-1].name.index(f)] - 0.03) < 2e-3 for f in FINGERS),
+        timeout=20.0), js.snapshot()[-1]
     assert node.alive()
 
 
 def test_reset_service(probe, launch_node):
-    from kestrel_interfaces.msg import GroundTruth
+    from kestrel_interfaces.msg import EpisodeStatus, GroundTruth
     from kestrel_interfaces.srv import ResetWorld
     _, _, latched = _qos()
     node = launch_node(MODULE, "sim", params={**FAST, "camera_rate_hz": 1.0,
                                               "lidar_rate_hz": 1.0})
     gt = probe.subscribe(GroundTruth, "/sim/output/ground_truth", latched)
+    ep = probe.subscribe(EpisodeStatus, "/sim/output/episode", latched)
     cli = probe.node.create_client(ResetWorld, "/sim/reset")
     assert cli.wait_for_service(timeout_sec=30.0), node.output()
     assert gt.wait_for(timeout=20.0)
     np.testing.assert_allclose(_gt_pos(gt.snapshot()[-1], "red_cube"), RED_CUBE_DEFAULT,
                                atol=2e-3)
 
-    def call(seed: int) -> tuple[ResetWorld.Response, int]:
-        fut = cli.call_async(ResetWorld.Request(seed=seed))
+    def call(seed: int, goal: str = "") -> tuple[ResetWorld.Response, int]:
+        fut = cli.call_async(ResetWorld.Request(seed=seed, goal_object=goal))
         deadline = time.monotonic() + 15.0
         while not fut.done() and time.monotonic() < deadline:
             time.sleep(0.02)
         assert fut.done(), "reset service did not answer"
         return fut.result(), _ns(gt.snapshot()[-1].header.stamp)
 
-    resp, t_before = call(5)
+    resp, t_before = call(5, "green_cube")
     assert resp.success, resp.message
+    assert resp.seed == 5 and list(resp.objects) == ["red_cube", "green_cube", "blue_cylinder"]
+    status = ep.wait_for(lambda m: len(m) > 0 and m[-1].seed == 5, timeout=10.0)[-1]
+    assert status.goal_object == "green_cube" and status.episode == 1
+    assert not status.success and list(status.objects_in_bin) == []
+    assert list(status.objects_present) == list(resp.objects)
+    assert status.header.frame_id == "world"
+    bad, _ = call(6, "purple_unicorn")  # not a task object: refused, nothing reset
+    assert not bad.success and "goal_object" in bad.message
     msgs = gt.wait_for(lambda m: _ns(m[-1].header.stamp) > t_before, timeout=10.0)
     moved = _gt_pos(msgs[-1], "red_cube")
     assert np.linalg.norm(moved[:2] - RED_CUBE_DEFAULT[:2]) > 0.01, moved

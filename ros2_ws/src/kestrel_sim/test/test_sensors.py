@@ -115,6 +115,9 @@ def test_depth_matches_ray_casts(world: SimWorld, camera: CameraSensor) -> None:
             patch = frame.depth[v - 1:v + 2, u - 1:u + 2]
             if np.ptp(patch) > 0.03:  # skip depth edges
                 continue
+            c = patch[1, 1]  # skip one-pixel features (a thin wall's top seen edge-on)
+            if not (min(patch[0, 1], patch[2, 1]) <= c <= max(patch[0, 1], patch[2, 1])):
+                continue
             grad = max(abs(patch[2, 1] - patch[0, 1]), abs(patch[1, 2] - patch[1, 0])) / 2
             err = abs(frame.depth[v, u] - dist)  # unit optical z: ray parameter = depth
             assert err <= 1e-3 + 0.5 * grad, ((u, v), err, grad)

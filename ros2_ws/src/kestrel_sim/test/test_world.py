@@ -16,7 +16,7 @@ DEFAULT_LAYOUT = {  # name -> bounding-box centre, m (worlds/tabletop.xml)
     "red_cube": (0.5, -0.15, 0.425),
     "green_cube": (0.62, 0.02, 0.425),
     "blue_cylinder": (0.45, 0.12, 0.44),
-    "bin": (0.68, 0.3, 0.44),
+    "bin": (0.42, 0.3, 0.44),
 }
 FREE = ("red_cube", "green_cube", "blue_cylinder")
 

@@ -19,6 +19,7 @@ import mujoco
 import numpy as np
 
 from kestrel_sim.core import scene as sc
+from kestrel_sim.core.episode import SuccessCriteria, TaskStatus, task_status
 
 
 class JointCommandError(ValueError):
@@ -132,6 +133,11 @@ class SimWorld:
     def present_objects(self) -> frozenset[str]:
         """Names of the objects on the table in this episode (table and bin included)."""
         return self._present
+
+    @property
+    def task_objects(self) -> tuple[str, ...]:
+        """Names of the free task objects on the table in this episode (model order)."""
+        return tuple(o.name for o in self.info.objects if o.is_free and o.name in self._present)
 
     @property
     def seed(self) -> int:
@@ -350,6 +356,12 @@ class SimWorld:
                 out.append(ObjectGT(ob.name, ob.class_name, ob.class_index, pos.copy(),
                                     self.data.xquat[ob.body_id].copy(), ob.size.copy()))
         return out
+
+    def task_status(self, criteria: SuccessCriteria = SuccessCriteria()) -> TaskStatus:
+        """Ground-truth task status now: objects in the bin and settled, objects held
+        (core/episode.py)."""
+        with self.lock:
+            return task_status(self.model, self.data, self.info, self._present, criteria)
 
     def take_snapshot(self, dst: mujoco.MjData | None = None) -> tuple[mujoco.MjData, int]:
         """A snapshot of the live state (into `dst`, reused, or a new MjData) and its sim time
