@@ -127,30 +127,47 @@ def check_runtime_settings(nodes: dict[str, dict[str, Any]], cuda: bool) -> list
 
 
 def _perception(v: dict, cuda: bool) -> list[Check]:
+    """The runtime options resolved as the node resolves them at configure
+    (kestrel_models.perception.options): a combination that cannot run FAILs; on CUDA an fp32,
+    uncompiled or ungraphed forward of the reference model WARNs."""
     device = str(knob("perception", v, "device", "cpu"))
-    precision = knob("perception", v, "precision")
-    graph = knob("perception", v, "cuda_graph")
-    comp = knob("perception", v, "compile")
-    out: list[Check] = []
     if device.startswith("cuda") and not cuda:
         return [Check("perception.device", FAIL, f"runtime.device {device}: no CUDA GPU here",
                       "runtime.device: cpu (or run on the GPU machine)")]
+    out: list[Check] = []
     if device == "cpu" and cuda:
         out.append(Check("perception.device", WARN, "runtime.device cpu on a machine with a "
                          "GPU", "runtime.device: cuda"))
-    if not device.startswith("cuda"):
-        out.append(Check("perception.precision", PASS, f"CPU: precision {precision}"))
+    model = str(knob("perception", v, "model", "") or "")
+    user = None if not model else {".onnx": "onnx", ".pt2": "exported_program"}.get(
+        Path(model).suffix, "torchscript")
+    try:
+        ensure_paths("kestrel_models")
+        from kestrel_models.perception.options import OptionError, resolve_options
+    except ImportError as exc:
+        return out + [Check("perception.runtime", SKIP, f"options resolver not importable: "
+                            f"{exc}")]
+    try:
+        opts = resolve_options(device, knob("perception", v, "engine", "auto"),
+                               knob("perception", v, "precision", "auto"),
+                               knob("perception", v, "compile", "auto"),
+                               knob("perception", v, "cuda_graph", "auto"),
+                               v.get("runtime.optimize", "auto"), user_format=user,
+                               prefix="runtime.")
+    except OptionError as exc:
+        return out + [Check("perception.runtime", FAIL, str(exc),
+                            f"change '{exc.name}' (or set it to auto)")]
+    out.append(Check("perception.runtime", PASS, f"{device}: {opts.describe()}"))
+    if not device.startswith("cuda") or user is not None or opts.engine != "torch":
         return out
-    out.append(Check("perception.precision", WARN if precision == "fp32" else PASS,
-                     f"runtime.precision {precision} on CUDA",
-                     "runtime.precision: bf16 (or auto)" if precision == "fp32" else ""))
-    out.append(Check("perception.cuda_graph", WARN if graph is False else PASS,
-                     f"runtime.cuda_graph {graph}",
-                     "runtime.cuda_graph: true (one replay instead of a launch per kernel)"
-                     if graph is False else ""))
-    out.append(Check("perception.compile", WARN if comp == "off" else PASS,
-                     f"runtime.compile {comp}",
-                     "runtime.compile: branched (or auto)" if comp == "off" else ""))
+    for name, bad, fix in (
+            ("precision", opts.precision == "fp32", "runtime.precision: bf16 (or auto)"),
+            ("cuda_graph", not opts.cuda_graph,
+             "runtime.cuda_graph: true (one replay instead of a launch per kernel)"),
+            ("compile", opts.compile == "off", "runtime.compile: branched (or auto)")):
+        if bad:
+            out.append(Check(f"perception.{name}", WARN, f"runtime.{name} resolves to "
+                             f"{getattr(opts, name)} on CUDA", fix))
     return out
 
 

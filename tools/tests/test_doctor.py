@@ -94,6 +94,18 @@ def test_gpu_settings_against_the_device(tmp_path) -> None:
                    "control.backend").status == WARN
 
 
+def test_runtime_options_that_cannot_run_together_fail() -> None:
+    graph_on_cpu = {"perception": {"runtime.device": "cpu", "runtime.cuda_graph": True}}
+    c = by_name(doctor_params.check_runtime_settings(graph_on_cpu, cuda=False),
+                "perception.runtime")
+    assert c.status == FAIL and "runtime.cuda_graph" in c.detail
+    auto_gpu = {"perception": {"runtime.device": "cuda"}}
+    checks = doctor_params.check_runtime_settings(auto_gpu, cuda=True)
+    c = by_name(checks, "perception.runtime")
+    assert c.status == PASS and "bf16" in c.detail
+    assert all(x.status == PASS for x in checks), doctor.format_checks(checks)
+
+
 def test_missing_weights_and_engine_without_tensorrt(tmp_path) -> None:
     nodes = {"perception": {"model.weights_path": str(tmp_path / "absent.pt"),
                             "runtime.engine": "tensorrt"},
