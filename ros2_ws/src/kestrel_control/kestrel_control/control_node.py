@@ -77,7 +77,7 @@ class ControlNode(KestrelLifecycleNode):
         self._runner: PolicyRunner | None = None
         self._stats: LoopStats | None = None
         self._loop: RealtimeLoop | None = None
-        self._proc: LoopProcess | None = None  # loop_mode 'process'
+        self._proc: LoopProcess | None = None  # loop.mode 'process'
         self.loop_mode = "thread"
         self._applied: dict[str, str] = {}  # real-time settings the loop applied
         self._js_bufs: list[Any] = []  # per robot: joint-state buffer [2, n] (callbacks write)
@@ -277,7 +277,7 @@ class ControlNode(KestrelLifecycleNode):
                     log=self.get_logger().info)
                 self._applied = self._loop.start()
         except (RuntimeError, ValueError) as exc:
-            self.get_logger().error(f"activate failed: {exc}")
+            self.get_logger().error(f"activate failed: {qualify(str(exc))}")
             return TransitionCallbackReturn.FAILURE
         self._active = True
         self._ramp_period = 1.0 / p["safety.target_rate_hz"]
@@ -428,7 +428,7 @@ class ControlNode(KestrelLifecycleNode):
             self.published += 1
 
     def _publish_command(self, r: int, command: np.ndarray, stamp_ns: int) -> None:
-        """loop_mode 'process': the publisher thread hands over robot r's newest command."""
+        """loop.mode 'process': the publisher thread hands over robot r's newest command."""
         msg = self._cmd_msgs[r]
         np.copyto(self._cmd_views[r], command)
         msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp_ns, 1_000_000_000)

@@ -1,4 +1,4 @@
-"""The loop process of `loop_mode: process` (see loop_process.py): `python -m` this module.
+"""The loop process of `loop.mode: process` (see loop_process.py): `python -m` this module.
 
 No rclpy here. Protocol on stdin/stdout (loop_process.Channel): the node sends
 {config: RunnerConfig, settings: LoopSettings, layout: ShmLayout}; this process attaches the

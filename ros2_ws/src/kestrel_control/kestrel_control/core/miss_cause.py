@@ -5,7 +5,7 @@ A deadline miss has four kinds of cause, and each has a different fix:
   (it waited on the run queue). Fix: SCHED_FIFO (`rt_priority`), a shielded CPU.
 - **blocked**: the loop thread left its CPU on its own beyond its sleep: waiting for the GIL
   held by another Python thread of the process, a lock, a blocking wait in the step, a stop.
-  Fix: loop_mode process (the loop in its own interpreter), a shorter gil_switch_interval_us.
+  Fix: loop.mode process (the loop in its own interpreter), a shorter loop.gil_switch_interval_us.
 - **late wake**: the thread woke late without either: the time was taken without a context
   switch (interrupt handlers, or the hypervisor not running the virtual CPU: steal), or the
   sleep's timer fired late. No scheduler setting in the guest fixes it; on a VM it is the

@@ -1,4 +1,4 @@
-"""Shared-memory regions between the control node and its loop process (`loop_mode: process`).
+"""Shared-memory regions between the control node and its loop process (`loop.mode: process`).
 
 One POSIX shared-memory segment holds, at offsets that both sides compute with `ShmLayout`:
   control  int64 [8]   control words (CTRL_*): loop state, clock mode, sim time ns, ...
@@ -51,7 +51,7 @@ def stores_ordered(machine: str | None = None) -> bool:
 
 
 def require_ordered_stores(machine: str | None = None) -> None:
-    """ValueError naming loop_mode on a weakly ordered CPU (ARM): see the module docstring."""
+    """ValueError naming loop.mode on a weakly ordered CPU (ARM): see the module docstring."""
     arch = _arch(machine)
     if arch not in TSO_MACHINES:
         raise ValueError(
