@@ -109,21 +109,39 @@ def check_runtime_settings(nodes: dict[str, dict[str, Any]], cuda: bool) -> list
         out += _perception(v, cuda)
     if "control" in nodes:
         v = {**_defaults("control"), **nodes["control"]}
-        backend = str(knob("control", v, "backend", ""))
-        on_gpu = backend.startswith("cuda") or backend == "tensorrt"
-        if on_gpu and not cuda:
-            out.append(Check("control.backend", FAIL, f"policy.backend {backend} needs a CUDA "
-                             "GPU; this machine has none", "policy.backend: onnxruntime"))
-        elif not on_gpu and cuda:
-            out.append(Check("control.backend", WARN, f"policy.backend {backend} on a machine "
-                             "with a GPU", "policy.backend: cuda_graph_triton (or "
-                             "cuda_persistent on a GPU the loop has to itself)"))
-        else:
-            out.append(Check("control.backend", PASS, f"policy.backend {backend}"))
+        out += _control(str(knob("control", v, "backend", "")), cuda)
     if "planner" in nodes:
         v = {**_defaults("planner"), **nodes["planner"]}
         out += _planner(v, cuda)
     return out
+
+
+def _control(backend: str, cuda: bool) -> list[Check]:
+    """The policy backend against the device, and (where the deployment is this machine) the
+    registry's own check that it can run here (packages, CUDA)."""
+    on_gpu = backend.startswith("cuda") or backend == "tensorrt"
+    if on_gpu and not cuda:
+        return [Check("control.backend", FAIL, f"policy.backend {backend} needs a CUDA GPU; "
+                      "this machine has none", "policy.backend: onnxruntime")]
+    if not on_gpu and cuda:
+        return [Check("control.backend", WARN, f"policy.backend {backend} on a machine with a "
+                      "GPU", "policy.backend: cuda_graph_triton (or cuda_persistent on a GPU "
+                      "the loop has to itself)")]
+    try:
+        ensure_paths("kestrel_models")
+        import torch
+        from kestrel_models.control.registry import check_backend
+    except ImportError as exc:
+        return [Check("control.backend", PASS, f"policy.backend {backend} (registry check "
+                      f"skipped: {exc})")]
+    if torch.cuda.is_available() != cuda:  # checking a deployment for another machine
+        return [Check("control.backend", PASS, f"policy.backend {backend}")]
+    try:
+        check_backend(backend)
+    except ValueError as exc:  # BackendUnavailable included
+        return [Check("control.backend", FAIL, str(exc), "install what it names, or another "
+                      "policy.backend (kestrel_models/control/registry.py says when each wins)")]
+    return [Check("control.backend", PASS, f"policy.backend {backend}, runs here")]
 
 
 def _perception(v: dict, cuda: bool) -> list[Check]:

@@ -89,9 +89,29 @@ def test_gpu_settings_against_the_device(tmp_path) -> None:
         c = by_name(with_gpu, name)
         assert c.status == WARN and fix in c.fix, c
     assert by_name(with_gpu, "control.backend").status == PASS
+    if not torch.cuda.is_available():  # this machine: the registry's own check runs
+        missing = doctor_params.check_runtime_settings(
+            {"control": {"policy.backend": "onnxruntime"}}, cuda=False)
+        assert by_name(missing, "control.backend").status == PASS
     cpu_backend = {"control": {"policy.backend": "cpu_eager"}}
     assert by_name(doctor_params.check_runtime_settings(cpu_backend, cuda=True),
                    "control.backend").status == WARN
+
+
+def test_control_backend_that_cannot_run_here_fails(monkeypatch) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks this machine's CPU backends")
+    from kestrel_models.control import runtimes
+    from kestrel_models.control.registry import BackendUnavailable
+
+    def missing() -> None:
+        raise BackendUnavailable("parameter 'backend' = 'onnxruntime': the onnxruntime "
+                                 "package is not installed")
+
+    monkeypatch.setattr(runtimes, "check_onnxruntime", missing)
+    c = by_name(doctor_params.check_runtime_settings(
+        {"control": {"policy.backend": "onnxruntime"}}, cuda=False), "control.backend")
+    assert c.status == FAIL and "not installed" in c.detail
 
 
 def test_runtime_options_that_cannot_run_together_fail() -> None:
