@@ -219,7 +219,7 @@ def run_loop(config: Any, rate: float, cycles: int, mode: str, args: Any) -> dic
                 cpu_affinity=loop_cpus, lock_memory=args.lock_memory, manage_gc=True,
                 switch_interval_s=args.gil_switch_us * 1e-6, native_tick=mode == "process",
                 miss_attribution=not args.no_miss_attribution), start_timeout_s=300.0,
-                stats_capacity=cycles + 1000)
+                stats_capacity=cycles + 10_000)
             info = proc.start()
         else:
             runner = PolicyRunner(config)
@@ -244,7 +244,7 @@ def run_loop(config: Any, rate: float, cycles: int, mode: str, args: Any) -> dic
             loop_stats = proc.stats
             applied = proc.activate(io.publish_from_thread, timeout_s=60.0)
         else:
-            loop_stats = LoopStats(1.0 / rate, capacity=cycles + 1000)
+            loop_stats = LoopStats(1.0 / rate, capacity=cycles + 10_000)
             loop = RealtimeLoop(1.0 / rate, io.tick, loop_stats, spin_s=args.spin_us * 1e-6,
                                 rt_priority=args.rt_priority, cpu_affinity=list(loop_cpus) or None,
                                 lock_memory=args.lock_memory, manage_gc=True,
@@ -256,7 +256,9 @@ def run_loop(config: Any, rate: float, cycles: int, mode: str, args: Any) -> dic
             meter.start()
         t_start = time.monotonic()
         limit = t_start + cycles / rate * 3 + 30
-        while loop_stats.cycles + loop_stats.deadline_misses < cycles and time.monotonic() < limit:
+        # counted from the reply to activate: the loop may have ticked while it came back
+        target = loop_stats.cycles + loop_stats.deadline_misses + cycles
+        while loop_stats.cycles + loop_stats.deadline_misses < target and time.monotonic() < limit:
             time.sleep(0.2)  # progress poll of a bounded wait
         if meter is not None:
             meter.stop()
