@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from diagnostic_msgs.msg import DiagnosticArray
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from kestrel_interfaces.msg import ControlTarget, LoopStatistics
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import JointState
@@ -286,6 +286,36 @@ def test_reactivation_sends_nothing_before_a_fresh_joint_state(launch_node, prob
         source.close()
     assert node.stop() == 0, node.output()
     assert "Traceback" not in node.output()
+
+
+def test_joint_states_on_another_time_source_are_an_error_naming_the_fix(launch_node, probe):
+    """The node on wall time, joint states stamped in sim time (1000 s): every observation is
+    stale; /diagnostics says why, as an ERROR naming use_sim_time."""
+    node = launch_node(MODULE, "control", params=PARAMS | {"loop.mode": "thread"})
+    diag = probe.subscribe(DiagnosticArray, "/diagnostics")
+    sim_ns = [1000 * 10**9]
+
+    def sim_stamp() -> int:
+        sim_ns[0] += 5_000_000
+        return sim_ns[0]
+
+    def error(msgs: list):
+        return next((s for a in msgs for s in a.status
+                     if s.name == "control" and s.level == DiagnosticStatus.ERROR), None)
+
+    source = JointStateSource(probe, sim_stamp)
+    try:
+        # reported at the first diagnostics period with a joint state (0.2 s here); the bound
+        # only keeps a loaded machine from failing the test
+        got = diag.wait_for(lambda m: error(m) is not None, timeout=15.0)
+        status = error(got)
+        assert status is not None, node.output()
+        assert "use_sim_time" in status.message and "another time source" in status.message
+        values = {kv.key: kv.value for kv in status.values}
+        assert float(values["joint_state_clock_offset_s"]) > 1e8  # wall time - 1000 s
+    finally:
+        source.close()
+    assert node.stop() == 0, node.output()
 
 
 @pytest.mark.parametrize(("params", "fragment"), [
