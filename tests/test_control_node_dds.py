@@ -247,12 +247,13 @@ def test_sim_time_observation_age_uses_clock_topic(launch_node, probe, loop_mode
 @LOOP_MODES
 def test_reactivation_sends_nothing_before_a_fresh_joint_state(launch_node, probe, loop_mode):
     """deactivate -> activate: the joint state received before (fresh by its stamp: max_obs_age
-    10 s) gives no command; commands resume with the first joint state after activation."""
+    10 s) gives no command; commands resume with the first joint state after activation. Each
+    activation logs the loop's real-time scheduling at WARN."""
     from lifecycle_msgs.msg import Transition
     from lifecycle_msgs.srv import ChangeState
 
     node = launch_node(MODULE, "control", params=PARAMS | {
-        "loop.mode": loop_mode, "safety.max_obs_age": 10.0})
+        "loop.mode": loop_mode, "safety.max_obs_age": 10.0, "loop.rt_priority": 10})
     commands = probe.subscribe(JointState, "/control/output/joint_command", COMMAND_QOS)
     cli = probe.node.create_client(ChangeState, "/control/change_state")
 
@@ -284,6 +285,8 @@ def test_reactivation_sends_nothing_before_a_fresh_joint_state(launch_node, prob
         assert all(stamp_to_ns(m.header.stamp) > t_on for m in since(t_act))
     finally:
         source.close()
+    # real-time scheduling is never applied silently: at each activation, granted or not
+    assert node.output().count("loop.rt_priority 0 turns it off") == 2, node.output()
     assert node.stop() == 0, node.output()
     assert "Traceback" not in node.output()
 

@@ -288,6 +288,11 @@ class ControlNode(KestrelLifecycleNode):
         except (RuntimeError, ValueError) as exc:
             self.get_logger().error(f"activate failed: {qualify(str(exc))}")
             return TransitionCallbackReturn.FAILURE
+        fifo = self._applied.get("sched_fifo", "not requested")
+        if fifo != "not requested":  # real-time scheduling is never applied silently
+            self.get_logger().warning(
+                f"loop thread SCHED_FIFO (loop.rt_priority {p['loop.rt_priority']}): {fifo}; "
+                "loop.rt_priority 0 turns it off")
         self._active = True
         self._ramp_period = 1.0 / p["safety.target_rate_hz"]
         self._ramp_last_ns = 0
