@@ -169,15 +169,20 @@ class CartesianController:
         self.resyncs = 0  # reference re-synchronised to the measurement (counted)
 
     # ---- commands --------------------------------------------------------------------------
-    def set_target(self, position: np.ndarray, max_speed: float = 0.0) -> None:
-        """New tcp target (world frame, m) approached at max_speed m/s (<= 0: default)."""
+    def set_target(self, position: np.ndarray, max_speed: float = 0.0) -> bool:
+        """New tcp target (world frame, m) approached at max_speed m/s (<= 0: default).
+        A non-finite position is refused (False): the target is cleared, the caller holds."""
         cfg = self.config
         np.copyto(self.target, position)
+        if not math.isfinite(float(self.target.sum())):
+            self.clear()
+            return False
         speed = float(max_speed)
         self.speed = min(speed, cfg.max_speed) if speed > 0.0 and math.isfinite(speed) \
             else cfg.default_speed
         self.has_target = True
         self._new_target = True  # the carrot restarts from the tcp at the next step
+        return True
 
     def clear(self) -> None:
         """Forget the target and the reference (activation, hold)."""
