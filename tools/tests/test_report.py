@@ -49,6 +49,8 @@ def write_records(d: Path) -> None:
             {"name": "tensorrt_fp16", "role": "variant", "skipped": "TensorRT not installed"},
         ],
     }
+    gate_input = {**control, "benchmark": "paired", "ratios": {"control_tick_p10": 2.6}}
+    (d / "gate_cpu.json").write_text(json.dumps(gate_input))
     (d / "control_cpu.json").write_text(json.dumps(control))
     (d / "perception_h200.json").write_text(json.dumps(perception))
     (d / "old_format.json").write_text(json.dumps({"label": "an older result"}))
@@ -70,6 +72,9 @@ def test_report_renders_page_and_plots(tmp_path) -> None:
     assert "| cpu | loop:cpu_eager@1000Hz:process | 5000 | 2 |" in page
     assert "old_format.json" in page                   # listed, not read
     assert "optimized_vs_baseline_tick_p50" in page
+    # the gate's input record: listed with its ratios, not plotted or paired
+    assert "| paired (cpu) | control_tick_p10 | 2.6 |" in page
+    assert "| paired (cpu) | cpu_eager |" not in page
 
 
 def test_radar_values_and_missing_data(tmp_path) -> None:
