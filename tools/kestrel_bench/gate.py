@@ -24,6 +24,12 @@ subset: on shared CI machines only the same-run ratios hold whatever the machine
 
   python -m kestrel_bench gate new.json --baseline docs/benchmarks/gate_cpu.json \
       --only 'ratios.*' --tolerance ratios=0.4
+
+A re-run overwrites the committed record; `--baseline git:REV` compares it with the same file at
+a git revision:
+
+  python -m kestrel_bench control && python -m kestrel_bench gate \
+      docs/benchmarks/control_h200.json --baseline git:HEAD
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,7 +211,8 @@ def gate(new: dict, old: dict, tolerances: dict | None = None, only: list[str] |
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("new", help="the new record (kestrel_bench/1 JSON)")
-    parser.add_argument("--baseline", required=True, help="the baseline record")
+    parser.add_argument("--baseline", required=True,
+                        help="the baseline record, or git:REV (NEW's file at that revision)")
     parser.add_argument("--tolerance", action="append", default=[], metavar="METRIC=VALUE",
                         help="override a tolerance, e.g. ratios=0.4, latency_ms.p99=0.5, "
                              "metrics.misses=2 (repeatable)")
@@ -217,9 +225,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="exit 0 (with the message) when the records are not comparable")
 
 
+def load_baseline(spec: str, new_path: str) -> dict:
+    """A baseline file, or `git:REV`: the file NEW at git revision REV."""
+    if not spec.startswith("git:"):
+        return json.loads(Path(spec).read_text())
+    path = Path(new_path).resolve()
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=path.parent,
+                         capture_output=True, text=True, timeout=30)
+    if top.returncode:
+        raise ValueError(f"--baseline {spec}: {path} is not in a git repository")
+    rel = path.relative_to(Path(top.stdout.strip()).resolve())
+    shown = subprocess.run(["git", "show", f"{spec[4:]}:{rel.as_posix()}"], cwd=path.parent,
+                           capture_output=True, text=True, timeout=30)
+    if shown.returncode:
+        raise ValueError(f"--baseline {spec}: {shown.stderr.strip()}")
+    return json.loads(shown.stdout)
+
+
 def run(args: argparse.Namespace) -> int:
     new = json.loads(Path(args.new).read_text())
-    old = json.loads(Path(args.baseline).read_text())
+    try:
+        old = load_baseline(args.baseline, args.new)
+    except (ValueError, OSError, subprocess.SubprocessError) as exc:
+        print(f"gate: {exc}")
+        return EXIT_MISMATCH
     try:
         table = parse_tolerances(args.tolerance)
     except ValueError as exc:

@@ -128,6 +128,23 @@ def test_cli_exit_codes(tmp_path, capsys) -> None:
     assert main(["gate", str(same), "--baseline", str(base), "--skip-mismatch"]) == 0
 
 
+def test_baseline_from_git_revision(tmp_path, capsys) -> None:
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    rec = tmp_path / "control_cpu.json"
+    rec.write_text(json.dumps(record()))
+    git("add", "control_cpu.json")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "result")
+    rec.write_text(json.dumps(slowed(record())))   # a re-run overwrote it
+    assert main(["gate", str(rec), "--baseline", "git:HEAD"]) == 1
+    assert "gate: FAIL" in capsys.readouterr().out
+    assert main(["gate", str(rec), "--baseline", "git:nosuchrev"]) == 2
+
+
 @pytest.mark.skipif(not COMMITTED.exists(), reason="no committed CPU gate baseline")
 def test_committed_cpu_baseline_catches_2x_slowdown() -> None:
     """The CI gate's own baseline and settings (scripts/test.sh): identical passes, the
