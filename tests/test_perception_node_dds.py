@@ -41,12 +41,15 @@ CLASSES = ["background", "table", "red_cube", "green_cube", "blue_cylinder", "bi
 QUAT = [-0.5, 0.5, -0.5, 0.5]
 POSES = [0.0, 0.0, 1.0, *QUAT, 0.5, 0.0, 1.0, *QUAT]
 WALL_X = 2.0  # m: a wall of LiDAR points at world x = 2 fills both views
+# dotted names (a params file may nest them: model: {base_width: 8}, as the groups below do)
 PARAMS = {
-    "num_cameras": 2, "base_width": 8, "fpn_channels": 32, "score_threshold": 0.0,
-    "max_detections": 5, "max_points": 10_000, "sync_slop": 0.01, "torch_threads": 1,
-    "warmup_size": [W, H], "camera_poses": POSES, "publish_debug_image": True,
-    "diagnostics_period": 0.1, "frame_id": "world",
-    "depth_encoding": "32FC1", "output_stride": 1,  # full-size float maps (defaults: 16UC1, 4)
+    "num_cameras": 2, "model.base_width": 8, "model.fpn_channels": 32,
+    "detection": {"score_threshold": 0.0, "max_detections": 5}, "lidar.max_points": 10_000,
+    "sync.slop": 0.01, "runtime.torch_threads": 1, "warmup_size": [W, H],
+    "camera_poses": POSES, "output.debug_image": True, "diagnostics_period": 0.1,
+    "frame_id": "world",
+    # full-size float maps (defaults: 16UC1, 4)
+    "output.depth_encoding": "32FC1", "output.stride": 1,
 }
 
 
@@ -298,8 +301,9 @@ def test_depth_16uc1_strided_output(launch_node, probe, processing):
     """The node's defaults: 16UC1 depth (mm, 0 = none) and masks/depths at stride 4, with
     the same detections and LiDAR positions; sets processed in the completing subscription
     callback (default) or in the worker thread."""
-    params = {k: v for k, v in PARAMS.items() if k not in ("depth_encoding", "output_stride")}
-    node, results, rig = start_node(launch_node, probe, {**params, "publish_debug_image": False,
+    params = {k: v for k, v in PARAMS.items()
+              if k not in ("output.depth_encoding", "output.stride")}
+    node, results, rig = start_node(launch_node, probe, {**params, "output.debug_image": False,
                                                          "processing": processing})
     r = produce(rig, results, wall_points(), timeout=30.0,
                 check=lambda r: len(r.score) == 10 and all(
@@ -346,9 +350,9 @@ def _user_model(path) -> str:
 def test_user_model_through_the_node(launch_node, probe, run_dir):
     """model_path + model_outputs: the node runs a user's TorchScript model (detections only),
     fuses LiDAR into its boxes and publishes them like the reference model's."""
-    params = {**PARAMS, "publish_debug_image": False,
-              "model_path": _user_model(run_dir / "user_model.pt"),
-              "model_outputs": ["boxes:output0", "scores:output1", "labels:output2"]}
+    params = {**PARAMS, "output.debug_image": False,
+              "model.path": _user_model(run_dir / "user_model.pt"),
+              "model.outputs": ["boxes:output0", "scores:output1", "labels:output2"]}
     node, results, rig = start_node(launch_node, probe, params)
     # a set whose cloud missed the sync window has no positions (no depth head): wait for one
     # with LiDAR positions
@@ -370,22 +374,30 @@ def test_user_model_through_the_node(launch_node, probe, run_dir):
 
 
 @pytest.mark.parametrize("params,fragment", [
-    ({"depth_encoding": "16UC2"}, "parameter 'depth_encoding' = '16UC2'"),
-    ({"output_stride": 3}, "parameter 'output_stride' = 3"),
-    ({"score_threshold": 1.5}, "parameter 'score_threshold' = 1.5: must be <= 1.0"),
-    ({"backbone_depth": 101}, "parameter 'backbone_depth' = 101"),
+    ({"output": {"depth_encoding": "16UC2"}}, "parameter 'output.depth_encoding' = '16UC2'"),
+    ({"output.stride": 3}, "parameter 'output.stride' = 3"),
+    ({"detection": {"score_threshold": 1.5}},
+     "parameter 'detection.score_threshold' = 1.5: must be <= 1.0"),
+    ({"model": {"backbone_depth": 101}}, "parameter 'model.backbone_depth' = 101"),
     ({"num_cameras": 2, "camera_poses": [0.0] * 7}, "parameter 'camera_poses'"),
-    ({"model_path": "/nonexistent/user.onnx", "model_outputs": ["seg:logits"]},
-     "parameter 'model_path' = '/nonexistent/user.onnx': file not found"),
-    ({"model_path": "/nonexistent/user.onnx", "model_outputs": ["boxes:b"]},
-     "parameter 'model_outputs'"),
-    ({"runtime_variant": "tensorrt_fp16"},
-     "parameter 'runtime_variant' = 'tensorrt_fp16': runs a TensorRT engine: needs device"),
-    ({"point_buckets": [4096, 1024]}, "parameter 'point_buckets'"),
+    ({"model": {"path": "/nonexistent/user.onnx", "outputs": ["seg:logits"]}},
+     "parameter 'model.path' = '/nonexistent/user.onnx': file not found"),
+    ({"model.path": "/nonexistent/user.onnx", "model.outputs": ["boxes:b"]},
+     "parameter 'model.outputs'"),
+    ({"runtime": {"engine": "tensorrt"}},
+     "parameter 'runtime.engine' = 'tensorrt': TensorRT runs on CUDA: needs device 'cuda'"),
+    ({"runtime": {"cuda_graph": True}},
+     "parameter 'runtime.cuda_graph' = True: CUDA graphs need device 'cuda'"),
+    ({"runtime": {"precision": "fp64"}}, "parameter 'runtime.precision' = 'fp64': must be one"),
+    ({"runtime": {"precison": "bf16"}}, "parameter 'runtime.precison' = 'bf16': not a "
+     "parameter of this node; did you mean 'runtime.precision'?"),
+    ({"runtime_variant": "eager_fp32"}, "parameter 'runtime_variant' = 'eager_fp32': not a "
+     "parameter of this node"),
+    ({"lidar.point_buckets": [4096, 1024]}, "parameter 'lidar.point_buckets'"),
 ])
 def test_bad_parameter_fails_configure(launch_node, params, fragment):
     node = launch_node("kestrel_perception.perception_node", NODE,
-                       params={"torch_threads": 1, **params})
+                       params={"runtime.torch_threads": 1, **params})
     assert node.wait_for_output("autostart: configure failed", timeout=30.0), node.output()
     assert fragment in node.output()
     assert node.proc.wait(10) == 2
@@ -398,8 +410,8 @@ def test_set_waits_for_a_late_cloud_and_goes_without_a_silent_lidar(launch_node,
     the live window (released by the node's timer: no further message is sent), counted as
     missing_cloud."""
     diag = probe.subscribe(DiagnosticArray, "/diagnostics", 50)
-    node, results, rig = start_node(launch_node, probe, {**PARAMS, "cloud_timeout": 3.0,
-                                                         "publish_debug_image": False})
+    node, results, rig = start_node(launch_node, probe, {**PARAMS, "sync.cloud_timeout": 3.0,
+                                                         "output.debug_image": False})
     produce(rig, results, wall_points(), timeout=30.0,
             check=lambda r: all(s == PerceptionResult.POSITION_LIDAR for s in sources(r)))
     missing = counter(diag, "missing_cloud", 0)
@@ -430,9 +442,10 @@ def test_receiver_processes(launch_node, probe):
     diag = probe.subscribe(DiagnosticArray, "/diagnostics", 50)
     mine = sorted(os.sched_getaffinity(0))
     rx_cpus = [mine[-1], mine[0]]  # receiver i on rx_cpus[i % 2]: cameras 0, 1, the cloud
-    node, results, rig = start_node(launch_node, probe, {**PARAMS, "receive": "processes",
-                                                         "publish_debug_image": False,
-                                                         "receiver_cpus": rx_cpus})
+    node, results, rig = start_node(launch_node, probe, {**PARAMS,
+                                                         "receive.mode": "processes",
+                                                         "output.debug_image": False,
+                                                         "receive.cpus": rx_cpus})
     r = produce(rig, results, wall_points(), timeout=30.0,
                 check=lambda r: all(s == PerceptionResult.POSITION_LIDAR for s in sources(r)))
     check_result_content(r, stamp_to_ns(r.header.stamp))
@@ -518,8 +531,9 @@ def local_node(ros_domain: int, **extra):
 
     ctx = rclpy.Context()
     rclpy.init(context=ctx, domain_id=ros_domain)
-    params = {"num_cameras": 1, "base_width": 8, "fpn_channels": 32, "torch_threads": 1,
-              "warmup_size": [W, H], "autostart": False, "gc_freeze": False, **extra}
+    params = {"num_cameras": 1, "model.base_width": 8, "model.fpn_channels": 32,
+              "runtime.torch_threads": 1, "warmup_size": [W, H], "autostart": False,
+              "gc_freeze": False, **extra}
     node = PerceptionNode(context=ctx, parameter_overrides=[
         Parameter(k, value=v) for k, v in params.items()])
     try:
@@ -530,6 +544,21 @@ def local_node(ros_domain: int, **extra):
         node.trigger_cleanup()
         node.destroy_node()
         rclpy.try_shutdown(context=ctx)
+
+
+def test_runtime_options_reach_the_core(ros_domain):
+    """runtime.* (dotted names): 'auto' on the CPU is the plain fp32 model; explicit options
+    prepare a runtime with exactly those (bf16 autocast, exact rewrites, no compile)."""
+    with local_node(ros_domain) as node:
+        assert node.core is not None and node.core.runtime is None
+        assert node.core.config.options.describe() == \
+            "torch fp32, compile off, cuda_graph off, optimize off"
+    with local_node(ros_domain, **{"runtime.precision": "bf16", "runtime.optimize": True,
+                                   "runtime.compile": "off"}) as node:
+        assert node.core is not None and node.core.runtime is not None
+        spec = node.core.runtime.spec
+        assert (spec.precision, spec.fold_bn, spec.whole_compile, spec.cuda_graph) == \
+            ("bf16", True, None, False)
 
 
 def test_prestaging_never_overlaps_a_frame(ros_domain):
@@ -561,7 +590,7 @@ def test_a_cloud_that_completes_its_set_processes_it(ros_domain):
     """cloud_required: images + camera_info of a stamp wait for their cloud (the LiDAR is
     live); the cloud's own arrival processes the set at once (callback processing), not the
     release timer or the next image. The node in this process, no executor (no timers run)."""
-    with local_node(ros_domain, sync_slop=0.01, camera_poses=POSES[:7]) as node:
+    with local_node(ros_domain, camera_poses=POSES[:7], **{"sync.slop": 0.01}) as node:
         node._active = True  # as activation would, without its timers (no executor here)
         t0 = 1_000_000_000
         pts = wall_points()
@@ -584,7 +613,7 @@ def test_reactivation_forgets_old_inputs_and_reused_slots_are_not_published(ros_
     from types import SimpleNamespace
 
     img = np.zeros((H, W, 3), np.uint8)
-    with local_node(ros_domain, sync_slop=0.01, camera_poses=POSES[:7]) as node:
+    with local_node(ros_domain, camera_poses=POSES[:7], **{"sync.slop": 0.01}) as node:
         node.trigger_activate()
         t0, t1, t2 = 1_000_000_000, 1_100_000_000, 1_200_000_000
         pts = wall_points()

@@ -84,7 +84,7 @@ def test_every_head_set_compiles_within_dynamo_s_recompile_limit() -> None:
     """The node prepares all 7 head sets. The parts are shared, one code object per kind, so
     the trunk compiles once, detection once per level and the dense part once per seg/depth
     subset; one generic wrapper per part and head set made ~35 entries on one code object
-    and hit the recompile limit (8) at configure on the H200 (found in the node benchmark)."""
+    and hit Dynamo's recompile limit (8) at configure."""
     from itertools import combinations
 
     import torch._dynamo
@@ -105,8 +105,8 @@ def test_every_head_set_compiles_within_dynamo_s_recompile_limit() -> None:
 def test_runtimes_of_several_shapes_in_one_process_stay_within_the_recompile_limit(
         variant: str) -> None:
     """Four runtimes (camera counts 1-4) of one variant in one process: each compiles its
-    own parts. They shared one code object per part, and the 1-camera batch sweep on the
-    H200 failed its fourth runtime on Dynamo's recompile limit."""
+    own parts. With one code object per part shared across runtimes, the fourth runtime
+    would fail on Dynamo's recompile limit."""
     import torch._dynamo
 
     torch._dynamo.reset()

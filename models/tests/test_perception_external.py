@@ -75,26 +75,26 @@ def test_every_format_gives_the_same_outputs(files, fmt) -> None:
 
 
 def test_contract_mistakes_fail_at_load_naming_the_parameter(files, tmp_path) -> None:
-    with pytest.raises(ValueError, match="parameter 'model_outputs'.*come together"):
+    with pytest.raises(ValueError, match="parameter 'model.outputs'.*come together"):
         parse_outputs(["boxes:output0", "seg:output3"])
-    with pytest.raises(ValueError, match="parameter 'model_outputs'.*role in"):
+    with pytest.raises(ValueError, match="parameter 'model.outputs'.*role in"):
         parse_outputs(["mask:output3"])
     ext = ExternalPerceptionModel(files["onnx"], "onnx", OutputContract(
         parse_outputs(["seg:logits"])))
-    with pytest.raises(ValueError, match=r"parameter 'model_outputs'.*'logits' \(seg\) not "
+    with pytest.raises(ValueError, match=r"parameter 'model.outputs'.*'logits' \(seg\) not "
                                          r"found; the model returns \['output0'"):
         ext.check(1, (64, 96), K)
     ext = ExternalPerceptionModel(files["torchscript"], "auto", OutputContract(
         parse_outputs(["seg:output3"])))
     with pytest.raises(ValueError, match=r"seg has shape \(1, 4, 16, 24\), expected \[1, 5 "):
         ext.check(1, (64, 96), 5)
-    with pytest.raises(ValueError, match="parameter 'model_path'.*file not found"):
+    with pytest.raises(ValueError, match="parameter 'model.path'.*file not found"):
         ExternalPerceptionModel(str(tmp_path / "none.onnx"), "auto", OutputContract({"seg": "x"}))
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not onnx")
-    with pytest.raises(ValueError, match="parameter 'model_path'.*cannot load as onnx"):
+    with pytest.raises(ValueError, match="parameter 'model.path'.*cannot load as onnx"):
         ExternalPerceptionModel(str(bad), "auto", OutputContract({"seg": "x"}))
-    with pytest.raises(ValueError, match="parameter 'model_input_name' = 'img'"):
+    with pytest.raises(ValueError, match="parameter 'model.input_name' = 'img'"):
         ExternalPerceptionModel(files["onnx"], "onnx", OutputContract({"seg": "output3"},
                                                                       input_name="img"))
 

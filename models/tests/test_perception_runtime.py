@@ -121,7 +121,7 @@ def test_lidar_projection_inside_the_forward() -> None:
 
 def test_bad_inputs_and_config_raise_clear_errors() -> None:
     model = tiny_model()
-    with pytest.raises(ValueError, match="runtime_variant"):
+    with pytest.raises(ValueError, match="parameter .variant. = .fastest."):
         PerceptionRuntime(model, "fastest", HW)
     with pytest.raises(ValueError, match="cameras"):
         PerceptionRuntime(model, "eager_fp32", HW, cameras=0)
@@ -191,7 +191,7 @@ def test_variant_table_names() -> None:
 
 
 def test_compile_mode_variants_differ_only_in_their_modes() -> None:
-    """The compile-mode comparison (issue 4): same transforms, one mode changed per group."""
+    """The compile-mode comparison: same transforms, one mode changed per group."""
     at = "max-autotune-no-cudagraphs"
     base = VARIANTS["compile_bf16w_fold_s2d_group_cudnn_graph"]
     assert base.optimize == VARIANTS["whole_bf16w_fold_s2d_group_cudnn_graph"].optimize
@@ -324,10 +324,10 @@ def test_whole_freeze_variant_matches_eager_on_gpu() -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_reduce_overhead_variant_runs_repeatedly_and_matches_eager_on_gpu() -> None:
-    """compile modes "reduce-overhead" (inductor's CUDA-graph trees, per submodule group): the
-    H200 bench's first try raised "accessing tensor output of CUDAGraphs that has been
-    overwritten by a subsequent run" in the warm-up, because nothing marked a new step between
-    inference forwards. Each `run` is a step now; its outputs hold until the next `run`."""
+    """compile modes "reduce-overhead" (inductor's CUDA-graph trees, per submodule group):
+    without a step marked between inference forwards, the warm-up raises "accessing tensor
+    output of CUDAGraphs that has been overwritten by a subsequent run". Each `run` is a
+    step; its outputs hold until the next `run`."""
     model = tiny_model(backbone_depth=50)
     img = _images(2)
     ref = PerceptionRuntime(model, "eager_fp32", HW, cameras=2, device="cuda")
@@ -368,8 +368,8 @@ def test_cudnn_fused_blocks_match_unfused_on_gpu(dtype: torch.dtype) -> None:
 
 
 def test_cudnn_autotune_is_set_for_cuda_devices_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The runtime turns cuDNN's per-shape algorithm timing on for CUDA devices (the forward
-    benchmark always had it, the node did not: 4.52 vs 3.78 ms on the H200), never on the CPU."""
+    """The runtime turns cuDNN's per-shape algorithm timing on for CUDA devices (static
+    shapes: each conv is timed once, before any graph capture), never on the CPU."""
     from kestrel_models.perception.runtime import enable_cudnn_autotune
 
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)

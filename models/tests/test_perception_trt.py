@@ -1,10 +1,10 @@
-"""The `tensorrt_*` runtime variants (trt_runtime.py) against a stand-in `tensorrt` whose
-"engine" is the exported ONNX run by onnxruntime on host memory (no machine of this project
-has TensorRT or can run it on a GPU in CI): the key the runtime looks up is the one the build
+"""The TensorRT engine runtime (trt_runtime.py, `tensorrt_*` specs) against a stand-in
+`tensorrt` whose "engine" is the exported ONNX run by onnxruntime on host memory (CI has no
+TensorRT and no GPU): the key the runtime looks up is the one the build
 step writes, the engine's tensors are bound by name and shape, its flat outputs come back as
 the model's dict (equal to the torch forward), head subsets are served from it, and a missing
 engine / absent TensorRT / a CPU device fail with the parameter named and the build command.
-What this cannot show: that a real TensorRT engine runs (never done)."""
+What this cannot show: that a real TensorRT engine runs."""
 
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ def standin(monkeypatch) -> types.ModuleType:
 
 def _build(model, tmp_path: Path, images: int, heads=HEADS, precision: str = "fp16",
            version: str = "10.99-standin") -> Path:
-    """What scripts/build_trt_engine.py does, with the stand-in as the builder: the ONNX of
-    the forward stored under the key the runtime will compute."""
+    """What kestrel_models.perception.build_engine does, with the stand-in as the builder: the
+    ONNX of the forward stored under the key the runtime will compute."""
     onnx = tmp_path / "m.onnx"
     export_onnx(model, onnx, heads, HW, images)
     key = perception_engine_key(model, heads, images, HW, precision, "cpu", version)
@@ -215,10 +215,9 @@ def test_a_missing_or_mismatched_engine_fails_naming_the_variant_and_the_build(
         standin, tmp_path) -> None:
     pytest.importorskip("onnx")
     model = tiny_model().eval()
-    with pytest.raises(ValueError, match=r"parameter 'runtime_variant' = 'tensorrt_fp16': no "
-                                         r"TensorRT engine for key .*Build it with: python "
-                                         r"scripts/build_trt_engine.py --cameras 2 --image-hw "
-                                         r"64 96 --precision fp16"):
+    with pytest.raises(ValueError, match=r"parameter 'engine' = 'tensorrt': no TensorRT "
+                                         r"engine for key .*Build it with: python .*"
+                                         r"--cameras 2 --image-hw 64 96 --precision fp16"):
         PerceptionRuntime(model, "tensorrt_fp16", HW, cameras=2, engine_dir=str(tmp_path))
     assert not any(tmp_path.iterdir())  # nothing built, nothing written
     # an engine of other weights under this key (a stale file): its outputs may match by
@@ -238,7 +237,7 @@ def test_a_missing_or_mismatched_engine_fails_naming_the_variant_and_the_build(
 def test_without_tensorrt_or_cuda_the_variant_fails_clearly(monkeypatch, tmp_path) -> None:
     model = tiny_model().eval()
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import fails as if absent
-    with pytest.raises(ValueError, match="'tensorrt_fp16': TensorRT is not installed"):
+    with pytest.raises(ValueError, match="'engine' = 'tensorrt': TensorRT is not installed"):
         PerceptionRuntime(model, "tensorrt_fp16", HW, cameras=1, engine_dir=str(tmp_path))
     monkeypatch.setitem(sys.modules, "tensorrt", _standin_trt())
     with pytest.raises(ValueError, match="needs parameter 'device' = 'cuda', got 'cpu'"):

@@ -4,9 +4,8 @@ The whole-forward region (`whole_*` variants) runs every kernel one after the ot
 trunk (backbone + FPN), the parts of the forward are independent: the FCOS head on each FPN
 level, the dense neck with the segmentation and depth heads, and the LiDAR projection (which
 needs only the points, so it need not even wait for the trunk). Small levels leave most of the
-GPU idle: on the H200 at 6 x 640x640, a P5 conv is 2,400 output pixels (a fraction of one wave
-of tiles on 132 SMs), and the P3 chain, the longest, is ~0.7 ms of the ~1.7 ms of heads
-(docs/benchmarks/perception_core_kernels_h200_s12_on.md). Run on separate streams inside the
+GPU idle (at 6 x 640x640 a P5 conv is 2,400 output pixels, a fraction of one wave of tiles on
+a large GPU), and the P3 chain is the longest. Run on separate streams inside the
 one CUDA graph, the short chains fill the SMs the long one leaves idle.
 
 A plan (`BranchPlan.branches`) is a tuple of branches, each a tuple of parts run in order on
@@ -18,9 +17,8 @@ torch.compile region (static shapes, fullgraph), shared by every head set (`Bran
 outputs are the same dict as the model's forward + the runtime's LiDAR projection, in the same
 order.
 
-Measured on the H200 (docs/benchmarks/perception_h200.md, "Branched forward"): the streams do
-overlap (kernel time per forward 3.49 -> 4.84 ms for a 3.54 ms forward), but the big P3 kernels
-already fill the GPU, so the overlap mostly stretches the kernels it pairs: 3.608 -> 3.544 ms.
+The streams overlap, but the big P3 kernels already fill the GPU, so the overlap mostly
+stretches the kernels it pairs: the gain is small (docs/benchmarks/perception_h200.md).
 
 Off CUDA (CPU tests, CI), the same parts run one after the other on the host: the code path is
 the same, only the stream contexts are no-ops. Memory: each tensor stays referenced until the
@@ -84,8 +82,7 @@ def own_code(fn: Callable) -> Callable:
     its compiled entries per code object, and a function defined inside another shares one
     code object with every other instance of it: each runtime built in one process (other
     shapes, other models) added its entries to the same list, and the fourth runtime of the
-    branched variant hit the recompile limit (8; found by the 1-camera batch sweep on the
-    H200). A copy of the code starts an empty list."""
+    branched variant hit the recompile limit (8). A copy of the code starts an empty list."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                               fn.__defaults__, fn.__closure__)
 

@@ -1,8 +1,7 @@
 """torch.compile for the small element-wise functions of the per-frame post-processing.
 
-Why: on CUDA the static decode / NMS preparation / LiDAR projection / box positions were
-~300 kernels of 1-3 us each per frame (6 cameras, H200: 1.17 ms of kernel time,
-docs/benchmarks/perception_core_kernels_h200_s11.md). Inductor fuses each function's
+Why: on CUDA the static decode / NMS preparation / LiDAR projection / box positions are
+hundreds of tiny kernels per frame when launched op by op. Inductor fuses each function's
 element-wise chain into one or two kernels; top-k, sorts and our Triton kernels stay as they
 are (they are called outside the compiled functions or as inductor fallbacks).
 

@@ -4,9 +4,7 @@ In the compiled forward, inductor runs every trunk conv as a cuDNN kernel (an ex
 then one Triton pointwise kernel that reads the conv output (and the residual) back to add the
 folded-BN bias and apply the ReLU. `torch.cudnn_convolution_relu` /
 `torch.cudnn_convolution_add_relu` do the bias, the residual add and the ReLU in the conv's own
-epilogue, so each activation is written once. Measured per shape on the H200
-(docs/benchmarks/conv_fusion_h200.md): the trunk's 42 convs
-1,439 -> 1,065 us per forward (bf16, 6 x 640x640), the ops kept as fallback kernels inside
+epilogue, so each activation is written once; the ops stay fallback kernels inside
 torch.compile and inside a CUDA graph.
 
 The blocks must be BatchNorm-folded first (`runtime.fold_batchnorm`: each bn{i} an Identity),
@@ -102,9 +100,8 @@ class FusedStem(nn.Module):
 def fuse_stem(backbone: nn.Module) -> int:
     """backbone.conv1 -> `FusedStem`, backbone.relu -> Identity (the ReLU moves into the
     conv). Needs the stem BN folded (backbone.bn1 an Identity) and a zero-padded conv; returns
-    1. Why: the stem's bias + ReLU were one more pass over its [B, 64, H/2, W/2] output (on the
-    H200 at 6 x 640x640, a 38.7 us Triton kernel before the max-pool,
-    docs/benchmarks/perception_core_kernels_h200_s12_on.md)."""
+    1. Why: the stem's bias + ReLU would be one more pass over its [B, 64, H/2, W/2] output
+    (a Triton kernel before the max-pool)."""
     if not isinstance(backbone.bn1, nn.Identity):
         raise ValueError("fuse_stem: the stem has an unfolded bn1; fold the BatchNorms first "
                          "(fold_bn)")

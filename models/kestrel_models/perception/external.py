@@ -13,7 +13,7 @@ switches its head off):
           [B, num_classes - 1 (background excluded), h_l, w_l] logits, <prefix>det_ltrb_p3..p5
           [B, 4, h_l, w_l] px and <prefix>det_ctr_p3..p5 [B, 1, h_l, w_l] logits; decoded
           and NMSed like the reference model (so an exported reference model runs in ONNX
-          Runtime: `model_outputs: ['fcos:', 'seg:seg', 'depth:depth']`)
+          Runtime: `model.outputs: ['fcos:', 'seg:seg', 'depth:depth']`)
 Input: one tensor [B, 3, H, W] (`input_name` for ONNX), RGB, in `input_format`:
   uint8    0..255 uint8 (the model normalises itself)
   float01  float32 in [0, 1]
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from .export import detection_output_names
 
 __all__ = ["FORMATS", "INPUT_FORMATS", "OutputContract", "ExternalPerceptionModel",
-           "parse_outputs"]
+           "parse_outputs", "resolve_format"]
 
 FORMATS = ("auto", "torchscript", "exported_program", "onnx")
 INPUT_FORMATS = ("uint8", "float01", "imagenet")
@@ -57,6 +57,20 @@ def _fail(name: str, value: object, why: str) -> ValueError:
     return ValueError(f"parameter '{name}' = {value!r}: {why}")
 
 
+def resolve_format(path: str, fmt: str) -> str:
+    """The format of a model file: `fmt`, or with "auto" the one its extension names.
+    Raises ValueError naming model.format."""
+    if fmt not in FORMATS:
+        raise _fail("model.format", fmt, f"must be one of {FORMATS}")
+    if fmt != "auto":
+        return fmt
+    found = _EXT.get(Path(path).suffix.lower(), "")
+    if not found:
+        raise _fail("model.format", "auto", f"cannot tell the format of '{Path(path).name}' "
+                    f"(extensions {sorted(_EXT)}); set model.format")
+    return found
+
+
 def parse_outputs(items: list[str] | tuple[str, ...]) -> dict[str, str]:
     """['boxes:dets', 'scores:conf', ...] (role:output_name) -> {role: output_name}."""
     out: dict[str, str] = {}
@@ -64,19 +78,19 @@ def parse_outputs(items: list[str] | tuple[str, ...]) -> dict[str, str]:
         role, sep, name = str(item).partition(":")
         role, name = role.strip(), name.strip()
         if not sep or role not in ROLES or (not name and role != "fcos"):
-            raise _fail("model_outputs", list(items),
+            raise _fail("model.outputs", list(items),
                         f"each entry must be '<role>:<output name>' with role in {ROLES}")
         if role in out:
-            raise _fail("model_outputs", list(items), f"role '{role}' given twice")
+            raise _fail("model.outputs", list(items), f"role '{role}' given twice")
         out[role] = name
     det = {"boxes", "scores", "labels"} & out.keys()
     if det and len(det) != 3:
-        raise _fail("model_outputs", list(items), "boxes, scores and labels come together")
+        raise _fail("model.outputs", list(items), "boxes, scores and labels come together")
     if det and "fcos" in out:
-        raise _fail("model_outputs", list(items), "decoded boxes or the raw fcos maps, not "
+        raise _fail("model.outputs", list(items), "decoded boxes or the raw fcos maps, not "
                     "both")
     if not out:
-        raise _fail("model_outputs", list(items), "names no output: the model would do nothing")
+        raise _fail("model.outputs", list(items), "names no output: the model would do nothing")
     return out
 
 
@@ -88,7 +102,7 @@ class OutputContract:
 
     def __post_init__(self) -> None:
         if self.input_format not in INPUT_FORMATS:
-            raise _fail("model_input_format", self.input_format, f"must be one of "
+            raise _fail("model.input_format", self.input_format, f"must be one of "
                         f"{INPUT_FORMATS}")
 
     @property
@@ -111,14 +125,8 @@ class ExternalPerceptionModel:
                  device: torch.device | str = "cpu") -> None:
         p = Path(path)
         if not p.is_file():
-            raise _fail("model_path", path, "file not found")
-        if fmt not in FORMATS:
-            raise _fail("model_format", fmt, f"must be one of {FORMATS}")
-        if fmt == "auto":
-            fmt = _EXT.get(p.suffix.lower(), "")
-            if not fmt:
-                raise _fail("model_format", "auto", f"cannot tell the format of '{p.name}' "
-                            f"(extensions {sorted(_EXT)}); set model_format")
+            raise _fail("model.path", path, "file not found")
+        fmt = resolve_format(path, fmt)
         self.path, self.format, self.contract = str(p), fmt, contract
         self.device = torch.device(device)
         self.heads = contract.heads
@@ -130,12 +138,12 @@ class ExternalPerceptionModel:
             elif fmt == "exported_program":
                 self._fn = self._exported_program(str(p))
             else:
-                self._fn = self._onnx_session(str(p))
+                self._fn = self._onnx_runtime_model(str(p))
         except ValueError:
             raise
         except Exception as exc:  # any load failure is a parameter error
             msg = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-            raise _fail("model_path", path, f"cannot load as {fmt}: {msg}") from exc
+            raise _fail("model.path", path, f"cannot load as {fmt}: {msg}") from exc
 
     def _exported_program(self, path: str):
         """An ExportedProgram's module on the device. Why not `.module().to(device)`: the
@@ -149,11 +157,11 @@ class ExternalPerceptionModel:
             ep = move_to_device_pass(ep, self.device)
         return ep.module()
 
-    def _onnx_session(self, path: str):
+    def _onnx_runtime_model(self, path: str):
         try:
             import onnxruntime as ort
         except ImportError as exc:
-            raise _fail("model_format", "onnx", "onnxruntime is not installed") from exc
+            raise _fail("model.format", "onnx", "onnxruntime is not installed") from exc
         providers = ["CPUExecutionProvider"]
         if self.device.type == "cuda" and "CUDAExecutionProvider" in \
                 ort.get_available_providers():
@@ -161,7 +169,7 @@ class ExternalPerceptionModel:
         sess = ort.InferenceSession(path, providers=providers)
         inputs = [i.name for i in sess.get_inputs()]
         if self.contract.input_name not in inputs:
-            raise _fail("model_input_name", self.contract.input_name,
+            raise _fail("model.input_name", self.contract.input_name,
                         f"the ONNX model's inputs are {inputs}")
         self._names = [o.name for o in sess.get_outputs()]
         return sess
@@ -250,7 +258,7 @@ class ExternalPerceptionModel:
             named = self._named_outputs(self._prepare(x))
         except Exception as exc:
             msg = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-            raise _fail("model_path", self.path, f"fails on a [{batch}, 3, {h}, {w}] "
+            raise _fail("model.path", self.path, f"fails on a [{batch}, 3, {h}, {w}] "
                         f"{self.contract.input_format} input: {msg}") from exc
         got = self._on_device(named)
         outs = [(r, n) for r, n in self.contract.outputs.items() if r != "fcos"]
@@ -259,7 +267,7 @@ class ExternalPerceptionModel:
                      for n in names]
         for role, name in outs:
             if name not in got:
-                raise _fail("model_outputs", [f"{r}:{n}" for r, n in outs],
+                raise _fail("model.outputs", [f"{r}:{n}" for r, n in outs],
                             f"output '{name}' ({role}) not found; the model returns "
                             f"{sorted(got)}")
         # the declared outputs a torch-format model itself returns off the device (copied
@@ -285,4 +293,4 @@ class ExternalPerceptionModel:
             if len(d) != 4 or d[0] != batch or d[1] != 1:
                 why = f"depth has shape {d}, expected [{batch}, 1, h, w]"
         if why:
-            raise _fail("model_outputs", [f"{r}:{n}" for r, n in outs], why)
+            raise _fail("model.outputs", [f"{r}:{n}" for r, n in outs], why)

@@ -33,7 +33,7 @@ class FlopReport:
     parts_gflop: dict[str, float]  # part name -> GFLOP (parts absent from the model omitted)
 
     def floor_ms(self, tflops: float) -> float:
-        """Time floor at `tflops` TFLOP/s (e.g. ~790 for dense bf16 on an H200), ms."""
+        """Time floor at `tflops` TFLOP/s (a device's dense peak for the precision), ms."""
         if tflops <= 0:
             raise ValueError(f"parameter 'tflops' = {tflops!r}: must be > 0")
         return self.total_gflop / tflops  # GFLOP / (TFLOP/s) = ms

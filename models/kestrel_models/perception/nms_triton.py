@@ -8,11 +8,9 @@ Same inputs and result as the torch path (keep [B,N] bool, converged [] bool), f
   2. `_round_kernel`, grid (B, N/BJ), launched rounds + 1 times: keep'[j] = valid[j] and no
      i with suppress[i,j] and keep[i] (ping-pong buffers); the last launch also records per
      program whether any keep changed, so converged = nothing changed in the check round.
-Why: in torch each round is a [B,N,N] elementwise AND plus an any() reduction (36 us per
-round for 6 x 1000 candidates on the H200, 8 rounds + the check), and the IoU matrix another
-dozen [B,N,N] elementwise kernels (~215 us): ~0.5 ms of the 1.31 ms postprocess stage
-(docs/benchmarks/perception_core_kernels_h200.md). Here: one pass writing the uint8 matrix and
-one light pass per round.
+Why: in torch each round is a [B,N,N] elementwise AND plus an any() reduction, and the IoU
+matrix another dozen [B,N,N] elementwise kernels, a large share of the postprocess stage.
+Here: one pass writing the uint8 matrix and one light pass per round.
 
 Launches are graph-capturable (fixed grids, no host reads) once compiled: the region graph's
 eager warm-up compiles them. `import triton` is optional: without it (or on CPU tensors)

@@ -13,8 +13,8 @@ in fp32 up to summation order (allclose 1e-5 on the tiny config), bf16-close aft
 - stem "s2d4": the same over a space-to-depth(4) input: 3 -> 48 channels, a 3x3 conv with 4x the
   filters (each input block gives 2x2 outputs of the original conv), then a pixel shuffle
   (fused by inductor into the max-pool that follows). Why: the s2d(2) stem is a 4x4 conv with
-  64 filters over 16 channels, a GEMM too narrow for Hopper's tensor cores (131 us at ~150
-  TFLOP/s on the H200, 6 x 640x640); this one is 256 filters x 432 inputs.
+  64 filters over 16 channels, a GEMM too narrow to fill tensor cores; this one is 256
+  filters x 432 inputs.
 - pad_outputs=m: every conv whose output-channel count is not a multiple of m gets zero filters
   appended; its output is sliced back (a view, inside the compiled region).
 - fcos "merged": the FCOS head's cls and box towers' first convs (same input) become one conv

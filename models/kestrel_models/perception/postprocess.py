@@ -11,7 +11,7 @@ from .compiled import compiled
 from .model import DET_STRIDES
 
 # the static (graphed) NMS on CUDA with triton importable runs nms_triton's two kernels (same
-# result as the torch matrix rounds, ~0.5 ms less on the H200); False forces the torch path
+# result as the torch matrix rounds, fewer kernels); False forces the torch path
 USE_TRITON_NMS: bool = True
 
 
@@ -276,7 +276,7 @@ def _candidates(cls_l: list[torch.Tensor], ltrb_l: list[torch.Tensor],
     NaN scores before the union's top-k, this after the one top-k, so the two differ only when
     such a pair is among the best k: an FCOS box (exp distances > 0) of a location inside the
     image is never empty, and a NaN score means a broken model.
-    One top-k instead of one per level (H200, 6 x 640x640, 5 levels: 5 top-k + 5 sorts).
+    One top-k instead of one per level (5 levels: 5 top-k + 5 sorts fewer).
     """
     h_img, w_img = image_size
     nc = cls_l[0].shape[1]

@@ -6,30 +6,31 @@ variants, one CUDA graph per enabled head set (so switching heads in the hot pat
 another graph, never recompiles). Inputs stay uint8 until the device (normalised inside the
 model). No ROS here.
 
-Variants (VARIANTS): eager_fp32, eager_fp32_cl, eager_bf16_cl, eager_fp16_cl, compile_fp32,
-compile_bf16, compile_bf16_graph, compile_bf16w_graph, compile_bf16w_graph_at, eager_bf16w_graph,
-eager_fp32_fold, compile_bf16w_fold_graph, whole_bf16w_graph, whole_bf16w_fold_graph,
-whole_bf16w_freeze_graph, whole_fp16w_freeze_graph.
-  *_cl: channels_last; bf16/fp16: autocast; bf16w: weights cast to bf16 (no per-call casts);
-  compile_*: torch.compile (trunk = backbone + FPN, heads = det/neck/seg/depth/BEV, each
-  group with its own mode); *_graph: whole-forward CUDA graph (CUDA only);
-  *_at: heads compiled with mode "max-autotune-no-cudagraphs"; *_fold: BatchNorm folded into
-  the convs at configure (eager_fp32_fold, compile_bf16w_fold_graph);
-  whole_*: ONE torch.compile region per head set over the whole forward (normalisation,
-  backbone, FPN, heads, seg/depth upsampling, LiDAR projection), so inductor sees every
-  pointwise op after each conv; *_freeze: inductor freezing (weights become constants:
-  conv+BN folded, constants pre-computed), compiled under inference mode.
-  Output-preserving transforms of optimize.py (`VariantSpec.optimize`), on top of
-  whole_bf16w_fold_graph: *_stem8 (stem input 3 -> 8 channels), *_pad (+ conv outputs padded
-  to multiples of 8), *_pad_merge (+ FCOS first tower convs and box/ctr preds merged),
-  *_pad_group (+ FCOS towers as groups=2 convs), *_s2dpad (space-to-depth stem + output pad),
-  *_s2d_group (space-to-depth stem + output pad + grouped FCOS towers);
-  *_s2d_group_cudnn (+ the trunk's conv epilogues fused in cuDNN, conv_act.py);
-  compile_bf16w_fold_pad_merge_graph: the per-module compile with stem8 + pad + merge.
-  Compile-mode comparison on the s2d_group_cudnn transforms: compile_..._graph (trunk and heads
-  "default"), compile_..._ro ("reduce-overhead", inductor's CUDA graphs instead of ours),
-  compile_..._graph_at (heads "max-autotune-no-cudagraphs"), compile_..._graph_tat (trunk
-  max-autotune), whole_..._at_graph (the one region with max-autotune).
+A `VariantSpec` says how the model runs. The node builds it from orthogonal options
+(options.py: engine, precision, compile, cuda_graph, optimize); VARIANTS names the specs the
+benchmark compares:
+  eager_* / compile_* / whole_* / branch*_: no torch.compile / torch.compile per submodule
+  group (trunk = backbone + FPN, heads = det/neck/seg/depth/BEV, each group with its own mode)
+  / ONE torch.compile region per head set over the whole forward (normalisation, backbone,
+  FPN, heads, seg/depth upsampling, LiDAR projection), so inductor sees every pointwise op
+  after each conv / the parts after the trunk as compiled regions on CUDA streams of their
+  own, in one CUDA graph (branches.py: branch = P4+P5 on one stream, dense on another;
+  branch4 = P4, P5 and dense each on its own; branchp = branch with P3 on a highest-priority
+  stream).
+  fp32 / bf16 / fp16: autocast; bf16w / fp16w: weights cast (no per-call casts);
+  _cl: channels_last (the others with a precision cast use it too); _graph: whole-forward
+  CUDA graph (CUDA only); _at / _tat: heads / trunk compiled with
+  "max-autotune-no-cudagraphs"; _ro: "reduce-overhead" (inductor's CUDA graphs instead of
+  ours); _fold: BatchNorm folded into the convs at configure; _freeze: inductor freezing
+  (weights become constants), compiled under inference mode.
+  Output-preserving transforms of optimize.py (`VariantSpec.optimize`): stem8 (stem input
+  3 -> 8 channels), pad (+ conv outputs padded to multiples of 8), pad_merge (+ FCOS first
+  tower convs and box/ctr preds merged), pad_group (+ FCOS towers as groups=2 convs), s2dpad
+  (space-to-depth(2) stem + output pad), s2d_group (+ grouped FCOS towers), s2d_group_cudnn
+  (+ the trunk's conv epilogues fused in cuDNN, conv_act.py), _stem (+ the stem's bias and
+  ReLU in cuDNN's epilogue), s2d4 (the stem over a space-to-depth(4) input).
+  tensorrt_<precision>: a prebuilt TensorRT engine (trt_runtime.py); onnxruntime: the fp32
+  forward exported to ONNX Runtime at configure (onnx_runtime.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from .branches import BranchedForward, BranchParts, BranchPlan, own_code
 from .config import HEAD_NAMES
 from .lidar import project_points
 from .model import MultiTaskPerceptionModel
+from .onnx_runtime import OnnxRuntimePerceptionModel
 from .optimize import OptimizeSpec, optimize_model
 from .trt_runtime import TensorRTPerceptionModel
 from ..trt import PRECISIONS
@@ -81,6 +83,8 @@ class VariantSpec:
     # a prebuilt TensorRT engine of this precision instead of the torch model (trt_runtime.py;
     # "" = torch): looked up by key at configure, never built here
     engine: str = ""
+    # the fp32 forward exported to ONNX Runtime at configure instead (onnx_runtime.py)
+    onnxruntime: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -103,6 +107,12 @@ class VariantSpec:
             raise ValueError(f"parameter 'engine' = {self.engine!r}: one of {PRECISIONS}, "
                              "without torch.compile, CUDA graphs or branches (the engine is "
                              "the whole forward)")
+        if self.onnxruntime and (self.engine or self.compiled or self.cuda_graph
+                                 or self.branches is not None or self.precision != "fp32"
+                                 or self.fold_bn or self.optimize.active):
+            raise ValueError("parameter 'onnxruntime' = True: runs the exported fp32 forward "
+                             "as it is (no TensorRT engine, torch.compile, CUDA graphs, "
+                             "branches, precision or rewrites)")
 
     @property
     def compiled(self) -> bool:
@@ -153,12 +163,11 @@ for _name, _opt in _OPTIMIZED.items():
 VARIANTS["compile_bf16w_fold_pad_merge_graph"] = VariantSpec(
     "bf16", True, True, "default", "default", True, fold_bn=True,
     optimize=_OPTIMIZED["pad_merge"])
-# torch.compile modes per submodule group on top of the best transforms (s2d_group_cudnn), for
-# the mode comparison issue 4 asks for (docs/benchmarks/perception_h200.md, "Compile modes"):
-# trunk (backbone + FPN) / heads each "default", "reduce-overhead" (inductor's own CUDA graphs,
-# so no whole-forward graph of ours) or "max-autotune-no-cudagraphs" (Triton conv/GEMM templates
-# timed against cuDNN/cuBLAS at compile time; our graph on top); `whole_*_at`: the one-region
-# form with max-autotune.
+# torch.compile modes per submodule group on top of the transforms s2d_group_cudnn, for the
+# compile-mode comparison (docs/benchmarks/perception_h200.md): trunk (backbone + FPN) / heads
+# each "default", "reduce-overhead" (inductor's own CUDA graphs, so no whole-forward graph of
+# ours) or "max-autotune-no-cudagraphs" (Triton conv/GEMM templates timed against cuDNN/cuBLAS
+# at compile time; our graph on top); `whole_*_at`: the one-region form with max-autotune.
 _BEST = _OPTIMIZED["s2d_group_cudnn"]
 _AT = "max-autotune-no-cudagraphs"
 for _name, (_trunk, _heads, _graph) in {
@@ -182,24 +191,21 @@ for _name, _plan in {"branch": BranchPlan(),
         VARIANTS[f"{_name}_bf16w_fold_s2d_group_cudnn{_suffix}_graph"] = VariantSpec(
             "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default",
             optimize=_opt, branches=_plan)
-# *_s2d4_*: the stem over a space-to-depth(4) input (optimize.py, stem "s2d4"): -0.05 ms on the
-# H200 (docs/benchmarks/perception_h200.md, session 18), the node's recommended variant
+# *_s2d4_*: the stem over a space-to-depth(4) input (optimize.py, stem "s2d4"); what the node's
+# options resolve to on CUDA by default (options.py)
 VARIANTS["branch_bf16w_fold_s2d4_group_cudnn_stem_graph"] = VariantSpec(
     "bf16", True, True, cuda_graph=True, fold_bn=True, whole_compile="default",
     optimize=_OPTIMIZED["s2d4_group_cudnn_stem"], branches=BranchPlan())
-# tensorrt_<precision>: the engine of scripts/build_trt_engine.py (trt_runtime.py); CUDA only,
-# needs `tensorrt` (absent on every machine of this project: never measured)
+# tensorrt_<precision>: the engine built offline (trt_runtime.py); CUDA only, needs `tensorrt`
 for _p in PRECISIONS:
     VARIANTS[f"tensorrt_{_p}"] = VariantSpec(engine=_p)
+VARIANTS["onnxruntime"] = VariantSpec(onnxruntime=True)
 
 
 def enable_cudnn_autotune(device: torch.device) -> bool:
     """On CUDA: torch.backends.cudnn.benchmark = True (process-wide), so cuDNN times its
     algorithms once per conv shape during the warm-up instead of picking by heuristics. The
     runtime's shapes are static, so the choice is made once, before any graph capture.
-    Why: `bench_perception.py` always set it, the node never did. On the H200, the same variant's
-    forward took 4.52 ms in the node's core (`scripts/profile_perception_core.py`, 90 ms idle
-    before each call) vs 3.78 ms in the benchmark (docs/benchmarks/perception_node_h200.md).
     Returns whether it was set (False off CUDA)."""
     if device.type != "cuda":
         return False
@@ -254,6 +260,8 @@ class PerceptionRuntime:
     heads: head sets to prepare (one graph each for *_graph variants); default all built heads.
     cudnn_autotune: on CUDA, set torch.backends.cudnn.benchmark (process-wide) before the
     warm-up (`enable_cudnn_autotune`); static shapes, so cuDNN tunes each conv once.
+    engine_dir: the folder of prebuilt TensorRT engines ("" = the default cache).
+    option_prefix: prepended to the option names in errors (the node's 'runtime.').
     Outputs of `run` are the model's dict plus, with LiDAR, "lidar_uv" [batch, cameras, N, 2]
     px, "lidar_depth" [batch, cameras, N] m, "lidar_valid" [batch, cameras, N] bool. For
     *_graph variants the tensors are static buffers, valid until the next `run`.
@@ -263,18 +271,18 @@ class PerceptionRuntime:
                  image_hw: tuple[int, int] = (640, 640), cameras: int = 1, batch: int = 1,
                  heads: Iterable | None = None, device: str | torch.device = "cpu",
                  lidar_points: int = 0, warmup: int = 2, cudnn_autotune: bool = True,
-                 engine_dir: str = "") -> None:
+                 engine_dir: str = "", option_prefix: str = "") -> None:
         if isinstance(variant, str):
             if variant not in VARIANTS:
-                raise ValueError(f"parameter 'runtime_variant' = {variant!r}: must be one of "
+                raise ValueError(f"parameter 'variant' = {variant!r}: must be one of "
                                  f"{sorted(VARIANTS)}")
             self.name, self.spec = variant, VARIANTS[variant]
         else:
             self.name, self.spec = "custom", variant
         self.device = torch.device(device)
         if self.spec.cuda_graph and self.device.type != "cuda":
-            raise ValueError(f"parameter 'runtime_variant' = {self.name!r}: CUDA graphs need a "
-                             f"CUDA device, got {self.device}")
+            raise ValueError(f"parameter '{option_prefix}cuda_graph' = True: CUDA graphs need "
+                             f"a CUDA device, got {self.device}")
         for name, v in (("cameras", cameras), ("batch", batch)):
             if not 1 <= v <= 64:
                 raise ValueError(f"parameter '{name}' = {v!r}: must be in [1, 64]")
@@ -296,7 +304,13 @@ class PerceptionRuntime:
             self.optimized: dict[str, int] = {}
             self.model = TensorRTPerceptionModel(  # type: ignore[assignment]
                 model, frozenset().union(*self.head_sets), n, self.image_hw, self.spec.engine,
-                self.device, engine_dir)
+                self.device, engine_dir,
+                what=f"parameter '{option_prefix}engine' = 'tensorrt'")
+        elif self.spec.onnxruntime:
+            self.optimized = {}
+            self.model = OnnxRuntimePerceptionModel(  # type: ignore[assignment]
+                model, frozenset().union(*self.head_sets), n, self.image_hw, self.device,
+                what=f"parameter '{option_prefix}engine' = 'onnxruntime'")
         else:
             self.model = self._prepare_model(model)
         self._images = torch.zeros((n, 3, *self.image_hw), dtype=torch.uint8, device=self.device)

@@ -1,10 +1,11 @@
-"""The perception forward from a prebuilt TensorRT engine (runtime variants `tensorrt_*`).
+"""The perception forward from a prebuilt TensorRT engine (runtime option `engine: tensorrt`).
 
-The engine comes from the offline build step (`scripts/build_trt_engine.py`: ONNX export of the
-fp32 forward for one head set and one images shape, then TensorRT at a precision). At configure
-the runtime computes the same key (`export.perception_engine_key`: model hash + head set + torch
-/ opset + GPU + TensorRT version + precision + shape) from the model it was given and LOOKS UP
-the engine: a missing one fails configure with the build command, it is never built here.
+The engine comes from the offline build step (`python -m
+kestrel_models.perception.build_engine`: ONNX export of the fp32 forward for one head set and
+one images shape, then TensorRT at a precision). At configure the runtime computes the same key
+(`export.perception_engine_key`: model hash + head set + torch / opset + GPU + TensorRT version
++ precision + shape) from the model it was given and LOOKS UP the engine: a missing one fails
+configure with the build command, it is never built here.
 
 Per call: the images (uint8 [N, 3, H, W], already on the device) are bound in place, every
 output goes into a tensor allocated at configure, `execute_async_v3` runs on the caller's
@@ -15,7 +16,7 @@ other than the engine's are its subsets: the engine runs whole and the dict hold
 asked heads (the engine is built for the node's full head set by default).
 
 Not in an engine: the BEV block (its ONNX takes the LiDAR cloud; not wired here), and a user's
-own model (`model_path`: bring its engine through its own TensorRT runtime instead).
+own model (`model.path`: bring its engine through its own TensorRT runtime instead).
 No machine of this project has TensorRT: this module is tested against a stand-in `tensorrt`
 whose "engine" runs the exported ONNX in onnxruntime, on host memory (models/tests/
 test_perception_trt.py); a real engine has not been run.
@@ -50,13 +51,13 @@ def default_engine_dir() -> str:
 
 class TensorRTPerceptionModel:
     """`__call__(images, heads, points=None)` -> the model's output dict, from the engine of
-    `model` (see the module docstring). Raises ValueError naming 'runtime_variant' when
+    `model` (see the module docstring). Raises ValueError naming `what` (the option) when
     TensorRT is absent, the engine is missing (with the build command) or does not match."""
 
     def __init__(self, model: MultiTaskPerceptionModel, heads: frozenset[str], images: int,
                  image_hw: tuple[int, int], precision: str, device: torch.device,
-                 engine_dir: str = "", gpu_name: str | None = None) -> None:
-        what = f"parameter 'runtime_variant' = 'tensorrt_{precision}'"
+                 engine_dir: str = "", gpu_name: str | None = None,
+                 what: str = "parameter 'engine' = 'tensorrt'") -> None:
         try:
             version = tensorrt_version()
         except TensorRTUnavailableError as exc:

@@ -36,7 +36,7 @@ def cloud_xyz(msg: object, max_points: int, frame_id: str) -> np.ndarray:
     filters and counts them); a cloud with no finite point is dropped."""
     n = int(msg.width) * int(msg.height)  # type: ignore[attr-defined]
     if n > max_points:  # before touching the data
-        raise InputDrop("dropped_too_many_points", f"{n} points > max_points {max_points}")
+        raise InputDrop("dropped_too_many_points", f"{n} points > lidar.max_points {max_points}")
     frame = msg.header.frame_id  # type: ignore[attr-defined]
     if frame not in ("", frame_id):
         raise InputDrop("dropped_bad_cloud", f"cloud frame '{frame}' is not frame_id "
@@ -47,7 +47,7 @@ def cloud_xyz(msg: object, max_points: int, frame_id: str) -> np.ndarray:
             xyz = pointcloud2_to_xyz(msg)  # type: ignore[arg-type]
     except ConversionError as exc:
         raise InputDrop("dropped_bad_cloud", str(exc)) from None
-    # any finite point? (a prefix answers for real clouds: 1.6 ms -> ~0.01 ms at 120k)
+    # any finite point? (a prefix answers for real clouds without scanning all of them)
     if n > 0 and not np.isfinite(xyz[:1024]).all(axis=1).any() and \
             not np.isfinite(xyz).all(axis=1).any():
         raise InputDrop("dropped_bad_cloud", f"all {n} points are NaN/inf")

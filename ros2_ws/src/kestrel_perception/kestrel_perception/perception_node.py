@@ -1,7 +1,7 @@
 """perception node: camera image(s) + CameraInfo + LiDAR cloud -> PerceptionResult.
 
 Thin ROS shell around `core.PerceptionCore` (the reference model, or a user's TorchScript /
-ExportedProgram / ONNX model behind an output contract: parameters model_path, model_outputs,
+ExportedProgram / ONNX model behind an output contract: parameters model.path, model.outputs,
 see kestrel_models.perception.external). Inputs (SENSOR_QOS) land in fixed-size
 histories (`core.sync.FrameSynchronizer`); the NEWEST synchronised set is processed (model,
 result published on `~/output/result`, COMMAND_QOS) by default in the subscription callback
@@ -23,8 +23,8 @@ Topics (i = 0 .. num_cameras-1):
                                   overrides the `camera_poses` parameter once received
   ~/input/points                  sensor_msgs/PointCloud2 (x, y, z) in `frame_id`
   ~/output/result                 kestrel_interfaces/PerceptionResult; masks (mono8) and
-                                  depths (`depth_encoding`: 16UC1 mm with 0 = no value, or
-                                  32FC1 m) subsampled by `output_stride` s: ceil(H/s) x
+                                  depths (`output.depth_encoding`: 16UC1 mm with 0 = no value, or
+                                  32FC1 m) subsampled by `output.stride` s: ceil(H/s) x
                                   ceil(W/s), pixel (i, j) = input pixel (s*i, s*j), so the
                                   matching intrinsics are K with fx, fy, cx, cy divided by s
   ~/output/debug_image            sensor_msgs/Image rgb8, cameras side by side, mask + boxes
@@ -123,7 +123,7 @@ class PerceptionNode(KestrelLifecycleNode):
         self._inline = True  # parameter processing == "callback"
         self._proc_lock = threading.Lock()  # one set at a time; cleanup waits for it
         self._results: ResultPublisher | None = None  # CDR bytes or message objects
-        self._receivers: InputReceivers | None = None  # receive == "processes"
+        self._receivers: InputReceivers | None = None  # receive.mode == "processes"
         self._release_timer = None  # calls _ready() every cloud_timeout / 2
         self._runtime: dict[str, Any] = {}
         self.add_on_set_parameters_callback(self._check_runtime_params)
@@ -148,7 +148,7 @@ class PerceptionNode(KestrelLifecycleNode):
             return TransitionCallbackReturn.FAILURE
         if self.core.external is not None and self.core.external.host_outputs:
             self.get_logger().warning(
-                f"model_path: the model returns {self.core.external.host_outputs} on the CPU, "
+                f"model.path: the model returns {self.core.external.host_outputs} on the CPU, "
                 f"not on {self.core.device}: copied to the device every frame (make them on "
                 "the input's device to avoid it)")
         n = p["num_cameras"]
@@ -156,9 +156,9 @@ class PerceptionNode(KestrelLifecycleNode):
         if p["gil_switch_interval_us"] > 0:  # process-wide: this process is the node
             # +0.5 us: CPython truncates the interval to whole microseconds
             sys.setswitchinterval((p["gil_switch_interval_us"] + 0.5) * 1e-6)
-        self.sync = FrameSynchronizer(n, p["sync_slop"], HISTORY, count=self.counters.inc,
-                                      cloud_required=p["cloud_required"],
-                                      cloud_timeout_s=p["cloud_timeout"])
+        self.sync = FrameSynchronizer(n, p["sync.slop"], HISTORY, count=self.counters.inc,
+                                      cloud_required=p["sync.cloud_required"],
+                                      cloud_timeout_s=p["sync.cloud_timeout"])
         poses = p["camera_poses"]
         self._poses = [pose_to_matrix(poses[7 * i: 7 * i + 7]) if poses else np.eye(4)
                        for i in range(n)]
@@ -170,18 +170,18 @@ class PerceptionNode(KestrelLifecycleNode):
             self.get_logger().warning(
                 "result CDR encoder differs from the rmw's serialisation of PerceptionResult "
                 "(changed .msg or rmw?): publishing message objects (slower)")
-        p["receive"] = resolve_receive(p["receive"], self.core.device.type, n)
-        in_node = p["receive"] == "executor"
-        if in_node and p["receiver_cpus"]:
-            self.get_logger().warning("receiver_cpus is set but the inputs are received by the "
-                                      "executor (receive resolved to 'executor'): not used")
+        p["receive.mode"] = resolve_receive(p["receive.mode"], self.core.device.type, n)
+        in_node = p["receive.mode"] == "executor"
+        if in_node and p["receive.cpus"]:
+            self.get_logger().warning("receive.cpus is set but the inputs are received by the "
+                                      "executor (receive.mode resolved to 'executor'): not used")
         if not in_node and not self._start_receivers(p):  # before any ROS entity exists:
             self.core = self.sync = None  # a failed configure leaves nothing behind
             return TransitionCallbackReturn.FAILURE
         self._result_pub = self.create_publisher(PerceptionResult, "~/output/result",
                                                  COMMAND_QOS)
         self._results = ResultPublisher(builder, self._result_pub, cdr)
-        if p["publish_debug_image"]:
+        if p["output.debug_image"]:
             self._debug_pub = self.create_publisher(Image, "~/output/debug_image", SENSOR_QOS)
         group = MutuallyExclusiveCallbackGroup()
         for i in range(n):
@@ -197,7 +197,7 @@ class PerceptionNode(KestrelLifecycleNode):
                 SENSOR_QOS, callback_group=group))
         # releases a set that waits for the cloud of a LiDAR that fell silent (core/sync.py):
         # no message may come to trigger it; in the subscriptions' group (never concurrent)
-        self._release_timer = self.create_timer(p["cloud_timeout"] / 2, self._ready,
+        self._release_timer = self.create_timer(p["sync.cloud_timeout"] / 2, self._ready,
                                                 callback_group=group)
         if in_node:
             self._subs.append(self.create_subscription(PointCloud2, "~/input/points",
@@ -210,14 +210,23 @@ class PerceptionNode(KestrelLifecycleNode):
         m = self.core.config.model
         self.get_logger().info(
             f"configured: {n} camera(s), ResNet-{m.backbone_depth} width {m.base_width}, "
-            f"FPN {m.fpn_channels}, device {p['device']}, heads {sorted(self._heads())}, "
-            f"inputs received by the {p['receive']}, processing in the {p['processing']}, "
+            f"FPN {m.fpn_channels}, device {p['runtime.device']}, forward "
+            f"{self._forward_text()}, heads {sorted(self._heads())}, "
+            f"inputs received by the {p['receive.mode']}, processing in the {p['processing']}, "
             f"GIL switch interval {round(sys.getswitchinterval() * 1e6)} us, results published "
             f"as {'CDR bytes' if cdr else 'message objects'}")
         return TransitionCallbackReturn.SUCCESS
 
+    def _forward_text(self) -> str:
+        """How the forward runs, for the configure log line."""
+        assert self.core is not None
+        cfg = self.core.config
+        if cfg.model_path:
+            return f"user model ({self.core.external.format if self.core.external else '?'})"
+        return cfg.options.describe()
+
     def _start_receivers(self, p: dict[str, Any]) -> bool:
-        """receive == 'processes': the receiver processes (core/receivers.py), subscribed to
+        """receive.mode 'processes': the receiver processes (core/receivers.py), subscribed to
         this node's resolved (remapped) image and cloud topics."""
         n = p["num_cameras"]
         topics = [self.resolve_topic_name(f"~/input/camera_{i}/image") for i in range(n)]
@@ -228,18 +237,19 @@ class PerceptionNode(KestrelLifecycleNode):
         # each sensor's ring: HISTORY + 3 slots held by this node (its synchroniser history,
         # a set being processed, pending copies) + 2 for the receiver (input_rings.py)
         self._receivers = InputReceivers(
-            RingLayout(n, h, w, p["max_points"], slots=HISTORY + 5), topics, self._take_image,
+            RingLayout(n, h, w, p["lidar.max_points"], slots=HISTORY + 5), topics, self._take_image,
             self._take_points,
             frame_id=p["frame_id"], node_name=self.get_name(), namespace=self.get_namespace(),
             ros_args=["-p", f"use_sim_time:={'true' if use_sim else 'false'}"],
-            pool=HISTORY + 3, start_timeout_s=p["receiver_start_timeout"],
+            pool=HISTORY + 3, start_timeout_s=p["receive.start_timeout"],
             pin=self.core.staging.pin_host_memory, info_topics=infos, on_info=self._take_info,
-            cpus=p["receiver_cpus"])
+            cpus=p["receive.cpus"])
         try:
             self._receivers.start()
         except (ReceiverError, OSError) as exc:
             self._receivers = None
-            self.get_logger().error(f"configure failed: parameter 'receive' = 'processes': {exc}")
+            self.get_logger().error(f"configure failed: parameter 'receive.mode' = 'processes': "
+                                   f"{exc}")
             return False
         self.get_logger().info(f"input receivers started: {topics + infos}; "
                                f"{self._receivers.pin_status}; {self._receivers.cpu_status}")
@@ -323,8 +333,8 @@ class PerceptionNode(KestrelLifecycleNode):
             return
         try:
             model = dataclasses.replace(self.core.config.model,
-                                        score_threshold=float(now["score_threshold"]),
-                                        nms_iou=float(now["nms_iou"]))
+                                        score_threshold=float(now["detection.score_threshold"]),
+                                        nms_iou=float(now["detection.nms_iou"]))
         except ValueError as exc:
             self.get_logger().error(f"runtime parameter change ignored: {exc}")
             return
@@ -398,7 +408,7 @@ class PerceptionNode(KestrelLifecycleNode):
             return
         recv_s = time.monotonic()
         try:
-            xyz = cloud_xyz(msg, self.params["max_points"], self.params["frame_id"])
+            xyz = cloud_xyz(msg, self.params["lidar.max_points"], self.params["frame_id"])
         except InputDrop as exc:
             self.drop(exc.counter, str(exc))
             return
@@ -487,7 +497,7 @@ class PerceptionNode(KestrelLifecycleNode):
             self.get_logger().warning(
                 f"a LiDAR cloud of {out.used_points + out.truncated_points + out.dropped_points}"
                 f" points is larger than the largest point bucket: {out.truncated_points} "
-                f"left out, the rest an even subsample (total {n}; raise 'point_buckets')",
+                f"left out, the rest an even subsample (total {n}; raise 'lidar.point_buckets')",
                 throttle_duration_sec=5.0)
         if out.runtime_fallback:
             self.counters.inc("runtime_shape_fallbacks")

@@ -1,12 +1,12 @@
 """perception receiver: one sensor topic -> the perception node's shared-memory ring.
 
 Not started by hand: the perception node starts one per camera image topic and one for the
-LiDAR cloud when its parameter `receive` is 'processes' (core/receivers.py). Why: in one
+LiDAR cloud when its parameter `receive.mode` is 'processes' (core/receivers.py). Why: in one
 Python process the node's executor takes a set's messages one after the other, and rclpy's
-take + deserialisation + conversion of a 640x640 image holds the GIL for ~1 ms; measured on
-the H200 machine, the last of 6 images + cloud reached the node 6.9 ms after the first
-(`input_spread`, docs/benchmarks/perception_node_h200.md). Here every sensor is received in
-its own interpreter, in parallel, and the node takes the arrays where they are written.
+take + deserialisation + conversion of each image holds the GIL, so the last message of a
+set arrives late (`input_spread`, docs/benchmarks/perception_node_h200.md). Here every sensor
+is received in its own interpreter, in parallel, and the node takes the arrays where they are
+written.
 
 A camera's receiver also takes its CameraInfo topic (`--info-topic`): K and size, checked as
 the node does, go into the ring's info record, handed over with the images (the node's
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frame-id", default="")
     ap.add_argument("--info-topic", default="", help="a camera's CameraInfo topic (optional)")
     ap.add_argument("--cpu", type=int, default=-1, help="run on this CPU alone (the node's "
-                    "receiver_cpus): every thread so far (imports start some), and DDS's "
+                    "receive.cpus): every thread so far (imports start some), and DDS's "
                     "threads, created later, inherit it")
     args = ap.parse_args(remove_ros_args(argv)[1:])
     if args.cpu >= 0:

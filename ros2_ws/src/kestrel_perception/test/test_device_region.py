@@ -152,9 +152,9 @@ def test_encode_depth_16uc1_no_value_cases() -> None:
 
 
 @pytest.mark.parametrize("kw,fragment", [
-    ({"depth_encoding": "16UC2"}, "parameter 'depth_encoding' = '16UC2'"),
-    ({"output_stride": 3}, "parameter 'output_stride' = 3"),
-    ({"nms_rounds": 0}, "parameter 'nms_rounds' = 0"),
+    ({"depth_encoding": "16UC2"}, "parameter 'output.depth_encoding' = '16UC2'"),
+    ({"output_stride": 3}, "parameter 'output.stride' = 3"),
+    ({"nms_rounds": 0}, "parameter 'detection.nms_rounds' = 0"),
 ])
 def test_bad_output_config_names_the_parameter(kw: dict, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):

@@ -132,16 +132,21 @@ def test_a_head_switch_must_leave_the_model_one_of_its_heads() -> None:
 
 
 def test_contract_errors_fail_at_construction(model_file) -> None:
-    with pytest.raises(ValueError, match=r"parameter 'model_outputs'.*'logits' \(seg\) not "
+    with pytest.raises(ValueError, match=r"parameter 'model.outputs'.*'logits' \(seg\) not "
                                          "found"):
         PerceptionCore(config(model_file, model_outputs=("seg:logits",)))
-    with pytest.raises(ValueError, match=r"parameter 'model_outputs'.*seg has shape"):
+    with pytest.raises(ValueError, match=r"parameter 'model.outputs'.*seg has shape"):
         PerceptionCore(config(model_file, class_names=NAMES[:3],
                               model=PerceptionConfig.tiny(num_classes=3),
                               model_outputs=("seg:output3",)))
-    with pytest.raises(ValueError, match="parameter 'runtime_variant'.*use 'eager'"):
-        config(model_file, runtime_variant="compile_bf16")
-    with pytest.raises(ValueError, match="parameter 'model_path'.*not both"):
+    with pytest.raises(ValueError, match="parameter 'runtime.compile' = 'whole'.*runs as "
+                                         "exported"):
+        config(model_file, compile="whole")
+    wrong = "torch" if model_file.endswith(".onnx") else "onnxruntime"
+    with pytest.raises(ValueError, match=f"parameter 'runtime.engine' = '{wrong}'.*a user "
+                                         "model runs as exported"):
+        config(model_file, engine=wrong)
+    with pytest.raises(ValueError, match="parameter 'model.path'.*not both"):
         config(model_file, weights_path=model_file)
 
 

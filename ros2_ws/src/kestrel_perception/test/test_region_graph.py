@@ -253,12 +253,13 @@ def test_cuda_graphed_core_equals_the_launched_region() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_region_graphs_adopt_the_runtime_graph_outputs() -> None:
-    """A CUDA-graph runtime variant (its outputs are fixed buffers, one set per head set, in
+    """A CUDA-graph runtime (its outputs are fixed buffers, one set per head set, in
     one shared pool): the region graphs adopt those outputs (no copy per frame) and, with the
     head sets alternating, every frame equals the launched region on the same outputs."""
     from kestrel_models.perception import compiled
     core = PerceptionCore(core_config(num_threads=1, device="cuda", point_buckets=(1024, 4096),
-                                      runtime_variant="eager_bf16w_graph"))
+                                      precision="bf16", compile="off", cuda_graph=True,
+                                      optimize=False))
     g, rt = core.region.graphs, core.runtime
     assert g is not None and not g.failed and rt is not None and rt.spec.cuda_graph
     every = frozenset(core.heads)

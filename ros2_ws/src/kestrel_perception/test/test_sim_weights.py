@@ -46,7 +46,8 @@ def test_resolver_plain_paths(tmp_path: Path) -> None:
     f = tmp_path / "w.pt"
     f.write_bytes(b"x")
     assert resolve_weights_path(str(f)) == str(f)
-    with pytest.raises(ValueError, match="'weights_path' = '/nonexistent.pt': file not found"):
+    with pytest.raises(ValueError,
+                       match="'model.weights_path' = '/nonexistent.pt': file not found"):
         resolve_weights_path("/nonexistent.pt")
 
 
@@ -55,7 +56,7 @@ def test_resolver_package_uri() -> None:
     assert os.path.isfile(path) and path.endswith(os.path.join("weights", "tiny_sim.pt"))
     # installed share dir or, when not installed, the source tree: same file content
     assert Path(path).read_bytes() == (PKG_ROOT / "weights" / "tiny_sim.pt").read_bytes()
-    with pytest.raises(ValueError, match=r"'weights_path' = .*missing\.pt.*file not found "
+    with pytest.raises(ValueError, match=r"'model.weights_path' = .*missing\.pt.*file not found "
                                          r"\(tried"):
         resolve_weights_path("package://kestrel_perception/weights/missing.pt")
     with pytest.raises(ValueError, match="file not found"):

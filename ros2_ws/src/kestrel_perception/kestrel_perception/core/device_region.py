@@ -35,9 +35,9 @@ def _fail(name: str, value: object, why: str) -> ValueError:
 def validate_output_params(depth_encoding: str, output_stride: int) -> None:
     """Raise ValueError naming the parameter for an unsupported value."""
     if depth_encoding not in DEPTH_ENCODINGS:
-        raise _fail("depth_encoding", depth_encoding, f"must be one of {DEPTH_ENCODINGS}")
+        raise _fail("output.depth_encoding", depth_encoding, f"must be one of {DEPTH_ENCODINGS}")
     if output_stride not in OUTPUT_STRIDES:
-        raise _fail("output_stride", output_stride, f"must be one of {OUTPUT_STRIDES}")
+        raise _fail("output.stride", output_stride, f"must be one of {OUTPUT_STRIDES}")
 
 
 def strided_hw(hw: tuple[int, int], stride: int) -> tuple[int, int]:
@@ -178,7 +178,7 @@ class DeviceRegion:
                  graphs: RegionGraphs | None = None, compile: bool = False) -> None:
         validate_output_params(depth_encoding, output_stride)
         if not 1 <= nms_rounds <= 10000:
-            raise _fail("nms_rounds", nms_rounds, "must be in [1, 10000]")
+            raise _fail("detection.nms_rounds", nms_rounds, "must be in [1, 10000]")
         self.device = device
         self.depth_encoding = depth_encoding
         self.stride = output_stride
@@ -190,7 +190,7 @@ class DeviceRegion:
         # camera's valid projections; predicted-depth medians for the boxes that need them
         self.static = device.type == "cuda" if static is None else static
         # static mode: the decode thresholds [score, NMS IoU] live in this device buffer and
-        # every kernel reads them from it, so `ros2 param set score_threshold / nms_iou`
+        # every kernel reads them from it, so `ros2 param set detection.score_threshold / nms_iou`
         # changes them with two fill kernels: no region graph recapture, no recompile of the
         # compiled steps, nothing new cached (RegionGraphs keys exclude them)
         thr = torch.zeros(2, dtype=torch.float32, device=device) if self.static else None

@@ -13,7 +13,7 @@ import numpy as np
 from kestrel_common.params import ParamError, ParamSpec
 from kestrel_models.perception import DEFAULT_BUCKETS, PerceptionConfig
 from kestrel_models.perception.external import FORMATS, INPUT_FORMATS
-from kestrel_models.perception.runtime import VARIANTS
+from kestrel_models.perception.options import COMPILES, ENGINES, PRECISIONS, SWITCH
 
 from .device_region import DEPTH_ENCODINGS, OUTPUT_STRIDES
 from .perception_core import PerceptionCoreConfig
@@ -21,155 +21,174 @@ from .types import DEFAULT_CLASS_NAMES
 
 _CONF = " Applied at configure."
 _RUN = " Applied at run time (no reconfigure, same weights)."
+_AUTO = " 'auto' = the fastest measured for the device (kestrel_models.perception.options)."
 
 SPECS: tuple[ParamSpec, ...] = (
     ParamSpec("num_cameras", 1, "Number of cameras (topics ~/input/camera_<i>/...).",
               min=1, max=8, read_only=True),
-    ParamSpec("backbone_depth", 18, "ResNet depth of the backbone." + _CONF,
+    # ---- model: the reference architecture, or a user's own model file -------------------
+    ParamSpec("model.backbone_depth", 18, "ResNet depth of the backbone." + _CONF,
               choices=(18, 34, 50)),
-    ParamSpec("base_width", 16, "Channels of the ResNet stem (64 = real ResNet)." + _CONF,
+    ParamSpec("model.base_width", 16, "Channels of the ResNet stem (64 = real ResNet)." + _CONF,
               min=8, max=128, check=lambda v: None if v % 4 == 0 else "must be a multiple of 4"),
-    ParamSpec("fpn_channels", 64, "Channels of the FPN and heads." + _CONF, min=8, max=1024,
-              check=lambda v: None if v % 8 == 0 else "must be a multiple of 8"),
-    ParamSpec("head_convs", 1, "3x3 convs per detection tower (FCOS: 4)." + _CONF,
+    ParamSpec("model.fpn_channels", 64, "Channels of the FPN and heads." + _CONF, min=8,
+              max=1024, check=lambda v: None if v % 8 == 0 else "must be a multiple of 8"),
+    ParamSpec("model.head_convs", 1, "3x3 convs per detection tower (FCOS: 4)." + _CONF,
               min=0, max=8),
-    ParamSpec("class_names", list(DEFAULT_CLASS_NAMES),
+    ParamSpec("model.class_names", list(DEFAULT_CLASS_NAMES),
               "Class names; index 0 is background (mask values index this list)." + _CONF),
-    ParamSpec("enable_detection", True, "Run the detection head." + _RUN),
-    ParamSpec("enable_segmentation", True, "Run the segmentation head." + _RUN),
-    ParamSpec("enable_depth", True, "Run the depth head." + _RUN),
-    ParamSpec("score_threshold", 0.3, "Detection score threshold." + _RUN, min=0.0, max=1.0),
-    ParamSpec("nms_iou", 0.5, "Class-wise NMS IoU threshold." + _RUN, min=0.0, max=1.0),
-    ParamSpec("max_detections", 100, "Detections per camera after NMS (sizes the result "
-              "slots and the post-processing graphs)." + _CONF, min=1, max=1000),
-    ParamSpec("max_depth", 20.0, "Upper bound of the predicted depth, m." + _CONF,
+    ParamSpec("model.max_depth", 20.0, "Upper bound of the predicted depth, m." + _CONF,
               min=0.1, max=1000.0),
-    ParamSpec("max_points", 500_000, "Clouds with more points are dropped (counted)." + _CONF,
-              min=1, max=50_000_000),
-    ParamSpec("point_buckets", list(DEFAULT_BUCKETS), "Static cloud sizes, ascending: a cloud "
-              "is NaN-padded to the smallest bucket that holds it (one prepared graph per "
-              "bucket); a larger cloud is subsampled evenly to the largest (counted "
-              "truncated_points, logged). Sizes the device buffers, so read-only." + _CONF,
-              element_type=int, min=1, max=50_000_000, read_only=True,
-              check=lambda v: None if v and list(v) == sorted(set(v)) and len(v) <= 8
-              else "must be 1-8 distinct sizes in ascending order"),
-    ParamSpec("min_lidar_points", 5, "LiDAR points needed in a box for a LiDAR position."
-              + _CONF, min=1, max=100_000),
-    ParamSpec("sync_slop", 0.02, "Max stamp difference between the images, camera_infos and "
-              "cloud of one set, s." + _CONF, min=0.0, max=1.0),
-    ParamSpec("cloud_required", True, "A set waits for its cloud (within sync_slop) while "
-              "one may still come: the LiDAR is live (see cloud_timeout) and no cloud stamped "
-              "after the set + sync_slop has arrived; false = a set goes out as soon as its "
-              "images are complete, with the newest cloud within sync_slop if one is there. "
-              "Sets without a cloud are counted (missing_cloud)." + _CONF),
-    ParamSpec("cloud_timeout", 0.5, "LiDAR silence after which sets stop waiting for a "
-              "cloud, s (at least 1.5 x the LiDAR's period, measured from the clouds' receipt "
-              "times, at most 5 s); a waiting set is released within half of it." + _CONF,
-              min=0.01, max=60.0),
-    ParamSpec("device", "cpu", "Torch device." + _CONF, choices=("cpu", "cuda")),
-    ParamSpec("amp", False, "bf16 autocast (CUDA only)." + _CONF),
-    ParamSpec("runtime_variant", "eager", "'eager' (plain model) or a prepared runtime "
-              "variant (kestrel_models.perception.runtime.VARIANTS), built at configure for "
-              "num_cameras x warmup_size; other sizes run eager (counted)." + _CONF,
-              choices=("eager", *VARIANTS)),
-    ParamSpec("trt_engine_dir", "", "runtime_variant tensorrt_<precision>: folder of the "
-              "engines built offline by scripts/build_trt_engine.py, looked up by key (model "
-              "hash, heads, shapes, GPU, TensorRT, precision) and never built at configure; "
-              "'' = ~/.cache/kestrel/trt." + _CONF),
-    ParamSpec("weights_path", "", "state_dict file; '' = random init from 'seed'." + _CONF),
-    ParamSpec("model_path", "", "A user's own multi-task model instead of the reference "
+    ParamSpec("model.weights_path", "", "state_dict file of the reference architecture "
+              "(package://<pkg>/<path> or a file path); '' = random init from model.seed."
+              + _CONF),
+    ParamSpec("model.seed", 0, "Seed of the random initialisation." + _CONF, min=0,
+              max=2**31 - 1),
+    ParamSpec("model.path", "", "A user's own multi-task model instead of the reference "
               "architecture: TorchScript, ExportedProgram (.pt2) or ONNX file; '' = the "
-              "reference model. Its outputs are declared in model_outputs." + _CONF),
-    ParamSpec("model_format", "auto", "Format of model_path (auto = by extension)." + _CONF,
+              "reference model. Its outputs are declared in model.outputs; it runs as "
+              "exported (runtime options resolve to fp32, no compile, no graph)." + _CONF),
+    ParamSpec("model.format", "auto", "Format of model.path (auto = by extension)." + _CONF,
               choices=FORMATS),
-    ParamSpec("model_outputs", [], "Output contract of model_path: 'role:output name' for "
+    ParamSpec("model.outputs", [], "Output contract of model.path: 'role:output name' for "
               "roles boxes [B,N,4] xyxy px, scores [B,N], labels [B,N] (together), seg "
               "[B,K,h,w] logits, depth [B,1,h,w] m, or fcos:<prefix> for the reference FCOS "
               "head's raw maps (<prefix>det_cls_p3.. as export_onnx names them; instead of "
               "boxes); torch models returning a tuple name their outputs output0, "
               "output1, ..." + _CONF, element_type=str),
-    ParamSpec("model_input_name", "images", "Input name of an ONNX model_path." + _CONF),
-    ParamSpec("model_input_format", "uint8", "Input of model_path: uint8 0..255, float01, or "
+    ParamSpec("model.input_name", "images", "Input name of an ONNX model.path." + _CONF),
+    ParamSpec("model.input_format", "uint8", "Input of model.path: uint8 0..255, float01, or "
               "imagenet (normalised float)." + _CONF, choices=INPUT_FORMATS),
-    ParamSpec("seed", 0, "Seed of the random initialisation." + _CONF, min=0, max=2**31 - 1),
-    ParamSpec("torch_threads", 0, "Torch intra-op threads (0 = torch's default).",
+    # ---- runtime: where and how the forward runs ----------------------------------------
+    ParamSpec("runtime.device", "cpu", "Torch device." + _CONF, choices=("cpu", "cuda")),
+    ParamSpec("runtime.engine", "auto", "What executes the forward: torch, onnxruntime (the "
+              "reference model exported at configure) or tensorrt (an engine built offline, "
+              "looked up in runtime.trt_engine_dir). 'auto' = torch, or onnxruntime for an "
+              "ONNX model.path." + _CONF, choices=ENGINES),
+    ParamSpec("runtime.precision", "auto", "Arithmetic of the forward: fp32, bf16, fp16 "
+              "(CUDA) or int8 (tensorrt only)." + _AUTO + _CONF, choices=PRECISIONS),
+    ParamSpec("runtime.compile", "auto", "torch.compile of the forward: off, whole (one "
+              "region per head set) or branched (the parts after the trunk as regions on CUDA "
+              "streams of their own)." + _AUTO + _CONF, choices=COMPILES),
+    ParamSpec("runtime.cuda_graph", "auto", "Capture the forward in one CUDA graph per head "
+              "set (true needs a CUDA device)." + _AUTO + _CONF, choices=SWITCH),
+    ParamSpec("runtime.optimize", "auto", "Exact rewrites of the model at configure: "
+              "BatchNorm folded into the convs, space-to-depth(4) stem, padded conv outputs, "
+              "grouped FCOS towers, conv epilogues in cuDNN." + _AUTO + _CONF, choices=SWITCH),
+    ParamSpec("runtime.trt_engine_dir", "", "runtime.engine tensorrt: folder of the engines "
+              "built offline, looked up by key (model hash, heads, shapes, GPU, TensorRT, "
+              "precision) and never built at configure; '' = ~/.cache/kestrel/trt." + _CONF),
+    ParamSpec("runtime.torch_threads", 0, "Torch intra-op threads (0 = torch's default).",
               min=0, max=256, read_only=True),
-    ParamSpec("warmup_size", [320, 256], "Image [width, height] px of the warm-up run."
-              + _CONF, element_type=int, length=2, min=1, max=8192),
+    ParamSpec("runtime.region_graph", True, "CUDA: capture the post-processing + LiDAR "
+              "fusion (static shapes) in CUDA graphs at configure, one pair per head set x "
+              "point bucket, each validated against the launched ops (a failing one stays "
+              "launched, logged, counted as region_graphs_failed)." + _CONF),
+    ParamSpec("runtime.region_compile", True, "CUDA: torch.compile the element-wise steps "
+              "of the post-processing + LiDAR fusion (decode candidates, slot selection, mask "
+              "/ depth encoding, projection, box positions) into fused kernels, compiled at "
+              "configure for every head set x point bucket. Thresholds set at run time are "
+              "read from a device buffer: no recompile, no recapture. A compile failure "
+              "switches them back to plain torch (logged, region_compile_failed on "
+              "/diagnostics)." + _CONF),
+    ParamSpec("warmup_size", [320, 256], "Image [width, height] px the runtime is prepared "
+              "for (warm-up, compile, graphs); other sizes run the plain model (counted "
+              "runtime_shape_fallbacks)." + _CONF, element_type=int, length=2, min=1,
+              max=8192),
+    # ---- heads and detection --------------------------------------------------------------
+    ParamSpec("enable_detection", True, "Run the detection head." + _RUN),
+    ParamSpec("enable_segmentation", True, "Run the segmentation head." + _RUN),
+    ParamSpec("enable_depth", True, "Run the depth head." + _RUN),
+    ParamSpec("detection.score_threshold", 0.3, "Detection score threshold." + _RUN,
+              min=0.0, max=1.0),
+    ParamSpec("detection.nms_iou", 0.5, "Class-wise NMS IoU threshold." + _RUN, min=0.0,
+              max=1.0),
+    ParamSpec("detection.max_detections", 100, "Detections per camera after NMS (sizes the "
+              "result slots and the post-processing graphs)." + _CONF, min=1, max=1000),
+    ParamSpec("detection.nms_rounds", 8, "Fixed-point NMS rounds run without a host sync; "
+              "longer suppression chains take the exact slow path (counted: nms_slow_path)."
+              + _CONF, min=1, max=10000),
+    # ---- LiDAR ----------------------------------------------------------------------------
+    ParamSpec("lidar.max_points", 500_000, "Clouds with more points are dropped (counted)."
+              + _CONF, min=1, max=50_000_000),
+    ParamSpec("lidar.point_buckets", list(DEFAULT_BUCKETS), "Static cloud sizes, ascending: "
+              "a cloud is NaN-padded to the smallest bucket that holds it (one prepared graph "
+              "per bucket); a larger cloud is subsampled evenly to the largest (counted "
+              "truncated_points, logged). Sizes the device buffers, so read-only." + _CONF,
+              element_type=int, min=1, max=50_000_000, read_only=True,
+              check=lambda v: None if v and list(v) == sorted(set(v)) and len(v) <= 8
+              else "must be 1-8 distinct sizes in ascending order"),
+    ParamSpec("lidar.min_points", 5, "LiDAR points needed in a box for a LiDAR position."
+              + _CONF, min=1, max=100_000),
+    # ---- sync: which images, camera_infos and cloud form one set --------------------------
+    ParamSpec("sync.slop", 0.02, "Max stamp difference between the images, camera_infos and "
+              "cloud of one set, s." + _CONF, min=0.0, max=1.0),
+    ParamSpec("sync.cloud_required", True, "A set waits for its cloud (within sync.slop) "
+              "while one may still come: the LiDAR is live (see sync.cloud_timeout) and no "
+              "cloud stamped after the set + sync.slop has arrived; false = a set goes out as "
+              "soon as its images are complete, with the newest cloud within sync.slop if one "
+              "is there. Sets without a cloud are counted (missing_cloud)." + _CONF),
+    ParamSpec("sync.cloud_timeout", 0.5, "LiDAR silence after which sets stop waiting for a "
+              "cloud, s (at least 1.5 x the LiDAR's period, measured from the clouds' receipt "
+              "times, at most 5 s); a waiting set is released within half of it." + _CONF,
+              min=0.01, max=60.0),
+    # ---- geometry -------------------------------------------------------------------------
     ParamSpec("frame_id", "world", "Frame of the cloud, camera poses and 3D positions." + _CONF),
     ParamSpec("camera_poses", [], "Per camera x y z qx qy qz qw (m): pose of its optical "
               "frame in frame_id ([] = identity for all; ~/input/camera_<i>/pose overrides)."
               + _CONF, element_type=float),
-    ParamSpec("depth_encoding", "16UC1", "Encoding of the published depth maps: '16UC1' "
-              "(uint16 mm, 0 = no value, REP 118; half the bytes) or '32FC1' (float32 m)."
-              + _CONF, choices=DEPTH_ENCODINGS),
-    ParamSpec("output_stride", 4, "Masks and depth maps are published subsampled [::s, ::s]: "
+    # ---- output: what the result carries --------------------------------------------------
+    ParamSpec("output.depth_encoding", "16UC1", "Encoding of the published depth maps: "
+              "'16UC1' (uint16 mm, 0 = no value, REP 118; half the bytes) or '32FC1' "
+              "(float32 m)." + _CONF, choices=DEPTH_ENCODINGS),
+    ParamSpec("output.stride", 4, "Masks and depth maps are published subsampled [::s, ::s]: "
               "size ceil(H/s) x ceil(W/s), pixel (i, j) = input pixel (s*i, s*j), i.e. the "
               "camera's K with fx, fy, cx, cy divided by s (1 = full resolution). The "
               "reference model predicts them at its dense_stride (8, or 4) and upsamples "
-              "bilinearly: a finer output only interpolates, and costs bytes on every hop "
-              "(6 x 640x640: 0.47 MB at 4, 1.85 MB at 2)." + _CONF,
-              choices=OUTPUT_STRIDES),
-    ParamSpec("nms_rounds", 8, "Fixed-point NMS rounds run without a host sync; longer "
-              "suppression chains take the exact slow path (counted: nms_slow_path)." + _CONF,
-              min=1, max=10000),
-    ParamSpec("processing", "callback", "Where a complete input set is processed: 'callback' "
-              "= in the subscription callback that completed it (no thread hand-off; the "
-              "input subscriptions take no message while a set is processed, and with receive "
-              "'processes' the receiver thread waits too), 'worker' = in a dedicated worker "
-              "thread woken by the callbacks." + _CONF, choices=("callback", "worker"),
-              read_only=True),
-    ParamSpec("executor", "single", "The node's executor: 'single' = SingleThreadedExecutor "
-              "(no thread-pool hand-off per input message; H200, 6 x 1.2 MB images + a cloud: "
-              "stamp -> last input received 8.5 ms p50 vs 22.8 with 'multi'), 'multi' = "
-              "MultiThreadedExecutor (the diagnostics timer may run while a set is processed).",
-              choices=("single", "multi"), read_only=True),
-    ParamSpec("receive", "auto", "Who takes the camera images and the cloud off DDS: "
-              "'executor' = this node's subscriptions (one after the other: ~1 ms of rclpy "
-              "deserialisation per 640x640 image, holding the GIL), 'processes' = one receiver "
-              "process per image topic (with its camera_info) and one for the cloud, in "
-              "parallel, writing into shared-memory slots the node reads without a copy "
-              "(kestrel_perception/core/receivers.py; their drops are counted under the "
-              "node's own names, rx_received counts their messages), 'auto' = 'processes' "
-              "on a CUDA device with at least 2 CPUs per receiver, else 'executor' "
-              "(resolve_receive; measured: H200 machine, 16 CPUs, 6 cameras, end to end p99 "
-              "15.9 ms with processes vs 20.6 with the executor in one call; the 2-core dev "
-              "VM: 15.4 vs 8.0 ms input transport). The pose topics stay on the executor. "
-              "Images larger than warmup_size are dropped in 'processes'." + _CONF,
+              "bilinearly: a finer output only interpolates, and costs bytes on every hop."
+              + _CONF, choices=OUTPUT_STRIDES),
+    ParamSpec("output.debug_image", False, "Publish ~/output/debug_image." + _CONF),
+    # ---- receive: who takes the inputs off DDS --------------------------------------------
+    ParamSpec("receive.mode", "auto", "Who takes the camera images and the cloud off DDS: "
+              "'executor' = this node's subscriptions (one after the other, deserialised "
+              "under the GIL), 'processes' = one receiver process per image topic (with its "
+              "camera_info) and one for the cloud, in parallel, writing into shared-memory "
+              "slots the node reads without a copy (kestrel_perception/core/receivers.py; "
+              "their drops are counted under the node's own names, rx_received counts their "
+              "messages), 'auto' = 'processes' on a CUDA device with at least 2 CPUs per "
+              "receiver, else 'executor' (resolve_receive). The pose topics stay on the "
+              "executor. Images larger than warmup_size are dropped in 'processes'." + _CONF,
               choices=("auto", "executor", "processes"), read_only=True),
-    ParamSpec("receiver_start_timeout", 60.0, "receive 'processes': how long configure waits "
-              "for every receiver process to subscribe, s.", min=1.0, max=600.0,
+    ParamSpec("receive.start_timeout", 60.0, "receive.mode 'processes': how long configure "
+              "waits for every receiver process to subscribe, s.", min=1.0, max=600.0,
               read_only=True),
-    ParamSpec("receiver_cpus", [], "receive 'processes': CPUs of the receiver processes, "
-              "receiver i (cameras, then the cloud) on receiver_cpus[i % len] alone "
+    ParamSpec("receive.cpus", [], "receive.mode 'processes': CPUs of the receiver processes, "
+              "receiver i (cameras, then the cloud) on receive.cpus[i % len] alone "
               "(sched_setaffinity); [] = they run where the node may. Give them CPUs the "
               "sensor drivers and the node's threads do not use.", element_type=int, min=0,
               max=4095, read_only=True),
+    # ---- the process ----------------------------------------------------------------------
+    ParamSpec("processing", "callback", "Where a complete input set is processed: 'callback' "
+              "= in the subscription callback that completed it (no thread hand-off; the "
+              "input subscriptions take no message while a set is processed, and with "
+              "receive.mode 'processes' the receiver thread waits too), 'worker' = in a "
+              "dedicated worker thread woken by the callbacks." + _CONF,
+              choices=("callback", "worker"), read_only=True),
+    ParamSpec("executor", "single", "The node's executor: 'single' = SingleThreadedExecutor "
+              "(no thread-pool hand-off per input message), 'multi' = MultiThreadedExecutor "
+              "(the diagnostics timer may run while a set is processed).",
+              choices=("single", "multi"), read_only=True),
     ParamSpec("gil_switch_interval_us", 200, "sys.setswitchinterval of the node process, us "
               "(Python's default 5000): a thread waiting for the GIL gets it after at most "
               "this long; every torch call releases the GIL, so with the default a busy "
               "executor thread can add up to 5 ms per call to the processing (0 = leave "
               "Python's setting)." + _CONF, min=0, max=100_000, read_only=True),
-    ParamSpec("region_graph", True, "CUDA: capture the post-processing + LiDAR fusion "
-              "(static shapes) in CUDA graphs at configure, one pair per head set x point "
-              "bucket, each validated against the launched ops (a failing one stays "
-              "launched, logged, counted as region_graphs_failed)." + _CONF),
-    ParamSpec("region_compile", True, "CUDA: torch.compile the element-wise steps of the "
-              "post-processing + LiDAR fusion (decode candidates, slot selection, mask / "
-              "depth encoding, projection, box positions): fused kernels instead of ~300 "
-              "small ones per frame; compiled at configure (warm-up, every head set x point "
-              "bucket). score_threshold and nms_iou set at run time are read from a device "
-              "buffer: no recompile, no recapture. A compile "
-              "failure switches them back to plain torch (logged, region_compile_failed on "
-              "/diagnostics)."
-              + _CONF),
-    ParamSpec("publish_debug_image", False, "Publish ~/output/debug_image." + _CONF),
     ParamSpec("target_fps", 10.0, "Diagnostics warn when p99 latency > 1/target_fps, Hz."
               + _CONF, min=0.1, max=1000.0),
 )
 
 RUNTIME_PARAMS: tuple[str, ...] = ("enable_detection", "enable_segmentation", "enable_depth",
-                                   "score_threshold", "nms_iou")
+                                   "detection.score_threshold", "detection.nms_iou")
 
 
 def pose_to_matrix(pose: list[float] | np.ndarray) -> np.ndarray:
@@ -191,9 +210,9 @@ def pose_to_matrix(pose: list[float] | np.ndarray) -> np.ndarray:
 
 def validate_perception_params(values: dict[str, Any]) -> None:
     """Cross-parameter checks; raises ParamError naming the parameter and value."""
-    names = values["class_names"]
+    names = values["model.class_names"]
     if not 2 <= len(names) <= 255 or len(set(names)) != len(names) or not all(names):
-        raise ParamError("class_names", names, "needs 2..255 unique, non-empty names")
+        raise ParamError("model.class_names", names, "needs 2..255 unique, non-empty names")
     if not (values["enable_detection"] or values["enable_segmentation"]
             or values["enable_depth"]):
         raise ParamError("enable_detection", values["enable_detection"],
@@ -211,11 +230,11 @@ def validate_perception_params(values: dict[str, Any]) -> None:
             raise ParamError("camera_poses", poses, f"camera {i}: {exc}") from None
     # CPUs of the machine, not the node's own mask: a node pinned (taskset) to some CPUs gives
     # its receivers others. A CPU the cgroup's cpuset excludes fails the receiver at start
-    # (reported: configure fails naming 'receive')
-    cpus, count = values.get("receiver_cpus", []), os.cpu_count() or 1
+    # (reported: configure fails naming 'receive.mode')
+    cpus, count = values.get("receive.cpus", []), os.cpu_count() or 1
     if any(c >= count for c in cpus):
-        raise ParamError("receiver_cpus", cpus, f"CPUs {sorted(c for c in cpus if c >= count)}"
-                                                f" do not exist (this machine has {count})")
+        raise ParamError("receive.cpus", cpus, f"CPUs {sorted(c for c in cpus if c >= count)}"
+                                               f" do not exist (this machine has {count})")
 
 
 def resolve_receive(receive: str, device: str, num_cameras: int,
@@ -236,32 +255,37 @@ def core_config(values: dict[str, Any]) -> PerceptionCoreConfig:
     """Validated node parameters -> PerceptionCoreConfig. All three heads are always built so
     they can be switched at run time; ValueError (naming the parameter) on bad values."""
     model = PerceptionConfig(
-        backbone_depth=values["backbone_depth"], base_width=values["base_width"],
-        fpn_channels=values["fpn_channels"], num_classes=len(values["class_names"]),
-        head_convs=values["head_convs"], max_depth=values["max_depth"],
-        score_threshold=values["score_threshold"], nms_iou=values["nms_iou"],
-        max_detections=values["max_detections"])
+        backbone_depth=values["model.backbone_depth"], base_width=values["model.base_width"],
+        fpn_channels=values["model.fpn_channels"],
+        num_classes=len(values["model.class_names"]), head_convs=values["model.head_convs"],
+        max_depth=values["model.max_depth"],
+        score_threshold=values["detection.score_threshold"],
+        nms_iou=values["detection.nms_iou"],
+        max_detections=values["detection.max_detections"])
     w, h = values["warmup_size"]
     return PerceptionCoreConfig(
-        model=model, class_names=tuple(values["class_names"]), device=values["device"],
-        weights_path=values["weights_path"], seed=values["seed"],
-        model_path=values["model_path"], model_format=values["model_format"],
-        model_outputs=tuple(values["model_outputs"]),
-        model_input_name=values["model_input_name"],
-        model_input_format=values["model_input_format"],
-        max_points=values["max_points"], min_lidar_points=values["min_lidar_points"],
-        point_buckets=tuple(values["point_buckets"]),
-        amp=values["amp"], warmup_image_hw=(h, w), warmup_cameras=values["num_cameras"],
-        num_threads=values["torch_threads"], runtime_variant=values["runtime_variant"],
-        engine_dir=values["trt_engine_dir"],
-        depth_encoding=values["depth_encoding"], output_stride=values["output_stride"],
-        nms_rounds=values["nms_rounds"], zero_copy_maps=True,
-        region_graph=values["region_graph"], region_compile=values["region_compile"])
+        model=model, class_names=tuple(values["model.class_names"]),
+        device=values["runtime.device"], weights_path=values["model.weights_path"],
+        seed=values["model.seed"], model_path=values["model.path"],
+        model_format=values["model.format"], model_outputs=tuple(values["model.outputs"]),
+        model_input_name=values["model.input_name"],
+        model_input_format=values["model.input_format"],
+        max_points=values["lidar.max_points"], min_lidar_points=values["lidar.min_points"],
+        point_buckets=tuple(values["lidar.point_buckets"]),
+        warmup_image_hw=(h, w), warmup_cameras=values["num_cameras"],
+        num_threads=values["runtime.torch_threads"], engine=values["runtime.engine"],
+        precision=values["runtime.precision"], compile=values["runtime.compile"],
+        cuda_graph=values["runtime.cuda_graph"], optimize=values["runtime.optimize"],
+        engine_dir=values["runtime.trt_engine_dir"],
+        depth_encoding=values["output.depth_encoding"], output_stride=values["output.stride"],
+        nms_rounds=values["detection.nms_rounds"], zero_copy_maps=True,
+        region_graph=values["runtime.region_graph"],
+        region_compile=values["runtime.region_compile"])
 
 
 def missing_model_heads(enabled: dict, model_heads: frozenset[str] | set[str]) -> str:
     """Why the `enable_*` values leave the model none of its own heads ('' if they do not).
-    A user model provides only the heads of its output contract (`model_outputs`); a frame
+    A user model provides only the heads of its output contract (`model.outputs`); a frame
     with none of them enabled would have nothing to compute, so such a setting is refused at
     configure and at `ros2 param set`, naming the parameters that would help."""
     on = {h for h in ("detection", "segmentation", "depth") if enabled.get(f"enable_{h}")}

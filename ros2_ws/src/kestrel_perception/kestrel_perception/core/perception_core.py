@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from kestrel_models.perception.external import (ExternalPerceptionModel, OutputContract,
-                                                parse_outputs)
-from kestrel_models.perception.runtime import VARIANTS, PerceptionRuntime
+                                                parse_outputs, resolve_format)
+from kestrel_models.perception.options import RuntimeOptions, resolve_options
+from kestrel_models.perception.runtime import VARIANTS, PerceptionRuntime, VariantSpec
 from kestrel_models.perception.model import load_weights
 from kestrel_models.perception import (
     DEFAULT_BUCKETS,
@@ -56,11 +57,11 @@ def resolve_weights_path(path: str) -> str:
     Raises ValueError naming 'weights_path' (and the paths tried) when no file exists."""
     if not path.startswith(PACKAGE_URI):
         if not os.path.isfile(path):
-            raise _fail("weights_path", path, "file not found")
+            raise _fail("model.weights_path", path, "file not found")
         return path
     pkg, _, rel = path[len(PACKAGE_URI):].partition("/")
     if not pkg or not rel:
-        raise _fail("weights_path", path, "expected package://<package>/<relative path>")
+        raise _fail("model.weights_path", path, "expected package://<package>/<relative path>")
     tried = []
     try:
         from ament_index_python.packages import get_package_share_directory
@@ -73,7 +74,7 @@ def resolve_weights_path(path: str) -> str:
         if os.path.isfile(cand):
             return cand
     where = tried if tried else f"nothing: package '{pkg}' is not installed"
-    raise _fail("weights_path", path, f"file not found (tried: {where})")
+    raise _fail("model.weights_path", path, f"file not found (tried: {where})")
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class PerceptionCoreConfig:
     """Runtime settings of the core around the model's own `PerceptionConfig`.
 
     `model.num_classes` must equal len(class_names). The default model is the tiny CPU config.
+    Errors name the node's parameters (`model.weights_path`, `runtime.precision`, ...).
     """
 
     model: PerceptionConfig = field(default_factory=PerceptionConfig.tiny)
@@ -99,16 +101,22 @@ class PerceptionCoreConfig:
     max_points: int = 500_000  # larger clouds are rejected (InputError too_many_points)
     point_buckets: tuple[int, ...] = DEFAULT_BUCKETS  # static cloud sizes (NaN padded)
     min_lidar_points: int = 5  # LiDAR points needed inside a box for a LiDAR position
-    amp: bool = False  # bf16 autocast (CUDA only)
     channels_last: bool = True
     warmup_image_hw: tuple[int, int] | None = (256, 320)  # (H, W) px of the warm-up run
     warmup_cameras: int = 1
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's setting
-    # "eager" = the plain model; else a kestrel_models.perception.runtime variant prepared at
-    # warm-up for (warmup_cameras, warmup_image_hw) with every head subset; other shapes
-    # fall back to the plain model (PerceptionOutput.runtime_fallback)
-    runtime_variant: str = "eager"
-    # runtime_variant tensorrt_*: the folder of the prebuilt engines ("" = ~/.cache/kestrel/trt)
+    # How the forward runs (kestrel_models.perception.options: "auto" = the fastest measured
+    # for the device). Unless they resolve to the plain model, a runtime is prepared at
+    # warm-up for (warmup_cameras, warmup_image_hw) with every head subset; other shapes fall
+    # back to the plain model (PerceptionOutput.runtime_fallback)
+    engine: str = "auto"  # torch | onnxruntime | tensorrt
+    precision: str = "auto"  # fp32 | bf16 | fp16 | int8 (tensorrt)
+    compile: str = "auto"  # off | whole | branched
+    cuda_graph: str | bool = "auto"
+    optimize: str | bool = "auto"
+    # a runtime.VARIANTS name instead of the options ("" = the options): for benchmarks
+    variant: str = ""
+    # engine tensorrt: the folder of the prebuilt engines ("" = ~/.cache/kestrel/trt)
     engine_dir: str = ""
     depth_encoding: str = "32FC1"  # "32FC1" (m) or "16UC1" (mm, 0 = no value, REP 118)
     output_stride: int = 1  # masks/depths subsampled [::s, ::s] (1, 2, 4 or 8)
@@ -123,59 +131,70 @@ class PerceptionCoreConfig:
     # CUDA: the static region's element-wise steps torch.compile'd (kestrel_models
     # perception/compiled.py), compiled during the warm-up (_prepare_region)
     region_compile: bool = True
+    # set in __post_init__: the resolved options and the runtime's spec (None: plain model)
+    options: RuntimeOptions = field(init=False, repr=False, compare=False)
+    spec: VariantSpec | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "class_names", tuple(self.class_names))
         if len(self.class_names) != self.model.num_classes:
-            raise _fail("class_names", list(self.class_names),
+            raise _fail("model.class_names", list(self.class_names),
                         f"has {len(self.class_names)} names but the model has "
                         f"num_classes = {self.model.num_classes}")
         if len(set(self.class_names)) != len(self.class_names) or not all(self.class_names):
-            raise _fail("class_names", list(self.class_names), "must be unique, non-empty")
+            raise _fail("model.class_names", list(self.class_names),
+                        "must be unique, non-empty")
         if "segmentation" in self.model.heads and self.model.num_classes > 255:
-            raise _fail("class_names", len(self.class_names), "at most 255 for mono8 masks")
+            raise _fail("model.class_names", len(self.class_names),
+                        "at most 255 for mono8 masks")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise _fail("device", self.device, "must be 'cpu' or 'cuda'")
+            raise _fail("runtime.device", self.device, "must be 'cpu' or 'cuda'")
         if self.weights_path:  # package:// URIs become file paths here
             object.__setattr__(self, "weights_path", resolve_weights_path(self.weights_path))
         object.__setattr__(self, "model_outputs", tuple(self.model_outputs))
+        user_format = None
         if self.model_path:
             if self.weights_path:
-                raise _fail("model_path", self.model_path, "set model_path (a whole model) or "
-                            "weights_path (reference-architecture weights), not both")
-            if self.runtime_variant != "eager":
-                raise _fail("runtime_variant", self.runtime_variant, "a user model (model_path)"
-                            " runs as exported: use 'eager'")
-            parse_outputs(self.model_outputs)  # raises naming model_outputs
+                raise _fail("model.path", self.model_path, "set model.path (a whole model) or "
+                            "model.weights_path (reference-architecture weights), not both")
+            user_format = resolve_format(self.model_path, self.model_format)
+            parse_outputs(self.model_outputs)  # raises naming model.outputs
+        options = resolve_options(self.device, self.engine, self.precision, self.compile,
+                                  self.cuda_graph, self.optimize, user_format=user_format,
+                                  prefix="runtime.")  # raises naming the option
+        object.__setattr__(self, "options", options)
         if not 1 <= self.max_points <= 50_000_000:
-            raise _fail("max_points", self.max_points, "must be in [1, 50000000]")
+            raise _fail("lidar.max_points", self.max_points, "must be in [1, 50000000]")
         if not self.point_buckets or min(self.point_buckets) < 1:
-            raise _fail("point_buckets", self.point_buckets, "must be positive sizes")
+            raise _fail("lidar.point_buckets", self.point_buckets, "must be positive sizes")
         if self.min_lidar_points < 1:
-            raise _fail("min_lidar_points", self.min_lidar_points, "must be >= 1")
+            raise _fail("lidar.min_points", self.min_lidar_points, "must be >= 1")
         if self.warmup_image_hw is not None and min(self.warmup_image_hw) < 1:
-            raise _fail("warmup_image_hw", self.warmup_image_hw, "must be positive")
+            raise _fail("warmup_size", self.warmup_image_hw, "must be positive")
         if not 1 <= self.warmup_cameras <= 16:
-            raise _fail("warmup_cameras", self.warmup_cameras, "must be in [1, 16]")
+            raise _fail("num_cameras", self.warmup_cameras, "must be in [1, 16]")
         validate_output_params(self.depth_encoding, self.output_stride)
         if not 1 <= self.nms_rounds <= 10000:
-            raise _fail("nms_rounds", self.nms_rounds, "must be in [1, 10000]")
+            raise _fail("detection.nms_rounds", self.nms_rounds, "must be in [1, 10000]")
         if self.num_threads < 0:
-            raise _fail("num_threads", self.num_threads, "must be >= 0")
-        if self.runtime_variant != "eager":
-            if self.runtime_variant not in VARIANTS:
-                raise _fail("runtime_variant", self.runtime_variant,
-                            f"must be 'eager' or one of {sorted(VARIANTS)}")
-            if self.warmup_image_hw is None:
-                raise _fail("runtime_variant", self.runtime_variant,
-                            "needs warmup_image_hw (the static input shape)")
-            if VARIANTS[self.runtime_variant].cuda_graph and \
-                    not self.device.startswith("cuda"):
-                raise _fail("runtime_variant", self.runtime_variant,
-                            f"uses CUDA graphs: needs device 'cuda', got {self.device!r}")
-            if VARIANTS[self.runtime_variant].engine and not self.device.startswith("cuda"):
-                raise _fail("runtime_variant", self.runtime_variant,
-                            f"runs a TensorRT engine: needs device 'cuda', got {self.device!r}")
+            raise _fail("runtime.torch_threads", self.num_threads, "must be >= 0")
+        spec = options.spec
+        if self.variant:
+            if self.variant not in VARIANTS:
+                raise _fail("variant", self.variant,
+                            f"must be '' or one of {sorted(VARIANTS)}")
+            if self.model_path:
+                raise _fail("variant", self.variant, "a user model (model.path) runs as "
+                            "exported")
+            spec = VARIANTS[self.variant]
+            if (spec.cuda_graph or spec.engine) and not self.device.startswith("cuda"):
+                raise _fail("variant", self.variant, f"uses CUDA graphs or TensorRT: needs "
+                            f"device 'cuda', got {self.device!r}")
+        if spec is not None and self.warmup_image_hw is None:
+            raise _fail("warmup_size", None, f"the runtime ({options.describe()}) needs the "
+                        "static input shape")
+        object.__setattr__(self, "spec", spec)
+
 
 
 class PerceptionCore:
@@ -187,7 +206,8 @@ class PerceptionCore:
     def __init__(self, config: PerceptionCoreConfig) -> None:
         self.config = config
         if config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise _fail("device", config.device, "CUDA is not available on this machine")
+            raise _fail("runtime.device", config.device,
+                        "CUDA is not available on this machine")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
@@ -207,6 +227,9 @@ class PerceptionCore:
                                    compile=config.region_compile and
                                    self.device.type == "cuda")
         self.runtime: PerceptionRuntime | None = None
+        spec = config.spec  # the plain model runs other shapes in the runtime's precision
+        self._fallback_dtype = spec.dtype if spec is not None and not spec.engine and \
+            not spec.onnxruntime and spec.precision != "fp32" else None
         if config.warmup_image_hw is not None:
             self.warmup(config.warmup_image_hw, config.warmup_cameras)
 
@@ -229,7 +252,8 @@ class PerceptionCore:
                 load_weights(model, cfg.weights_path)
             except Exception as exc:  # any load failure is a parameter error
                 msg = str(exc).splitlines()[0][:300]
-                raise _fail("weights_path", cfg.weights_path, f"cannot load: {msg}") from exc
+                raise _fail("model.weights_path", cfg.weights_path,
+                            f"cannot load: {msg}") from exc
         model = model.to(self.device).eval()
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
@@ -241,13 +265,14 @@ class PerceptionCore:
         self.region.configure(cameras, (h, w), self.config.model.max_detections)
         self.staging.configure_images(cameras, (h, w))
         self.staging.configure_cameras(cameras)
-        if self.config.runtime_variant != "eager":
+        if self.config.spec is not None:
             built = sorted(self.config.model.heads)
             subsets = [frozenset(h for i, h in enumerate(built) if mask >> i & 1)
                        for mask in range(1, 2 ** len(built))]
-            self.runtime = PerceptionRuntime(self.model, self.config.runtime_variant, (h, w),
+            self.runtime = PerceptionRuntime(self.model, self.config.spec, (h, w),
                                              cameras, 1, heads=subsets, device=self.device,
-                                             engine_dir=self.config.engine_dir)
+                                             engine_dir=self.config.engine_dir,
+                                             option_prefix="runtime.")
         K = np.array([[w, 0.0, w / 2], [0.0, w, h / 2], [0.0, 0.0, 1.0]])
         cams = [CameraModel(K, w, h, f"warmup_{i}") for i in range(cameras)]
         imgs = [np.zeros((h, w, 3), np.uint8) for _ in range(cameras)]
@@ -315,10 +340,10 @@ class PerceptionCore:
         persistent = rt is not None and not fallback and rt.spec.cuda_graph
         if rt is not None and not fallback:
             raw = rt.run(x, heads=heads)  # static buffers: consumed before the next call
-        else:
+        else:  # the plain model (in the runtime's torch precision, if any)
             with torch.inference_mode(), torch.autocast(
-                    self.device.type, dtype=torch.bfloat16,
-                    enabled=cfg.amp and self.device.type == "cuda"):
+                    self.device.type, dtype=self._fallback_dtype or torch.bfloat16,
+                    enabled=self._fallback_dtype is not None):
                 raw = self.model(x, heads)
         clock.mark("model")
 

@@ -195,8 +195,7 @@ class RegionGraphs:
         # static inputs shared by the entries of one input shape (replayed one at a time,
         # each replay copies its frame's values in first): copies, or with `persistent` the
         # caller's fixed buffers themselves (the node's runtime CUDA-graph outputs and input
-        # staging: a replay then copies nothing; H200: 7 copies of the model outputs, ~70 us
-        # of the postprocess stage per frame)
+        # staging: a replay then copies nothing, not even the model outputs)
         keep = _shallow if persistent else _clone
         inputs = tuple(self._static.setdefault(signature(x), keep(x))
                        for x in (raw, points, cams))

@@ -22,7 +22,7 @@ host->device copy on the staging's copy stream, which the frame's stream waits f
 the device slot is the host slot, so the same path is one copy, as before. The caller must
 not rewrite a registered buffer while its copy may be pending: a receiver's slot is written
 again only after the node claimed `pool` newer messages of its sensor (input_rings.py), and
-the copy (~60 us for 1.2 MB) is queued behind nothing but the frame stream's current work (no
+the copy (short: one image) is queued behind nothing but the frame stream's current work (no
 event per buffer is kept).
 """
 
@@ -90,7 +90,8 @@ class InputStaging:
 
     def __init__(self, device: torch.device, buckets: tuple[int, ...]) -> None:
         if not buckets or min(buckets) < 1:
-            raise ValueError(f"parameter 'point_buckets' = {buckets!r}: must be positive sizes")
+            raise ValueError(f"parameter 'lidar.point_buckets' = {buckets!r}: must be positive "
+                             "sizes")
         self.device = device
         self.buckets = tuple(sorted(buckets))
         self.cuda = device.type == "cuda"

@@ -18,7 +18,7 @@ a waiting set is released when the LiDAR falls silent. Images that leave the his
 unprocessed are counted through `count(name, n)`:
   "cloud_out_of_sync": (camera 0's image, one per set) its camera set was complete but no
                    cloud within `slop` came while the LiDAR was live (a lost cloud, or LiDAR
-                   stamps that never fall within sync_slop of the cameras': no set forms);
+                   stamps that never fall within sync.slop of the cameras': no set forms);
   "skipped_stale": it could have formed a set, but a newer set was taken (processing slower
                    than the input rate: newest wins), or it arrived older than the last set;
   "out_of_sync":   no set could be formed with it (a partner image or camera_info missing or
@@ -75,11 +75,11 @@ class FrameSynchronizer:
         if num_cameras < 1:
             raise ValueError(f"parameter 'num_cameras' = {num_cameras}: must be >= 1")
         if slop_s < 0:
-            raise ValueError(f"parameter 'sync_slop' = {slop_s}: must be >= 0")
+            raise ValueError(f"parameter 'sync.slop' = {slop_s}: must be >= 0")
         if history < 1:
             raise ValueError(f"parameter 'history' = {history}: must be >= 1")
         if not cloud_timeout_s > 0:
-            raise ValueError(f"parameter 'cloud_timeout' = {cloud_timeout_s}: must be > 0")
+            raise ValueError(f"parameter 'sync.cloud_timeout' = {cloud_timeout_s}: must be > 0")
         self.cloud_required = bool(cloud_required)
         self.cloud_timeout_s = float(cloud_timeout_s)
         self._clock = clock  # same clock as the messages' recv_s (time.monotonic)
@@ -158,7 +158,7 @@ class FrameSynchronizer:
         elif (camera == 0 and self.cloud_required and self.lidar_live()
               and self._cloud_for(img.stamp_ns) is None and img.stamp_ns > self._last_set_ns):
             # a complete camera set that never got a cloud within slop of it: lost clouds, or
-            # LiDAR stamps that never fall within sync_slop of the cameras' (no set forms)
+            # LiDAR stamps that never fall within sync.slop of the cameras' (no set forms)
             self._count(CLOUD_OUT_OF_SYNC, 1)
         else:
             self._count(SKIPPED_STALE, 1)

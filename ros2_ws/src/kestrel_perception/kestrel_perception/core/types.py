@@ -87,7 +87,7 @@ class Detection:
 class DetectionArrays:
     """All detections of one output as parallel arrays (D detections, camera by camera):
     what the core computes and what PerceptionResult carries, without one Python object per
-    detection (120 of them took ~0.3 ms to make and ~0.3 ms to read back on the dev CPU)."""
+    detection to make and read back)."""
 
     camera_index: np.ndarray  # [D] uint32
     class_index: np.ndarray  # [D] uint16, into the class names (also the mask value)
@@ -209,7 +209,7 @@ def validate_frames(frames: FrameSet, max_points: int) -> tuple[int, int]:
                     else type(pts).__name__)
             raise InputError(BAD_POINTS, f"expected an [N,3] float array, got {desc}")
         if pts.shape[0] > max_points:
-            raise InputError(TOO_MANY_POINTS, f"{pts.shape[0]} points > max_points "
+            raise InputError(TOO_MANY_POINTS, f"{pts.shape[0]} points > lidar.max_points "
                                               f"{max_points}")
     assert size is not None
     return size
