@@ -13,8 +13,14 @@ two) and each has its own topics: ~/<ns>/input/joint_states, ~/<ns>/input/target
 ~/<ns>/output/joint_command. The policy is the reference ActorCritic (dims +
 policy.weights_path) or a user's TorchScript / ONNX file (`policy.model_*`); `policy.backend`
 picks the runtime (kestrel_models.control.registry). ControlTarget: MODE_JOINT sets the joint
-target, approached at most at the target's max_speed (rad/s, 0 = no limit); MODE_HOLD and
-MODE_CARTESIAN keep the current one (Cartesian is counted as target_cartesian_held).
+target, approached at most at the target's max_speed (rad/s, 0 = no limit); MODE_HOLD keeps
+the current one. MODE_CARTESIAN (position, world frame = the arm's base frame, m): with
+`controller: ik` the differential-IK reference controller (core/ik_runner.py, cartesian.*)
+tracks it at the target's max_speed (m/s) in the same loop, safety filter and deadlines; with
+the policy, a layout with ee_* terms receives it, else it is held (target_cartesian_held).
+ControlTarget.gripper (0 open .. 1 closed) is the `gripper.joint` entry appended to every joint
+command (0 .. gripper.closed_position, the URDF's limit by default). Joint states may name more
+joints than the node's (e.g. the fingers): the node's joints are taken by name.
 Callbacks only check the message's structure (length, joint names: counted drops) and write
 into the buffers; values (NaN/inf, staleness, joint limits) are the SafetyFilter's job, counted
 in the loop statistics. Observation age = node clock now - header stamp, so it works on wall time
@@ -61,6 +67,7 @@ from kestrel_common.conversions import stamp_to_ns
 from kestrel_common.params import ParamError
 from kestrel_control.control_params import RENAMED, SPECS, qualify, resolve_loop_mode
 from kestrel_control.core import LoopStats, PolicyRunner, RealtimeLoop, RunnerConfig
+from kestrel_control.core.description import joint_limits, read_description
 from kestrel_control.core.loop_process import LoopProcess, LoopSettings
 from kestrel_control.core.miss_cause import CAUSES as MISS_CAUSES
 from kestrel_control.core.stats import window_end_ns
@@ -88,6 +95,9 @@ class ControlNode(KestrelLifecycleNode):
         self._applied: dict[str, str] = {}  # real-time settings the loop applied
         self._js_bufs: list[Any] = []  # per robot: joint-state buffer [2, n] (callbacks write)
         self._tgt_bufs: list[Any] = []  # per robot: target buffer [n] rad
+        self._mode_bufs: list[Any] = []  # controller ik, per robot: (x, y, z, max_speed, mode)
+        self._mode_rows: list[np.ndarray] = []
+        self._gripper_closed = 0.0  # gripper joint's closed position (0: no gripper command)
         self._active = False
         self._pubs: list[Any] = []
         self._subs: list[Any] = []
@@ -179,7 +189,19 @@ class ControlNode(KestrelLifecycleNode):
             config = self.runner_config(p)
             self.loop_mode = resolve_loop_mode(p["loop.mode"], p["policy.backend"],
                                                p["loop.rt_priority"])
-            if self.loop_mode == "process":
+            gripper = self._gripper_setup(p)  # (joint name, closed position) or None
+            self._mode_bufs = []
+            if p["controller"] == "ik":
+                if p["loop.mode"] == "process":
+                    raise ValueError("parameter 'loop.mode' = 'process': controller 'ik' runs "
+                                     "in the node's process (thread or auto)")
+                self.loop_mode = "thread"
+                self._runner = self._ik_runner(p, config)
+                self._js_bufs = [r.joint_states for r in self._runner.robots]
+                self._tgt_bufs = [r.target for r in self._runner.robots]
+                self._mode_bufs = [r.mode for r in self._runner.robots]
+                batch, source = self._runner.batch, self._runner.policy.source
+            elif self.loop_mode == "process":
                 self._proc = LoopProcess(
                     config, self._loop_settings(p), start_timeout_s=p["loop.start_timeout"],
                     sim_time=bool(self.get_parameter("use_sim_time").value),
@@ -200,11 +222,15 @@ class ControlNode(KestrelLifecycleNode):
             return TransitionCallbackReturn.FAILURE
         names = list(p["joint_names"])
         self._index = {name: i for i, name in enumerate(names)}
+        # the gripper's entry after the arm's joints in every command (ControlTarget.gripper)
+        self._gripper_closed = gripper[1] if gripper else 0.0
+        cmd_names = names + [gripper[0]] if gripper else names
         prefixes = [f"~/{ns}/" for ns in p["robots"]] or ["~/"]
         self._cmd_msgs, self._cmd_views, self._cmd_pubs = [], [], []
         group = MutuallyExclusiveCallbackGroup()
         self._subs = []
         self._perm_names = [[] for _ in prefixes]
+        self._mode_rows = [np.zeros(5) for _ in prefixes]
         self._perm = [np.zeros(0, dtype=np.intp) for _ in prefixes]
         # speed-limited joint targets (ControlTarget.max_speed): per robot, advanced by a timer
         # in the callbacks' group; the latest joint positions start a ramp
@@ -218,10 +244,11 @@ class ControlNode(KestrelLifecycleNode):
         self._group = group
         for r, prefix in enumerate(prefixes):
             msg = JointState()  # reused every cycle (loop thread only)
-            msg.name = names
-            msg.position = array.array("d", [0.0] * len(names))
+            msg.name = cmd_names
+            msg.position = array.array("d", [0.0] * len(cmd_names))  # gripper 0: open
             self._cmd_msgs.append(msg)
-            self._cmd_views.append(np.frombuffer(msg.position, dtype=np.float64))  # [n], rad
+            # [n] rad, the arm's part (the gripper's entry is written by the target callback)
+            self._cmd_views.append(np.frombuffer(msg.position, dtype=np.float64)[:len(names)])
             self._cmd_pubs.append(self.create_publisher(
                 JointState, prefix + "output/joint_command", COMMAND_QOS))
             self._subs += [
@@ -315,7 +342,7 @@ class ControlNode(KestrelLifecycleNode):
         if self._runner is not None:
             self._runner.close()  # cuda_persistent (thread mode): end the resident kernel
         self._runner = self._stats = None
-        self._js_bufs, self._tgt_bufs = [], []
+        self._js_bufs, self._tgt_bufs, self._mode_bufs = [], [], []
         return TransitionCallbackReturn.SUCCESS
 
     def stop_workers(self) -> None:
@@ -337,7 +364,7 @@ class ControlNode(KestrelLifecycleNode):
             return
         n = len(self._index)
         names, pos, vel = msg.name, msg.position, msg.velocity
-        if len(names) != n or len(pos) != n or len(vel) not in (0, n):
+        if len(names) < n or len(pos) != len(names) or len(vel) not in (0, len(names)):
             self.drop("joint_state_bad_length",
                       f"{len(names)} names, {len(pos)} positions, {len(vel)} velocities; the "
                       f"node has {n} joints")
@@ -345,7 +372,7 @@ class ControlNode(KestrelLifecycleNode):
         if names != self._perm_names[robot]:  # new joint order: rebuild the permutation
             try:
                 perm = np.array([list(names).index(j) for j in self._index], dtype=np.intp)
-            except ValueError:  # n names holding all n joints are a permutation of them
+            except ValueError:  # a node joint is not named
                 self.drop("joint_state_bad_names",
                           f"names {list(names)} are not the node's joints {list(self._index)}")
                 return
@@ -373,11 +400,24 @@ class ControlNode(KestrelLifecycleNode):
     def _on_target(self, robot: int, msg: ControlTarget) -> None:
         if not self._active:
             return
+        if self._gripper_closed > 0.0:  # every target carries the gripper's state
+            if math.isfinite(msg.gripper):
+                self._cmd_msgs[robot].position[-1] = \
+                    min(max(msg.gripper, 0.0), 1.0) * self._gripper_closed
+            else:
+                self.drop("target_bad_gripper", f"gripper {msg.gripper}: must be in [0, 1]")
+        if self._mode_bufs and not self._to_ik_runner(robot, msg):
+            return
         if msg.mode != ControlTarget.MODE_JOINT:
-            # MODE_HOLD: keep the current joint target. MODE_CARTESIAN: also held, counted
-            # (the planner's Cartesian position is not tracked; the last joint target stays).
+            # MODE_HOLD: keep the current joint target. MODE_CARTESIAN: to the policy's ee_*
+            # terms when its layout has them, else held, counted.
             if msg.mode == ControlTarget.MODE_CARTESIAN:
-                self.counters.inc("target_cartesian_held")
+                ee = self._ee_target_buffer(robot)
+                if ee is None:
+                    self.counters.inc("target_cartesian_held")
+                else:
+                    p = msg.position
+                    ee.write(np.array([p.x, p.y, p.z]), stamp_to_ns(msg.header.stamp))
             else:
                 self.counters.inc("target_hold")
             return
@@ -405,6 +445,67 @@ class ControlNode(KestrelLifecycleNode):
             self._ramp_last_ns = self._clock.now().nanoseconds
             self._ramp_timer.reset()
         self._advance_targets()  # the start point now (dt 0), then one step per timer period
+
+    def _gripper_setup(self, p: dict[str, Any]) -> tuple[str, float] | None:
+        """(gripper joint, closed position) from gripper.* and the robot description."""
+        joint = p["gripper.joint"]
+        if not joint:
+            return None
+        if joint in p["joint_names"]:
+            raise ValueError(f"parameter 'gripper.joint' = '{joint}': is one of joint_names")
+        closed = p["gripper.closed_position"]
+        if closed <= 0.0:
+            lower, closed = joint_limits(read_description(p["cartesian.urdf_file"]), joint)
+            if closed <= lower:
+                raise ValueError(f"parameter 'gripper.joint' = '{joint}': its URDF limit "
+                                 f"[{lower}, {closed}] has no closing range")
+        return joint, float(closed)
+
+    def _ik_runner(self, p: dict[str, Any], config: RunnerConfig) -> Any:
+        """The differential-IK reference controller (Pinocchio imported only here)."""
+        from kestrel_control.core.cartesian import CartesianConfig
+        from kestrel_control.core.ik_runner import IkRunner
+        from kestrel_control.core.kinematics import ArmKinematics
+
+        kin = ArmKinematics(read_description(p["cartesian.urdf_file"]),
+                            joint_names=tuple(p["joint_names"]),
+                            tcp_frame=p["cartesian.tcp_frame"])
+        cart = CartesianConfig(
+            rate_hz=p["loop.rate_hz"], position_gain=p["cartesian.position_gain"],
+            orientation_gain=p["cartesian.orientation_gain"], damping=p["cartesian.damping"],
+            default_speed=p["cartesian.default_speed"], max_speed=p["cartesian.max_speed"],
+            velocity_scale=p["cartesian.velocity_scale"],
+            limit_margin=p["cartesian.limit_margin"], top_down=p["cartesian.top_down"],
+            ik_lower=tuple(p["cartesian.ik_lower"]), ik_upper=tuple(p["cartesian.ik_upper"]))
+        return IkRunner(config, kin, cart, counters=self._stats)
+
+    def _to_ik_runner(self, robot: int, msg: ControlTarget) -> bool:
+        """controller ik: the target's mode (and Cartesian position) to the runner's mode
+        buffer. True when the joint-target path must run too (MODE_JOINT)."""
+        row = self._mode_rows[robot]
+        if msg.mode == ControlTarget.MODE_CARTESIAN:
+            if not (msg.max_speed >= 0.0):  # negative or NaN
+                self.drop("target_bad_max_speed",
+                          f"max_speed {msg.max_speed}: must be >= 0 m/s (0 = default)")
+                return False
+            p = msg.position
+            row[:] = (p.x, p.y, p.z, msg.max_speed, ControlTarget.MODE_CARTESIAN)
+        elif msg.mode == ControlTarget.MODE_JOINT:
+            row[:] = (0.0, 0.0, 0.0, 0.0, ControlTarget.MODE_JOINT)
+        else:
+            row[:] = (0.0, 0.0, 0.0, 0.0, ControlTarget.MODE_HOLD)
+            self.counters.inc("target_hold")
+        self._mode_bufs[robot].write(row, stamp_to_ns(msg.header.stamp))
+        return msg.mode == ControlTarget.MODE_JOINT
+
+    def _ee_target_buffer(self, robot: int) -> Any:
+        """The policy's Cartesian target buffer of `robot` (layouts with ee_* terms), or None."""
+        if self._runner is not None:
+            return getattr(self._runner.robots[robot], "ee_target", None)
+        if self._proc is not None:
+            bufs = getattr(self._proc, "ee_targets", None)
+            return bufs[robot] if bufs else None
+        return None
 
     def _advance_targets(self) -> None:
         """Timer (the callbacks' group): every ramping robot's target one step on, written

@@ -110,6 +110,45 @@ SPECS = [
     ParamSpec("policy.gpu_programs", 64, "cuda_persistent: resident kernel programs, one SM "
               "each, held while ticks come (more: a faster step, less of the GPU left to other "
               "work).", min=1, max=1024, read_only=True),
+    # ---- controller, cartesian.*, gripper.*: what turns targets into commands ---------------
+    ParamSpec("controller", "policy", "What computes the joint commands: 'policy' (the learned "
+              "policy, policy.*) or 'ik' (the differential-IK reference controller, cartesian.*: "
+              "MODE_CARTESIAN targets tracked at their max_speed with the tool pointing down; "
+              "loop.mode thread).", choices=("policy", "ik"), read_only=True),
+    ParamSpec("cartesian.urdf_file", "", "Robot description (URDF) of the arm, read with "
+              "Pinocchio for the IK and the gripper's travel; '' = kestrel_description's "
+              "kestrel_arm.urdf (the one the simulator loads).", read_only=True),
+    ParamSpec("cartesian.tcp_frame", "tcp", "URDF link or frame that Cartesian targets "
+              "position (the tool centre point).", read_only=True),
+    ParamSpec("cartesian.position_gain", 8.0, "Tool-centre-point error to velocity, 1/s.",
+              min=0.1, max=100.0, read_only=True),
+    ParamSpec("cartesian.orientation_gain", 4.0, "Tool-axis error (rad) to angular velocity, "
+              "1/s (the top-down task, in the position task's null space).", min=0.0,
+              max=100.0, read_only=True),
+    ParamSpec("cartesian.damping", 0.02, "Damped least squares damping (m; rad for the "
+              "orientation task).", min=1e-4, max=1.0, read_only=True),
+    ParamSpec("cartesian.default_speed", 0.25, "Tool speed when a target's max_speed is 0, "
+              "m/s.", min=1e-3, max=2.0, read_only=True),
+    ParamSpec("cartesian.max_speed", 1.0, "No target moves the tool faster, m/s.", min=1e-3,
+              max=5.0, read_only=True),
+    ParamSpec("cartesian.velocity_scale", 0.8, "Fraction of the URDF's joint velocity limits "
+              "the IK may use.", min=0.01, max=1.0, read_only=True),
+    ParamSpec("cartesian.limit_margin", 0.02, "Distance the IK keeps from the joint position "
+              "limits, rad.", min=0.0, max=0.5, read_only=True),
+    ParamSpec("cartesian.top_down", True, "Hold the tool axis pointing down (the grasp "
+              "approach); false: position only.", read_only=True),
+    ParamSpec("cartesian.ik_lower", [-3.14159, -2.0, 0.2, -2.6, -2.6, -3.14159], "Joint "
+              "ranges' lower ends the IK keeps to, rad, within the URDF's (empty = the URDF's): "
+              "the default keeps the elbow bent, away from the straight-arm singularity.",
+              element_type=float, read_only=True),
+    ParamSpec("cartesian.ik_upper", [], "Joint ranges' upper ends the IK keeps to, rad, within "
+              "the URDF's (empty = the URDF's).", element_type=float, read_only=True),
+    ParamSpec("gripper.joint", "finger_left", "Gripper joint appended to every joint command "
+              "(ControlTarget.gripper 0..1 -> 0..gripper.closed_position; the URDF's other "
+              "finger mimics it); '' = no gripper command.", read_only=True),
+    ParamSpec("gripper.closed_position", 0.0, "Gripper joint position when closed (m for a "
+              "prismatic finger); 0 = the joint's upper limit in the URDF.", min=0.0, max=10.0,
+              read_only=True),
     # ---- loop.*: the real-time loop ----------------------------------------------------------
     ParamSpec("loop.rate_hz", 1000.0, "Control loop rate, Hz.", min=10.0, max=2000.0,
               read_only=True),

@@ -118,7 +118,7 @@ def test_no_target_no_command_and_resync(kin) -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("rate_hz", 0.0), ("position_gain", -1.0), ("damping", float("nan")),
-    ("joint_lower", (0.0,) * 3), ("joint_lower", (5.0,) * 6)])
+    ("ik_lower", (0.0,) * 3), ("ik_lower", (5.0,) * 6)])
 def test_bad_config_names_the_parameter(kin, field, value) -> None:
     with pytest.raises(ValueError, match=f"cartesian.{field}"):
         CartesianController(kin, CartesianConfig(**{field: value}))

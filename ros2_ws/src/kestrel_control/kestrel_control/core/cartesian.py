@@ -50,8 +50,8 @@ class CartesianConfig:
     # Joint ranges the controller keeps to, rad, intersected with the URDF's (empty = the
     # URDF's). The default keeps the arm's elbow bent (>= 0.2 rad): a straight elbow is the
     # arm's singularity, where the orientation task would otherwise park it out of reach.
-    joint_lower: tuple[float, ...] = (-3.14159, -2.0, 0.2, -2.6, -2.6, -3.14159)
-    joint_upper: tuple[float, ...] = ()
+    ik_lower: tuple[float, ...] = (-3.14159, -2.0, 0.2, -2.6, -2.6, -3.14159)
+    ik_upper: tuple[float, ...] = ()
 
     def validate(self) -> None:
         checks = {
@@ -61,7 +61,7 @@ class CartesianConfig:
             "velocity_scale": (0.01, 1.0), "limit_margin": (0.0, 0.5),
             "resync_rad": (0.01, 10.0),
         }
-        for name in ("joint_lower", "joint_upper"):
+        for name in ("ik_lower", "ik_upper"):
             if not all(isinstance(v, (int, float)) and math.isfinite(v)
                        for v in getattr(self, name)):
                 raise ValueError(f"parameter 'cartesian.{name}' = {getattr(self, name)!r}: "
@@ -114,18 +114,18 @@ class CartesianController:
         self.n = n
         self.dt = 1.0 / cfg.rate_hz
         lower, upper = kinematics.lower.copy(), kinematics.upper.copy()
-        for name, values, pick in (("joint_lower", cfg.joint_lower, np.maximum),
-                                   ("joint_upper", cfg.joint_upper, np.minimum)):
+        for name, values, pick in (("ik_lower", cfg.ik_lower, np.maximum),
+                                   ("ik_upper", cfg.ik_upper, np.minimum)):
             if values:
                 if len(values) != n:
                     raise ValueError(f"parameter 'cartesian.{name}' = {list(values)}: needs "
                                      f"one value per joint ({n}) or none")
-                pick(lower if name == "joint_lower" else upper, values,
-                     out=lower if name == "joint_lower" else upper)
+                pick(lower if name == "ik_lower" else upper, values,
+                     out=lower if name == "ik_lower" else upper)
         self.lower = lower + cfg.limit_margin  # [n] rad
         self.upper = upper - cfg.limit_margin
         if np.any(self.lower >= self.upper):
-            raise ValueError(f"parameter 'cartesian.joint_lower' = {list(cfg.joint_lower)}: "
+            raise ValueError(f"parameter 'cartesian.ik_lower' = {list(cfg.ik_lower)}: "
                              "leaves no range inside the URDF limits and the margin")
         self.vmax = kinematics.velocity_limit * cfg.velocity_scale  # [n] rad/s
         self.q_ref = np.zeros(n)

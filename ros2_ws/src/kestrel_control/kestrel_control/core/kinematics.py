@@ -27,25 +27,13 @@ from pathlib import Path
 import numpy as np
 import pinocchio as pin
 
+from kestrel_control.core.description import default_urdf_path
+
 ARM_JOINTS: tuple[str, ...] = (
     "shoulder_pan", "shoulder_lift", "elbow", "wrist_1", "wrist_2", "wrist_3",
 )
 GRIPPER_JOINT = "finger_left"  # the driven finger; finger_right mimics it
 TCP_FRAME = "tcp"
-
-
-def default_urdf_path() -> Path:
-    """kestrel_description's kestrel_arm.urdf (installed package, else the source tree)."""
-    try:
-        from kestrel_description import urdf_path
-        return urdf_path()
-    except ImportError:
-        src = Path(__file__).resolve().parents[3] / "kestrel_description" / \
-            "kestrel_description" / "urdf" / "kestrel_arm.urdf"
-        if not src.is_file():
-            raise FileNotFoundError("robot description: package kestrel_description not found "
-                                    f"(not installed, no {src})") from None
-        return src
 
 
 class ArmKinematics:
