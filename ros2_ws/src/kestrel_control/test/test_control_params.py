@@ -11,7 +11,7 @@ def test_groups_and_names() -> None:
     names = [s.name for s in SPECS]
     check_unique_names(SPECS)
     groups = {n.split(".")[0] for n in names if "." in n}
-    assert groups == {"loop", "safety", "policy"}
+    assert groups == {"loop", "safety", "policy", "cartesian", "gripper"}
     for name in ("loop.rate_hz", "loop.mode", "loop.rt_priority", "loop.cpu_affinity",
                  "safety.max_obs_age", "safety.joint_lower", "safety.obs_position_margin",
                  "policy.backend", "policy.model_path", "policy.obs_layout",
