@@ -10,11 +10,16 @@ It speaks the protocol vLLM / SGLang / TensorRT-LLM serve (POST /v1/chat/complet
   'fail'             HTTP 500 every time                          -> VALIDATION_ERROR (retries)
   'busy'             HTTP 503 then 429 then a plan                -> accepted after retries
   'slow'             sleeps `slow_s` before the plan              -> a client timeout
+  'huge'             a 20 MB reply ("home" 4 million times), no Content-Length, streamed
+                                                                  -> REJECTED (reply size)
+  'many'             a 500-step plan (small enough to be read)   -> REJECTED (max_steps)
   anything else      pick <first object> [place <second object>] | move_to | home -> accepted
 The reply is JSON per the request's response_format json_schema when one is sent, else the
 plan text form. Every request body and header set is recorded (requests, headers).
 `script` (in-process use) overrides the model: actions consumed one per request, the last one
-repeating: ('ok', content) | ('status', code[, retry_after]) | ('sleep', s) | ('malformed',).
+repeating: ('ok', content) | ('status', code[, retry_after]) | ('sleep', s) | ('malformed',) |
+('huge', n_bytes, with_content_length) (written in 64 KiB pieces: the stub never holds it) |
+('drip', every_s) (headers, then one body byte every every_s).
 
 In-process:   with OpenAIStub() as s: ... s.url ...
 As a process: python tests/planner_openai_stub.py --port-file PATH [--log PATH]
@@ -32,7 +37,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-__all__ = ["OpenAIStub", "model_reply"]
+__all__ = ["OpenAIStub", "model_reply", "HUGE_BYTES"]
+
+HUGE_BYTES = 20_000_000  # the 'huge' reply, bytes
 
 
 def _prompt(body: dict) -> tuple[list[str], str]:
@@ -65,8 +72,12 @@ def model_reply(body: dict) -> tuple[str, object]:
         return ("malformed",)
     if "fail" in t:
         return ("status", 500)
+    if "huge" in t:
+        return ("huge", HUGE_BYTES, False)
     steps: list[dict]
-    if "fast" in t and objects:
+    if "many" in t:
+        steps = [{"skill": "home"}] * 500
+    elif "fast" in t and objects:
         steps = [{"skill": "move_to", "target": objects[0], "speed": 10.0}]
     elif "unicorn" in t:
         steps = [{"skill": "pick", "target": "purple_unicorn"}]
@@ -119,6 +130,10 @@ class OpenAIStub:
                     self._json(act[1], {"error": {"message": f"status {act[1]}"}}, extra)
                 elif act[0] == "malformed":
                     self._json(200, {"choices": []})
+                elif act[0] == "huge":
+                    self._huge(act[1], act[2])
+                elif act[0] == "drip":
+                    self._drip(act[1])
                 else:
                     self._json(200, {
                         "id": "chatcmpl-stub", "object": "chat.completion",
@@ -126,6 +141,41 @@ class OpenAIStub:
                         "choices": [{"index": 0, "finish_reason": "stop",
                                      "message": {"role": "assistant", "content": act[1]}}],
                         "usage": {"prompt_tokens": 50, "completion_tokens": 12}})
+
+            def _huge(self, n: int, with_length: bool) -> None:
+                """A chat completion whose content is 'home\\n' repeated to ~n bytes, written
+                piece by piece (close-delimited unless with_length)."""
+                head = b'{"choices": [{"index": 0, "finish_reason": "stop", "message": ' \
+                    b'{"role": "assistant", "content": "'
+                tail = b'end"}}]}'
+                piece = b"home\\n" * 10923  # 65538 bytes of JSON: 10923 lines of the plan
+                count = max(1, (n - len(head) - len(tail)) // len(piece))
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    if with_length:
+                        self.send_header("Content-Length",
+                                         str(len(head) + count * len(piece) + len(tail)))
+                    self.end_headers()
+                    self.wfile.write(head)
+                    for _ in range(count):
+                        self.wfile.write(piece)
+                    self.wfile.write(tail)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client stopped reading (what it should do)
+
+            def _drip(self, every_s: float) -> None:
+                """Headers, then one body byte every every_s until the client goes (or 60 s)."""
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.end_headers()
+                    for _ in range(int(60 / every_s)):
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        time.sleep(every_s)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
 
             def _json(self, code: int, obj: dict, headers: dict | None = None) -> None:
                 data = json.dumps(obj).encode()

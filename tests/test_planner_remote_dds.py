@@ -21,6 +21,7 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from kestrel_interfaces.action import PlanTask
 from kestrel_interfaces.msg import ControlTarget, TaskPlan
+from action_msgs.msg import GoalStatus
 from rclpy.action import ActionClient
 from test_planner_node_dds import Streamer, send, wait
 
@@ -32,6 +33,14 @@ pytestmark = pytest.mark.dds
 R = PlanTask.Result
 STUB = Path(__file__).resolve().parent / "planner_openai_stub.py"
 KEY_ENV = "KESTREL_TEST_PLANNER_KEY"
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of a process, KiB (/proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
 
 
 class StubProcess:
@@ -77,11 +86,11 @@ def stub(run_dir: Path) -> Iterator[StubProcess]:
 def test_planner_node_remote_backend(launch_node, probe, env, stub):
     env[KEY_ENV] = "sk-dds-test"  # the node reads the key from the variable named below
     node = launch_node("kestrel_planner.planner_node", "planner", params={
-        "backend": "remote", "remote_base_url": stub.url, "remote_model": "stub-vlm",
+        "backend": "remote", "remote.base_url": stub.url, "remote.model": "stub-vlm",
         # 10 s per attempt: no case here relies on a timeout; a 2 s limit could expire on a
         # loaded 2-core machine and a spurious retry would break the request count below
         # (one unexplained failure under load, error not captured, is the reason to widen it)
-        "remote_api_key_env": KEY_ENV, "remote_timeout_s": 10.0, "remote_max_retries": 1,
+        "remote.api_key_env": KEY_ENV, "remote.timeout_s": 10.0, "remote.max_retries": 1,
         "max_steps": 4, "max_speed": 0.5, "max_height": 0.4, "diagnostics_period": 0.2,
         "step_timeout": 30.0, "goal_timeout": 20.0})
     client = ActionClient(probe.node, PlanTask, "/planner/plan_task")
@@ -146,34 +155,52 @@ def run_scenario(node, probe, client, stub: StubProcess) -> None:
         #    maxItems) is still held to it by the validator.
         _, res = send(client, PlanTask.Goal(instruction="put it in the bin", max_steps=1))
         assert res.result.validation_status == R.VALIDATION_REJECTED
-        assert res.result.reasons == ["plan has 2 steps, more than max_steps 1"]
+        assert res.status == GoalStatus.STATUS_ABORTED
+        assert res.result.reasons == ["parse error: plan has 2 steps, more than max_steps 1"]
+        assert list(res.result.plan.steps) == []  # refused before parsing: nothing echoed
+
+        # 5. A 20 MB reply (4 million steps) and a 500-step one: refused while reading /
+        #    before parsing, within the goal's time, with true times and no plan sent back.
+        rss0 = rss_kib(node.proc.pid)
+        for text, reason in [("huge", "larger than remote.max_reply_bytes (65536 bytes)"),
+                             ("many steps", "plan has 500 steps, more than max_steps 4")]:
+            t0 = time.monotonic()
+            _, res = send(client, PlanTask.Goal(instruction=text))
+            wall = time.monotonic() - t0
+            r = res.result
+            assert r.validation_status == R.VALIDATION_REJECTED, (text, r.reasons)
+            assert res.status == GoalStatus.STATUS_ABORTED
+            assert any(reason in x for x in r.reasons), (text, r.reasons)
+            assert list(r.plan.steps) == [] and len(r.reasons) == 1
+            assert 0 < r.total_time <= wall and wall < 20.0  # goal_timeout bounds it
+        assert rss_kib(node.proc.pid) - rss0 < 100 * 1024, "the reply was held in memory"
         _, res = send(client, PlanTask.Goal(instruction="put it in the bin again"))
         assert res.result.validation_status == R.VALIDATION_ACCEPTED
 
     # The counters reach /diagnostics at its period (0.2 s) after the last goal: wait for the
     # final values, not just for the first of them (that raced with the last accepted goal).
-    final = {"backend_errors": "1", "goals_accepted": "2", "goals_rejected": "5"}
+    final = {"backend_errors": "1", "goals_accepted": "2", "goals_rejected": "7"}
     msgs = diag.wait_for(lambda m: all(diagnostics_values(m, "planner").get(k) == v
                                        for k, v in final.items()))
     values = diagnostics_values(msgs, "planner")
     assert all(values.get(k) == v for k, v in final.items()), values
-    assert int(values["plans_unparsed"]) == 2
+    assert int(values["plans_unparsed"]) == 5
     reqs = stub.requests()
-    assert len(reqs) == 9  # 8 goals, 'fail' tried twice
+    assert len(reqs) == 11  # 10 goals, 'fail' tried twice
     assert all(q["authorization"] == "Bearer sk-dds-test" and q["model"] == "stub-vlm"
                and q["image"] and q["response_format"] for q in reqs), reqs
     assert node.alive() and "Traceback" not in node.output()
 
 
 @pytest.mark.parametrize("params, fragment", [
-    ({"backend": "remote"}, "parameter 'remote_base_url' = ''"),
-    ({"backend": "remote", "remote_base_url": "localhost:8000", "remote_model": "m"},
-     "parameter 'remote_base_url' = 'localhost:8000'"),
-    ({"backend": "remote", "remote_base_url": "http://127.0.0.1:9/v1", "remote_model": "m",
-      "remote_api_key_env": "KESTREL_NO_SUCH_VARIABLE"},
-     "parameter 'remote_api_key_env' = 'KESTREL_NO_SUCH_VARIABLE': the environment variable"),
-    ({"backend": "hf", "hf_model_path": "/nonexistent/model"},
-     "parameter 'hf_model_path' = '/nonexistent/model': not a directory"),
+    ({"backend": "remote"}, "parameter 'remote.base_url' = ''"),
+    ({"backend": "remote", "remote.base_url": "localhost:8000", "remote.model": "m"},
+     "parameter 'remote.base_url' = 'localhost:8000'"),
+    ({"backend": "remote", "remote.base_url": "http://127.0.0.1:9/v1", "remote.model": "m",
+      "remote.api_key_env": "KESTREL_NO_SUCH_VARIABLE"},
+     "parameter 'remote.api_key_env' = 'KESTREL_NO_SUCH_VARIABLE': the environment variable"),
+    ({"backend": "hf", "hf.model_path": "/nonexistent/model"},
+     "parameter 'hf.model_path' = '/nonexistent/model': not a directory"),
 ])
 def test_configure_failure(launch_node, params, fragment):
     t0 = time.monotonic()
@@ -182,3 +209,29 @@ def test_configure_failure(launch_node, params, fragment):
     assert fragment in node.output()
     assert node.proc.wait(10) == 2
     assert "Traceback" not in node.output() and time.monotonic() - t0 < 30
+
+
+def test_api_key_typed_as_the_variable_name_is_never_logged(launch_node):
+    key = "sk-live-0123456789abcdefSECRET"
+    node = launch_node("kestrel_planner.planner_node", "planner", params={
+        "backend": "remote", "remote.base_url": "http://127.0.0.1:9/v1", "remote.model": "m",
+        "remote.api_key_env": key})
+    assert node.wait_for_output("autostart: configure failed", timeout=30.0), node.output()
+    out = node.output()
+    assert "parameter 'remote.api_key_env' = '<not shown>': must be an environment variable " \
+        "NAME" in out, out
+    assert "SECRET" not in out and "sk-live" not in out
+    assert node.proc.wait(10) == 2
+
+
+def test_every_configure_failure_logs_its_cause(launch_node, run_dir):
+    """A weights file that is not a state dict (here: random bytes, an unpickling error):
+    the cause is logged, naming the parameter, not only 'configure failed'."""
+    bad = run_dir / "weights.pt"
+    bad.write_bytes(bytes(range(256)) * 8)
+    node = launch_node("kestrel_planner.planner_node", "planner",
+                       params={"weights_path": str(bad), "model_config": "tiny"})
+    assert node.wait_for_output("autostart: configure failed", timeout=60.0), node.output()
+    out = node.output()
+    assert f"configure failed: parameter 'weights_path' = '{bad}': cannot load" in out, out
+    assert node.proc.wait(10) == 2 and "Traceback" not in out

@@ -31,8 +31,8 @@ from ros_harness import diagnostics_values
 
 pytestmark = pytest.mark.dds
 
-PARAMS = {"demo_plan": "move_to red_cube speed=0.2 height=0.2; end", "max_new_tokens": 640,
-          "diagnostics_period": 0.2, "grammar_engine": "llguidance"}
+PARAMS = {"model_config": "tiny", "demo_plan": "move_to red_cube speed=0.2 height=0.2; end",
+          "max_new_tokens": 640, "diagnostics_period": 0.2, "grammar_engine": "llguidance"}
 RATE_HZ = 10.0
 STATE_RATE_HZ = 250.0  # the sim's joint_state_rate_hz (kestrel_bringup/config/sim.yaml)
 N_RESULTS = 50  # 5 s at 10 Hz

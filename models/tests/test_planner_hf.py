@@ -64,7 +64,7 @@ def test_processor_stream_and_cancel(model_dir: Path) -> None:
 
 
 def test_bad_directory_and_image(tmp_path: Path, model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="parameter 'hf_model_path'"):
+    with pytest.raises(ValueError, match="parameter 'hf.model_path'"):
         HFVisionLanguageModel(tmp_path / "nothing_here")
     with pytest.raises(ValueError, match="image must be uint8"):
         HFVisionLanguageModel(model_dir).pixel_values(torch.zeros(3, 8, 8))
@@ -72,7 +72,7 @@ def test_bad_directory_and_image(tmp_path: Path, model_dir: Path) -> None:
 
 def test_dtype_and_sizes(model_dir: Path) -> None:
     assert parse_dtype("auto") is None and parse_dtype("bfloat16") is torch.bfloat16
-    with pytest.raises(ValueError, match="parameter 'hf_dtype' = 'fp8'"):
+    with pytest.raises(ValueError, match="parameter 'hf.dtype' = 'fp8'"):
         parse_dtype("fp8")
     vlm = HFVisionLanguageModel(model_dir, dtype=torch.bfloat16)
     assert next(vlm.model.parameters()).dtype is torch.bfloat16

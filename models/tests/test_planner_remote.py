@@ -169,14 +169,14 @@ def test_extra_fields_and_malformed_kind(server: _Server) -> None:
 def test_config_validation() -> None:
     for url in ["localhost:8000", "ftp://x/v1", "http://", "http://x:70000", "http://a b",
                 "http://x/v1#frag"]:
-        with pytest.raises(ValueError, match="parameter 'remote_base_url'"):
+        with pytest.raises(ValueError, match="parameter 'remote.base_url'"):
             RemoteConfig(base_url=url, model="m")
     assert check_base_url("https://host:8443/v1/") == "https://host:8443/v1"
-    with pytest.raises(ValueError, match="parameter 'remote_model'"):
+    with pytest.raises(ValueError, match="parameter 'remote.model'"):
         RemoteConfig(base_url="http://x", model="")
-    with pytest.raises(ValueError, match="parameter 'remote_timeout_s'"):
+    with pytest.raises(ValueError, match="parameter 'remote.timeout_s'"):
         RemoteConfig(base_url="http://x", model="m", timeout_s=0)
-    with pytest.raises(ValueError, match="parameter 'remote_max_retries'"):
+    with pytest.raises(ValueError, match="parameter 'remote.max_retries'"):
         RemoteConfig(base_url="http://x", model="m", max_retries=-1)
     cfg = RemoteConfig(base_url="http://x", model="m", timeout_s=2.0, max_retries=2,
                        max_backoff_s=0.5)

@@ -2,6 +2,8 @@
 
 Presets:
 - "tiny": ~1.7M parameters, 32x32 images -> 16 image tokens; runs on one CPU thread in tests.
+- "small": ~0.5M parameters, 32x32 images -> 4 image tokens; the size of the planner weights
+  trained on generated scenes (kestrel_planner.training, scripts/train_planner.py).
 - "0.5b": the reference size (~0.58B: a ViT-B/16 vision tower, Qwen2-0.5B-shaped decoder with
   GQA 14/2 heads, vocab 151936). Expressible and countable (on the meta device), not run here.
 """
@@ -82,6 +84,11 @@ class VLMConfig:
 
 PRESETS: dict[str, VLMConfig] = {
     "tiny": VLMConfig(),
+    # the size trained on generated scenes (kestrel_planner.training): 4 image tokens, a
+    # 3-layer decoder; trains on a CPU in minutes
+    "small": VLMConfig(patch_size=16, vision_dim=32, vision_depth=1, vision_heads=2,
+                       projector_hidden=64, dim=96, n_layers=3, n_heads=4, n_kv_heads=2,
+                       ffn_hidden=192, max_seq_len=512),
     "0.5b": VLMConfig(
         image_size=224, patch_size=16, vision_dim=768, vision_depth=12, vision_heads=12,
         vision_mlp_ratio=4.0, projector_hidden=3584, dim=896, n_layers=24, n_heads=14,

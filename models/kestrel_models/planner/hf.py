@@ -35,9 +35,9 @@ DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32,
 
 
 def parse_dtype(name: str) -> torch.dtype | None:
-    """'bfloat16' -> torch.bfloat16 ('auto' -> None); ValueError naming 'hf_dtype'."""
+    """'bfloat16' -> torch.bfloat16 ('auto' -> None); ValueError naming 'hf.dtype'."""
     if name not in DTYPES:
-        raise ValueError(f"parameter 'hf_dtype' = {name!r}: must be one of {list(DTYPES)}")
+        raise ValueError(f"parameter 'hf.dtype' = {name!r}: must be one of {list(DTYPES)}")
     return DTYPES[name]
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -49,19 +49,19 @@ class HFVisionLanguageModel:
                  dtype: torch.dtype | None = None) -> None:
         p = Path(path)
         if not (p / "config.json").is_file():
-            raise ValueError(f"parameter 'hf_model_path' = {str(path)!r}: no config.json there "
+            raise ValueError(f"parameter 'hf.model_path' = {str(path)!r}: no config.json there "
                              "(a local directory saved with save_pretrained is needed)")
         try:
             from transformers import AutoModelForImageTextToText
         except ImportError as exc:
-            raise ValueError("parameter 'hf_model_path' is set but transformers is not "
+            raise ValueError("parameter 'hf.model_path' is set but transformers is not "
                              "installed") from exc
         try:
             kw = {"dtype": dtype} if dtype is not None else {}
             model = AutoModelForImageTextToText.from_pretrained(str(p), local_files_only=True,
                                                                 **kw)
         except (OSError, ValueError, KeyError) as exc:
-            raise ValueError(f"parameter 'hf_model_path' = {str(path)!r}: cannot load: "
+            raise ValueError(f"parameter 'hf.model_path' = {str(path)!r}: cannot load: "
                              f"{exc}") from exc
         self.model = model.to(device).eval()
         self.device = torch.device(device)
@@ -69,7 +69,7 @@ class HFVisionLanguageModel:
         self.image_token_id = getattr(cfg, "image_token_id", None)
         vc = getattr(cfg, "vision_config", None)
         if self.image_token_id is None or vc is None:
-            raise ValueError(f"parameter 'hf_model_path' = {str(path)!r}: "
+            raise ValueError(f"parameter 'hf.model_path' = {str(path)!r}: "
                              f"{type(cfg).__name__} has no image_token_id/vision_config")
         self.image_size = int(vc.image_size)
         if getattr(vc, "patch_size", None):

@@ -11,12 +11,15 @@ and read choices[0].message.content. `extra` carries e.g. `response_format` (jso
 structured output, which vLLM, SGLang and TensorRT-LLM enforce server-side with a grammar
 engine). Standard library only (urllib, zlib): no client package.
 
-Every attempt has a timeout (timeout_s, connect + read); timeouts, connection errors, HTTP 429
-and 5xx are retried up to max_retries times with exponential backoff (backoff_s * 2^i, or the
-server's Retry-After when given, capped at max_backoff_s); other 4xx and malformed replies
-fail at once. Failures raise RemoteError (kind 'unavailable' or 'malformed'; the caller counts
+Every attempt is bounded: connect and the reply's headers within timeout_s each, the whole
+reply within 2 * timeout_s of the attempt's start; the body is read in chunks and abandoned as
+soon as it passes max_reply_bytes (a plan is a few hundred bytes: an endless or huge reply
+costs neither time nor memory). Timeouts, connection errors, HTTP 429 and 5xx are retried up
+to max_retries times with exponential backoff (backoff_s * 2^i, or the server's Retry-After
+when given, capped at max_backoff_s); other 4xx, too large and malformed replies fail at once.
+Failures raise RemoteError (kind 'unavailable', 'malformed' or 'too_large'; the caller counts
 it); the reply text is never trusted: the planner parses and validates it like its own
-model's output. Parameter names in errors are the planner node's (`remote_*`).
+model's output. Parameter names in errors are the planner node's (`remote.*`).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class RemoteError(RuntimeError):
         self.kind = kind
 
 
-def check_base_url(url: str, name: str = "remote_base_url") -> str:
+def check_base_url(url: str, name: str = "remote.base_url") -> str:
     """'http(s)://host[:port][/path]' -> the URL without a trailing '/'; ValueError naming the
     parameter otherwise."""
     if not isinstance(url, str) or not url or url != url.strip() or any(c.isspace() for c in url):
@@ -80,29 +83,34 @@ class RemoteConfig:
     max_backoff_s: float = 2.0
     max_tokens: int = 160
     temperature: float = 0.0
+    max_reply_bytes: int = 65536
 
     def __post_init__(self) -> None:
         check_base_url(self.base_url)
         if not self.model.strip():
-            raise ValueError(f"parameter 'remote_model' = {self.model!r}: must be the served "
+            raise ValueError(f"parameter 'remote.model' = {self.model!r}: must be the served "
                              "model name (e.g. the --served-model-name of vllm serve)")
         if not 0 < self.timeout_s <= 600:
-            raise ValueError(f"parameter 'remote_timeout_s' = {self.timeout_s}: must be in "
+            raise ValueError(f"parameter 'remote.timeout_s' = {self.timeout_s}: must be in "
                              "(0, 600]")
         if not 0 <= self.max_retries <= 10:
-            raise ValueError(f"parameter 'remote_max_retries' = {self.max_retries}: must be in "
+            raise ValueError(f"parameter 'remote.max_retries' = {self.max_retries}: must be in "
                              "[0, 10]")
         if not 0 <= self.backoff_s <= self.max_backoff_s:
-            raise ValueError(f"parameter 'remote_backoff_s' = {self.backoff_s}: must be in "
+            raise ValueError(f"parameter 'remote.backoff_s' = {self.backoff_s}: must be in "
                              f"[0, max_backoff_s = {self.max_backoff_s}]")
         if self.max_tokens < 1:
             raise ValueError(f"parameter 'max_new_tokens' = {self.max_tokens}: must be >= 1")
         if not 0 <= self.temperature <= 5:
             raise ValueError(f"parameter 'temperature' = {self.temperature}: must be in [0, 5]")
+        if self.max_reply_bytes < 1024:
+            raise ValueError(f"parameter 'remote.max_reply_bytes' = {self.max_reply_bytes}: "
+                             "must be >= 1024")
 
     def max_wait_s(self) -> float:
-        """Upper bound on one complete() call, s: every attempt's timeout (connect and read
-        each up to timeout_s) plus every backoff."""
+        """Upper bound on one complete() call, s: every attempt (2 * timeout_s: connect and
+        headers, then the whole reply by 2 * timeout_s after the attempt's start) plus every
+        backoff."""
         return (self.max_retries + 1) * 2 * self.timeout_s + self.max_retries * self.max_backoff_s
 
 
@@ -128,6 +136,9 @@ def png_bytes(image: np.ndarray) -> bytes:
 
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
             + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
+
+
+_CHUNK = 16384  # reply bytes per read, B
 
 
 class _Retryable(Exception):
@@ -179,14 +190,39 @@ class RemoteBackend:
                 time.sleep(min(max(wait, 0.0), c.max_backoff_s))
         raise RemoteError(f"{self.url}: no completion after {c.max_retries + 1} attempts: {last}")
 
+    def _read_capped(self, resp: http.client.HTTPResponse, deadline: float) -> bytes:
+        """The reply body, read in chunks: RemoteError 'too_large' as soon as it passes
+        max_reply_bytes, _Retryable when it is not complete by `deadline` (monotonic s)."""
+        cap = self.config.max_reply_bytes
+        length = resp.headers.get("Content-Length", "")
+        if length.isdigit() and int(length) > cap:
+            raise RemoteError(f"{self.url}: reply of {int(length)} bytes is larger than "
+                              f"remote.max_reply_bytes ({cap})", "too_large")
+        sock = getattr(getattr(getattr(resp, "fp", None), "raw", None), "_sock", None)
+        buf = bytearray()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Retryable(f"reply not complete within {2 * self.config.timeout_s} s")
+            if sock is not None:
+                sock.settimeout(left)  # a blocked read ends by the deadline too
+            chunk = resp.read1(_CHUNK)
+            if not chunk:
+                return bytes(buf)
+            buf += chunk
+            if len(buf) > cap:
+                raise RemoteError(f"{self.url}: reply larger than remote.max_reply_bytes "
+                                  f"({cap} bytes); not read further", "too_large")
+
     def _once(self, body: bytes) -> tuple[str, str, dict]:
+        deadline = time.monotonic() + 2 * self.config.timeout_s
         headers = {"Content-Type": "application/json"}
         if self.config.api_key:
             headers["Authorization"] = f"Bearer {self.config.api_key}"
         req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=self.config.timeout_s) as resp:
-                raw = resp.read()
+                raw = self._read_capped(resp, deadline)
         except urllib.error.HTTPError as exc:
             if exc.code == 429 or exc.code >= 500:
                 ra = exc.headers.get("Retry-After") if exc.headers else None
@@ -195,8 +231,11 @@ class RemoteBackend:
                 except ValueError:
                     after = None
                 raise _Retryable(f"HTTP {exc.code}", after) from exc
-            raise RemoteError(f"{self.url}: HTTP {exc.code}: {exc.read()[:200]!r}") from exc
+            raise RemoteError(f"{self.url}: HTTP {exc.code}: {exc.read(200)!r}") from exc
         except TimeoutError as exc:
+            if time.monotonic() >= deadline - 0.05:  # the body's deadline, not one read
+                raise _Retryable(f"reply not complete within {2 * self.config.timeout_s} s"
+                                 ) from exc
             raise _Retryable(f"timeout after {self.config.timeout_s} s") from exc
         except urllib.error.URLError as exc:
             if isinstance(exc.reason, TimeoutError):

@@ -142,7 +142,7 @@ class HFTokenizer:
         self.tok = tokenizer
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
-            raise ValueError("parameter 'hf_tokenizer' = 'auto': the tokenizer has no "
+            raise ValueError("parameter 'hf.tokenizer' = 'auto': the tokenizer has no "
                              "eos_token; the planner needs one to end a plan")
         self.eos_id = int(eos)
         bos = getattr(tokenizer, "bos_token_id", None)
@@ -155,17 +155,17 @@ class HFTokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> HFTokenizer:
-        """AutoTokenizer from a local directory; ValueError naming 'hf_model_path' if none."""
+        """AutoTokenizer from a local directory; ValueError naming 'hf.model_path' if none."""
         try:
             from transformers import AutoTokenizer
         except ImportError as exc:
-            raise ValueError("parameter 'hf_tokenizer' = 'auto' needs transformers, which is "
+            raise ValueError("parameter 'hf.tokenizer' = 'auto' needs transformers, which is "
                              "not installed") from exc
         try:
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"parameter 'hf_model_path' = {str(path)!r}: no loadable tokenizer "
-                             f"there ({exc}); save it with the model or set hf_tokenizer: byte"
+            raise ValueError(f"parameter 'hf.model_path' = {str(path)!r}: no loadable tokenizer "
+                             f"there ({exc}); save it with the model or set hf.tokenizer: byte"
                              ) from exc
         return cls(tok)
 

@@ -129,7 +129,8 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
                 write_pos: Tensor | None = None, kv_len: int = 0) -> Tensor:
-        """mask: bool [B, 1, S, L] (True = attend). write_pos None: prefill (writes slots
+        """mask: bool [B, 1, S, L] (True = attend) or None (causal). write_pos None: prefill
+        (writes slots
         [0, S) when a cache is set); else decode (S = 1): writes slot write_pos[b] and attends
         slots [0, kv_len)."""
         b, s, _ = x.shape
@@ -143,7 +144,10 @@ class Attention(nn.Module):
             else:
                 self.cache.write_at(k, v, write_pos)
                 k, v = self.cache.k[:b, :, :kv_len], self.cache.v[:b, :, :kv_len]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if mask is None:  # plain causal attention (training: every row has its image)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))
 
 
@@ -247,6 +251,19 @@ class VisionLanguageModel(nn.Module):
             for layer, c in zip(self.layers, caches, strict=True):
                 layer.attn.cache = c
         return logits[:, n:]
+
+    def train_logits(self, image: Tensor, tokens: Tensor, select: Tensor) -> Tensor:
+        """Training forward (autograd on, no cache): image [B,3,H,W] uint8 (every row has
+        one), tokens [B, T] (right padding is harmless: causal), select bool [B, T]: the text
+        positions whose next-token logits are wanted -> logits [N, vocab] (N = select.sum()),
+        in row-major order. Only the selected positions go through the output head."""
+        if any(layer.attn.cache is not None for layer in self.layers):
+            raise RuntimeError("train_logits needs a model without a KV cache")
+        x, n = self._embed(image, tokens)
+        s = x.shape[1]
+        for layer in self.layers:
+            x = layer(x, self.rope_cos[None, :s], self.rope_sin[None, :s], None)
+        return self.lm_head(self.norm(x[:, n:][select]))
 
     @torch.inference_mode()
     def prefill(self, image: Tensor | None, tokens: Tensor, lengths: Tensor | None = None,

@@ -234,9 +234,15 @@ class KestrelLifecycleNode(LifecycleNode):
         if self._diag_pub is None:
             self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         period = float(self.params.get("diagnostics_period", 1.0))
-        # Steady clock: diagnostics keep flowing when sim time is paused or absent.
-        self._diag_timer = self.create_timer(period, self.publish_diagnostics,
-                                             clock=Clock(clock_type=ClockType.STEADY_TIME))
+        # Created once, then cancelled / reset: destroying an entity while a multi-threaded
+        # executor spins can hit its wait set (InvalidHandle: destruction was requested).
+        if self._diag_timer is None:
+            # Steady clock: diagnostics keep flowing when sim time is paused or absent.
+            self._diag_timer = self.create_timer(period, self.publish_diagnostics,
+                                                 clock=Clock(clock_type=ClockType.STEADY_TIME))
+        else:
+            self._diag_timer.timer_period_ns = int(period * 1e9)
+            self._diag_timer.reset()
 
     def publish_diagnostics(self) -> None:
         if self._diag_pub is None:
@@ -254,9 +260,9 @@ class KestrelLifecycleNode(LifecycleNode):
         self._diag_pub.publish(arr)
 
     def stop_diagnostics(self) -> None:
+        """Stop publishing (the timer is cancelled, not destroyed: start_diagnostics resets it)."""
         if self._diag_timer is not None:
-            self.destroy_timer(self._diag_timer)
-            self._diag_timer = None
+            self._diag_timer.cancel()
 
     # ---- lifecycle defaults ---------------------------------------------------------------
     def stop_workers(self) -> None:

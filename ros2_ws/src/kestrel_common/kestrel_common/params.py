@@ -43,6 +43,8 @@ class ParamSpec:
         "true" is not).
     read_only: sizes that allocate memory are read-only (set at start-up only).
     check: extra validation, returns an error string or None.
+    redact: an invalid value is never shown in the error (a parameter that names a secret,
+        e.g. an environment variable holding a key, may be given the secret by mistake).
     """
 
     name: str
@@ -55,6 +57,7 @@ class ParamSpec:
     element_type: type | None = None
     length: int | None = None
     check: Callable[[Any], str | None] | None = None
+    redact: bool = False
 
     @property
     def value_type(self) -> type:
@@ -99,7 +102,17 @@ def _is_choice(spec: ParamSpec, value: Any) -> bool:
 
 
 def validate_value(spec: ParamSpec, value: Any) -> Any:
-    """Return the validated (type-normalised) value or raise ParamError."""
+    """Return the validated (type-normalised) value or raise ParamError (whose message shows
+    the value unless spec.redact)."""
+    if not spec.redact:
+        return _validate_value(spec, value)
+    try:
+        return _validate_value(spec, value)
+    except ParamError as exc:
+        raise ParamError(spec.name, "<not shown>", exc.reason) from None
+
+
+def _validate_value(spec: ParamSpec, value: Any) -> Any:
     vtype = spec.value_type
     if vtype is not list and _is_choice(spec, value):  # a choice of any type, as it is
         err = spec.check(value) if spec.check is not None else None

@@ -1,6 +1,8 @@
 """The planner node's parameters (ParamSpec table, no rclpy) and the remote backend's config
-built from them. The key of a remote server is never a parameter: `remote_api_key_env` names the
-environment variable that holds it."""
+built from them. Backend groups are dotted: `hf.*` (a local Hugging Face VLM), `remote.*` (an
+OpenAI-compatible server). The key of a remote server is never a parameter:
+`remote.api_key_env` names the environment variable that holds it, and a value that is not a
+variable name (a key typed there by mistake) is refused without being shown."""
 
 from __future__ import annotations
 
@@ -14,7 +16,11 @@ from kestrel_planner.core.prompting import OUTPUT_FORMATS
 from kestrel_models.planner.hf import DTYPES
 from kestrel_models.planner.remote import RemoteConfig
 
-__all__ = ["SPECS", "remote_config"]
+__all__ = ["SPECS", "remote_config", "DEFAULT_WEIGHTS"]
+
+# The planner weights trained on generated scenes (scripts/train_planner.py), for model_config
+# 'small'; resolved by the node ('package://' = the package's installed share directory).
+DEFAULT_WEIGHTS = "package://kestrel_planner/weights/planner_small.pt"
 
 
 def _positive(v: float) -> str | None:
@@ -31,11 +37,14 @@ def _env_name(v: str) -> str | None:
 
 
 SPECS = [
-    ParamSpec("model_config", "tiny", "VLM preset.", choices=("tiny", "0.5b"), read_only=True),
-    ParamSpec("weights_path", "", "State dict file; '' = random weights from seed.",
+    ParamSpec("model_config", "tiny", "VLM preset (the default weights are for 'small').",
+              choices=("tiny", "small", "0.5b"), read_only=True),
+    ParamSpec("weights_path", "", "State dict file, or package://<package>/<path> "
+              "(a file installed with a ROS package); '' = random weights from seed.",
               read_only=True),
-    ParamSpec("demo_plan", "", "With no weights_path: bigram demo weights of this plan text "
-              "(lines separated by newlines or ';').", read_only=True),
+    ParamSpec("demo_plan", "", "Non-empty: instead of weights_path, bigram demo weights that "
+              "make the model write this plan text (lines separated by newlines or ';').",
+              read_only=True),
     ParamSpec("device", "cpu", "torch device.", read_only=True,
               check=lambda v: None if v == "cpu" or v.startswith("cuda") else "cpu or cuda[:n]"),
     ParamSpec("seed", 0, "Seed of the random weights.", min=0, read_only=True),
@@ -50,38 +59,41 @@ SPECS = [
               "Hugging Face VLM directory), remote (an OpenAI-compatible server: vLLM, SGLang, "
               "TensorRT-LLM).", choices=BACKENDS, read_only=True),
     ParamSpec("engine_compile", False, "backend engine on CUDA: compile the whole decode step "
-              "(inductor, coordinate-descent tuned) under the CUDA graph; ~1 min per batch/length "
-              "bucket at configure, ~1.4x decode speed (docs/benchmarks/planner_h200.md).",
+              "(inductor, coordinate-descent tuned) under the CUDA graph; compiles every "
+              "batch/length bucket at configure (docs/benchmarks/planner_h200.md).",
               read_only=True),
-    ParamSpec("hf_model_path", "", "backend hf: local directory saved with save_pretrained "
+    ParamSpec("hf.model_path", "", "backend hf: local directory saved with save_pretrained "
               "(config.json, weights, tokenizer).", read_only=True),
-    ParamSpec("hf_dtype", "auto", "backend hf: weight dtype ('auto' = as saved).",
+    ParamSpec("hf.dtype", "auto", "backend hf: weight dtype ('auto' = as saved).",
               choices=tuple(DTYPES), read_only=True),
-    ParamSpec("hf_tokenizer", "auto", "backend hf: 'auto' = the directory's tokenizer (and "
+    ParamSpec("hf.tokenizer", "auto", "backend hf: 'auto' = the directory's tokenizer (and "
               "chat template); 'byte' = Kestrel's byte tokenizer.", choices=("auto", "byte"),
               read_only=True),
-    ParamSpec("hf_grammar", True, "backend hf: constrain decoding to the plan grammar (with "
+    ParamSpec("hf.grammar", True, "backend hf: constrain decoding to the plan grammar (with "
               "grammar_engine automaton: needs single-character tokens); false = prompt + "
               "parser + validator only.", read_only=True),
     ParamSpec("grammar_engine", "llguidance", "Plan-grammar engine of backends generate, engine "
               "and hf: llguidance (maintained grammar library: Lark grammar, token masks for "
               "any tokenizer incl. BPE) or automaton (the hand-written character automaton, "
               "single-character tokens only).", choices=GRAMMAR_ENGINES, read_only=True),
-    ParamSpec("remote_base_url", "", "backend remote: server URL, e.g. http://127.0.0.1:8000/v1.",
+    ParamSpec("remote.base_url", "", "backend remote: server URL, e.g. http://127.0.0.1:8000/v1.",
               read_only=True),
-    ParamSpec("remote_model", "", "backend remote: the served model name.", read_only=True),
-    ParamSpec("remote_api_key_env", "", "backend remote: NAME of the environment variable that "
+    ParamSpec("remote.model", "", "backend remote: the served model name.", read_only=True),
+    ParamSpec("remote.api_key_env", "", "backend remote: NAME of the environment variable that "
               "holds the API key ('' = none). Never the key itself.", read_only=True,
-              check=_env_name),
-    ParamSpec("remote_timeout_s", 10.0, "backend remote: timeout per attempt, s.",
+              check=_env_name, redact=True),
+    ParamSpec("remote.timeout_s", 10.0, "backend remote: timeout per attempt, s.",
               read_only=True, check=lambda v: None if 0 < v <= 600 else "must be in (0, 600]"),
-    ParamSpec("remote_max_retries", 2, "backend remote: retries on timeouts, connection "
+    ParamSpec("remote.max_retries", 2, "backend remote: retries on timeouts, connection "
               "errors, HTTP 429 and 5xx.", min=0, max=10, read_only=True),
-    ParamSpec("remote_send_image", True, "backend remote: send the frame (PNG data URL).",
+    ParamSpec("remote.send_image", True, "backend remote: send the frame (PNG data URL).",
               read_only=True),
-    ParamSpec("remote_response_format", "json_schema", "backend remote: json_schema = ask for "
+    ParamSpec("remote.response_format", "json_schema", "backend remote: json_schema = ask for "
               "schema-constrained JSON (response_format); text = the plan text form.",
               choices=OUTPUT_FORMATS, read_only=True),
+    ParamSpec("remote.max_reply_bytes", 65536, "backend remote: a reply larger than this is "
+              "refused as soon as its size is known (read in chunks, never whole), bytes.",
+              min=1024, max=16 * 1024 * 1024, read_only=True),
     ParamSpec("max_pending_goals", 6, "Goals waiting or decoding; more are rejected.",
               min=1, max=6, read_only=True),
     ParamSpec("temperature", 0.0, "0 = greedy.", min=0.0, max=5.0),
@@ -97,13 +109,16 @@ SPECS = [
     ParamSpec("home_joint_positions", [], "HOME target, rad (control joint order).",
               element_type=float),
     ParamSpec("execution_rate", 20.0, "Executor tick / target rate, Hz.", min=1.0, max=200.0),
-    ParamSpec("goal_timeout", 30.0, "Bound on one goal's wait for its plan, s.", min=0.1),
+    ParamSpec("goal_timeout", 30.0, "Bound on one goal's wait for its plan, from its arrival, "
+              "s.", min=0.1),
+    ParamSpec("max_scene_age", 5.0, "A goal is refused when the latest perception result "
+              "(its header stamp, on this node's clock) is older than this, or when none came; "
+              "0 = plan against any scene, s.", min=0.0),
     ParamSpec("feedback_age", 1.0, "Ignore ee/joint feedback older than this, s.", min=0.0),
-    # CPython's default is 5 ms. With the stack's 250 Hz joint states and TCP positions on the
-    # MultiThreadedExecutor and a plan decoding, ~10 threads want the GIL; at 5 ms per hand-over
-    # a perception result waited 100s of ms and the best-effort keep-last-1 reader had replaced
-    # it: 11-21 of 50 results received at 10 Hz (age p99 75-514 ms); at 200 us 50 of 50 (p99
-    # 21-45 ms), dev CPU, tests/test_result_transport.py, docs/benchmarks/result_transport_cpu.md
+    # CPython's default is 5 ms. With the stack's joint states and TCP positions on the
+    # MultiThreadedExecutor and a plan decoding, many threads want the GIL; at 5 ms per hand-over
+    # a perception result can wait long enough for the best-effort keep-last-1 reader to
+    # replace it (docs/benchmarks/result_transport_cpu.md)
     ParamSpec("gil_switch_interval_us", 200, "sys.setswitchinterval of the node process, us "
               "(0 = leave CPython's 5 ms).", min=0, max=100000, read_only=True),
 ]
@@ -112,12 +127,13 @@ SPECS = [
 def remote_config(p: dict) -> RemoteConfig:
     """The remote backend's config from the node parameters; the API key is read from the
     environment variable named by remote_api_key_env (ValueError naming it when unset)."""
-    key, name = "", p["remote_api_key_env"]
+    key, name = "", p["remote.api_key_env"]
     if name:
         key = os.environ.get(name, "")
         if not key:
-            raise ValueError(f"parameter 'remote_api_key_env' = {name!r}: the environment "
+            raise ValueError(f"parameter 'remote.api_key_env' = {name!r}: the environment "
                              "variable is not set or empty")
-    return RemoteConfig(base_url=p["remote_base_url"], model=p["remote_model"], api_key=key,
-                        timeout_s=p["remote_timeout_s"], max_retries=p["remote_max_retries"],
-                        max_tokens=p["max_new_tokens"], temperature=p["temperature"])
+    return RemoteConfig(base_url=p["remote.base_url"], model=p["remote.model"], api_key=key,
+                        timeout_s=p["remote.timeout_s"], max_retries=p["remote.max_retries"],
+                        max_tokens=p["max_new_tokens"], temperature=p["temperature"],
+                        max_reply_bytes=p["remote.max_reply_bytes"])

@@ -11,54 +11,37 @@
       at execution_rate while a plan runs), ~/output/step_status (StepStatus, COMMAND_QOS)
 A rejected plan sends nothing to control; a new accepted plan preempts the running one.
 
-Decoding backends (`backend`, read-only). Whatever decodes, the text goes through the SAME plan
-parser and validator (skills enum, targets in the current perception result, the numeric
-limits below); a reply that is not a plan or breaks a limit gives VALIDATION_REJECTED with
-reasons, and nothing reaches control.
-  generate | engine  our VLM (model_config, weights_path or demo_plan), decoding constrained to
-                     the plan grammar. engine = static KV-cache slots, CUDA-graph decode.
-                     grammar_engine: llguidance (default; token masks for any tokenizer) |
-                     automaton (the hand-written character automaton, constrained.py).
-  hf       a Hugging Face image-text-to-text checkpoint from a LOCAL directory, through
-           transformers (nothing is downloaded; LLaVA-style configs):
-               backend: hf
-               hf_model_path: /models/my-llava      # save_pretrained output: config.json,
-                                                    # weights, tokenizer, preprocessor_config
-               hf_dtype: bfloat16                   # auto | float32 | bfloat16 | float16
-               device: cuda:0
-               hf_tokenizer: auto                   # the directory's tokenizer + chat template
-               hf_grammar: true                     # plan grammar (BPE too, llguidance);
-                                                    # false = prompt + parser + validator
-  remote   an OpenAI-compatible chat-completions server serving a large VLM, e.g. vLLM:
-               vllm serve Qwen/Qwen2.5-VL-72B-Instruct --tensor-parallel-size 8 \
-                   --served-model-name planner --api-key "$PLANNER_KEY"
-           then
-               backend: remote
-               remote_base_url: http://gpu-host:8000/v1
-               remote_model: planner
-               remote_api_key_env: PLANNER_KEY      # the variable's NAME; never the key itself
-               remote_timeout_s: 10.0               # per attempt (connect, read)
-               remote_max_retries: 2                # on timeouts, connection errors, 429, 5xx
-               remote_send_image: true              # the frame as a PNG data URL
-               remote_response_format: json_schema  # sends response_format json_schema: vLLM,
-                                                    # SGLang, TensorRT-LLM constrain it;
-                                                    # 'text' where a server answers HTTP 400
-           SGLang (`python -m sglang.launch_server ... --port 30000`, base_url .../v1) and
-           TensorRT-LLM (`trtllm-serve <model>`) work the same way. No reply after the retries
-           -> VALIDATION_ERROR (counted: backend_errors); the node keeps serving.
-The tests use a small stub server speaking the same protocol (tests/planner_openai_stub.py),
-not a real vLLM (vLLM needs its own torch build; not installable on the CPU test machines).
+Decoding backends (`backend`, read-only): generate | engine (our VLM: model_config,
+weights_path or demo_plan, decoding constrained to the plan grammar), hf (a Hugging Face VLM
+from a local directory, `hf.*`), remote (an OpenAI-compatible server such as vLLM, SGLang or
+TensorRT-LLM, `remote.*`; tests use tests/planner_openai_stub.py). Whatever decodes, the text
+goes through the SAME plan parser and validator (skills enum, targets in the current
+perception result, the numeric limits); a reply that is not a plan or breaks a limit gives
+VALIDATION_REJECTED with reasons, and nothing reaches control.
+
+Goals: a goal is refused (VALIDATION_ERROR, with the reason) when the scene is older than
+max_scene_age; REJECTED and ERROR results finish the goal ABORTED, accepted ones SUCCEEDED, a
+cancelled one CANCELED. goal_timeout bounds the wait for a plan; time_to_first_token and
+total_time are measured from the goal's arrival. A rejected plan is not sent back when it has
+more steps than max_steps (it is refused before parsing).
+
+Lifecycle: publishers, subscriptions, the action server and the timers are created once (the
+first configure / activate) and never destroyed while the executor spins (a multi-threaded
+executor may hold them in its wait set); cleanup releases the model and the inputs, and goals
+are refused while the node is not active.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
+from ament_index_python.packages import PackageNotFoundError, get_package_share_directory
 from diagnostic_msgs.msg import DiagnosticStatus
 from geometry_msgs.msg import PointStamped
 from kestrel_interfaces.action import PlanTask
@@ -84,6 +67,21 @@ from kestrel_planner.params import SPECS, remote_config
 from kestrel_models.planner import get_config
 
 R = PlanTask.Result
+MAX_REASONS = 32  # reasons in one result; the rest are counted in a last line
+
+
+def resolve_weights(path: str) -> str:
+    """'package://<package>/<path>' (a file installed with a ROS package) -> a file path;
+    other paths unchanged. ValueError naming weights_path when the package is unknown."""
+    if not path.startswith("package://"):
+        return path
+    package, _, rel = path[len("package://"):].partition("/")
+    try:
+        share = get_package_share_directory(package)
+    except (PackageNotFoundError, ValueError) as exc:
+        raise ValueError(f"parameter 'weights_path' = {path!r}: package {package!r} not "
+                         f"found: {exc}") from exc
+    return os.path.join(share, rel)
 
 
 @dataclass
@@ -131,7 +129,9 @@ class PlannerNode(KestrelLifecycleNode):
         self._ttft = LatencyWindow(256)
         self._scene_age = LatencyWindow(256)  # perception result stamp -> its callback, s
         self._total = LatencyWindow(256)
+        self._scene_stamp_ns: int | None = None  # header stamp of the latest scene, ns
         self._handles: list = []
+        self._plan_pub = self._target_pub = self._status_pub = None
         self._timer = None
         self._action = None
 
@@ -141,45 +141,75 @@ class PlannerNode(KestrelLifecycleNode):
         if p is None:
             return TransitionCallbackReturn.FAILURE
         try:
-            torch.set_num_threads(p["num_threads"])
-            limits = PlanLimits(p["max_speed"], p["min_height"], p["max_height"],
-                                tuple(p["workspace_min"]), tuple(p["workspace_max"]),
-                                p["max_steps"])
-            cfg = get_config(p["model_config"])
-            if p["image_size"]:
-                cfg = cfg.with_overrides(image_size=p["image_size"])
-            need = cfg.num_image_tokens + p["max_new_tokens"] + 64
-            if p["backend"] in ("generate", "engine") and need > cfg.max_seq_len:
-                raise ValueError(f"parameter 'max_new_tokens' = {p['max_new_tokens']}: image "
-                                 f"tokens + budget + prompt exceed max_seq_len {cfg.max_seq_len}")
-            remote = remote_config(p) if p["backend"] == "remote" else None
-            self.executor_core = PlanExecutor(ExecutorConfig(
-                p["position_tolerance"], p["step_timeout"], p["gripper_time"],
-                tuple(p["home_joint_positions"])))
-            self.core = PlannerCore(PlannerConfig(
-                model=cfg, weights_path=p["weights_path"],
-                demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),
-                device=p["device"], seed=p["seed"], max_new_tokens=p["max_new_tokens"],
-                max_batch=p["max_batch"], temperature=p["temperature"], limits=limits,
-                backend=p["backend"], engine_compile=p["engine_compile"],
-                hf_model_path=p["hf_model_path"], hf_dtype=p["hf_dtype"],
-                hf_tokenizer=p["hf_tokenizer"], hf_grammar=p["hf_grammar"],
-                grammar_engine=p["grammar_engine"], remote=remote,
-                remote_send_image=p["remote_send_image"],
-                remote_response_format=p["remote_response_format"]))
-        except ValueError as exc:
+            limits = self._build(p)
+        except ValueError as exc:  # a parameter's value (the message names it)
             self.get_logger().error(f"configure failed: {exc}")
-            return TransitionCallbackReturn.FAILURE
-        except (OSError, RuntimeError, ImportError) as exc:  # e.g. a broken HF checkpoint
-            self.get_logger().error(f"configure failed: backend {p['backend']!r}: {exc!r}")
-            return TransitionCallbackReturn.FAILURE
+            return self._configure_failed()
+        except Exception as exc:  # noqa: BLE001 - whatever the backend raises, say what
+            self.get_logger().error(f"configure failed: backend {p['backend']!r}: "
+                                    f"{type(exc).__name__}: {exc}")
+            return self._configure_failed()
+        remote = self.core.config.remote
         if remote is not None and remote.max_wait_s() > p["goal_timeout"]:
             self.get_logger().warning(
                 f"goal_timeout {p['goal_timeout']} s is shorter than the remote worst case "
-                f"{remote.max_wait_s():.1f} s (remote_timeout_s, remote_max_retries): slow "
+                f"{remote.max_wait_s():.1f} s (remote.timeout_s, remote.max_retries): slow "
                 "goals end as 'planning timed out'")
         if p["gil_switch_interval_us"] > 0:  # process-wide: this process is the node
             sys.setswitchinterval(p["gil_switch_interval_us"] * 1e-6)
+        self._create_entities()
+        model = {"hf": p["hf.model_path"], "remote": f"{p['remote.model']} at "
+                 f"{p['remote.base_url']}"}.get(p["backend"], f"{p['model_config']} model "
+                                                   f"({self._weights_text(p)})")
+        self.get_logger().info(f"configured: backend {p['backend']}, {model}, max_batch "
+                               f"{p['max_batch']}, limits {limits}")
+        return TransitionCallbackReturn.SUCCESS
+
+    def _configure_failed(self) -> TransitionCallbackReturn:
+        if self.core is not None:
+            self.core.close()
+        self.core, self.executor_core = None, None
+        return TransitionCallbackReturn.FAILURE
+
+    @staticmethod
+    def _weights_text(p: dict) -> str:
+        if p["demo_plan"]:
+            return "demo_plan weights"
+        return p["weights_path"] or "random weights"
+
+    def _build(self, p: dict) -> PlanLimits:
+        """The executor and the planner core from the parameters (may raise anything)."""
+        torch.set_num_threads(p["num_threads"])
+        limits = PlanLimits(p["max_speed"], p["min_height"], p["max_height"],
+                            tuple(p["workspace_min"]), tuple(p["workspace_max"]), p["max_steps"])
+        cfg = get_config(p["model_config"])
+        if p["image_size"]:
+            cfg = cfg.with_overrides(image_size=p["image_size"])
+        need = cfg.num_image_tokens + p["max_new_tokens"] + 64
+        if p["backend"] in ("generate", "engine") and need > cfg.max_seq_len:
+            raise ValueError(f"parameter 'max_new_tokens' = {p['max_new_tokens']}: image "
+                             f"tokens + budget + prompt exceed max_seq_len {cfg.max_seq_len}")
+        remote = remote_config(p) if p["backend"] == "remote" else None
+        self.executor_core = PlanExecutor(ExecutorConfig(
+            p["position_tolerance"], p["step_timeout"], p["gripper_time"],
+            tuple(p["home_joint_positions"])))
+        self.core = PlannerCore(PlannerConfig(
+            model=cfg, weights_path=resolve_weights(p["weights_path"]),
+            demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),
+            device=p["device"], seed=p["seed"], max_new_tokens=p["max_new_tokens"],
+            max_batch=p["max_batch"], temperature=p["temperature"], limits=limits,
+            backend=p["backend"], engine_compile=p["engine_compile"],
+            hf_model_path=p["hf.model_path"], hf_dtype=p["hf.dtype"],
+            hf_tokenizer=p["hf.tokenizer"], hf_grammar=p["hf.grammar"],
+            grammar_engine=p["grammar_engine"], remote=remote,
+            remote_send_image=p["remote.send_image"],
+            remote_response_format=p["remote.response_format"]))
+        return limits
+
+    def _create_entities(self) -> None:
+        """Publishers, subscriptions and the action server, once (see the module doc)."""
+        if self._plan_pub is not None:
+            return
         io = MutuallyExclusiveCallbackGroup()
         best_effort = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT)
         self._plan_pub = self.create_publisher(TaskPlan, "~/output/plan", LATCHED_QOS)
@@ -200,18 +230,18 @@ class PlannerNode(KestrelLifecycleNode):
         self._action = ActionServer(
             self, PlanTask, "~/plan_task", self._execute, callback_group=ReentrantCallbackGroup(),
             goal_callback=self._on_goal, cancel_callback=lambda _g: CancelResponse.ACCEPT)
-        model = {"hf": p["hf_model_path"], "remote": f"{p['remote_model']} at "
-                 f"{p['remote_base_url']}"}.get(p["backend"], f"{p['model_config']} model")
-        self.get_logger().info(f"configured: backend {p['backend']}, {model}, max_batch "
-                               f"{p['max_batch']}, limits {limits}")
-        return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop.clear()
         self._worker = threading.Thread(target=self._work, name="planner_worker", daemon=True)
         self._worker.start()
-        self._timer = self.create_timer(1.0 / self.params["execution_rate"], self._tick,
-                                        callback_group=MutuallyExclusiveCallbackGroup())
+        period = 1.0 / self.params["execution_rate"]
+        if self._timer is None:
+            self._timer = self.create_timer(period, self._tick,
+                                            callback_group=MutuallyExclusiveCallbackGroup())
+        else:
+            self._timer.timer_period_ns = int(period * 1e9)
+            self._timer.reset()
         self.start_diagnostics(self._diag)
         self._active = True
         self.get_logger().info("active: serving ~/plan_task")
@@ -219,15 +249,12 @@ class PlannerNode(KestrelLifecycleNode):
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.stop_workers()
-        for h in self._handles:
-            self.destroy_subscription(h)
-        for pub in (self._plan_pub, self._target_pub, self._status_pub):
-            self.destroy_publisher(pub)
-        if self._action is not None:
-            self._action.destroy()
-        if self.core is not None:
-            self.core.close()
-        self._handles, self._action, self.core = [], None, None
+        core, self.core, self.executor_core = self.core, None, None
+        if core is not None:
+            core.close()
+        with self._lock:
+            self._image, self._scene, self._frame_id = None, [], ""
+            self._scene_stamp_ns, self._ee, self._joints = None, None, None
         return TransitionCallbackReturn.SUCCESS
 
     def stop_workers(self) -> None:
@@ -239,12 +266,12 @@ class PlannerNode(KestrelLifecycleNode):
             self._worker.join(timeout=5.0)
             self._worker = None
         if self._timer is not None:
-            self.destroy_timer(self._timer)
-            self._timer = None
+            self._timer.cancel()
         self.stop_diagnostics()
-        if was_active and self.executor_core is not None:
+        ex = self.executor_core
+        if was_active and ex is not None:
             with self._lock:
-                events = self.executor_core.abort("node deactivated")
+                events = ex.abort("node deactivated")
             try:  # at process exit the context may already be (or be being) shut down
                 self._publish_events(events, hold=bool(events))
             except RCLError:
@@ -252,6 +279,8 @@ class PlannerNode(KestrelLifecycleNode):
 
     # ---- inputs ----------------------------------------------------------------------------
     def _on_image(self, msg: Image) -> None:
+        if self.core is None:  # not configured (cleaned up): inputs are not kept
+            return
         try:
             arr = image_to_numpy(msg)
         except ConversionError as exc:
@@ -261,6 +290,8 @@ class PlannerNode(KestrelLifecycleNode):
             self._image = arr
 
     def _on_scene(self, msg: PerceptionResult) -> None:
+        if self.core is None:  # not configured (cleaned up): inputs are not kept
+            return
         self._scene_age.add((self.get_clock().now().nanoseconds
                              - stamp_to_ns(msg.header.stamp)) * 1e-9)
         self.counters.inc("perception_results")
@@ -277,12 +308,17 @@ class PlannerNode(KestrelLifecycleNode):
                 self.drop(reason, f"{n} detection(s) in the perception result")
         with self._lock:
             self._scene, self._frame_id = objects, msg.header.frame_id
+            self._scene_stamp_ns = stamp_to_ns(msg.header.stamp)
 
     def _on_joints(self, msg: JointState) -> None:
+        if self.core is None:  # not configured (cleaned up): inputs are not kept
+            return
         with self._lock:
             self._joints = (list(msg.position), time.monotonic())
 
     def _on_ee(self, msg: PointStamped) -> None:
+        if self.core is None:  # not configured (cleaned up): inputs are not kept
+            return
         p = msg.point
         if not all(math.isfinite(v) for v in (p.x, p.y, p.z)):
             self.drop("ee_nonfinite", f"ee position {p}")
@@ -307,13 +343,20 @@ class PlannerNode(KestrelLifecycleNode):
                 self._pending -= 1
 
     def _finish(self, handle, status: int, reasons: list[str], res: PlanResult | None = None,
-                frame_id: str = "") -> PlanTask.Result:
+                frame_id: str = "", t_goal: float | None = None) -> PlanTask.Result:
+        """The result; the goal ends SUCCEEDED (accepted), ABORTED (rejected, error, or
+        stopped by deactivation) or CANCELED. Times are the goal's own, from its arrival."""
         key = {R.VALIDATION_ACCEPTED: "goals_accepted", R.VALIDATION_REJECTED: "goals_rejected",
                R.VALIDATION_ERROR: "goals_error"}[status]
-        out = R(validation_status=status, reasons=reasons)
+        out = R(validation_status=status, reasons=reasons[:MAX_REASONS])
+        if len(reasons) > MAX_REASONS:
+            out.reasons.append(f"... and {len(reasons) - MAX_REASONS} more")
         if res is not None:
             out.plan = plan_to_msg(res, self.get_clock().now().nanoseconds, frame_id)
-            out.time_to_first_token, out.total_time = res.ttft_s, res.total_s
+        if t_goal is not None:
+            out.total_time = time.monotonic() - t_goal
+            if res is not None and res.started is not None:
+                out.time_to_first_token = res.started - t_goal + res.ttft_s
         try:
             if res is not None and res.cancelled:
                 self.counters.inc("goals_cancelled")
@@ -323,27 +366,39 @@ class PlannerNode(KestrelLifecycleNode):
                     handle.abort()
                 return out
             self.counters.inc(key)
-            handle.succeed()
+            if status == R.VALIDATION_ACCEPTED:
+                handle.succeed()
+            else:
+                handle.abort()
         except RCLError:  # the node is shutting down under this goal: nothing left to tell
             pass
         return out
 
     def _serve(self, handle) -> PlanTask.Result:
+        t_goal = time.monotonic()
         goal = handle.request
         with self._lock:
             image, scene, frame = self._image, list(self._scene), self._frame_id
+            scene_stamp = self._scene_stamp_ns
+
+        def error(reason: str, counter: str = "") -> PlanTask.Result:
+            if counter:
+                self.counters.inc(counter)
+            return self._finish(handle, R.VALIDATION_ERROR, [reason], t_goal=t_goal)
+
         if goal.use_image:
             try:
                 image = image_to_numpy(goal.image)
             except ConversionError as exc:
-                self.counters.inc(f"goal_image_{exc.reason}")
-                return self._finish(handle, R.VALIDATION_ERROR, [f"goal image: {exc}"])
+                return error(f"goal image: {exc}", f"goal_image_{exc.reason}")
         elif image is None:
-            self.counters.inc("goal_no_image")
-            return self._finish(handle, R.VALIDATION_ERROR, [
-                "no image: the goal has use_image=false and no camera frame was received"])
+            return error("no image: the goal has use_image=false and no camera frame was "
+                         "received", "goal_no_image")
         if not goal.instruction.strip():
-            return self._finish(handle, R.VALIDATION_ERROR, ["instruction is empty"])
+            return error("instruction is empty")
+        stale = self._stale_scene(scene_stamp)
+        if stale:
+            return error(stale, "goal_stale_scene")
         last = [0.0]
 
         def feedback(n: int, text: str) -> None:
@@ -360,37 +415,56 @@ class PlannerNode(KestrelLifecycleNode):
         with self._cv:
             self._jobs.append(job)
             self._cv.notify()
-        if not job.done.wait(self.params["goal_timeout"]):
+        left = self.params["goal_timeout"] - (time.monotonic() - t_goal)
+        if not job.done.wait(max(left, 0.0)):
             job.abandoned = True  # queued: skipped; decoding: stops at the next token / poll
-            return self._finish(handle, R.VALIDATION_ERROR, ["planning timed out"])
+            return error(f"planning timed out (goal_timeout {self.params['goal_timeout']} s)",
+                         "goals_timed_out")
         if job.result is None:
-            return self._finish(handle, R.VALIDATION_ERROR, [job.error or "planning failed"])
+            return error(job.error or "planning failed")
         res = job.result
         if res.cancelled:
-            return self._finish(handle, R.VALIDATION_ERROR, ["cancelled"], res, frame)
+            return self._finish(handle, R.VALIDATION_ERROR, ["cancelled"], res, frame, t_goal)
         if res.error:  # no reply from the backend (e.g. the server is unreachable)
             self.counters.inc("backend_errors")
             self.get_logger().warning(f"planning failed: {res.error}", throttle_duration_sec=5.0)
-            return self._finish(handle, R.VALIDATION_ERROR, [res.error], res, frame)
+            return self._finish(handle, R.VALIDATION_ERROR, [res.error], res, frame, t_goal)
         self._ttft.add(res.ttft_s)
-        self._total.add(res.total_s)
+        self._total.add(time.monotonic() - t_goal)
         if res.plan is None:
             self.counters.inc("plans_unparsed")  # the model's text is not a plan
         if not res.report.accepted:
-            return self._finish(handle, R.VALIDATION_REJECTED, res.report.reasons, res, frame)
-        return self._accept(handle, res, scene, frame)
+            return self._finish(handle, R.VALIDATION_REJECTED, res.report.reasons, res, frame,
+                                t_goal)
+        return self._accept(handle, res, scene, frame, t_goal)
 
-    def _accept(self, handle, res: PlanResult, scene, frame: str) -> PlanTask.Result:
+    def _stale_scene(self, stamp_ns: int | None) -> str:
+        """Why the latest scene is too old to plan against ('' when it is fresh enough)."""
+        max_age = self.params["max_scene_age"]
+        if max_age <= 0:
+            return ""
+        if stamp_ns is None:
+            return ("no perception result received yet: no scene to plan against "
+                    "(max_scene_age; 0 disables the check)")
+        age = (self.get_clock().now().nanoseconds - stamp_ns) * 1e-9
+        if age > max_age:
+            return (f"the scene is {age:.1f} s old, more than max_scene_age {max_age} s: are "
+                    "perception results arriving, stamped with this node's clock?")
+        return ""
+
+    def _accept(self, handle, res: PlanResult, scene, frame: str,
+                t_goal: float) -> PlanTask.Result:
         plan_msg = plan_to_msg(res, self.get_clock().now().nanoseconds, frame)
         try:
             with self._lock:
                 events = self.executor_core.start(res.plan, scene, self._now())
                 self._plan_frame = frame
         except ValueError as exc:  # cannot happen for a validated plan; never crash on it
-            return self._finish(handle, R.VALIDATION_ERROR, [f"execution: {exc}"], res, frame)
+            return self._finish(handle, R.VALIDATION_ERROR, [f"execution: {exc}"], res, frame,
+                                t_goal)
         self._plan_pub.publish(plan_msg)
         self._publish_events(events)
-        out = self._finish(handle, R.VALIDATION_ACCEPTED, [], res, frame)
+        out = self._finish(handle, R.VALIDATION_ACCEPTED, [], res, frame, t_goal)
         out.plan = plan_msg
         return out
 
@@ -411,6 +485,7 @@ class PlannerNode(KestrelLifecycleNode):
             job.done.set()
 
     def _run_batch(self, batch: list[_Job]) -> None:
+        started = time.monotonic()
         self.counters.inc("batches")
         self.counters.inc(f"batch_size_{len(batch)}")
         try:
@@ -429,6 +504,8 @@ class PlannerNode(KestrelLifecycleNode):
             for job in batch:
                 job.error = f"internal error: {exc!r}"
         for job in batch:
+            if job.result is not None:
+                job.result.started = started
             job.done.set()
 
     # ---- execution -------------------------------------------------------------------------
@@ -436,13 +513,14 @@ class PlannerNode(KestrelLifecycleNode):
         return self.get_clock().now().nanoseconds * 1e-9
 
     def _tick(self) -> None:
-        if not self._active or self.executor_core is None:
+        ex = self.executor_core
+        if not self._active or ex is None:
             return
         now_m, age = time.monotonic(), self.params["feedback_age"]
         with self._lock:
             ee = self._ee[0] if self._ee and now_m - self._ee[1] <= age else None
             q = self._joints[0] if self._joints and now_m - self._joints[1] <= age else None
-            out = self.executor_core.tick(self._now(), ee, q)
+            out = ex.tick(self._now(), ee, q)
             frame = self._plan_frame
         if out.target is not None:
             self._publish_target(out.target, frame)

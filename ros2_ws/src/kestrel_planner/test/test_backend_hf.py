@@ -89,13 +89,13 @@ def test_directory_tokenizer_and_chat_template(llava_dir: Path, tmp_path: Path) 
     bad = tmp_path / "bad_tok"
     shutil.copytree(llava_dir, bad)
     char_tokenizer(without="_").save_pretrained(str(bad))
-    with pytest.raises(ValueError, match="parameter 'hf_grammar' = True: .* for '_'"):
+    with pytest.raises(ValueError, match="parameter 'hf.grammar' = True: .* for '_'"):
         hf_core(bad, grammar_engine="automaton")
     assert hf_core(bad, hf_grammar=False).backend is not None
     r = hf_core(bad).plan("stack it", IMAGE, SCENE)
     assert r.plan is not None and r.text.endswith("end"), r.text
     assert all(s.target_object in ("bin", "") for s in r.plan.steps)
-    with pytest.raises(ValueError, match="parameter 'hf_model_path' = .*no loadable tokenizer"):
+    with pytest.raises(ValueError, match="parameter 'hf.model_path' = .*no loadable tokenizer"):
         hf_core(llava_dir)  # the directory has no tokenizer files
 
 

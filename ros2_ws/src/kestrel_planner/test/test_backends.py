@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from planner_openai_stub import OpenAIStub
+from planner_openai_stub import HUGE_BYTES, OpenAIStub
 
 from kestrel_models.planner.remote import RemoteConfig
 from kestrel_planner.core import (PlanLimits, PlannerConfig, PlannerCore, PlannerInputError,
                                   PlanParseError, PlanRequest, SceneObject, Skill, make_backend)
 from kestrel_planner.core.backend_local import LocalVLMBackend
 from kestrel_planner.core.backend_remote import RemotePlanBackend
+from kestrel_planner.core.plan import parse_plan
 from kestrel_planner.core.prompting import plan_json_schema, reply_to_plan_text
 
 torch.set_num_threads(1)
@@ -53,27 +54,27 @@ def test_factory_and_config_validation(tmp_path: Path) -> None:
         make_backend(rem, model=torch.nn.Linear(1, 1))
     cases = [
         (dict(backend="vllm"), "parameter 'backend' = 'vllm'"),
-        (dict(backend="hf"), "parameter 'hf_model_path' = '': backend 'hf' needs"),
+        (dict(backend="hf"), "parameter 'hf.model_path' = '': backend 'hf' needs"),
         (dict(backend="hf", hf_model_path=str(tmp_path / "nope")), "not a directory"),
         (dict(backend="hf", hf_model_path=str(tmp_path)), "no config.json there"),
-        (dict(backend="remote"), "parameter 'remote_base_url' = ''"),
-        (dict(remote_response_format="xml"), "parameter 'remote_response_format' = 'xml'"),
+        (dict(backend="remote"), "parameter 'remote.base_url' = ''"),
+        (dict(remote_response_format="xml"), "parameter 'remote.response_format' = 'xml'"),
     ]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             PlannerConfig(**kw)  # type: ignore[arg-type]
     (tmp_path / "config.json").write_text("{}")
-    for kw, msg in [(dict(hf_dtype="int3"), "parameter 'hf_dtype' = 'int3'"),
-                    (dict(hf_tokenizer="gpt"), "parameter 'hf_tokenizer' = 'gpt'")]:
+    for kw, msg in [(dict(hf_dtype="int3"), "parameter 'hf.dtype' = 'int3'"),
+                    (dict(hf_tokenizer="gpt"), "parameter 'hf.tokenizer' = 'gpt'")]:
         with pytest.raises(ValueError, match=msg):
             PlannerConfig(backend="hf", hf_model_path=str(tmp_path), **kw)  # type: ignore[arg-type]
     for url in ["localhost:8000", "ftp://host/v1", "http://", "http://host:99999/v1",
                 "http://a b/v1", " http://host/v1", "http://host/v1?x=1", ""]:
-        with pytest.raises(ValueError, match="parameter 'remote_base_url'"):
+        with pytest.raises(ValueError, match="parameter 'remote.base_url'"):
             RemoteConfig(url, "m")
-    with pytest.raises(ValueError, match="parameter 'remote_model'"):
+    with pytest.raises(ValueError, match="parameter 'remote.model'"):
         RemoteConfig("http://host/v1", " ")
-    with pytest.raises(ValueError, match="parameter 'remote_timeout_s' = 0"):
+    with pytest.raises(ValueError, match="parameter 'remote.timeout_s' = 0"):
         RemoteConfig("http://host/v1", "m", timeout_s=0)
 
 
@@ -187,6 +188,49 @@ def test_remote_batch_is_concurrent_and_cancel_is_bounded(stub: OpenAIStub) -> N
     assert r.cancelled and r.report.reasons == ["cancelled"] and time.monotonic() - t0 < 1.0
 
 
+def test_remote_huge_reply_is_bounded_in_time_and_memory(stub: OpenAIStub) -> None:
+    """A 20 MB reply (a 4-million-step plan) is abandoned while it is read: its size is
+    refused with the reason, nothing of it is parsed, and this process never holds it."""
+    import tracemalloc
+    core = remote_core(stub.url)
+    for with_length in (False, True):
+        stub.script = [("huge", HUGE_BYTES, with_length)]
+        tracemalloc.start()
+        try:
+            t0 = time.monotonic()
+            r = core.plan("put it away", None, SCENE)
+            elapsed = time.monotonic() - t0
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert not r.report.accepted and r.plan is None and not r.error, r
+        assert "larger than remote.max_reply_bytes (65536" in r.report.reasons[0], r.report
+        assert peak < 4_000_000, peak  # the reply cap (64 KiB) plus bookkeeping, not 20 MB
+        assert elapsed < 2 * 2.0 + 1.0  # within one attempt's bound (2 * timeout_s)
+        assert r.total_s >= elapsed - 0.5  # true time
+
+
+def test_remote_reply_steps_are_capped_before_parsing(stub: OpenAIStub) -> None:
+    core = remote_core(stub.url)
+    r = core.plan("many steps", None, SCENE)  # a 500-step JSON plan (fits the size cap)
+    assert not r.report.accepted and r.plan is None, r
+    assert "plan has 500 steps, more than max_steps 6" in r.report.reasons[0], r.report
+    text = "home\n" * 5000 + "end"  # the text form: counted before any line is parsed
+    with pytest.raises(PlanParseError, match="plan has 5001 lines, more than max_steps 6"):
+        parse_plan(text, max_steps=6)
+
+
+def test_remote_reply_read_has_a_deadline(stub: OpenAIStub) -> None:
+    """A server that sends its headers then drips the body: the attempt ends by
+    2 * timeout_s (urllib's timeout is per socket read, not per reply)."""
+    stub.script = [("drip", 0.2)]
+    core = remote_core(stub.url, remote_timeout_s=0.5, remote_max_retries=0)
+    t0 = time.monotonic()
+    r = core.plan("x", None, SCENE)
+    assert r.error and "not complete within 1.0 s" in r.error, r
+    assert time.monotonic() - t0 < 3.0
+
+
 def test_remote_bad_request_sends_nothing(stub: OpenAIStub) -> None:
     core = remote_core(stub.url)
     with pytest.raises(PlannerInputError, match="request 1: image must be uint8"):
@@ -199,27 +243,32 @@ def test_remote_bad_request_sends_nothing(stub: OpenAIStub) -> None:
 def test_node_params_yaml_and_remote_key(monkeypatch: pytest.MonkeyPatch) -> None:
     import yaml
 
-    from kestrel_common.params import ParamError, validate_params
+    from kestrel_common.params import ParamError, flatten_params, validate_params
     from kestrel_planner.params import SPECS, remote_config
     yaml_path = (Path(__file__).resolve().parents[2] / "kestrel_bringup" / "config"
                  / "planner.yaml")
-    given = yaml.safe_load(yaml_path.read_text())["planner"]["ros__parameters"]
+    given = flatten_params(yaml.safe_load(yaml_path.read_text())["planner"]["ros__parameters"])
     names = {s.name for s in SPECS}
     assert set(given) - {"autostart", "diagnostics_period"} <= names
     p = validate_params(SPECS, {s.name: s.default for s in SPECS} | given)
-    assert p["backend"] == "generate" and p["remote_response_format"] == "json_schema"
+    assert p["backend"] == "generate" and p["remote.response_format"] == "json_schema"
     for bad, msg in [({"backend": "vllm"}, "parameter 'backend' = 'vllm'"),
-                     ({"remote_api_key_env": "sk-123 secret"}, "environment variable NAME"),
-                     ({"remote_timeout_s": 0.0}, "parameter 'remote_timeout_s' = 0.0"),
-                     ({"hf_dtype": "fp4"}, "parameter 'hf_dtype' = 'fp4'")]:
+                     ({"remote.api_key_env": "sk-123 secret"}, "environment variable NAME"),
+                     ({"remote.timeout_s": 0.0}, "parameter 'remote.timeout_s' = 0.0"),
+                     ({"hf.dtype": "fp4"}, "parameter 'hf.dtype' = 'fp4'")]:
         with pytest.raises(ParamError, match=msg):
             validate_params(SPECS, p | bad)
-    q = p | {"backend": "remote", "remote_base_url": "http://h:8000/v1", "remote_model": "m",
-             "remote_api_key_env": "KESTREL_TEST_KEY"}
+    q = p | {"backend": "remote", "remote.base_url": "http://h:8000/v1", "remote.model": "m",
+             "remote.api_key_env": "KESTREL_TEST_KEY"}
     monkeypatch.delenv("KESTREL_TEST_KEY", raising=False)
-    with pytest.raises(ValueError, match="parameter 'remote_api_key_env' = 'KESTREL_TEST_KEY'"):
+    with pytest.raises(ValueError, match="parameter 'remote.api_key_env' = 'KESTREL_TEST_KEY'"):
         remote_config(q)
+    # a key typed where the variable's name belongs is refused and never shown
+    with pytest.raises(ParamError) as err:
+        validate_params(SPECS, p | {"remote.api_key_env": "sk-live-0123456789abcdef"})
+    assert "sk-live" not in str(err.value) and "<not shown>" in str(err.value)
+    assert "sk-live" not in repr(err.value.value)
     monkeypatch.setenv("KESTREL_TEST_KEY", "sk-from-env")
     rc = remote_config(q)
     assert rc.api_key == "sk-from-env" and rc.max_tokens == p["max_new_tokens"]
-    assert remote_config(q | {"remote_api_key_env": ""}).api_key == ""
+    assert remote_config(q | {"remote.api_key_env": ""}).api_key == ""

@@ -61,7 +61,7 @@ def within_limits(result) -> bool:
     return len(result.plan.steps) <= LIMITS.max_steps
 
 
-def test_random_model_plan_is_deterministic_and_fast(core: PlannerCore) -> None:
+def test_random_model_plan_is_deterministic(core: PlannerCore) -> None:
     r1 = core.plan("put the red cube in the bin", IMAGE, SCENE)
     r2 = core.plan("put the red cube in the bin", IMAGE, SCENE)
     assert r1.text == r2.text and r1.plan is not None  # constrained: it always parses
@@ -71,8 +71,7 @@ def test_random_model_plan_is_deterministic_and_fast(core: PlannerCore) -> None:
     assert other.plan("put the red cube in the bin", IMAGE, SCENE).text != r1.text
     t0 = time.perf_counter()
     r = core.plan("pick up the cube", IMAGE, SCENE)
-    wall = time.perf_counter() - t0
-    assert wall < 1.0, f"plan took {wall:.3f} s on one thread (target < 1 s)"
+    wall = time.perf_counter() - t0  # (speed: scripts/bench_planner.py, not a test)
     assert 0 < r.ttft_s <= r.total_s <= wall + 1e-3
 
 

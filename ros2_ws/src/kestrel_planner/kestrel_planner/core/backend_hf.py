@@ -11,7 +11,7 @@ Grammar (hf_grammar): true = decoding is constrained to the plan grammar, by the
 tokenizer, BPE included (multi-character tokens are fine; names the vocabulary cannot spell one
 character per token are left out of the grammar so that the token budget stays exact);
 'automaton' (constrained.py) needs every plan character as a single token (configure fails
-naming 'hf_grammar' otherwise). false = free decoding, the text is
+naming 'hf.grammar' otherwise). false = free decoding, the text is
 held to the schema by the prompt plus the parser and validator only.
 Limitation: the image placeholder tokens go before the whole prompt (hf.py), not inside the
 chat template's user turn; models trained with the image inside the turn may plan worse.
@@ -44,7 +44,7 @@ GRAMMAR_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_ =-.\n"
 
 
 def char_token_map(tokenizer: ByteTokenizer | HFTokenizer) -> dict[str, int]:
-    """Each plan character -> its single-token id; ValueError naming 'hf_grammar' if one is
+    """Each plan character -> its single-token id; ValueError naming 'hf.grammar' if one is
     missing. A candidate must decode to the character alone AND twice in a row (this excludes
     SentencePiece word-start pieces like '\u2581a', which decode to ' a' mid-text)."""
     out: dict[str, int] = {}
@@ -62,8 +62,8 @@ def char_token_map(tokenizer: ByteTokenizer | HFTokenizer) -> dict[str, int]:
         ok = [t for t in cands
               if tokenizer.decode([t]) == ch and tokenizer.decode([t, t]) == ch * 2]
         if not ok:
-            raise ValueError(f"parameter 'hf_grammar' = True: the tokenizer has no single token "
-                             f"for {ch!r}; set hf_grammar: false (prompt + parser + validator "
+            raise ValueError(f"parameter 'hf.grammar' = True: the tokenizer has no single token "
+                             f"for {ch!r}; set hf.grammar: false (prompt + parser + validator "
                              "only)")
         out[ch] = ok[0]
     return out
@@ -82,7 +82,7 @@ class HFPlanBackend:
         else:
             self.tokenizer = HFTokenizer.from_pretrained(config.hf_model_path)
         if self.vlm.vocab_size and self.tokenizer.vocab_size > self.vlm.vocab_size:
-            raise ValueError(f"parameter 'hf_tokenizer' = {config.hf_tokenizer!r}: its "
+            raise ValueError(f"parameter 'hf.tokenizer' = {config.hf_tokenizer!r}: its "
                              f"{self.tokenizer.vocab_size} tokens exceed the model's vocabulary "
                              f"of {self.vlm.vocab_size}")
         llg = config.hf_grammar and config.grammar_engine == "llguidance"

@@ -31,8 +31,10 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalVLMBackend", "SYSTEM_PROMPT", "plain_prompt"]
 
-SYSTEM_PROMPT = ("You are a robot task planner. Skills: move_to pick place push open_gripper "
-                 "close_gripper home. One step per line, then end.\n")
+# The chat backends' rules (prompting.py) are for general models. Models trained on the Kestrel
+# layout learn the skills from their training pairs, so their prompt carries only the scene and
+# the task: every prompt byte is a token that the small models attend over.
+SYSTEM_PROMPT = ""
 
 
 def plain_prompt(instruction: str, names: Sequence[str]) -> str:
@@ -56,10 +58,10 @@ class LocalVLMBackend:
         if model is None:
             torch.manual_seed(config.seed)
             model = VisionLanguageModel(cfg)
-            if config.weights_path:
-                self._load(model, config.weights_path)
-            elif config.demo_plan:
+            if config.demo_plan:  # explicit demo weights win over a (default) weights file
                 model.load_state_dict(self._demo_weights(cfg, config.demo_plan))
+            elif config.weights_path:
+                self._load(model, config.weights_path)
         self.model = model.to(config.device).eval()
         self._n_img = cfg.num_image_tokens
         self.engine: DecodeEngine | None = None
@@ -75,9 +77,18 @@ class LocalVLMBackend:
     def _load(model: torch.nn.Module, path: str) -> None:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - missing, truncated, not a state dict, ...
+            # the first line only: PyTorch's text goes on to suggest unsafe loading
+            why = (str(exc).strip().splitlines() or [""])[0]
+            if "weights_only" in why or not why:
+                why = "not a state dict saved with torch.save"
+            raise ValueError(f"parameter 'weights_path' = {path!r}: cannot load: "
+                             f"{type(exc).__name__}: {why}") from None
+        try:
             model.load_state_dict(state, strict=True)
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise ValueError(f"parameter 'weights_path' = {path!r}: cannot load: {exc}") from exc
+        except (RuntimeError, ValueError, TypeError, AttributeError) as exc:
+            raise ValueError(f"parameter 'weights_path' = {path!r}: cannot load: the file does "
+                             f"not fit model_config: {exc}") from None
 
     def _demo_weights(self, cfg: VLMConfig, text: str) -> dict[str, torch.Tensor]:
         try:

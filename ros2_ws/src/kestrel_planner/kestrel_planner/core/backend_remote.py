@@ -59,7 +59,7 @@ class RemotePlanBackend:
 
     def __init__(self, config: PlannerConfig) -> None:
         if config.remote is None:
-            raise ValueError("parameter 'remote_base_url' = '': backend 'remote' needs a server "
+            raise ValueError("parameter 'remote.base_url' = '': backend 'remote' needs a server "
                              "URL")
         self.name = "remote"
         self.config = config
@@ -105,7 +105,7 @@ class RemotePlanBackend:
         elapsed = time.monotonic() - t0
         if call.reply is None:
             exc = call.error
-            if isinstance(exc, RemoteError) and exc.kind == "malformed":
+            if isinstance(exc, RemoteError) and exc.kind in ("malformed", "too_large"):
                 return DecodeOutput("", "error", elapsed, 0, reject=f"remote reply: {exc}")
             return DecodeOutput("", "error", elapsed, 0,
                                 error=f"remote backend unavailable: {exc}")
@@ -113,7 +113,7 @@ class RemotePlanBackend:
         n = int(reply.usage.get("completion_tokens") or 0) or len(reply.text)
         o = DecodeOutput(reply.text, reply.finish_reason or "stop", elapsed, n)
         try:
-            o.text = reply_to_plan_text(reply.text)
+            o.text = reply_to_plan_text(reply.text, job.cap)
         except PlanParseError as exc:
             cut = " (cut at max_new_tokens)" if reply.finish_reason == "length" else ""
             o.reject = f"parse error: {exc}{cut}"

@@ -31,7 +31,7 @@ skill, argument and object names with another character are left out of the gram
 the automaton), so the shortest completion can always be written one token per character, a
 token is always left (by induction from min_chars(start) <= max_new_tokens), and no prefix
 is a dead end. A vocabulary without single tokens for "end", digits, ".", "-", "=", " " or a
-newline cannot write plans: ValueError naming 'hf_grammar'.
+newline cannot write plans: ValueError naming 'hf.grammar'.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ class LLGuidancePlanProcessor:
         self.alphabet = "".join(c for c in PLAN_CHARS if self._single_token(lltok, c))
         missing = [c for c in REQUIRED_CHARS if c not in self.alphabet]
         if missing:
-            raise ValueError(f"parameter 'hf_grammar' = True: the tokenizer has no single token "
-                             f"for {missing[0]!r}; set hf_grammar: false (prompt + parser + "
+            raise ValueError(f"parameter 'hf.grammar' = True: the tokenizer has no single token "
+                             f"for {missing[0]!r}; set hf.grammar: false (prompt + parser + "
                              "validator only)")
         self.grammar = _SpellableGrammar(names, max_steps, self.alphabet)
         need = self.grammar.min_chars(self.grammar.initial())  # the shortest plan's characters

@@ -93,4 +93,4 @@ def lltokenizer(tokenizer: Any, eos_id: int | None = None) -> Any:
         return llg.LLTokenizer(inner.to_str(), eos_token=int(eos_id))
     raise ValueError(f"parameter 'grammar_engine' = 'llguidance': cannot use a "
                      f"{type(inner).__name__} (a fast Hugging Face tokenizer is needed); set "
-                     "grammar_engine: automaton or hf_grammar: false")
+                     "grammar_engine: automaton or hf.grammar: false")

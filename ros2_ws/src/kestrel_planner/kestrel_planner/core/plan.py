@@ -124,13 +124,18 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _clip(text: str, n: int = 60) -> str:
+    """repr of a piece of model text for an error message, at most about n characters."""
+    return repr(text) if len(text) <= n else repr(text[:n]) + f"... ({len(text)} characters)"
+
+
 def _parse_line(n: int, line: str) -> PlanStep:
     words = line.split(" ")
     if any(w == "" for w in words):
-        raise PlanParseError(f"line {n}: words must be separated by single spaces: {line!r}")
+        raise PlanParseError(f"line {n}: words must be separated by single spaces: {_clip(line)}")
     spec = skill_by_name(words[0])
     if spec is None:
-        raise PlanParseError(f"line {n}: unknown skill {words[0]!r}")
+        raise PlanParseError(f"line {n}: unknown skill {_clip(words[0])}")
     rest = words[1:]
     target = ""
     if spec.needs_target:
@@ -138,34 +143,40 @@ def _parse_line(n: int, line: str) -> PlanStep:
             raise PlanParseError(f"line {n}: skill '{spec.name}' needs a target object")
         target, rest = rest[0], rest[1:]
         if not NAME_RE.match(target):
-            raise PlanParseError(f"line {n}: invalid target name {target!r}")
+            raise PlanParseError(f"line {n}: invalid target name {_clip(target)}")
     args: dict[str, tuple[float, str]] = {}
     for w in rest:
         name, eq, num = w.partition("=")
         if not eq:
-            raise PlanParseError(f"line {n}: expected name=value, got {w!r}")
+            raise PlanParseError(f"line {n}: expected name=value, got {_clip(w)}")
         arg = spec.arg(name)
         if arg is None:
-            raise PlanParseError(f"line {n}: skill '{spec.name}' has no argument {name!r}")
+            raise PlanParseError(f"line {n}: skill '{spec.name}' has no argument {_clip(name)}")
         if name in args:
             raise PlanParseError(f"line {n}: argument '{name}' given twice")
         if not NUMBER_RE.match(num):
-            raise PlanParseError(f"line {n}: argument '{name}' has a malformed number {num!r}")
+            raise PlanParseError(f"line {n}: argument '{name}' has a malformed number {_clip(num)}")
         args[name] = (float(num), arg.unit)
     return PlanStep(spec.skill, target, args)
 
 
-def parse_plan(text: str, instruction: str = "") -> Plan:
+def parse_plan(text: str, instruction: str = "", max_steps: int | None = None) -> Plan:
     """Text form -> Plan; PlanParseError with a reason otherwise. Trailing whitespace after
-    `end` is ignored; everything else must follow the grammar exactly."""
+    `end` is ignored; everything else must follow the grammar exactly. max_steps: a text with
+    more lines than max_steps + 1 is refused before any line is parsed (bounded work on any
+    text)."""
     if not isinstance(text, str):
         raise PlanParseError(f"plan text must be str, got {type(text).__name__}")
-    lines = text.rstrip().split("\n")
+    text = text.rstrip()
+    if max_steps is not None and text.count("\n") > max_steps:
+        raise PlanParseError(f"plan has {text.count(chr(10)) + 1} lines, more than max_steps "
+                             f"{max_steps} steps and '{END}'")
+    lines = text.split("\n")
     steps: list[PlanStep] = []
     if lines[0].startswith(REFUSE + " ") or lines[0] == REFUSE:
         reason = lines[0][len(REFUSE) + 1:]
         if reason not in REFUSALS:
-            raise PlanParseError(f"line 1: unknown refusal reason {reason!r} (one of "
+            raise PlanParseError(f"line 1: unknown refusal reason {_clip(reason)} (one of "
                                  f"{', '.join(REFUSALS)})")
         if lines[1:] != [END]:
             raise PlanParseError(f"a refusal is a whole plan: line 1 then '{END}'")

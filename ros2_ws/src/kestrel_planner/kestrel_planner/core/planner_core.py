@@ -86,28 +86,28 @@ class PlannerConfig:
         if self.backend == "hf":
             self._check_hf()
         if self.backend == "remote" and self.remote is None:
-            raise ValueError("parameter 'remote_base_url' = '': backend 'remote' needs the "
+            raise ValueError("parameter 'remote.base_url' = '': backend 'remote' needs the "
                              "server URL, e.g. http://127.0.0.1:8000/v1")
         if self.remote_response_format not in OUTPUT_FORMATS:
-            raise ValueError(f"parameter 'remote_response_format' = "
+            raise ValueError(f"parameter 'remote.response_format' = "
                              f"{self.remote_response_format!r}: must be one of "
                              f"{list(OUTPUT_FORMATS)}")
 
     def _check_hf(self) -> None:
         path = self.hf_model_path
         if not path:
-            raise ValueError("parameter 'hf_model_path' = '': backend 'hf' needs a local model "
+            raise ValueError("parameter 'hf.model_path' = '': backend 'hf' needs a local model "
                              "directory (save_pretrained output with config.json)")
         if not os.path.isdir(path):
-            raise ValueError(f"parameter 'hf_model_path' = {path!r}: not a directory")
+            raise ValueError(f"parameter 'hf.model_path' = {path!r}: not a directory")
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"parameter 'hf_model_path' = {path!r}: no config.json there "
+            raise ValueError(f"parameter 'hf.model_path' = {path!r}: no config.json there "
                              "(a directory saved with save_pretrained is needed)")
         if self.hf_dtype not in DTYPES:
-            raise ValueError(f"parameter 'hf_dtype' = {self.hf_dtype!r}: must be one of "
+            raise ValueError(f"parameter 'hf.dtype' = {self.hf_dtype!r}: must be one of "
                              f"{list(DTYPES)}")
         if self.hf_tokenizer not in HF_TOKENIZERS:
-            raise ValueError(f"parameter 'hf_tokenizer' = {self.hf_tokenizer!r}: must be one of "
+            raise ValueError(f"parameter 'hf.tokenizer' = {self.hf_tokenizer!r}: must be one of "
                              f"{list(HF_TOKENIZERS)}")
 
 
@@ -138,6 +138,7 @@ class PlanResult:
     text: str = ""
     cancelled: bool = False
     error: str = ""
+    started: float | None = None  # time.monotonic() when its batch started (set by a caller)
 
 
 def make_backend(config: PlannerConfig, model: torch.nn.Module | None = None) -> PlanBackend:
@@ -229,7 +230,7 @@ class PlannerCore:
             return PlanResult(None, ValidationReport(False, [o.reject]), o.ttft_s, total,
                               o.tokens, o.text)
         try:
-            plan = parse_plan(o.text, r.instruction)
+            plan = parse_plan(o.text, r.instruction, job.cap)
         except PlanParseError as exc:
             return PlanResult(None, ValidationReport(False, [f"parse error: {exc}"]), o.ttft_s,
                               total, o.tokens, o.text)

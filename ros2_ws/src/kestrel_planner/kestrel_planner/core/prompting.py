@@ -128,7 +128,7 @@ def _number(i: int, name: str, v: object) -> str:
     return text
 
 
-def _json_to_text(data: object) -> str:
+def _json_to_text(data: object, max_steps: int | None) -> str:
     if isinstance(data, dict) and set(data) == {"refuse"}:
         if data["refuse"] not in REFUSALS:
             raise PlanParseError(f"unknown refusal reason {data['refuse']!r} (one of "
@@ -136,6 +136,9 @@ def _json_to_text(data: object) -> str:
         return f"{REFUSE} {data['refuse']}\n{END}"
     if not isinstance(data, dict) or set(data) != {"steps"} or not isinstance(data["steps"], list):
         raise PlanParseError('JSON reply must be an object {"steps": [...]} and nothing else')
+    if max_steps is not None and len(data["steps"]) > max_steps:
+        raise PlanParseError(f"plan has {len(data['steps'])} steps, more than max_steps "
+                             f"{max_steps}")
     lines = []
     for i, step in enumerate(data["steps"], start=1):
         if not isinstance(step, dict):
@@ -160,10 +163,11 @@ def _json_to_text(data: object) -> str:
     return "\n".join([*lines, END])
 
 
-def reply_to_plan_text(reply: str) -> str:
+def reply_to_plan_text(reply: str, max_steps: int | None = None) -> str:
     """A chat model's reply (JSON per the schema, or the text form) -> plan text form for
-    parse_plan. PlanParseError (with the reason) when the JSON is malformed or off-schema;
-    text-form replies are returned as they are (the parser judges them)."""
+    parse_plan. PlanParseError (with the reason) when the JSON is malformed or off-schema, or
+    has more than max_steps steps (checked before any step is converted); text-form replies
+    are returned as they are (the parser judges them, with the same cap)."""
     if not isinstance(reply, str):
         raise PlanParseError(f"reply must be a string, got {type(reply).__name__}")
     text = _strip_fence(reply)
@@ -173,4 +177,4 @@ def reply_to_plan_text(reply: str) -> str:
         data = json.loads(text)
     except ValueError as exc:
         raise PlanParseError(f"reply is not valid JSON: {exc}") from exc
-    return _json_to_text(data)
+    return _json_to_text(data, max_steps)
