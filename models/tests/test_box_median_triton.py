@@ -122,6 +122,7 @@ def test_reference_edges_ties_empty_nan() -> None:
     assert m2[0, 0] == 3.0 and m2[0, 1] == 3.0 and m2[0, 2].isnan()
 
 
+@pytest.mark.slow
 def test_radix_select_algorithm_equals_reference() -> None:
     g = torch.Generator().manual_seed(0)
     hw = (40, 60)

@@ -17,6 +17,7 @@ def _affine(x: torch.Tensor, a: float) -> torch.Tensor:
     return torch.sigmoid(x) * a + 1.0
 
 
+@pytest.mark.slow
 def test_memoised_and_equal_to_the_plain_function() -> None:
     f = comp.compiled(_affine)
     assert comp.compiled(_affine) is f  # one Dynamo cache per function

@@ -246,6 +246,7 @@ def test_rsl_rl_internal_state_is_reset(tmp_path: Path, device: str) -> None:
         create_backend("onnxruntime", policy, 1, cache_dir=str(tmp_path))
 
 
+@pytest.mark.slow
 def test_rsl_rl_feedforward_export_is_stateless(tmp_path: Path) -> None:
     """The feed-forward export's no-op reset() says nothing about state: no buffers change, so
     the file batches several robots and exports to ONNX like any other."""

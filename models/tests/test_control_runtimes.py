@@ -69,6 +69,7 @@ def test_reset_one_row_keeps_the_others(name: str, tmp_path) -> None:
     backend.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["cpu_eager", "onnxruntime"])
 def test_step_does_not_allocate(name: str, tmp_path) -> None:
     backend = create_backend(name, policy_from_actor_critic(build_policy(CFG)), batch=1,

@@ -45,6 +45,7 @@ def assert_same(ref, got) -> None:
         assert torch.equal(d.classes, r.classes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed,thr,top_k,iou,max_det", [
     (0, 0.0, 200, 0.5, 20), (1, 0.3, 1000, 0.5, 100), (2, 0.5, 50, 0.3, 5),
     (3, 0.0, 300, 0.7, 300), (4, 0.99, 100, 0.5, 10), (5, 0.0, 40, 0.5, 100)])

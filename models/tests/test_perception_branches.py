@@ -64,6 +64,7 @@ def test_branched_forward_equals_the_model_forward(plan: BranchPlan) -> None:
     _assert_runs_alike(rt, ref, SETS, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stem", ["s2d", "s2d4"])
 def test_branched_parts_trace_as_whole_graphs_with_the_best_transforms(stem: str) -> None:
     """Each part is one torch.compile region (fullgraph: a graph break fails); the 'eager'
@@ -80,6 +81,7 @@ def test_branched_parts_trace_as_whole_graphs_with_the_best_transforms(stem: str
     _assert_runs_alike(rt, ref, [set(model.enabled_heads)], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_every_head_set_compiles_within_dynamo_s_recompile_limit() -> None:
     """The node prepares all 7 head sets. The parts are shared, one code object per kind, so
     the trunk compiles once, detection once per level and the dense part once per seg/depth
@@ -101,6 +103,7 @@ def test_every_head_set_compiles_within_dynamo_s_recompile_limit() -> None:
         _assert_runs_alike(rt, ref, sets, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["branch", "whole"])
 def test_runtimes_of_several_shapes_in_one_process_stay_within_the_recompile_limit(
         variant: str) -> None:

@@ -35,6 +35,7 @@ def test_output_names_follow_the_wrapper_order() -> None:
     assert output_names({"segmentation"}, bev=True) == ["seg", "bev_occ"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bev", [False, True])
 def test_onnx_export_matches_torch_in_onnxruntime(tmp_path: Path, bev: bool) -> None:
     pytest.importorskip("onnx")
@@ -123,6 +124,7 @@ def test_tensorrt_absent_gives_a_clear_message(tmp_path: Path) -> None:
         pytest.skip("tensorrt is installed here: the absent-path is not testable")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "fragment"), [
     (["--cameras", "0"], "parameter 'cameras' = 0: must be in [1, 64]"),
     (["--image-hw", "16", "640"], "parameter 'image_hw' = [16, 640]"),

@@ -59,6 +59,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["torchscript", "exported_program", "onnx"])
 def test_every_format_gives_the_same_outputs(files, fmt) -> None:
     ext = ExternalPerceptionModel(files[fmt], "auto", OutputContract(parse_outputs(ROLES)))

@@ -14,12 +14,14 @@ def _threads() -> None:
     torch.set_num_threads(1)
 
 
+@pytest.mark.slow
 def test_resnet50_trunk_matches_the_published_figure() -> None:
     # ResNet-50 at 224 x 224: 4.09 GMAC (torchvision, fc included) = ~8.2 GFLOP
     rep = count_flops(PerceptionConfig(), images=1, image_hw=(224, 224))
     assert rep.parts_gflop["trunk"] == pytest.approx(8.17, rel=0.01)
 
 
+@pytest.mark.slow
 def test_reference_config_split_and_floor() -> None:
     rep = count_flops(PerceptionConfig(), images=6, image_hw=(640, 640))
     assert set(rep.parts_gflop) == {"trunk", "fpn", "detection", "dense_neck", "segmentation",
@@ -36,6 +38,7 @@ def test_reference_config_split_and_floor() -> None:
     assert light.parts_gflop["trunk"] == rep.parts_gflop["trunk"]
 
 
+@pytest.mark.slow
 def test_bev_part_only_with_points_and_bad_args() -> None:
     cfg = PerceptionConfig.tiny(bev=True, bev_grid=16)
     assert "bev" in count_flops(cfg, 1, (64, 64), lidar_points=128).parts_gflop

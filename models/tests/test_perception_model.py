@@ -200,6 +200,7 @@ def _reference_nms(boxes: torch.Tensor, scores: torch.Tensor, thr: float) -> lis
     return kept
 
 
+@pytest.mark.slow
 def test_nms_equals_reference_greedy_on_random_boxes() -> None:
     g = torch.Generator().manual_seed(3)
     for _ in range(5):

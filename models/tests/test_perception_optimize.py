@@ -146,6 +146,7 @@ def test_space_to_depth4_stem_is_exact(cin: int, cout: int, k: int, pad: int,
         assert stem.in_channels == -(-16 * cin // 8) * 8
 
 
+@pytest.mark.slow
 def test_space_to_depth4_stem_fused_keeps_the_backbone_outputs() -> None:
     """s2d4 + fuse_stem (unfused ops on the CPU: the same arithmetic as the GPU's fused
     call) keeps the backbone's outputs."""
@@ -194,6 +195,7 @@ def test_runtime_variants_apply_the_transforms_on_their_copy() -> None:
         assert VARIANTS[name].optimize.active and VARIANTS[name].fold_bn
 
 
+@pytest.mark.slow
 def test_whole_region_traces_in_one_graph() -> None:
     """fullgraph=True (no graph break) through the transformed modules ('eager' backend)."""
     model = _model()
@@ -249,6 +251,7 @@ def test_conv_act_cudnn_needs_folded_batchnorm() -> None:
         PerceptionRuntime(_model(), rt_spec, HW, cameras=2)
 
 
+@pytest.mark.slow
 def test_conv_act_variant_traces_in_one_graph() -> None:
     """The whole region, conv_act 'cudnn' included, under fullgraph=True ('eager' backend)."""
     model = _model()

@@ -118,6 +118,7 @@ def test_incompatible_options_fail_naming_the_option(kwargs, name, fragment) -> 
     assert exc.value.name == name and f"parameter '{name}'" in str(exc.value)
 
 
+@pytest.mark.slow
 def test_onnxruntime_engine_runs_the_exported_reference_forward() -> None:
     """engine onnxruntime: the fp32 forward exported at configure, same outputs as torch."""
     pytest.importorskip("onnxruntime")

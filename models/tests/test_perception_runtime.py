@@ -161,6 +161,7 @@ def test_compile_variant_matches_eager_on_cpu() -> None:
     torch.testing.assert_close(out["depth"], ref["depth"], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_switching_heads_never_compiles_in_the_hot_path() -> None:
     """One compiled region per head set, all compiled at configure: switching head sets
     between frames, back and forth, runs no Dynamo compilation (torch._dynamo's count of
@@ -264,6 +265,7 @@ def test_lidar_projection_stays_fp32_under_autocast() -> None:
     torch.testing.assert_close(outs[1]["lidar_uv"], outs[0]["lidar_uv"])
 
 
+@pytest.mark.slow
 def test_whole_forward_is_one_graph_and_keeps_geometry_an_input() -> None:
     """whole_* variants trace the forward (model + projection) as ONE graph per head set
     (fullgraph=True fails on any graph break); T/K stay inputs, so set_geometry still counts.
@@ -367,6 +369,7 @@ def test_cudnn_fused_blocks_match_unfused_on_gpu(dtype: torch.dtype) -> None:
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol)
 
 
+@pytest.mark.slow
 def test_cudnn_autotune_is_set_for_cuda_devices_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """The runtime turns cuDNN's per-shape algorithm timing on for CUDA devices (static
     shapes: each conv is timed once, before any graph capture), never on the CPU."""

@@ -114,6 +114,7 @@ def small_model() -> MultiTaskPerceptionModel:
     return MultiTaskPerceptionModel(cfg)
 
 
+@pytest.mark.slow
 def test_losses_are_finite_and_decrease_with_training() -> None:
     model = small_model()
     batch = tiny_batch()

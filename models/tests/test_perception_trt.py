@@ -133,6 +133,7 @@ def _same(out: dict, ref: dict) -> None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=k)
 
 
+@pytest.mark.slow
 def test_engine_outputs_are_the_models_dict_for_every_head_subset(standin, tmp_path) -> None:
     pytest.importorskip("onnx")
     model = tiny_model().eval()
@@ -173,6 +174,7 @@ def test_the_key_ignores_run_time_thresholds_and_follows_weights_heads_shape_and
         assert other != key
 
 
+@pytest.mark.slow
 def test_the_key_is_the_same_in_another_process(tmp_path) -> None:
     """The build script and the node are two processes: the key must not depend on the
     process's string-hash seed (repr() of the heads' frozenset did)."""
@@ -198,6 +200,7 @@ def test_the_key_is_the_same_in_another_process(tmp_path) -> None:
     assert len(keys) == 1, keys
 
 
+@pytest.mark.slow
 def test_the_engine_variant_runs_beside_the_lidar_projection(standin, tmp_path) -> None:
     """With LiDAR inputs (the benchmark's case) the runtime passes the cameras on; the
     engine model takes and ignores them, and the projection outputs come with its maps."""
@@ -211,6 +214,7 @@ def test_the_engine_variant_runs_beside_the_lidar_projection(standin, tmp_path) 
     assert {"det_cls", "seg", "depth", "lidar_uv", "lidar_valid"} <= set(out)
 
 
+@pytest.mark.slow
 def test_a_missing_or_mismatched_engine_fails_naming_the_variant_and_the_build(
         standin, tmp_path) -> None:
     pytest.importorskip("onnx")

@@ -136,6 +136,7 @@ def test_policy_exact_when_budget_covers_sequence(model: VisionLanguageModel,
     assert got.tokens == dense.tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [AttentionPolicy("local_global", n_global=4, window=8),
                                     AttentionPolicy("h2o", budget=12, recent=4)])
 def test_policy_small_budget_changes_output_boundedly(model: VisionLanguageModel,

@@ -26,6 +26,7 @@ def _image(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (3, 48, 40), dtype=torch.uint8, generator=g)
 
 
+@pytest.mark.slow
 def test_loads_and_matches_hf_generate(model_dir: Path) -> None:
     vlm = HFVisionLanguageModel(model_dir)
     assert vlm.num_image_tokens == 16 and vlm.image_size == 32

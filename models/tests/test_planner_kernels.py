@@ -26,6 +26,7 @@ def model() -> VisionLanguageModel:
     return tp.sharp_tiny()
 
 
+@pytest.mark.slow
 def test_cublas_linear_is_f_linear_and_a_valid_custom_op() -> None:
     torch.manual_seed(0)
     x, w = torch.randn(2, 1, 24), torch.randn(40, 24)
@@ -62,6 +63,7 @@ def test_two_stage_argmax_equals_argmax_with_ties() -> None:
         assert want[1] == v // 3 and want[2] == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", OPTIONS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_option_gives_the_default_engines_tokens(model: VisionLanguageModel, kw: dict) -> None:
     prompts, imgs = tp.prompts(), [tp.image(), None, None]
@@ -72,6 +74,7 @@ def test_option_gives_the_default_engines_tokens(model: VisionLanguageModel, kw:
     assert len(set(want.tokens[0])) > 5  # varied text: the equality means something
 
 
+@pytest.mark.slow
 def test_decode_step_traces_as_one_graph_with_the_options(model: VisionLanguageModel) -> None:
     """torch.compile (fullgraph, no graph break: the custom op's fake impl is used for
     tracing) of KVModel.decode with every option equals the eager default step."""

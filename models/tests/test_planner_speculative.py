@@ -59,6 +59,7 @@ def test_accept_rule_marginals_equal_target() -> None:
     assert abs(float(sel.float().mean()) - (1 - _tv(p[0], q[0]))) < 0.005
 
 
+@pytest.mark.slow
 def test_speculative_distribution_equals_target_toy_vocab() -> None:
     """Joint distribution of the first 3 sampled tokens (125 outcomes) from 6000 sequences of
     speculative decoding (k = 2) vs the exact target distribution (enumerated)."""
@@ -91,6 +92,7 @@ def test_speculative_distribution_equals_target_toy_vocab() -> None:
     assert 0.2 < res.acceptance_rate < 0.95
 
 
+@pytest.mark.slow
 def test_speculative_greedy_equals_target_greedy() -> None:
     torch.manual_seed(0)
     target = sharpen(VisionLanguageModel(get_config("tiny")).eval())

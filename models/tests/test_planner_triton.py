@@ -115,6 +115,7 @@ def test_fused_op_cpu_equals_rope_write_then_grouped() -> None:
     assert not torch.allclose(qk[:, h:], x[:, 0, h:h + hkv])  # RoPE did rotate
 
 
+@pytest.mark.slow
 def test_ops_are_valid_custom_ops() -> None:
     q, k, v, pos = _attn_case(2, 6, 2, 32, 48, torch.float32, "cpu")
     torch.library.opcheck(td.decode_attention, (q, k, v, pos, 0))
@@ -156,6 +157,7 @@ def test_option_gives_the_default_engines_tokens(model: VisionLanguageModel, kw:
     assert len(set(want.tokens[0])) > 5  # varied text: the equality means something
 
 
+@pytest.mark.slow
 def test_decode_step_traces_as_one_graph_with_the_triton_ops(model: VisionLanguageModel) -> None:
     """torch.compile(fullgraph) of KVModel.decode with the Triton options (CPU: the ops' torch
     path) equals the eager default step: no graph break, the ops trace. Under inference_mode,

@@ -73,6 +73,7 @@ def test_config_validation_names_parameter(kwargs: dict, name: str) -> None:
         VLMConfig(**kwargs)
 
 
+@pytest.mark.slow
 def test_presets_sizes() -> None:
     tiny = VisionLanguageModel(get_config("tiny"))
     assert 1_000_000 <= tiny.num_params() <= 5_000_000

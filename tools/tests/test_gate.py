@@ -156,6 +156,7 @@ def test_committed_cpu_baseline_catches_2x_slowdown() -> None:
     assert code == gate.EXIT_REGRESSION, text
 
 
+@pytest.mark.slow
 def test_paired_interleaves_and_alternates_the_order() -> None:
     from kestrel_bench.paired import interleaved
 

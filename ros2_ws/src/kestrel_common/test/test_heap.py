@@ -8,6 +8,7 @@ import pytest
 from kestrel_common.heap import freeze_heap
 
 
+@pytest.mark.slow
 def test_freeze_heap_takes_existing_objects_out_of_collections():
     keep = [{"i": i, "l": [i]} for i in range(50_000)]  # a configure-sized heap
     assert id(keep[0]) in {id(o) for o in gc.get_objects()}

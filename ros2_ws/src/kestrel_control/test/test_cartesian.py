@@ -49,6 +49,7 @@ def run(world: SimWorld, ctl: CartesianController, seconds: float,
             record.append((out.copy(), world.end_effector_position()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("rate_hz", "n"), [(500.0, 5), (1000.0, 2)])
 def test_reaches_random_targets_within_1cm_top_down(kin, world, rate_hz, n) -> None:
     ctl = CartesianController(kin, CartesianConfig(rate_hz=rate_hz))
@@ -63,6 +64,7 @@ def test_reaches_random_targets_within_1cm_top_down(kin, world, rate_hz, n) -> N
     world.reset(0)
 
 
+@pytest.mark.slow
 def test_respects_max_speed_and_joint_limits(kin, world) -> None:
     ctl = CartesianController(kin, CartesianConfig(rate_hz=500.0))
     world.reset(0)

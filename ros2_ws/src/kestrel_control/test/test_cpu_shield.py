@@ -65,6 +65,7 @@ def test_bad_cpu_lists_name_the_parameter() -> None:
     assert parse_cpus("2-4,7") == [2, 3, 4, 7]
 
 
+@pytest.mark.slow
 def test_cli_dry_run_reports_json_and_irq_counts_cover_the_cpus() -> None:
     out = subprocess.run([sys.executable, "-m", "kestrel_control.core.cpu_shield", "--cpus",
                           str(CPUS[-1]), "--dry-run"], capture_output=True, text=True,

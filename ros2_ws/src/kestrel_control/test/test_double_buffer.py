@@ -96,6 +96,7 @@ def test_read_into_does_not_allocate() -> None:
     assert after - before < 1024
 
 
+@pytest.mark.slow
 def test_stress_no_torn_read_with_concurrent_writer() -> None:
     """Writer publishes arrays whose elements all equal a counter (= version = stamp); the
     reader must never see a mixed array. 2048 float64 elements: numpy releases the GIL for such

@@ -49,6 +49,7 @@ def tracking_rms(compensate: bool, delay_ms: int) -> float:
     return float(np.sqrt(np.mean(np.square(errors))))
 
 
+@pytest.mark.slow
 def test_latency_compensation_lowers_tracking_error_under_sensor_delay() -> None:
     without = tracking_rms(False, delay_ms=15)
     with_comp = tracking_rms(True, delay_ms=15)

@@ -137,6 +137,7 @@ def _run_child(cycles: int, during) -> dict:
             proc.kill()
 
 
+@pytest.mark.slow
 @needs_schedstat
 def test_a_cpu_hog_on_the_loop_cpu_is_counted_as_preemption() -> None:
     def hog(_pid: int, cpu: int) -> None:
@@ -150,6 +151,7 @@ def test_a_cpu_hog_on_the_loop_cpu_is_counted_as_preemption() -> None:
     assert c["misses_preempted"] >= 0.8 * c["deadline_misses"], c
 
 
+@pytest.mark.slow
 @needs_schedstat
 def test_a_stopped_loop_is_not_taken_for_a_late_wake() -> None:
     """SIGSTOP takes the CPU from the spinning thread without a run-queue wait, but the thread
@@ -173,6 +175,7 @@ def test_a_stopped_loop_is_not_taken_for_a_late_wake() -> None:
     assert c["misses_blocked"] >= 2 * 15 and c["misses_late_wake"] < 15, text
 
 
+@pytest.mark.slow
 @needs_schedstat
 def test_a_python_thread_holding_the_gil_is_counted_as_blocked() -> None:
     """Thread mode: another Python thread of the process keeps the GIL up to the switch

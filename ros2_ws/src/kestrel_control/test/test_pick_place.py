@@ -74,6 +74,7 @@ def kin() -> ArmKinematics:
     return ArmKinematics.from_default()
 
 
+@pytest.mark.slow
 def test_grasp_holds_cube_to_the_bin(kin) -> None:
     world = SimWorld()
     world.reset(0)
@@ -87,6 +88,7 @@ def test_grasp_holds_cube_to_the_bin(kin) -> None:
     assert status.success("red_cube") and not status.success("green_cube")
 
 
+@pytest.mark.slow
 def test_open_gripper_does_not_lift(kin) -> None:
     world = SimWorld(SimWorldConfig())
     world.reset(0)

@@ -228,6 +228,7 @@ ISAAC_MAPPING = {"obs_layout": ("joint_pos_rel", "joint_vel*0.05", "zeros:2", "l
                  "default_joint_positions": (0.1,) * N}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("backend", "mapping"), [("cpu_eager", {}), ("onnxruntime", {}),
                                                   ("cpu_eager", ISAAC_MAPPING)],
                          ids=["cpu_eager", "onnxruntime", "cpu_eager-isaac_mapping"])

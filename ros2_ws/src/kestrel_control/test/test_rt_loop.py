@@ -57,6 +57,7 @@ def run_loop(rec: Recorder, stats: LoopStats, **kwargs) -> RealtimeLoop:
     return loop
 
 
+@pytest.mark.slow
 def test_300ms_at_1khz_cycle_count_and_absolute_deadlines() -> None:
     stats = LoopStats(1e-3)
     rec = Recorder(300)
@@ -80,6 +81,7 @@ def test_300ms_at_1khz_cycle_count_and_absolute_deadlines() -> None:
     assert 0.0 <= snap.wake_error_p50 < 0.5e-3
 
 
+@pytest.mark.slow
 def test_overrun_counts_misses_and_skips_without_burst() -> None:
     stats = LoopStats(1e-3)
     rec = Recorder(60, overrun_at=20, overrun_s=0.0045)
@@ -103,6 +105,7 @@ def test_overrun_counts_misses_and_skips_without_burst() -> None:
         assert stats.misses_blocked + stats.misses_preempted >= 4
 
 
+@pytest.mark.slow
 def test_step_exception_counted_loop_continues() -> None:
     stats = LoopStats(1e-3)
     rec = Recorder(30)
@@ -284,6 +287,7 @@ def test_loop_mode_auto_picks_process_for_cuda_or_realtime_priority() -> None:
         require_ordered_stores("aarch64")
 
 
+@pytest.mark.slow
 def test_a_loop_spinning_the_whole_period_leaves_the_interpreter_to_other_threads() -> None:
     """spin_s ~ period: the loop never sleeps. Its per-cycle schedstat read must not release the
     GIL (miss_cause.py): released and retaken every cycle, it kept this thread waiting 22 s for
@@ -338,6 +342,7 @@ def test_a_setup_failure_on_the_loop_thread_fails_start(monkeypatch) -> None:
     assert not loop.running
 
 
+@pytest.mark.slow
 def test_miss_attribution_can_be_switched_off() -> None:
     stats = LoopStats(1e-3)
     rec = Recorder(30, overrun_at=10, overrun_s=0.003)

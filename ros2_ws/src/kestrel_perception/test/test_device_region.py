@@ -161,6 +161,7 @@ def test_bad_output_config_names_the_parameter(kw: dict, fragment: str) -> None:
         core_config(**kw)
 
 
+@pytest.mark.slow
 def test_long_nms_chain_takes_the_exact_slow_path() -> None:
     """nms_rounds = 1 cannot finish the suppression chains of random weights (static mode):
     the flag is set and the result is still the exact greedy NMS (= the CPU mode's)."""
@@ -179,6 +180,7 @@ def test_long_nms_chain_takes_the_exact_slow_path() -> None:
     assert len(exact.detections) == 24
 
 
+@pytest.mark.slow
 def test_compiled_region_equals_the_plain_region() -> None:
     """region_compile (on by default on CUDA): the torch.compile'd element-wise steps give
     the plain static region's detections, positions and maps, for every cloud case, and the

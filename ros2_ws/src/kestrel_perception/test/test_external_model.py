@@ -150,6 +150,7 @@ def test_contract_errors_fail_at_construction(model_file) -> None:
         config(model_file, weights_path=model_file)
 
 
+@pytest.mark.slow
 def test_the_exported_reference_model_runs_through_the_onnx_path(tmp_path) -> None:
     """export_onnx of the reference model, loaded back as a user model with the raw FCOS
     role (`fcos:` = the export's names) plus seg and depth: the same detections, mask and

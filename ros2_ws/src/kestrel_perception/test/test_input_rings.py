@@ -187,6 +187,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_held_slots_stay_intact_with_a_writer_process() -> None:
     """A writer process publishes images filled with k % 251 (stamp k, frame 'f<k>') as fast
     as it can; this process claims messages and holds the last 3 (as the node's receiver

@@ -55,6 +55,7 @@ def assert_same(a: dict, b: dict) -> None:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+@pytest.mark.slow
 def test_replay_equals_eager_frame_after_frame(core: PerceptionCore) -> None:
     graphs = RegionGraphs(EmulatedCapture())
     graphed = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True, graphs=graphs)
@@ -74,6 +75,7 @@ def test_replay_equals_eager_frame_after_frame(core: PerceptionCore) -> None:
     assert not np.array_equal(outs[0]["boxes"], outs[2]["boxes"])
 
 
+@pytest.mark.slow
 def test_one_capture_per_signature(core: PerceptionCore) -> None:
     graphs = RegionGraphs(EmulatedCapture())
     region = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True, graphs=graphs)
@@ -90,6 +92,7 @@ def test_one_capture_per_signature(core: PerceptionCore) -> None:
     assert graphs.replays == 5
 
 
+@pytest.mark.slow
 def test_changed_thresholds_take_effect_without_a_new_capture(core: PerceptionCore) -> None:
     """`ros2 param set score_threshold / nms_iou`: the captured graph reads the thresholds
     from the region's device buffer, so the replay gives the new thresholds' result (as an
@@ -116,6 +119,7 @@ def test_changed_thresholds_take_effect_without_a_new_capture(core: PerceptionCo
     assert 0 < counts[(mid, 0.9)] < n0, counts  # the new score threshold took effect
 
 
+@pytest.mark.slow
 def test_switching_image_sizes_reuses_buffers_and_graphs(core: PerceptionCore) -> None:
     """A camera set that alternates between two sizes (the runtime runs the odd one eager):
     each size keeps its buffers and its captured graph, so after the first frame of each
@@ -138,6 +142,7 @@ def test_switching_image_sizes_reuses_buffers_and_graphs(core: PerceptionCore) -
     assert len(graphs.entries) == 2 and graphs.replays == 6 and not graphs.failed
 
 
+@pytest.mark.slow
 def test_inputs_at_fixed_addresses_are_not_copied(core: PerceptionCore,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The node's region inputs live in fixed buffers (the runtime's CUDA-graph outputs, the
@@ -176,6 +181,7 @@ def test_inputs_at_fixed_addresses_are_not_copied(core: PerceptionCore,
     assert not np.array_equal(got["pos"], first["pos"])  # frame 42's, not a repeat of 41
 
 
+@pytest.mark.slow
 def test_inputs_not_declared_persistent_are_never_written(core: PerceptionCore) -> None:
     """Without `persistent` the graph keeps copies: frames X, Y, X again give X's, Y's and
     X's results, and the caller's X tensors are untouched (adopted inputs would have been

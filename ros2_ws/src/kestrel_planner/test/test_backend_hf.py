@@ -69,6 +69,7 @@ def test_byte_tokenizer_grammar_plan(llava_dir: Path) -> None:
     assert core.plan("x", None, SCENE).plan is not None  # text only, no image
 
 
+@pytest.mark.slow
 def test_directory_tokenizer_and_chat_template(llava_dir: Path, tmp_path: Path) -> None:
     d = tmp_path / "with_tok"
     shutil.copytree(llava_dir, d)

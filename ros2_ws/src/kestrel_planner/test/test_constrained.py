@@ -106,6 +106,7 @@ def test_budget_forces_completion() -> None:
         PlanLogitsProcessor.for_tokenizer(g, TOK, 7)
 
 
+@pytest.mark.slow
 def test_random_weight_models_always_produce_parsing_plans() -> None:
     """50 seeds (model weights and sampling): every output parses, targets from the scene."""
     cfg = get_config("tiny")

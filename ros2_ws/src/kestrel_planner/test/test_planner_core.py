@@ -75,6 +75,7 @@ def test_random_model_plan_is_deterministic(core: PlannerCore) -> None:
     assert 0 < r.ttft_s <= r.total_s <= wall + 1e-3
 
 
+@pytest.mark.slow
 def test_feedback_and_cancel(core: PlannerCore) -> None:
     seen: list[tuple[int, str]] = []
     r = core.plan("stack the cube", IMAGE, SCENE, on_token=lambda n, t: seen.append((n, t)))
@@ -91,6 +92,7 @@ def test_feedback_and_cancel(core: PlannerCore) -> None:
     assert c.report.reasons == ["cancelled"]
 
 
+@pytest.mark.slow
 def test_batch_matches_single_requests(core: PlannerCore) -> None:
     scene2 = [SceneObject("cup", "cup", (0.2, -0.2, 0.0))]
     reqs = [PlanRequest("put the red cube in the bin", IMAGE, SCENE),
@@ -132,6 +134,7 @@ def test_config_and_weights_errors(tmp_path: Path) -> None:
         PlannerCore(PlannerConfig(weights_path=str(tmp_path / "wrong.pt")))
 
 
+@pytest.mark.slow
 def test_trained_like_weights_give_accepted_plan_that_executes(tmp_path: Path) -> None:
     path = weights_for(tmp_path, "pick red_cube speed=0.2 height=0.2\nend")
     core = PlannerCore(PlannerConfig(weights_path=path, limits=LIMITS))
@@ -158,6 +161,7 @@ def test_model_that_follows_injection_is_rejected(tmp_path: Path) -> None:
     assert any("speed 10.0 m/s exceeds max_speed 0.5" in x for x in r.report.reasons)
 
 
+@pytest.mark.slow
 def test_model_that_wants_unknown_skill_or_target_is_constrained(tmp_path: Path) -> None:
     """'self_destruct' and 'blue_ball' are not in the grammar: the decoder cannot emit them."""
     core = PlannerCore(PlannerConfig(weights_path=weights_for(
@@ -168,6 +172,7 @@ def test_model_that_wants_unknown_skill_or_target_is_constrained(tmp_path: Path)
     assert all(s.target_object in ("red_cube", "bin", "") for s in r.plan.steps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_injection_never_yields_accepted_out_of_limit_plan(seed: int) -> None:
     core = PlannerCore(PlannerConfig(seed=seed, limits=LIMITS, max_new_tokens=100,
@@ -193,6 +198,7 @@ def test_demo_plan_weights() -> None:
         PlannerCore(PlannerConfig(demo_plan="fly away"))
 
 
+@pytest.mark.slow
 def test_engine_backend_matches_generate_backend() -> None:
     """backend='engine' (DecodeEngine: slots, static cache) gives the same plans, streams and
     cancellation as the default generate.py backend, random weights and demo weights alike."""
