@@ -150,12 +150,12 @@ class NativeTick:
         from kestrel_control.core.shm_control import (AUX_COMPUTE_LATENCY, CTRL_COMMANDS,
                                                       SharedLatestValue, SharedLoopStats)
 
+        if getattr(runner.io, "uses_ee", False):
+            raise NativeUnavailable("the observation layout's ee_* terms need the arm's "
+                                    "forward kinematics (Pinocchio), which runs in Python")
         if not isinstance(runner.counters, SharedLoopStats):
             raise NativeUnavailable("the safety counters are not in shared memory (the C tick "
                                     "serves the loop process only)")
-        if runner.io.uses_ee:
-            raise NativeUnavailable("the observation layout's ee_* terms need the arm's "
-                                    "forward kinematics (Pinocchio), which runs in Python")
         robots = runner.robots
         for r, robot in enumerate(robots):
             if not (isinstance(robot.joint_states, SharedLatestValue)

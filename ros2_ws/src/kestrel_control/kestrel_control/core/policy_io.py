@@ -19,13 +19,21 @@ maps its actions affinely, so both are parameters:
 obs_layout: the terms in order, each "name", "name*scale" or "zeros:K":
   joint_pos [n] rad, joint_pos_rel [n] rad (q - default_q), joint_vel [n] rad/s,
   target [n] rad, target_rel [n] rad (target - default_q), last_action [A],
+  ee_target_rel [3] m: the Cartesian end-effector target minus the end effector's position
+  (forward kinematics of q), base frame: what Isaac Lab reach tasks observe as the position
+  error of the commanded pose,
+  ee_target [3] m: the Cartesian end-effector target itself, base frame,
   zeros:K: K columns left at zero (a term this robot does not send, e.g. a base velocity).
-q is the latency-compensated position wherever it appears (obs and the 'position_delta*'
-commands). Columns after the last term stay zero; a layout given for a user's model file must
-cover its obs_dim exactly.
+q is the latency-compensated position wherever it appears (obs, the forward kinematics and the
+'position_delta*' commands). Columns after the last term stay zero; a layout given for a user's
+model file must cover its obs_dim exactly. The ee_* terms need the arm's kinematics (an object
+with `forward(q) -> (position [3] m, rotation [3, 3])`, kestrel_control.core.kinematics) and a
+Cartesian target; without a target the end effector's own position is used (the policy is asked
+to hold).
 
 The same arithmetic runs in C (native_tick.c, the loop process's tick): (x - offset) * scale in
-float64, then float32, so both ticks give the same rows (test_native_tick.py).
+float64, then float32, so both ticks give the same rows (test_native_tick.py). The ee_* terms
+run in Python only (the forward kinematics is Pinocchio's): the C tick refuses them at configure.
 """
 
 from __future__ import annotations
@@ -33,14 +41,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-# term sources: rows of a robot's `inputs` [3, n] (pos, vel, target), the previous action, zeros
-SRC_POS, SRC_VEL, SRC_TARGET, SRC_ACTION, SRC_ZEROS = range(5)
+# term sources: rows of a robot's `inputs` [3, n] (pos, vel, target), the previous action, zeros,
+# the Cartesian target minus the end effector, the Cartesian target
+SRC_POS, SRC_VEL, SRC_TARGET, SRC_ACTION, SRC_ZEROS, SRC_EE_REL, SRC_EE_TARGET = range(7)
+EE_SOURCES = (SRC_EE_REL, SRC_EE_TARGET)
 TERMS = {"joint_pos": (SRC_POS, False), "joint_pos_rel": (SRC_POS, True),
          "joint_vel": (SRC_VEL, False), "target": (SRC_TARGET, False),
-         "target_rel": (SRC_TARGET, True), "last_action": (SRC_ACTION, False)}
+         "target_rel": (SRC_TARGET, True), "last_action": (SRC_ACTION, False),
+         "ee_target_rel": (SRC_EE_REL, False), "ee_target": (SRC_EE_TARGET, False)}
 DEFAULT_LAYOUT = ("joint_pos", "joint_vel", "target", "last_action")
 ACTION_MODES = ("position_delta_tanh", "position_delta", "position_offset")
 MODE_DELTA_TANH, MODE_DELTA, MODE_OFFSET = range(3)
@@ -75,6 +87,11 @@ class PolicyIO:
     def last_action_col(self) -> int:
         """Column of the last_action term, -1 when the layout has none."""
         return next((t.col for t in self.terms if t.source == SRC_ACTION), -1)
+
+    @property
+    def uses_ee(self) -> bool:
+        """The layout has an ee_* term (needs kinematics and a Cartesian target)."""
+        return any(t.source in EE_SOURCES for t in self.terms)
 
     @property
     def is_reference(self) -> bool:
@@ -115,7 +132,8 @@ def _parse_term(text: str, n: int, num_actions: int) -> tuple[str, int, int, boo
     source, relative = TERMS[name]
     if source == SRC_ACTION and scale != 1.0:
         raise _err(layout, text, "last_action takes no scale (it is the raw action)")
-    return name, source, (num_actions if source == SRC_ACTION else n), relative, scale
+    length = num_actions if source == SRC_ACTION else 3 if source in EE_SOURCES else n
+    return name, source, length, relative, scale
 
 
 def build_io(num_joints: int, num_actions: int, obs_layout: Sequence[str] = (),
@@ -187,13 +205,28 @@ class RowIO:
     """One robot's observation row and proposed command, on preallocated arrays.
 
     inputs [3, n] float64: positions rad (compensated), velocities rad/s, target rad;
-    obs_row [obs_dim] float32 and act_row [A] float32: views into the backend's buffers."""
+    obs_row [obs_dim] float32 and act_row [A] float32: views into the backend's buffers;
+    kinematics: `forward(q) -> (position [3] m, rotation)`, needed by the ee_* terms.
+    ee_target [3] float64 m (base frame): the Cartesian target of the ee_* terms, written by
+    the owner; while `ee_target_set` is False, write_obs sets it to the end effector's
+    position (hold where it is) and sets the flag."""
 
     def __init__(self, io: PolicyIO, inputs: np.ndarray, obs_row: np.ndarray,
-                 act_row: np.ndarray) -> None:
+                 act_row: np.ndarray, kinematics: Any = None) -> None:
         self.io = io
         n = inputs.shape[1]
         self.n = n
+        if io.uses_ee and not callable(getattr(kinematics, "forward", None)):
+            raise ValueError(
+                f"parameter 'obs_layout' = {[t.name for t in io.terms]}: the ee_* terms need "
+                "the arm's forward kinematics (the robot description), and none was given")
+        self._kin = kinematics
+        self.ee_target = np.zeros(3)
+        self.ee_target_set = False
+        self._ee_tmp = np.zeros(3)
+        # (source, obs columns [3], scale) of the ee_* terms
+        self._ee = [(t.source, obs_row[t.col:t.col + 3], t.scale)
+                    for t in io.terms if t.source in EE_SOURCES]
         self.act_n = act_row[:n]
         self._a64 = np.zeros(act_row.shape[0])  # clipped raw action, float64
         self._a64_n = self._a64[:n]
@@ -227,6 +260,24 @@ class RowIO:
                 continue
             np.subtract(src, self._zeros if off is None else off, out=tmp)
             np.multiply(tmp, scale, out=tmp)
+            np.copyto(dst, tmp)
+        if self._ee:
+            self._write_ee()
+
+    def _write_ee(self) -> None:
+        """ee_* terms: forward kinematics of the (compensated) positions, in float64."""
+        pos = self._kin.forward(self._inputs[SRC_POS])[0]  # [3] m, the kinematics' own array
+        if not self.ee_target_set:  # no Cartesian target yet: hold where the arm is
+            np.copyto(self.ee_target, pos)
+            self.ee_target_set = True
+        tmp = self._ee_tmp
+        for src, dst, scale in self._ee:
+            if src == SRC_EE_REL:
+                np.subtract(self.ee_target, pos, out=tmp)
+            else:
+                np.copyto(tmp, self.ee_target)
+            if scale != 1.0:
+                np.multiply(tmp, scale, out=tmp)
             np.copyto(dst, tmp)
 
     def propose(self, pos: np.ndarray, out: np.ndarray) -> None:

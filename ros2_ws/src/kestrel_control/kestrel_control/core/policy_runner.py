@@ -8,7 +8,8 @@ robot r (its own input buffers, safety filter and command row):
   takes effect, q + v * (observation age + measured compute latency), the horizon in
   [0, max_obs_age] (linear constant-velocity prediction);
   obs row r [obs_dim] float32 = [positions n | velocities n | target n | previous action A | 0]
-  (the default `obs_layout`; policy_io.py: Isaac Lab terms such as q - default_q, scales);
+  (the default `obs_layout`; policy_io.py: Isaac Lab terms such as q - default_q, scales,
+  the Cartesian target relative to the end effector from each robot's `ee_target` buffer [3] m);
   SafetyFilter: stale or non-finite observation -> hold (counted);
 then ONE backend step for the batch [B, obs_dim] -> [B, A] (B = R padded to a power of two so
 one captured graph / engine serves; padded rows are zeros); then per robot
@@ -39,6 +40,20 @@ from kestrel_models.control.external import ModelSpec, load_policy
 from kestrel_models.control.policy import ActorCritic, PolicyConfig
 from kestrel_models.control.registry import POST_BACKENDS, check_backend, create_backend
 from kestrel_models.control.runtimes import PolicyBackend, PostSpec
+
+
+def _kinematics(cfg: RunnerConfig) -> Any:
+    """The arm's forward kinematics for the ee_* observation terms (Pinocchio, imported only
+    then); ValueError naming the parameter."""
+    from kestrel_control.core.kinematics import ARM_JOINTS, ArmKinematics
+
+    names = tuple(cfg.joint_names) or ARM_JOINTS
+    if len(names) != cfg.num_joints:
+        raise ValueError(f"parameter 'joint_names' = {list(names)}: {cfg.num_joints} joints "
+                         "(joint limits) need as many names")
+    if cfg.robot_description:
+        return ArmKinematics(cfg.robot_description, joint_names=names)
+    return ArmKinematics.from_default(joint_names=names)
 
 
 def padded_batch(num_robots: int) -> int:
@@ -74,6 +89,11 @@ class RunnerConfig:
     action_clip: float = math.inf  # raw actions clamped to +-this first (rsl_rl clip_actions)
     default_joint_positions: tuple[float, ...] = ()  # [n] rad; () = zeros
     action_scales: tuple[float, ...] = ()  # [n] per joint; () = action_scale for every joint
+    # the ee_* observation terms' forward kinematics (kestrel_control.core.kinematics): the
+    # URDF text ("" = kestrel_description's) and the joints of the joint vectors, in order
+    # (() = the arm's six); read only when the layout has such a term
+    robot_description: str = ""
+    joint_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         lower, upper = validate_limits(self.joint_lower, self.joint_upper)
@@ -125,13 +145,14 @@ class _Robot:
     """Per-robot buffers, preallocated."""
 
     def __init__(self, cfg: RunnerConfig, io: PolicyIO, counters: Any, obs_row: np.ndarray,
-                 act_row: np.ndarray, buffers: tuple[Any, Any] | None = None) -> None:
+                 act_row: np.ndarray, buffers: tuple[Any, ...] | None = None) -> None:
         n = cfg.num_joints
         self.safety = SafetyFilter(cfg.joint_lower, cfg.joint_upper, cfg.max_obs_age_s, counters,
                                    cfg.obs_position_margin, cfg.max_obs_velocity)
         if buffers is None:
             buffers = (LatestValueBuffer((2, n)), LatestValueBuffer((n,)))
-        for buf, shape in zip(buffers, ((2, n), (n,)), strict=True):
+        shapes = ((2, n), (n,), (3,))[:max(2, len(buffers))]  # (3,): the Cartesian target
+        for buf, shape in zip(buffers, shapes, strict=True):
             if tuple(buf.shape) != shape:
                 raise ValueError(f"parameter 'buffers' = shape {tuple(buf.shape)}: expected "
                                  f"{shape}")
@@ -148,7 +169,13 @@ class _Robot:
         self.info = StepInfo()
         self.obs, self.act = obs_row, act_row  # views into the backend's static buffers
         # the obs row's terms from `inputs`, the command from the actions, the previous action
-        self.io = RowIO(io, self.inputs, obs_row, act_row)
+        self.io = RowIO(io, self.inputs, obs_row, act_row,
+                        _kinematics(cfg) if io.uses_ee else None)
+        # Cartesian end-effector target [3] m, base frame (the ee_* terms; none: hold); a
+        # third buffer given (e.g. a shared-memory one) or a new one
+        self.ee_target = None
+        if io.uses_ee:
+            self.ee_target = buffers[2] if len(buffers) > 2 else LatestValueBuffer((3,))
         self.zeros_a = np.zeros(act_row.shape[0], dtype=act_row.dtype)  # finite check of act
 
 
@@ -156,10 +183,10 @@ class PolicyRunner:
     """Policy backend + per-robot safety filters and input buffers (see module docstring)."""
 
     def __init__(self, config: RunnerConfig, counters: Any = None,
-                 buffers: list[tuple[Any, Any]] | None = None) -> None:
-        """buffers: per robot (joint states [2, n], target [n]) with LatestValueBuffer's
-        read_into/write API (e.g. shared-memory ones of the loop process); default: new
-        LatestValueBuffers."""
+                 buffers: list[tuple[Any, ...]] | None = None) -> None:
+        """buffers: per robot (joint states [2, n], target [n][, Cartesian target [3]]) with
+        LatestValueBuffer's read_into/write API (e.g. shared-memory ones of the loop process);
+        default: new LatestValueBuffers."""
         self.config = config
         if buffers is not None and len(buffers) != config.num_robots:
             raise ValueError(f"parameter 'buffers' = {len(buffers)} pairs: expected one per "
@@ -202,6 +229,7 @@ class PolicyRunner:
         self._lat = np.zeros(2)
         # per robot: version of the target now in its `inputs` (0 = none: zeros)
         self._tver = np.zeros(self.num_robots, dtype=np.int64)
+        self._ever = np.zeros(self.num_robots, dtype=np.int64)  # same, Cartesian targets
         self._ready = [False] * self.num_robots  # per tick: robot has a fresh, finite obs
         self._infos = [r.info for r in self.robots]
         self._compensate = bool(config.latency_compensation)
@@ -240,10 +268,14 @@ class PolicyRunner:
         self.backend.obs_np[:] = 0.0
         self.backend.act_np[:] = 0.0
         self._tver[:] = 0
+        self._ever[:] = 0
         for robot in self.robots:
             robot.safety.reset()
             robot.joint_states.clear()
             robot.target.clear()
+            if robot.ee_target is not None:
+                robot.ee_target.clear()
+                robot.io.ee_target_set = False  # hold where the arm is until a target comes
             robot.inputs.fill(0.0)
 
     def close(self) -> None:
@@ -286,6 +318,10 @@ class PolicyRunner:
         target, tver = robot.target, self._tver
         if target.version != tver[index]:  # targets change rarely: copy only then
             tver[index] = target.read_into(robot.target_now)[0]
+        ee = robot.ee_target
+        if ee is not None and ee.version != self._ever[index]:
+            self._ever[index] = ee.read_into(robot.io.ee_target)[0]
+            robot.io.ee_target_set = True
         age = (now_ns - stamp) * 1e-9
         info.obs_age_s = age
         # one check: stale (counted), else any NaN/inf in positions, velocities or the target
