@@ -45,6 +45,7 @@ STACK: tuple[NodeEntry, ...] = (
             ("~/output/joint_states", "/joint_states"),
             ("~/output/ee_position", "/ee_position"),
             ("~/output/ground_truth", "/sim/ground_truth"),
+            ("~/output/episode", "/sim/episode"),
             ("~/input/joint_command", "/control/joint_command"),
         )),
     NodeEntry(
