@@ -83,8 +83,8 @@ def test_isaac_lab_mapping_commands_default_q_plus_scaled_clipped_action(
     expected = np.clip(DQ + SCALES * np.clip(a.astype(np.float64), -CLIP, CLIP), LOWER, UPPER)
     assert expected[5] == 0.2  # clamped at wrist_3's limit
     for msg in msgs[-10:]:
-        assert list(msg.name) == JOINTS
-        np.testing.assert_allclose(np.asarray(msg.position), expected, rtol=0, atol=1e-6)
+        assert list(msg.name) == JOINTS + ["finger_left"]  # the gripper's entry last
+        np.testing.assert_allclose(np.asarray(msg.position)[:N], expected, rtol=0, atol=1e-6)
     # the reference mapping would have commanded q + 0.5 tanh(a): far from this
     assert np.abs(np.clip(Q + SCALE * np.tanh(a), LOWER, UPPER) - expected).max() > 0.1
     assert "native tick: on" in node.output(), node.output()
@@ -146,15 +146,15 @@ def test_joint_target_approached_at_most_at_its_max_speed(launch_node, probe, tm
         target_pub.publish(ControlTarget(mode=ControlTarget.MODE_JOINT,
                                          joint_positions=goal.tolist(), max_speed=speed))
         arrived = cmds.wait_for(
-            lambda m: np.abs(np.asarray(m[-1].position) - goal).max() < 1e-6, timeout=30.0)
+            lambda m: np.abs(np.asarray(m[-1].position)[:N] - goal).max() < 1e-6, timeout=30.0)
         assert arrived, node.output()
     finally:
         stop.set()
         thread.join(2.0)
     # before the target arrives the command is the zero target; from then on the target
     # starts at the joint positions ...
-    after = [(stamp_ns(m), np.asarray(m.position)) for m in cmds.snapshot()
-             if stamp_ns(m) > t0 and np.any(np.asarray(m.position) != 0.0)]
+    arm = [(stamp_ns(m), np.asarray(m.position)[:N]) for m in cmds.snapshot()]
+    after = [(t, q) for t, q in arm if t > t0 and np.any(q != 0.0)]
     assert len(after) > 100  # about 2 s of commands at 250 Hz
     for t, q in after:
         # ... and moves at most `speed` rad/s per joint since the request, plus one ramp step

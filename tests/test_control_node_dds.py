@@ -91,8 +91,10 @@ def _wait_stats(stats, pred, timeout=15.0):
 
 
 def _check_command(msg: JointState) -> np.ndarray:
-    q = np.asarray(msg.position)
-    assert list(msg.name) == JOINTS and q.shape == (6,)
+    # the arm's joints, then the gripper's (gripper.joint; open: no target asked to close it)
+    assert list(msg.name) == JOINTS + ["finger_left"] and len(msg.position) == 7
+    q = np.asarray(msg.position)[:6]
+    assert msg.position[6] == 0.0
     assert np.all(np.isfinite(q)) and np.all(q >= LOWER) and np.all(q <= UPPER), q
     return q
 

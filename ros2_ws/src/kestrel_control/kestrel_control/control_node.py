@@ -205,7 +205,7 @@ class ControlNode(KestrelLifecycleNode):
                 self._proc = LoopProcess(
                     config, self._loop_settings(p), start_timeout_s=p["loop.start_timeout"],
                     sim_time=bool(self.get_parameter("use_sim_time").value),
-                    log=self.get_logger().info)
+                    log=self.get_logger().info, warn=self.get_logger().warning)
                 info = self._proc.start()  # LoopProcessError (a ValueError): child's message
                 self._stats = self._proc.stats
                 self._js_bufs, self._tgt_bufs = self._proc.joint_states, self._proc.targets

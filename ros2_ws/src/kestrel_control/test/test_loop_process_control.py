@@ -187,12 +187,32 @@ def test_loop_process_commands_equal_the_in_process_runner() -> None:
     assert np.max(np.abs(cmd - js[0])) <= 0.05 + 1e-12  # action_scale bound
 
 
-def test_child_error_fails_start_with_its_message_and_leaves_nothing() -> None:
-    proc = LoopProcess(_config(weights_path="/nonexistent/w.pt"), LoopSettings())
+def test_child_error_fails_start_with_its_message_and_leaves_nothing(capfd) -> None:
+    """... and what the child says goes to the node's logger (its warnings to `warn`), never
+    straight to the node's stdout/stderr past the ROS log."""
+    info, warn = [], []
+    proc = LoopProcess(_config(weights_path="/nonexistent/w.pt"), LoopSettings(),
+                       log=info.append, warn=warn.append)
     with pytest.raises(LoopProcessError, match=r"loop process failed to start: ValueError: "
                        r"parameter 'weights_path' = '/nonexistent/w.pt': no such file"):
         proc.start()
     assert not _segments(os.getpid()) and proc.proc.returncode == 1
+    assert any("start failed:" in m for m in warn), warn
+    assert any("no such file" in m for m in warn)  # the traceback, line by line
+    assert all(m.startswith("[control loop process ") for m in info + warn), info + warn
+    out, err = capfd.readouterr()
+    assert "control loop process" not in out + err, out + err
+
+
+def test_child_messages_reach_the_log_callbacks() -> None:
+    info, warn = [], []
+    proc = LoopProcess(_config(), LoopSettings(period_s=2e-3), start_timeout_s=60.0,
+                       log=info.append, warn=warn.append)
+    try:
+        proc.start()
+        assert _wait(lambda: any("native tick:" in m for m in info), 10.0), (info, warn)
+    finally:
+        proc.close()
 
 
 PARENT = textwrap.dedent("""

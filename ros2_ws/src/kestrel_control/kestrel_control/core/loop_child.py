@@ -27,7 +27,7 @@ import traceback
 
 from kestrel_common.shm import unlink_segment
 
-from kestrel_control.core.loop_process import Channel
+from kestrel_control.core.loop_process import LOG_INFO, LOG_WARN, Channel
 from kestrel_control.core.native_tick import (I_LATE_T0, KT_DONE, KT_PY_ALL, KT_PY_FINISH,
                                               KT_PY_INFER, KT_PY_LATE)
 from kestrel_control.core.shm_control import (AUX_COMPUTE_LATENCY, CLOCK_SIM, CTRL_CLOCK_MODE,
@@ -43,8 +43,14 @@ from kestrel_control.core.shm_control import (AUX_COMPUTE_LATENCY, CLOCK_SIM, CT
 PARENT_CHECK_S = 30.0
 
 
-def _log(message: str) -> None:
-    print(f"[control loop process {os.getpid()}] {message}", file=sys.stderr, flush=True)
+def _log(message: str, warn: bool = False) -> None:
+    """One message to the node's ROS log: stderr lines tagged with the level (the node's
+    LoopProcess relays them, loop_process._relay_stderr)."""
+    tag = LOG_WARN if warn else LOG_INFO
+    text = "".join(f"{tag}[control loop process {os.getpid()}] {line}\n"
+                   for line in str(message).splitlines() or [""])
+    sys.stderr.write(text)
+    sys.stderr.flush()
 
 
 class _Tick:
@@ -147,7 +153,7 @@ def serve(chan: Channel, shm_name: str, event_fd: int, parent_pid: int) -> int:
                             miss_attribution=settings.miss_attribution,
                             name="kestrel-control-loop", log=_log)
     except Exception as exc:  # reported to the node, which fails configure with it
-        _log("start failed:\n" + traceback.format_exc())
+        _log("start failed:\n" + traceback.format_exc(), warn=True)
         chan.send(("error", f"{type(exc).__name__}: {exc}"))
         return 1
     views.control[CTRL_STATE] = STATE_READY
@@ -161,7 +167,7 @@ def serve(chan: Channel, shm_name: str, event_fd: int, parent_pid: int) -> int:
                 kind, _ = chan.recv(PARENT_CHECK_S)
             except TimeoutError:
                 if os.getppid() != parent_pid:
-                    _log("parent process is gone: exiting")
+                    _log("parent process is gone: exiting", warn=True)
                     unlink_segment(shm_name)  # the node died without its cleanup
                     return 0
                 continue
@@ -181,7 +187,7 @@ def serve(chan: Channel, shm_name: str, event_fd: int, parent_pid: int) -> int:
                 loop.stop(timeout_s=2.0)
                 views.control[CTRL_STATE] = STATE_READY
                 if loop.last_error:
-                    _log(f"last step error: {loop.last_error}")
+                    _log(f"last step error: {loop.last_error}", warn=True)
                 chan.send(("inactive", {}))
             elif kind == "exit":
                 return 0

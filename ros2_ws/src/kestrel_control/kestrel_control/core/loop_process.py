@@ -11,12 +11,15 @@ RealtimeLoop; the node keeps the ROS I/O:
   of every robot and calls `publish(r, command [n] rad, stamp_ns)` (commands that the publisher
   did not get to before the next one are coalesced: the newest wins, counted);
   statistics: the child's LoopStats live in the segment (`stats`, read at ~10 Hz by the node).
-Control: length-prefixed pickles over the child's stdin (commands) and stdout (replies); its
-stderr is the node's. Start-up waits (bounded) for the child's 'ready' (policy loaded, backend
-warmed up / graph captured) or its error, which `start()` raises as LoopProcessError with the
-child's message. The child exits when its command pipe closes (the node died) or its parent pid
-changes. The segment (/dev/shm/kestrel_control_<pid>_<random>) is unlinked by `close()`, by an
-atexit hook and, if the node is killed, by the child when it sees its pipe close.
+Control: length-prefixed pickles over the child's stdin (commands) and stdout (replies). Its
+stderr is read line by line by a thread here and handed to `log` / `warn` (the node's ROS
+logger: its log_level and sinks apply): the child tags its own lines (loop_child._log), and an
+untagged line (a Python warning, a traceback) is a warning. Start-up waits (bounded) for the
+child's 'ready' (policy loaded, backend warmed up / graph captured) or its error, which
+`start()` raises as LoopProcessError with the child's message. The child exits when its
+command pipe closes (the node died) or its parent pid changes. The segment
+(/dev/shm/kestrel_control_<pid>_<random>) is unlinked by `close()`, by an atexit hook and,
+if the node is killed, by the child when it sees its pipe close.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ CHILD_MODULE = "kestrel_control.core.loop_child"
 # loop: on a loaded machine it then gets a core as soon as the loop wrote a command, instead of
 # waiting behind the other processes.
 PUBLISHER_PRIORITY_BELOW = 10
+# the child's stderr lines: tagged with their level (loop_child._log), relayed to the node's log
+LOG_INFO, LOG_WARN = "I|", "W|"
 
 
 class LoopProcessError(ValueError):
@@ -112,7 +117,8 @@ class LoopProcess:
 
     def __init__(self, config: Any, settings: LoopSettings, *, sim_time: bool = False,
                  start_timeout_s: float = 120.0, log: Callable[[str], None] | None = None,
-                 stats_capacity: int = 16384, python: str = sys.executable) -> None:
+                 warn: Callable[[str], None] | None = None, stats_capacity: int = 16384,
+                 python: str = sys.executable) -> None:
         if not start_timeout_s > 0:
             raise ValueError(f"parameter 'loop_start_timeout' = {start_timeout_s!r}: must be > 0")
         self.config, self.settings = config, settings
@@ -120,6 +126,8 @@ class LoopProcess:
                                 stats_capacity)
         self.sim_time, self.start_timeout_s = sim_time, float(start_timeout_s)
         self._log = log or (lambda m: print(m, file=sys.stderr))
+        self._warn = warn or self._log
+        self._relay: threading.Thread | None = None  # the child's stderr -> log / warn
         self._python = python
         self.shm: ShmSegment | None = None
         self.views: ShmViews | None = None
@@ -181,11 +189,15 @@ class LoopProcess:
             self.proc = subprocess.Popen(
                 [self._python, "-m", CHILD_MODULE, "--shm", name, "--event-fd", str(self._efd),
                  "--parent-pid", str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self._efd,),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(self._efd,),
                 # one BLAS/OpenMP thread: the policy runs single-threaded (torch.set_num_threads
                 # (1)), and idle pool threads would only be more threads to keep off the loop CPU
                 env=dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1",
                          OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
+            self._relay = threading.Thread(target=self._relay_stderr, args=(self.proc.stderr,),
+                                           name="kestrel-control-loop-log", daemon=True)
+            self._relay.start()
             self._chan = Channel(self.proc.stdout.fileno(), self.proc.stdin.fileno())
             self._chan.send({"config": self.config, "settings": self.settings,
                              "layout": self.layout})
@@ -268,7 +280,10 @@ class LoopProcess:
             except (OSError, subprocess.TimeoutExpired):
                 proc.kill()
                 proc.wait(timeout_s)
-            for stream in (proc.stdin, proc.stdout):
+            if self._relay is not None:  # EOF once the child is gone: its last lines
+                self._relay.join(timeout_s)
+                self._relay = None
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
                 try:
                     stream.close()
                 except OSError:
@@ -282,6 +297,21 @@ class LoopProcess:
             self.shm.unlink()
             self.shm.close()
         atexit.unregister(self.close)
+
+    def _relay_stderr(self, stream: Any) -> None:
+        """The child's stderr, line by line, to `log` (lines tagged LOG_INFO) or `warn`
+        (tagged LOG_WARN, or untagged: Python warnings, tracebacks); ends at EOF."""
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            try:
+                if line.startswith(LOG_INFO):
+                    self._log(line[len(LOG_INFO):])
+                elif line.startswith(LOG_WARN):
+                    self._warn(line[len(LOG_WARN):])
+                elif line.strip():
+                    self._warn(f"[control loop process] {line}")
+            except Exception:  # noqa: BLE001 - a logger failing must not stop the draining
+                pass
 
     # ---- publisher thread (not real-time) --------------------------------------------------
     def _stop_publisher(self) -> None:
