@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import re
 
+from ament_index_python.packages import PackageNotFoundError, get_package_share_directory
+
 from kestrel_common.params import ParamSpec
 from kestrel_planner.core import BACKENDS
 from kestrel_planner.core.constrained_llg import GRAMMAR_ENGINES
@@ -16,7 +18,7 @@ from kestrel_planner.core.prompting import OUTPUT_FORMATS
 from kestrel_models.planner.hf import DTYPES
 from kestrel_models.planner.remote import RemoteConfig
 
-__all__ = ["SPECS", "remote_config", "DEFAULT_WEIGHTS"]
+__all__ = ["SPECS", "remote_config", "resolve_weights", "DEFAULT_WEIGHTS"]
 
 # The planner weights trained on generated scenes (scripts/train_planner.py), for model_config
 # 'small'; resolved by the node ('package://' = the package's installed share directory).
@@ -137,3 +139,17 @@ def remote_config(p: dict) -> RemoteConfig:
                         timeout_s=p["remote.timeout_s"], max_retries=p["remote.max_retries"],
                         max_tokens=p["max_new_tokens"], temperature=p["temperature"],
                         max_reply_bytes=p["remote.max_reply_bytes"])
+
+
+def resolve_weights(path: str) -> str:
+    """'package://<package>/<path>' (a file installed with a ROS package) -> a file path;
+    other paths unchanged. ValueError naming weights_path when the package is unknown."""
+    if not path.startswith("package://"):
+        return path
+    package, _, rel = path[len("package://"):].partition("/")
+    try:
+        share = get_package_share_directory(package)
+    except (PackageNotFoundError, ValueError) as exc:
+        raise ValueError(f"parameter 'weights_path' = {path!r}: package {package!r} not "
+                         f"found: {exc}") from exc
+    return os.path.join(share, rel)

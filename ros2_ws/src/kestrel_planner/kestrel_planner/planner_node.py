@@ -34,19 +34,16 @@ are refused while the node is not active.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
-from ament_index_python.packages import PackageNotFoundError, get_package_share_directory
 from diagnostic_msgs.msg import DiagnosticStatus
 from geometry_msgs.msg import PointStamped
 from kestrel_interfaces.action import PlanTask
-from kestrel_interfaces.msg import (ControlTarget, PerceptionResult, StepArgument, StepStatus,
-                                    TaskPlan, TaskStep)
+from kestrel_interfaces.msg import (ControlTarget, PerceptionResult, StepStatus,
+                                    TaskPlan)
 from rclpy._rclpy_pybind11 import RCLError
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
@@ -59,53 +56,17 @@ from kestrel_common.base_node import (COMMAND_QOS, LATCHED_QOS, SENSOR_QOS, Kest
 from kestrel_common.conversions import (ConversionError, detection_arrays, image_to_numpy,
                                          make_header, stamp_to_ns)
 from kestrel_common.counters import LatencyWindow
-from kestrel_planner.core import (SKILLS, ExecutorConfig, PlanExecutor, PlanLimits,
-                                  PlannerConfig, PlannerCore, PlannerInputError, PlanRequest,
-                                  PlanResult, SceneObject, Skill, StepEvent)
+from kestrel_planner.core import (ExecutorConfig, PlanExecutor, PlanLimits,
+                                  PlannerConfig, PlannerCore, PlanRequest,
+                                  PlanResult, SceneObject, StepEvent)
 from kestrel_planner.core.scene import scene_from_detections
-from kestrel_planner.params import SPECS, remote_config
+from kestrel_planner.batcher import Batcher, Job
+from kestrel_planner.params import SPECS, remote_config, resolve_weights
+from kestrel_planner.plan_msg import plan_to_msg
 from kestrel_models.planner import get_config
 
 R = PlanTask.Result
 MAX_REASONS = 32  # reasons in one result; the rest are counted in a last line
-
-
-def resolve_weights(path: str) -> str:
-    """'package://<package>/<path>' (a file installed with a ROS package) -> a file path;
-    other paths unchanged. ValueError naming weights_path when the package is unknown."""
-    if not path.startswith("package://"):
-        return path
-    package, _, rel = path[len("package://"):].partition("/")
-    try:
-        share = get_package_share_directory(package)
-    except (PackageNotFoundError, ValueError) as exc:
-        raise ValueError(f"parameter 'weights_path' = {path!r}: package {package!r} not "
-                         f"found: {exc}") from exc
-    return os.path.join(share, rel)
-
-
-@dataclass
-class _Job:
-    request: PlanRequest
-    done: threading.Event = field(default_factory=threading.Event)
-    result: PlanResult | None = None
-    error: str = ""
-    abandoned: bool = False  # the goal gave up waiting (goal_timeout): stop decoding it
-
-
-def plan_to_msg(result: PlanResult, stamp_ns: int, frame_id: str) -> TaskPlan:
-    """Steps with the effective value of every argument (given or default), SI units."""
-    msg = TaskPlan(header=make_header(stamp_ns, frame_id))
-    if result.plan is None:
-        return msg
-    msg.instruction = result.plan.instruction
-    for s in result.plan.steps:
-        spec = SKILLS[Skill(int(s.skill))]
-        msg.steps.append(TaskStep(
-            skill=int(s.skill), skill_name=spec.name, target_object=s.target_object,
-            arguments=[StepArgument(name=a.name, value=s.value(a.name), unit=a.unit)
-                       for a in spec.args]))
-    return msg
 
 
 class PlannerNode(KestrelLifecycleNode):
@@ -114,11 +75,9 @@ class PlannerNode(KestrelLifecycleNode):
         self.core: PlannerCore | None = None
         self.executor_core: PlanExecutor | None = None
         self._lock = threading.Lock()  # latest inputs + executor
-        self._cv = threading.Condition()
-        self._jobs: list[_Job] = []
+        self._pending_lock = threading.Lock()
         self._pending = 0
-        self._worker: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._batcher = Batcher(self.counters.inc, self.get_logger().error)
         self._active = False
         self._image = None  # latest camera frame, HxWx3 uint8 RGB
         self._scene: list[SceneObject] = []
@@ -232,9 +191,7 @@ class PlannerNode(KestrelLifecycleNode):
             goal_callback=self._on_goal, cancel_callback=lambda _g: CancelResponse.ACCEPT)
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop.clear()
-        self._worker = threading.Thread(target=self._work, name="planner_worker", daemon=True)
-        self._worker.start()
+        self._batcher.start(self.core, self.params["max_batch"])
         period = 1.0 / self.params["execution_rate"]
         if self._timer is None:
             self._timer = self.create_timer(period, self._tick,
@@ -259,12 +216,7 @@ class PlannerNode(KestrelLifecycleNode):
 
     def stop_workers(self) -> None:
         was_active, self._active = self._active, False
-        self._stop.set()
-        with self._cv:
-            self._cv.notify_all()
-        if self._worker is not None:
-            self._worker.join(timeout=5.0)
-            self._worker = None
+        self._batcher.stop()
         if self._timer is not None:
             self._timer.cancel()
         self.stop_diagnostics()
@@ -328,7 +280,7 @@ class PlannerNode(KestrelLifecycleNode):
 
     # ---- goals -----------------------------------------------------------------------------
     def _on_goal(self, goal: PlanTask.Goal) -> GoalResponse:
-        with self._cv:
+        with self._pending_lock:
             if not self._active or self._pending >= self.params["max_pending_goals"]:
                 self.counters.inc("goals_refused")
                 return GoalResponse.REJECT
@@ -339,7 +291,7 @@ class PlannerNode(KestrelLifecycleNode):
         try:
             return self._serve(handle)
         finally:
-            with self._cv:
+            with self._pending_lock:
                 self._pending -= 1
 
     def _finish(self, handle, status: int, reasons: list[str], res: PlanResult | None = None,
@@ -409,12 +361,10 @@ class PlannerNode(KestrelLifecycleNode):
                     progress=min(1.0, n / self.params["max_new_tokens"]), tokens_generated=n,
                     partial_text=text))
 
-        job = _Job(PlanRequest(goal.instruction, image, scene, int(goal.max_steps), feedback))
+        job = Job(PlanRequest(goal.instruction, image, scene, int(goal.max_steps), feedback))
         job.request.should_cancel = (lambda: job.abandoned or handle.is_cancel_requested
-                                     or self._stop.is_set())
-        with self._cv:
-            self._jobs.append(job)
-            self._cv.notify()
+                                     or self._batcher.stopping)
+        self._batcher.submit(job)
         left = self.params["goal_timeout"] - (time.monotonic() - t_goal)
         if not job.done.wait(max(left, 0.0)):
             job.abandoned = True  # queued: skipped; decoding: stops at the next token / poll
@@ -467,46 +417,6 @@ class PlannerNode(KestrelLifecycleNode):
         out = self._finish(handle, R.VALIDATION_ACCEPTED, [], res, frame, t_goal)
         out.plan = plan_msg
         return out
-
-    # ---- batching worker -------------------------------------------------------------------
-    def _work(self) -> None:
-        while not self._stop.is_set():
-            with self._cv:
-                if not self._jobs:
-                    self._cv.wait(timeout=0.2)
-                    continue
-                batch = self._jobs[: self.params["max_batch"]]
-                del self._jobs[: len(batch)]
-            self._run_batch(batch)
-        with self._cv:
-            left, self._jobs = self._jobs, []
-        for job in left:
-            job.error = "node deactivated"
-            job.done.set()
-
-    def _run_batch(self, batch: list[_Job]) -> None:
-        started = time.monotonic()
-        self.counters.inc("batches")
-        self.counters.inc(f"batch_size_{len(batch)}")
-        try:
-            results = self.core.plan_batch([j.request for j in batch])
-            for job, res in zip(batch, results, strict=True):
-                job.result = res
-        except PlannerInputError:  # one bad request: serve them one by one
-            for job in batch:
-                try:
-                    job.result = self.core.plan_batch([job.request])[0]
-                except PlannerInputError as exc:
-                    job.error = f"bad request: {exc}"
-        except Exception as exc:  # a model failure must not kill the node
-            self.counters.inc("planner_errors")
-            self.get_logger().error(f"planning failed: {exc!r}")
-            for job in batch:
-                job.error = f"internal error: {exc!r}"
-        for job in batch:
-            if job.result is not None:
-                job.result.started = started
-            job.done.set()
 
     # ---- execution -------------------------------------------------------------------------
     def _now(self) -> float:
