@@ -1,0 +1,137 @@
+"""Closed-loop evaluation bookkeeping (no rclpy): one trace per episode, the failure stage it
+ends in, and the table over episodes (success rate with a Wilson 95 % interval, failures by
+stage, time to success, control deadline misses). kestrel_bringup.evaluate feeds it from the
+simulator contract's topics (sim_contract.yaml); tests feed it directly.
+
+Failure attribution, first that applies:
+  plan_rejected    the planner refused the instruction or its plan failed validation, or no
+                   plan came (the reasons are kept); when the goal object was never detected
+                   by perception, perception_miss instead;
+  reach_timeout    the goal object was never held between both fingers;
+  grasp_slip       it was held, then let go away from the bin;
+  place_miss       it was let go over the bin, but it is not in the bin and settled;
+  timeout          anything else that did not succeed within the episode's time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STAGES = ("success", "perception_miss", "plan_rejected", "reach_timeout", "grasp_slip",
+          "place_miss", "timeout")
+
+
+@dataclass
+class EpisodeTrace:
+    """What the evaluator saw of one episode (sim time in s from the episode's start)."""
+
+    seed: int
+    goal: str  # goal object name, e.g. red_cube
+    instruction: str
+    plan_status: str = "none"  # "accepted" | "rejected" | "error" | "none"
+    plan_reasons: list[str] = field(default_factory=list)
+    goal_detected: bool | None = None  # perception reported the goal's class (None: unknown)
+    held_since_s: float | None = None  # goal held between both fingers since this time
+    held_ever: bool = False
+    released_over_bin: bool | None = None  # at the last release: above the bin's footprint
+    success_s: float | None = None  # first time the goal was in the bin and settled
+    deadline_misses: int = 0  # control loop misses during the episode
+    duration_s: float = 0.0
+
+    def observe(self, t_s: float, held: bool, success: bool,
+                over_bin: bool | None = None) -> None:
+        """One EpisodeStatus: is the goal held, is the task done; over_bin: whether the goal
+        object is above the bin's footprint now (ground truth)."""
+        self.duration_s = max(self.duration_s, t_s)
+        if success and self.success_s is None:
+            self.success_s = t_s
+        if held:
+            self.held_ever = True
+            if self.held_since_s is None:
+                self.held_since_s = t_s
+        elif self.held_since_s is not None:  # released (or slipped) now
+            self.held_since_s = None
+            self.released_over_bin = over_bin
+
+    @property
+    def stage(self) -> str:
+        if self.success_s is not None:
+            return "success"
+        if self.plan_status != "accepted":
+            return "perception_miss" if self.goal_detected is False else "plan_rejected"
+        if not self.held_ever:
+            return "reach_timeout"
+        if self.released_over_bin is False:
+            return "grasp_slip"
+        if self.released_over_bin is True:
+            return "place_miss"
+        return "timeout"
+
+
+def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion k/n (95 % for the default z)."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = k / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _quantiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    v = sorted(values)
+
+    def q(f: float) -> float:
+        return v[min(len(v) - 1, int(round(f * (len(v) - 1))))]
+
+    return {"n": len(v), "mean": sum(v) / len(v), "p50": q(0.5), "p90": q(0.9), "max": v[-1]}
+
+
+def summarize(traces: list[EpisodeTrace], config: dict[str, Any] | None = None) -> dict:
+    """The evaluation's result record (JSON-able)."""
+    n = len(traces)
+    k = sum(t.stage == "success" for t in traces)
+    lo, hi = wilson_interval(k, n)
+    return {
+        "config": config or {},
+        "episodes": n,
+        "successes": k,
+        "success_rate": k / n if n else 0.0,
+        "success_ci95": [lo, hi],
+        "failures_by_stage": {s: sum(t.stage == s for t in traces) for s in STAGES
+                              if s != "success"},
+        "time_to_success_s": _quantiles([t.success_s for t in traces
+                                         if t.success_s is not None]),
+        "deadline_misses_per_episode": _quantiles([float(t.deadline_misses) for t in traces]),
+        "per_episode": [{**asdict(t), "stage": t.stage} for t in traces],
+    }
+
+
+def markdown(summary: dict, command: str = "") -> str:
+    """The summary as a short markdown report."""
+    lo, hi = summary["success_ci95"]
+    lines = ["# Closed-loop evaluation", ""]
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    lines += [
+        "| episodes | successes | success rate | 95 % CI (Wilson) |",
+        "|---|---|---|---|",
+        f"| {summary['episodes']} | {summary['successes']} | "
+        f"{summary['success_rate']:.1%} | [{lo:.1%}, {hi:.1%}] |",
+        "", "| failure stage | episodes |", "|---|---|",
+    ]
+    lines += [f"| {s} | {c} |" for s, c in summary["failures_by_stage"].items()]
+    tts = summary["time_to_success_s"]
+    if tts:
+        lines += ["", f"Time to success (sim s): p50 {tts['p50']:.1f}, p90 {tts['p90']:.1f}, "
+                  f"max {tts['max']:.1f} (n = {tts['n']})."]
+    dm = summary["deadline_misses_per_episode"]
+    if dm:
+        lines += [f"Control deadline misses per episode: mean {dm['mean']:.1f}, "
+                  f"max {dm['max']:.0f}."]
+    return "\n".join(lines) + "\n"

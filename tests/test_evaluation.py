@@ -1,0 +1,69 @@
+"""Closed-loop evaluation bookkeeping: failure stages from what an episode showed, the Wilson
+interval, the summary table (no ROS)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kestrel_bringup.evaluation import (STAGES, EpisodeTrace, markdown, summarize,
+                                        wilson_interval)
+
+
+def trace(**kw) -> EpisodeTrace:
+    t = EpisodeTrace(seed=kw.pop("seed", 1), goal="red_cube",
+                     instruction="put the red cube in the bin")
+    for k, v in kw.items():
+        setattr(t, k, v)
+    return t
+
+
+def test_each_failure_is_attributed_to_its_stage() -> None:
+    ok = trace(plan_status="accepted")
+    ok.observe(1.0, held=True, success=False)
+    ok.observe(3.0, held=False, success=False, over_bin=True)
+    ok.observe(4.0, held=False, success=True)
+    assert ok.stage == "success" and ok.success_s == 4.0
+
+    assert trace(plan_status="rejected", plan_reasons=["x"]).stage == "plan_rejected"
+    assert trace(plan_status="none", goal_detected=False).stage == "perception_miss"
+    assert trace(plan_status="accepted").stage == "reach_timeout"  # never held
+
+    slip = trace(plan_status="accepted")
+    slip.observe(1.0, held=True, success=False)
+    slip.observe(2.0, held=False, success=False, over_bin=False)  # dropped on the way
+    assert slip.stage == "grasp_slip"
+
+    miss = trace(plan_status="accepted")
+    miss.observe(1.0, held=True, success=False)
+    miss.observe(2.0, held=False, success=False, over_bin=True)
+    assert miss.stage == "place_miss"
+
+    still = trace(plan_status="accepted")
+    still.observe(1.0, held=True, success=False)
+    assert still.stage == "timeout"  # held until the time ran out
+
+
+def test_wilson_interval() -> None:
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    lo, hi = wilson_interval(45, 50)
+    assert lo == pytest.approx(0.7864, abs=1e-3) and hi == pytest.approx(0.9565, abs=1e-3)
+    lo, hi = wilson_interval(50, 50)
+    assert hi == pytest.approx(1.0) and lo == pytest.approx(0.9287, abs=1e-3)
+
+
+def test_summary_counts_the_failure_it_is_shown() -> None:
+    traces = [trace(seed=i, plan_status="accepted", success_s=5.0 + i, deadline_misses=i)
+              for i in range(3)]
+    slip = trace(seed=9, plan_status="accepted")
+    slip.observe(1.0, held=True, success=False)
+    slip.observe(2.0, held=False, success=False, over_bin=False)
+    traces.append(slip)
+    s = summarize(traces, {"episodes": 4})
+    assert s["episodes"] == 4 and s["successes"] == 3 and s["success_rate"] == 0.75
+    assert s["failures_by_stage"]["grasp_slip"] == 1
+    assert sum(s["failures_by_stage"].values()) == 1
+    assert set(s["failures_by_stage"]) == set(STAGES) - {"success"}
+    assert s["time_to_success_s"]["p50"] == 6.0
+    assert s["per_episode"][3]["stage"] == "grasp_slip"
+    md = markdown(s, "python -m kestrel_bringup.evaluate --episodes 4")
+    assert "| 4 | 3 | 75.0% |" in md and "| grasp_slip | 1 |" in md
