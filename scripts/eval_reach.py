@@ -73,7 +73,8 @@ class Scene:
         return rot.T @ (d.site_xpos[self.site] - d.xpos[self.base])
 
 
-def policy_runner(weights: Path):  # noqa: ANN201 - PolicyRunner
+def policy_runner(weights: Path, model_file: str = "policy.pt",  # noqa: ANN201 - PolicyRunner
+                  backend: str = "cpu_eager"):
     """The exported policy through the node's user-model path (PolicyRunner + ModelSpec)."""
     from kestrel_control.core.kinematics import ArmKinematics
     from kestrel_control.core.policy_runner import PolicyRunner, RunnerConfig
@@ -83,7 +84,8 @@ def policy_runner(weights: Path):  # noqa: ANN201 - PolicyRunner
     kin = ArmKinematics.from_default(joint_names=tuple(p["joint_names"]))
     cfg = RunnerConfig(
         joint_lower=kin.lower, joint_upper=kin.upper, warmup_steps=5, max_obs_age_s=0.05,
-        model=ModelSpec(path=str(weights / "policy.pt"), obs_dim=p["policy.obs_dim"]),
+        backend=backend,
+        model=ModelSpec(path=str(weights / model_file), obs_dim=p["policy.obs_dim"]),
         obs_layout=tuple(p["policy.obs_layout"]), action_mode=p["policy.action_mode"],
         action_scales=tuple(p["policy.action_scales"]), action_clip=p["policy.action_clip"],
         default_joint_positions=tuple(p["policy.default_joint_positions"]),

@@ -41,3 +41,21 @@ def test_policy_reaches_held_out_targets_within_1cm_in_2s(rate_hz: float) -> Non
     out = ev.evaluate(scene, "learned", rate_hz, episode_s=2.0, latency_steps=1)
     assert out["success_rate"] == 1.0, out
     assert out["final_distance_mm_max"] < 10.0
+
+
+def test_onnx_export_runs_through_the_onnxruntime_backend_like_the_torchscript_one() -> None:
+    """policy.onnx (with the exporter's external data file) through the node's ONNX path gives
+    the same commands as policy.pt."""
+    pytest.importorskip("onnxruntime")
+    import numpy as np
+
+    ev = _eval()
+    runners = []
+    for backend, name in (("cpu_eager", "policy.pt"), ("onnxruntime", "policy.onnx")):
+        runner = ev.policy_runner(WEIGHTS, model_file=name, backend=backend)
+        robot = runner.robots[0]
+        robot.joint_states.write(np.array([[0.2, -0.1, 1.3, 1.1, 0.1, -0.2],
+                                           [0.1, 0.0, -0.2, 0.3, 0.0, 0.1]]), 1_000)
+        robot.ee_target.write(np.array([0.45, 0.1, 0.55]))
+        runners.append(runner.step(1_000)[0].copy())
+    np.testing.assert_allclose(runners[0], runners[1], atol=1e-5)
