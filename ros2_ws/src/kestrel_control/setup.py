@@ -13,6 +13,8 @@ setup(
         ('share/' + package_name, ['package.xml']),
         ('share/' + package_name + '/launch', glob('launch/*.launch.py')),
         ('share/' + package_name + '/config', glob('config/*.yaml')),
+        # the trained reaching policy (rsl_rl exports + metrics.json with its node parameters)
+        ('share/' + package_name + '/weights/reach', glob('weights/reach/*')),
     ],
     package_data={package_name: ['worlds/*.xml', 'core/*.c']},
     include_package_data=True,
