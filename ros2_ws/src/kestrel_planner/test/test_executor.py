@@ -118,3 +118,13 @@ def test_malformed_feedback_and_bad_plan() -> None:
     assert ex.statuses == [StepState.ACTIVE]  # the running plan is untouched
     with pytest.raises(ValueError, match="parameter 'step_timeout'"):
         ExecutorConfig(step_timeout=0.0)
+
+
+def test_home_reached_with_gripper_joints_after_the_arm() -> None:
+    """Joint states carry the arm's joints first, then the gripper's fingers (m)."""
+    ex = PlanExecutor(CFG)
+    ex.start(parse_plan("home\nend"), SCENE, 0.0)
+    h = ex.tick(0.0, None).target
+    assert h.mode == TargetMode.JOINT
+    out = ex.tick(0.1, None, (0.01, -0.49, 0.5, 0.045, 0.045))
+    assert out.target is None and ex.statuses == [StepState.SUCCEEDED]

@@ -201,9 +201,10 @@ class PlanExecutor:
             return now_s - self._t_wp >= c.gripper_time
         if wp.kind == "joint":
             home = wp.target.joint_positions
-            if joints is not None and home and len(joints) == len(home):
-                return max(abs(float(a) - b) for a, b in zip(joints, home, strict=True)) \
-                    <= c.joint_tolerance
+            # joint states list the arm's joints first; more may follow (the gripper's)
+            if joints is not None and home and len(joints) >= len(home):
+                return max(abs(float(a) - b) for a, b in zip(joints[:len(home)], home,
+                                                             strict=True)) <= c.joint_tolerance
             if ee is not None and c.home_position is not None:
                 return _dist(ee, c.home_position) <= c.position_tolerance
             return False
