@@ -38,10 +38,10 @@ SUGGESTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("control", "launch", "cpu", "overhead-bound in {stage} ({kernels} ops, mean "
      "{mean_kernel_us:.1f} us): set policy.backend: onnxruntime and loop.native_tick: true"),
     ("control", "memory", "gpu", "memory-bound in {stage}: the policy's weights stream every "
-     "tick: set policy.backend: cuda_graph_triton or cuda_persistent (weights kept close to the "
+     "tick, so set policy.backend: cuda_graph_triton or cuda_persistent (weights kept close to the "
      "SMs), or a smaller policy (policy.hidden_dims)"),
     ("control", "memory", "cpu", "memory-bound in {stage}: the policy's weights stream every "
-     "tick: set policy.backend: onnxruntime, or a smaller policy (policy.hidden_dims, "
+     "tick, so set policy.backend: onnxruntime, or a smaller policy (policy.hidden_dims, "
      "policy.lstm_hidden)"),
     ("control", "compute", "*", "compute-bound in {stage}: a smaller policy "
      "(policy.hidden_dims, policy.lstm_hidden), or policy.backend: tensorrt (FP16 engine) for a "

@@ -262,3 +262,21 @@ def test_profile_control_target_end_to_end(tmp_path, capsys) -> None:
     assert stages["policy"]["flops"] > 0 and stages["policy"]["occurrences"] == 3
     assert all(s["klass"] in bottleneck.CLASSES for s in stages.values())
     assert "Suggestions:" in capsys.readouterr().out
+
+
+def test_advice_names_parameters_that_exist() -> None:
+    """Every 'name: value' the suggestions give for a node is one of its parameters."""
+    import importlib
+    import re
+
+    modules = {"perception": "kestrel_perception.core.params",
+               "control": "kestrel_control.control_params", "planner": "kestrel_planner.params"}
+    for target, module in modules.items():
+        names = {s.name for s in importlib.import_module(module).SPECS}
+        for tgt, _klass, _dev, text in advice.SUGGESTIONS:
+            if tgt != target:
+                continue
+            for name in re.findall(r"([a-z_][a-z_.]*[a-z_]): ", text):
+                assert name in names, f"{target}: advice names {name!r}, not a parameter"
+            for name in re.findall(r"\(([a-z_]+\.[a-z_]+)", text):
+                assert name in names, f"{target}: advice names {name!r}, not a parameter"

@@ -210,3 +210,12 @@ def test_bringup_entry_point(tmp_path) -> None:
 
     good = params_file(tmp_path, GOOD, "good.yaml")
     assert bringup_main(["--params", str(good), "--no-host", "--cuda", "no"]) == 0
+
+
+def test_knobs_are_parameters_of_their_nodes() -> None:
+    import importlib
+
+    for node, knobs in doctor_params.KNOBS.items():
+        names = {s.name for s in importlib.import_module(doctor_params.SPEC_MODULES[node]).SPECS}
+        missing = sorted(set(knobs.values()) - names)
+        assert not missing, f"{node}: {missing} are not parameters (renamed?)"
