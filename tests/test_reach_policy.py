@@ -34,6 +34,7 @@ def test_weights_are_rsl_rl_exports_with_their_node_parameters() -> None:
         assert (WEIGHTS / name).stat().st_size < 2_000_000  # small, committed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rate_hz", [1000.0, 500.0])
 def test_policy_reaches_held_out_targets_within_1cm_in_2s(rate_hz: float) -> None:
     ev = _eval()

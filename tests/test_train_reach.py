@@ -24,6 +24,7 @@ def _script():
     return module
 
 
+@pytest.mark.slow
 def test_two_iterations_export_policy_files_and_metrics(tmp_path: Path) -> None:
     rc = _script().main(["--iterations", "2", "--num-envs", "8", "--threads", "1",
                          "--steps-per-env", "4", "--seed", "1", "--out", str(tmp_path),

@@ -60,6 +60,7 @@ def test_a_failure_to_create_the_compiled_function_falls_back(
     assert "not supported" in comp.errors[0]
 
 
+@pytest.mark.slow
 def test_an_error_of_the_plain_function_too_propagates_and_compile_stays_on() -> None:
     """Bad input (here a shape mismatch) is not a compile problem: it raises as the plain
     function would, nothing is recorded, the next good call runs compiled."""

@@ -53,6 +53,7 @@ def _assert_same(got: dict, want: dict, **tol: float) -> None:
             torch.testing.assert_close(g.float(), w.float(), equal_nan=True, **tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan", PLANS, ids=["default", "four", "reordered"])
 def test_branched_forward_equals_the_model_forward(plan: BranchPlan) -> None:
     """Every plan, every head set, with LiDAR and BEV: the same dict, same order, same values

@@ -75,6 +75,7 @@ def test_every_format_gives_the_same_outputs(files, fmt) -> None:
     assert set(ext(x, frozenset({"depth"}))) == {"depth"}  # heads switched off at run time
 
 
+@pytest.mark.slow
 def test_contract_mistakes_fail_at_load_naming_the_parameter(files, tmp_path) -> None:
     with pytest.raises(ValueError, match="parameter 'model.outputs'.*come together"):
         parse_outputs(["boxes:output0", "seg:output3"])
@@ -100,6 +101,7 @@ def test_contract_mistakes_fail_at_load_naming_the_parameter(files, tmp_path) ->
                                                                       input_name="img"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("static,compile", [(True, False), (False, False), (True, True)])
 def test_decoded_detections_get_threshold_nms_and_label_checks(static, compile) -> None:
     """(compile: the static path's compiled steps, as the node runs them on CUDA.)"""

@@ -150,6 +150,7 @@ def test_detection_matching_counts_same_class_overlaps_only() -> None:
     assert match_detections(ref, other) == 0
 
 
+@pytest.mark.slow
 def test_compile_variant_matches_eager_on_cpu() -> None:
     """A small torch.compile check on CPU: only the heads compiled, tiny widths."""
     model = tiny_model(base_width=8, fpn_channels=16, heads=frozenset({"depth"}))

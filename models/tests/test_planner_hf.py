@@ -45,6 +45,7 @@ def test_loads_and_matches_hf_generate(model_dir: Path) -> None:
     assert len(set(res.tokens[0])) > 3
 
 
+@pytest.mark.slow
 def test_processor_stream_and_cancel(model_dir: Path) -> None:
     vlm = HFVisionLanguageModel(model_dir)
     allowed = [10, 11, 12]

@@ -29,6 +29,7 @@ def test_loop_specs_are_checked() -> None:
         parse_loops("cpu_eager:1000", "thread")
 
 
+@pytest.mark.slow
 def test_quick_run_has_both_paths_and_same_run_ratios(tmp_path: Path) -> None:
     rec = run_bench(tmp_path / "control_cpu", "control", "--quick")
     assert rec["benchmark"] == "control" and rec["config"]["quick"] is True

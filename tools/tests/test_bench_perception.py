@@ -14,6 +14,7 @@ TINY = ("perception", "--config", "tiny", "--device", "cpu", "--image-hw", "64",
         "--threads", "1")
 
 
+@pytest.mark.slow
 def test_rows_errors_and_weights(tmp_path: Path) -> None:
     from kestrel_models.perception import MultiTaskPerceptionModel, PerceptionConfig
 
@@ -36,6 +37,7 @@ def test_rows_errors_and_weights(tmp_path: Path) -> None:
     assert a != b  # the drift was measured on the loaded weights
 
 
+@pytest.mark.slow
 def test_quick_run_has_the_ratios_the_gate_reads(tmp_path: Path) -> None:
     rec = run_bench(tmp_path / "perception_cpu", "perception", "--quick")
     opt = row(rec, "auto@cams2_b1")

@@ -10,6 +10,7 @@ import torch
 from benchmark_run import row, run_bench
 
 
+@pytest.mark.slow
 def test_planner_quick(tmp_path: Path) -> None:
     rec = run_bench(tmp_path / "planner_cpu", "planner", "--quick")
     base, opt = row(rec, "hf_eager"), row(rec, "engine_eager")
@@ -21,6 +22,7 @@ def test_planner_quick(tmp_path: Path) -> None:
         opt["throughput"]["value"] / base["throughput"]["value"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the kernel benchmarks")
 def test_kernels_without_cuda_are_skipped_rows(tmp_path: Path) -> None:
     rec = run_bench(tmp_path / "kernels", "kernels")

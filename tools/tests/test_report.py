@@ -56,6 +56,7 @@ def write_records(d: Path) -> None:
     (d / "old_format.json").write_text(json.dumps({"label": "an older result"}))
 
 
+@pytest.mark.slow
 def test_report_renders_page_and_plots(tmp_path) -> None:
     write_records(tmp_path)
     assert main(["report", "--dir", str(tmp_path)]) == 0

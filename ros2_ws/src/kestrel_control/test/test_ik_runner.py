@@ -40,6 +40,7 @@ def tick(world: SimWorld, runner: IkRunner, now_ns: int, publish_state: bool = T
     return cmd.copy(), info
 
 
+@pytest.mark.slow
 def test_cartesian_target_reached_through_the_runner(world: SimWorld) -> None:
     world.reset(0)
     runner = make_runner(world)

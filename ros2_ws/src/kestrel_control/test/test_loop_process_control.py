@@ -107,6 +107,7 @@ WRITER = textwrap.dedent("""
 """).format(n=N)
 
 
+@pytest.mark.slow
 def test_no_torn_reads_with_a_concurrent_writer_process(segment) -> None:
     """A writer process publishes [k, -k] rows as fast as it can; every read in this process
     is one complete write: one value throughout, the stamp matching it, versions never back.
@@ -147,6 +148,7 @@ def _config(**kw) -> RunnerConfig:
                         latency_compensation=False, warmup_steps=2, **kw)
 
 
+@pytest.mark.slow
 def test_loop_process_commands_equal_the_in_process_runner() -> None:
     """Same observation every tick: the command after v ticks in the child equals the in-process
     runner's after v steps (same seeded weights); statistics and publisher reach the node side."""
@@ -187,6 +189,7 @@ def test_loop_process_commands_equal_the_in_process_runner() -> None:
     assert np.max(np.abs(cmd - js[0])) <= 0.05 + 1e-12  # action_scale bound
 
 
+@pytest.mark.slow
 def test_child_error_fails_start_with_its_message_and_leaves_nothing(capfd) -> None:
     """... and what the child says goes to the node's logger (its warnings to `warn`), never
     straight to the node's stdout/stderr past the ROS log."""
@@ -204,6 +207,7 @@ def test_child_error_fails_start_with_its_message_and_leaves_nothing(capfd) -> N
     assert "control loop process" not in out + err, out + err
 
 
+@pytest.mark.slow
 def test_child_messages_reach_the_log_callbacks() -> None:
     info, warn = [], []
     proc = LoopProcess(_config(), LoopSettings(period_s=2e-3), start_timeout_s=60.0,
@@ -230,6 +234,7 @@ PARENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_killed_node_child_exits_and_unlinks_the_segment() -> None:
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     try:
@@ -259,6 +264,7 @@ def test_killed_node_child_exits_and_unlinks_the_segment() -> None:
             parent.wait(5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("native", [False, True], ids=["python_tick", "c_tick"])
 def test_child_tick_on_shared_buffers_does_not_allocate(segment, native: bool) -> None:
     """The loop process's tick (runner on shared buffers, command write, eventfd) retains no
@@ -307,6 +313,7 @@ def _thread_cpus(pid: int) -> dict[int, str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_only_the_loop_thread_runs_on_the_loop_cpu() -> None:
     """cpu_affinity [c]: the child's loop thread is pinned to c and every other thread of the
@@ -327,6 +334,7 @@ def test_only_the_loop_thread_runs_on_the_loop_cpu() -> None:
             assert str(loop_cpu) not in c.replace("-", ",").split(","), cpus
 
 
+@pytest.mark.slow
 def test_failed_activation_leaves_no_publisher_and_restores_the_gil_interval() -> None:
     """The child not answering 'activate' (timeout, death) must not leave the publisher thread
     or the node's GIL switch interval behind."""

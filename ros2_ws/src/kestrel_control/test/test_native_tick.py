@@ -295,6 +295,7 @@ class ThreadMailbox:
             time.sleep(1e-5)
 
 
+@pytest.mark.slow
 def test_c_tick_serves_the_persistent_mailbox() -> None:
     """With a mailbox the whole tick runs in one C call (KT_DONE); a late answer goes to
     Python's finish_late; commands equal the Python tick's."""

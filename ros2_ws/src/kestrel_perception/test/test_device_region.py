@@ -86,6 +86,7 @@ def test_region_equals_previous_per_camera_path(static: bool, cloud: str) -> Non
         assert sources == {int(PositionSource.LIDAR), int(PositionSource.PREDICTED_DEPTH)}
 
 
+@pytest.mark.slow
 def test_no_host_read_inside_the_region(monkeypatch: pytest.MonkeyPatch) -> None:
     """With static shapes (the CUDA mode) nothing between the forward and the final copy
     reads a device value on the host: .item/.cpu/.tolist/.nonzero/bool()/int() raise there."""
@@ -124,6 +125,7 @@ def test_no_host_read_inside_the_region(monkeypatch: pytest.MonkeyPatch) -> None
     np.testing.assert_array_equal(out.depths[0], expected.depths[0])
 
 
+@pytest.mark.slow
 def test_16uc1_and_stride_match_the_float_full_resolution_maps() -> None:
     ref_core = cached_core()
     ref_core.region.static = False

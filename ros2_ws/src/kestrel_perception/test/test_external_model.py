@@ -101,6 +101,7 @@ def check_fused_like_the_reference(core: PerceptionCore) -> None:
     assert np.all(out.masks[0] == 3) and np.allclose(out.depths[0], 2.0)
 
 
+@pytest.mark.slow
 def test_user_model_detections_fused_like_the_reference(model_file) -> None:
     """Each format (TorchScript, ExportedProgram, ONNX) through the core on the CPU."""
     check_fused_like_the_reference(PerceptionCore(config(model_file)))

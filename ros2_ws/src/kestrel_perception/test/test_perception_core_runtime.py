@@ -32,6 +32,7 @@ def _frames(h: int = H, w: int = W, n: int = 2) -> FrameSet:
                     None)
 
 
+@pytest.mark.slow
 def test_a_runtime_matches_the_plain_model_and_falls_back_on_other_shapes() -> None:
     eager = PerceptionCore(_config())
     rt = PerceptionCore(_config(optimize=True))  # exact rewrites: a prepared runtime

@@ -205,6 +205,7 @@ class FailingCapture(EmulatedCapture):
         raise RuntimeError("operation not permitted when stream is capturing")
 
 
+@pytest.mark.slow
 def test_failed_capture_runs_eager_with_the_same_results(core: PerceptionCore) -> None:
     graphs = RegionGraphs(FailingCapture())
     region = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True, graphs=graphs)

@@ -143,6 +143,7 @@ def _miou(pred: np.ndarray, gt: np.ndarray, nc: int = 7) -> float:
     return float(np.mean(ious))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frame", range(len(SEEDS)), ids=[f"seed{s}" for s in SEEDS])
 def test_objects_detected(results: list[tuple], frame: int) -> None:
     _, cls, gt_pos, out = results[frame]

@@ -53,6 +53,7 @@ def hf_core(path: Path, **kw: object) -> PlannerCore:
                                      max_new_tokens=48, warmup=False, **kw))  # type: ignore
 
 
+@pytest.mark.slow
 def test_byte_tokenizer_grammar_plan(llava_dir: Path) -> None:
     core = hf_core(llava_dir, hf_tokenizer="byte")
     assert isinstance(core.backend, HFPlanBackend) and core.model is None

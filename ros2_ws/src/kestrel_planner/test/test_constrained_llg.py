@@ -145,6 +145,7 @@ def check_plan(text: str, max_steps: int) -> None:
     assert not bad, (text, bad)
 
 
+@pytest.mark.slow
 def test_byte_tokenizer_random_logits_tiny_budgets() -> None:
     gen = torch.Generator().manual_seed(0)
     for budget in (8, 9, 10, 11, 16, 24, 40):
@@ -175,6 +176,7 @@ def bpe():
     return tk
 
 
+@pytest.mark.slow
 def test_bpe_tokenizer_random_logits_tiny_budgets(bpe) -> None:
     eos = bpe.token_to_id("<eos>")
     llt = lltokenizer(bpe, eos_id=eos)
@@ -229,6 +231,7 @@ def test_budget_forces_end() -> None:
         byte_proc(budget=7)
 
 
+@pytest.mark.slow
 def test_planner_core_engines() -> None:
     lim = PlanLimits(max_speed=0.5, max_height=0.4, max_steps=4)
     scene = [SceneObject("red_cube", "red_cube", (0.4, 0.0, 0.02))]

@@ -61,6 +61,7 @@ def within_limits(result) -> bool:
     return len(result.plan.steps) <= LIMITS.max_steps
 
 
+@pytest.mark.slow
 def test_random_model_plan_is_deterministic(core: PlannerCore) -> None:
     r1 = core.plan("put the red cube in the bin", IMAGE, SCENE)
     r2 = core.plan("put the red cube in the bin", IMAGE, SCENE)
