@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from kestrel_bench import report_plots
 from kestrel_bench.__main__ import main
 
