@@ -2,9 +2,11 @@
 #   make demo        # set up if needed, run the whole stack on the embedded sim (~30 s), print a table
 #   make test        # set up if needed, then lint + the whole test suite (what CI runs)
 #   make test-fast   # lint + unit and in-process tests: no DDS, no launch, no slow, no GPU tests
+#   make eval        # seeded pick-and-place episodes through the stack: success rate, failures
 DURATION ?= 30
+EPISODES ?= 50
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast lint clean eval
 setup:
 	bash scripts/setup.sh
 
@@ -16,6 +18,10 @@ test: setup
 
 test-fast: setup
 	bash scripts/test.sh --fast
+
+eval: setup
+	bash scripts/run.sh python -m kestrel_bringup.evaluate --episodes $(EPISODES) --seed 0 \
+		--out docs/benchmarks/closed_loop_cpu
 
 lint: setup
 	bash scripts/run.sh ruff check .

@@ -56,10 +56,14 @@ def test_running_nodes_speak_the_contract(probe, launch_node):
     for name, spec in pubs.items():
         assert found[name] == [spec["type"]], name
         qos = c["qos"][spec["qos"]]
-        info = node.get_publishers_info_by_topic(name)
-        assert any(i.node_name == "sim" and i.qos_profile.reliability ==
-                   RELIABILITY[qos["reliability"]] and i.qos_profile.durability ==
-                   DURABILITY[qos["durability"]] for i in info), (name, info)
+
+        def matching(name=name, qos=qos):  # noqa: ANN202 - bound per topic
+            return any(i.node_name == "sim" and i.qos_profile.reliability ==
+                       RELIABILITY[qos["reliability"]] and i.qos_profile.durability ==
+                       DURABILITY[qos["durability"]]
+                       for i in node.get_publishers_info_by_topic(name))
+
+        assert _wait(matching, 20.0), (name, node.get_publishers_info_by_topic(name))
     extra = {t for t in found if not t.startswith(("/rosout", "/parameter_events",
                                                    "/diagnostics", "/sim/transition_event"))}
     assert extra == set(pubs), extra - set(pubs)

@@ -46,6 +46,7 @@ STACK: tuple[NodeEntry, ...] = (
             ("~/output/ee_position", "/ee_position"),
             ("~/output/ground_truth", "/sim/ground_truth"),
             ("~/output/episode", "/sim/episode"),
+            ("~/output/robot_description", "/robot_description"),
             ("~/input/joint_command", "/control/joint_command"),
         )),
     NodeEntry(

@@ -13,7 +13,8 @@ the episode.* parameters) and a goal object; ~/output/episode (EpisodeStatus) ca
 and the ground-truth task status (objects in the bin and settled, held) at ground_truth_rate_hz.
 Input: ~/input/joint_command (JointState, position = targets: the arm's joints in rad, and the
 gripper's driven finger joint `finger_left` in m, 0 = open; the other finger mimics it, as in
-the URDF). ~/output/joint_states carries the arm's joints and both fingers.
+the URDF). ~/output/joint_states carries the arm's joints and both fingers;
+~/output/robot_description (std_msgs/String, latched) the URDF the arm was built from.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import CameraInfo, Image, JointState, PointCloud2
+from std_msgs.msg import String
 
 from kestrel_common.base_node import (COMMAND_QOS, LATCHED_QOS, SENSOR_QOS,
                                       KestrelLifecycleNode, run_node)
@@ -188,7 +190,10 @@ class SimNode(KestrelLifecycleNode):
             "ground_truth": mk(GroundTruth, "~/output/ground_truth", LATCHED_QOS),
             # latched: an evaluator that subscribes late still gets the episode's status
             "episode": mk(EpisodeStatus, "~/output/episode", LATCHED_QOS),
+            # the URDF the arm was built from, latched, as robot_state_publisher offers it
+            "robot_description": mk(String, "~/output/robot_description", LATCHED_QOS),
         }
+        self._pubs["robot_description"].publish(String(data=self.world.robot_urdf))
         if p["publish_depth"]:
             self._pubs["depth"] = mk(Image, "~/output/depth", SENSOR_QOS)
         self._sub = self.create_subscription(JointState, "~/input/joint_command",

@@ -15,7 +15,8 @@ from pathlib import Path
 import mujoco
 import numpy as np
 
-from kestrel_sim.core.robot import ARM_JOINTS, EE_SITE, FINGER_JOINTS, attach_robot
+from kestrel_sim.core.robot import (ARM_JOINTS, EE_SITE, FINGER_JOINTS, MOUNT_SITE,
+                                   attach_robot, default_urdf_path)
 
 # The perception class list; a class index is the position in this tuple.
 CLASS_NAMES: tuple[str, ...] = (
@@ -105,6 +106,15 @@ def load_model(world_file: str | Path = "", robot_file: str | Path = "") -> mujo
     except Exception as exc:
         raise ValueError(f"parameter 'world_file' = '{path}': cannot compile the world with "
                          f"the arm: {exc}") from exc
+
+
+def robot_urdf(world_file: str | Path = "", robot_file: str | Path = "") -> str:
+    """The URDF text load_model attaches to this world ("" when the world has no robot_mount
+    site: its arm is its own MJCF)."""
+    path = Path(world_file) if str(world_file) else default_world_file()
+    if mujoco.MjSpec.from_file(str(path)).site(MOUNT_SITE) is None:
+        return ""
+    return (Path(robot_file) if str(robot_file) else default_urdf_path()).read_text()
 
 
 def _id(model: mujoco.MjModel, obj: mujoco.mjtObj, name: str, what: str) -> int:

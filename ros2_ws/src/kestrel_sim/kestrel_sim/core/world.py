@@ -102,6 +102,8 @@ class SimWorld:
         self.config.validate()
         self.model: mujoco.MjModel = sc.load_model(self.config.world_file,
                                                    self.config.robot_file)
+        # the arm's URDF text (robot_description; "" for a world with its own MJCF arm)
+        self.robot_urdf = sc.robot_urdf(self.config.world_file, self.config.robot_file)
         self.model.opt.timestep = self.config.timestep_s
         self.info: sc.SceneInfo = sc.build_scene_info(self.model)
         self.data: mujoco.MjData = mujoco.MjData(self.model)  # live state: only under `lock`

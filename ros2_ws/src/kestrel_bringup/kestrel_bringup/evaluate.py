@@ -1,0 +1,250 @@
+"""Closed-loop evaluation: seeded episodes with random instructions through the running stack.
+
+    python -m kestrel_bringup.evaluate --episodes 50 --seed 0 --out docs/benchmarks/closed_loop_cpu
+    python -m kestrel_bringup.evaluate --no-stack ...   # against a stack / simulator already up
+
+The nodes run as separate processes over DDS on sim time (kestrel_bringup.run_stack's
+StackRunner, the stack's table and YAML; `--controller` sets the control node's controller).
+The evaluator speaks only the simulator contract (config/sim_contract.yaml) and the planner's
+action, so it runs against any simulator that publishes the contract:
+  per episode: /sim/reset (seed, goal object) -> the objects present; the goal is drawn from
+  them and the instruction from templates; /planner/plan_task (PlanTask) with the instruction;
+  then /sim/episode (EpisodeStatus: held, success), /sim/ground_truth (is the goal over the
+  bin) and /control/loop_stats (deadline misses) until success or --timeout s of sim time;
+  /perception/result says whether the goal's class was detected (perception_miss).
+Output: the summary of kestrel_bringup.evaluation (success rate with a Wilson 95 % interval,
+failures by stage, time to success, deadline misses) as <out>.json and <out>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kestrel_bringup.evaluation import EpisodeTrace, markdown, summarize
+
+COLOURS = {"red_cube": ("red", "cube"), "green_cube": ("green", "cube"),
+           "blue_cylinder": ("blue", "cylinder")}
+TEMPLATES = ("put the {c} {s} in the bin", "place the {c} {s} into the bin",
+             "pick up the {c} {s} and drop it in the bin")
+BIN_HALF = 0.1  # m, half the bin's footprint (tabletop.xml)
+
+
+def instruction_for(goal: str, rng: random.Random) -> str:
+    colour, shape = COLOURS.get(goal, (goal.split("_")[0], goal.split("_")[-1]))
+    return rng.choice(TEMPLATES).format(c=colour, s=shape)
+
+
+class Evaluator:
+    """The ROS side: clients and subscriptions on the contract's names (one rclpy node)."""
+
+    def __init__(self, plan_timeout_s: float) -> None:
+        import rclpy
+        from kestrel_interfaces.action import PlanTask
+        from kestrel_interfaces.msg import EpisodeStatus, GroundTruth, LoopStatistics
+        from kestrel_interfaces.msg import PerceptionResult
+        from kestrel_interfaces.srv import ResetWorld
+        from rclpy.action import ActionClient
+        from rclpy.executors import MultiThreadedExecutor
+
+        from kestrel_common.base_node import COMMAND_QOS, LATCHED_QOS
+
+        rclpy.init()
+        self.rclpy = rclpy
+        self.PlanTask, self.ResetWorld = PlanTask, ResetWorld
+        self.node = rclpy.create_node("evaluator")
+        self.plan_timeout_s = plan_timeout_s
+        self.lock = threading.Lock()
+        self.status = None  # latest EpisodeStatus
+        self.truth = None  # latest GroundTruth
+        self.misses = 0  # latest LoopStatistics.deadline_misses
+        self.detected: set[str] = set()  # classes in the latest perception result
+        self.reset = self.node.create_client(ResetWorld, "/sim/reset")
+        self.plan = ActionClient(self.node, PlanTask, "/planner/plan_task")
+        sub = self.node.create_subscription
+        sub(EpisodeStatus, "/sim/episode", self._on_status, LATCHED_QOS)
+        sub(GroundTruth, "/sim/ground_truth", self._on_truth, LATCHED_QOS)
+        sub(LoopStatistics, "/control/loop_stats", self._on_stats, COMMAND_QOS)
+        # best effort, as the perception node publishes it
+        from rclpy.qos import qos_profile_sensor_data
+        sub(PerceptionResult, "/perception/result", self._on_perception, qos_profile_sensor_data)
+        self.executor = MultiThreadedExecutor(num_threads=2)
+        self.executor.add_node(self.node)
+        self.spin = threading.Thread(target=self.executor.spin, daemon=True)
+        self.spin.start()
+
+    def close(self) -> None:
+        self.executor.shutdown()
+        self.node.destroy_node()
+        self.rclpy.try_shutdown()
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def _on_status(self, msg: Any) -> None:
+        with self.lock:
+            self.status = msg
+
+    def _on_truth(self, msg: Any) -> None:
+        with self.lock:
+            self.truth = msg
+
+    def _on_stats(self, msg: Any) -> None:
+        with self.lock:
+            self.misses = int(msg.deadline_misses)
+
+    def _on_perception(self, msg: Any) -> None:
+        names = {msg.class_names[i] for i in msg.class_index if i < len(msg.class_names)}
+        with self.lock:
+            self.detected = names
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _wait(self, fn, timeout_s: float) -> Any:  # noqa: ANN001
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = fn()
+            if value:
+                return value
+            time.sleep(0.05)
+        return None
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return bool(self.reset.wait_for_service(timeout_sec=timeout_s)
+                    and self.plan.wait_for_server(timeout_sec=timeout_s))
+
+    def call_reset(self, seed: int, goal: str) -> Any:
+        fut = self.reset.call_async(self.ResetWorld.Request(seed=seed, goal_object=goal))
+        return self._wait(lambda: fut.result() if fut.done() else None, 30.0)
+
+    def over_bin(self, goal: str) -> bool | None:
+        with self.lock:
+            truth = self.truth
+        if truth is None:
+            return None
+        pos = {o.name: o.pose.position for o in truth.objects}
+        if goal not in pos or "bin" not in pos:
+            return None
+        g, b = pos[goal], pos["bin"]
+        return abs(g.x - b.x) <= BIN_HALF and abs(g.y - b.y) <= BIN_HALF
+
+    # ---- one episode --------------------------------------------------------------------------
+    def episode(self, seed: int, rng: random.Random, timeout_s: float) -> EpisodeTrace | None:
+        first = self.call_reset(seed, "")
+        if first is None or not first.success or not first.objects:
+            print(f"[evaluate] reset {seed} failed: {getattr(first, 'message', 'no answer')}",
+                  file=sys.stderr)
+            return None
+        goal = rng.choice(list(first.objects))
+        text = instruction_for(goal, rng)
+        resp = self.call_reset(seed, goal)  # the same layout, with its goal
+        if resp is None or not resp.success:
+            return None
+        trace = EpisodeTrace(seed=seed, goal=goal, instruction=text)
+
+        def current():
+            with self.lock:
+                s = self.status
+            return s if s is not None and s.seed == seed and s.goal_object == goal and \
+                s.episode >= 1 else None
+
+        start = self._wait(current, 30.0)
+        if start is None:
+            return None
+        t0 = start.header.stamp.sec + start.header.stamp.nanosec * 1e-9
+        with self.lock:
+            misses0 = self.misses
+        time.sleep(1.0)  # a perception result of the new layout (bounded, not a sync)
+        with self.lock:
+            trace.goal_detected = goal in self.detected if self.detected else None
+        goal_msg = self.PlanTask.Goal(instruction=text)
+        send = self.plan.send_goal_async(goal_msg)
+        handle = self._wait(lambda: send.result() if send.done() else None, 30.0)
+        result = None
+        if handle is not None and handle.accepted:
+            res = handle.get_result_async()
+            result = self._wait(lambda: res.result() if res.done() else None,
+                                self.plan_timeout_s)
+        if result is not None:
+            r = result.result
+            trace.plan_status = {0: "accepted", 1: "rejected"}.get(r.validation_status, "error")
+            trace.plan_reasons = list(r.reasons)
+        if trace.plan_status == "accepted":
+            while True:
+                s = self._wait(current, 5.0)
+                if s is None:
+                    break
+                t = s.header.stamp.sec + s.header.stamp.nanosec * 1e-9 - t0
+                trace.observe(t, held=goal in s.objects_held, success=bool(s.success),
+                              over_bin=self.over_bin(goal))
+                if trace.success_s is not None or t > timeout_s:
+                    break
+                time.sleep(0.1)
+        with self.lock:
+            trace.deadline_misses = max(0, self.misses - misses0)
+        return trace
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--episodes", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the episode seeds")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="sim s an episode may take after its plan")
+    parser.add_argument("--plan-timeout", type=float, default=120.0, help="wall s per plan")
+    parser.add_argument("--controller", default="ik", choices=("ik", "policy"))
+    parser.add_argument("--no-stack", action="store_true",
+                        help="do not start the stack: evaluate the one already running")
+    parser.add_argument("--out", default="", help="write <out>.json and <out>.md")
+    args = parser.parse_args(argv)
+    if args.episodes < 1:
+        parser.error("--episodes must be >= 1")
+    runner = None
+    if not args.no_stack:
+        from kestrel_bringup.run_stack import StackRunner
+        runner = StackRunner(extra_params={"control": {"controller": args.controller}},
+                             echo=False)
+        runner.start()
+    ev = None
+    traces: list[EpisodeTrace] = []
+    t_start = time.monotonic()
+    try:
+        ev = Evaluator(args.plan_timeout)
+        if not ev.wait_ready(120.0):
+            print("[evaluate] /sim/reset or /planner/plan_task not available",
+                  file=sys.stderr)
+            return 1
+        rng = random.Random(args.seed)
+        for i in range(args.episodes):
+            seed = args.seed * 100_003 + i + 1  # never 0 (the default layout)
+            trace = ev.episode(seed, rng, args.timeout)
+            if trace is None:
+                print(f"[evaluate] episode {i} (seed {seed}) could not start", file=sys.stderr)
+                continue
+            traces.append(trace)
+            print(f"[evaluate] episode {i + 1}/{args.episodes} seed {seed} '{trace.instruction}'"
+                  f": {trace.stage}", flush=True)
+    finally:
+        if ev is not None:
+            ev.close()
+        if runner is not None:
+            runner.stop()
+    command = "python -m kestrel_bringup.evaluate " + " ".join(sys.argv[1:] if argv is None
+                                                                 else argv)
+    summary = summarize(traces, {**vars(args), "wall_s": round(time.monotonic() - t_start, 1)})
+    summary["schema"] = "kestrel_eval/1"
+    summary["command"] = command
+    print(markdown(summary, command))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        out.with_suffix(".md").write_text(markdown(summary, command))
+    return 0 if summary["successes"] > 0 else 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
