@@ -151,7 +151,7 @@ class PlannerNode(KestrelLifecycleNode):
         remote = remote_config(p) if p["backend"] == "remote" else None
         self.executor_core = PlanExecutor(ExecutorConfig(
             p["position_tolerance"], p["step_timeout"], p["gripper_time"],
-            tuple(p["home_joint_positions"])))
+            tuple(p["home_joint_positions"]), transit_clearance=p["transit_clearance"]))
         self.core = PlannerCore(PlannerConfig(
             model=cfg, weights_path=resolve_weights(p["weights_path"]),
             demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),

@@ -128,3 +128,29 @@ def test_home_reached_with_gripper_joints_after_the_arm() -> None:
     assert h.mode == TargetMode.JOINT
     out = ex.tick(0.1, None, (0.01, -0.49, 0.5, 0.045, 0.045))
     assert out.target is None and ex.statuses == [StepState.SUCCEEDED]
+
+
+def test_transit_clearance_lifts_after_pick_and_places_from_above() -> None:
+    cfg = ExecutorConfig(position_tolerance=0.01, step_timeout=5.0, gripper_time=0.0,
+                         transit_clearance=0.15)
+    ex = PlanExecutor(cfg)
+    ex.start(parse_plan("pick red_cube\nplace bin\nend"), SCENE, 0.0)
+    seen, t, ee = [], 0.0, None
+    for _ in range(50):
+        out = ex.tick(t, ee)
+        if out.target is None:
+            break
+        tg = out.target
+        if tg.mode == TargetMode.CARTESIAN:
+            if not seen or seen[-1] != (tg.position, tg.gripper):
+                seen.append((tg.position, tg.gripper))
+            ee = tg.position
+        t += 0.05
+    points = [tuple(round(v, 6) for v in p) for p, _ in seen]
+    assert points == [(0.4, 0.0, 0.07), (0.4, 0.0, 0.02),  # approach, grasp
+                      (0.4, 0.0, 0.17),  # lifted with the gripper closed
+                      (0.3, 0.3, 0.15), (0.3, 0.3, 0.05)]  # over the bin, then down
+    assert [g for _, g in seen] == [0.0, 0.0, 1.0, 1.0, 1.0]
+    assert ex.statuses == [StepState.SUCCEEDED] * 2
+    with pytest.raises(ValueError, match="transit_clearance"):
+        ExecutorConfig(transit_clearance=-0.1)

@@ -74,6 +74,10 @@ class ExecutorConfig:
     home_position: Vec3 | None = None  # m, optional EE position check for HOME
     joint_tolerance: float = 0.02  # rad
     home_speed: float = 0.5  # rad/s
+    # m: after PICK closes the gripper, lift the object this far above its grasp position;
+    # PLACE first goes this far above its target, then down to its `height`: the object in
+    # hand clears obstacles on the way, such as the bin's walls. 0 = the skills' points only.
+    transit_clearance: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("position_tolerance", "step_timeout", "joint_tolerance", "home_speed"):
@@ -82,6 +86,9 @@ class ExecutorConfig:
                 raise ValueError(f"parameter '{name}' = {v!r}: must be finite and > 0")
         if not (math.isfinite(self.gripper_time) and self.gripper_time >= 0):
             raise ValueError(f"parameter 'gripper_time' = {self.gripper_time!r}: must be >= 0")
+        if not (math.isfinite(self.transit_clearance) and self.transit_clearance >= 0):
+            raise ValueError(f"parameter 'transit_clearance' = {self.transit_clearance!r}: "
+                             "must be >= 0")
 
 
 @dataclass
@@ -151,12 +158,19 @@ class PlanExecutor:
                 dist = step.value("distance") if skill == Skill.PUSH else 0.0
                 pts = skill_points(skill, obj.position, step.value("height"), dist)
                 speed = step.value("speed")
+                clear = self.config.transit_clearance
+                x, y, z = (float(v) for v in obj.position)
+                transit = (x, y, z + clear)
+                if skill == Skill.PLACE and clear > step.value("height"):
+                    pts = [transit, *pts]  # over the target first, then down
                 if skill == Skill.PICK:
                     grip = 0.0
                 wps += [cart(p, grip, speed) for p in pts]
                 if skill == Skill.PICK:
                     grip = 1.0
                     wps.append(gripper(grip))
+                    if clear > 0.0:  # lift the object before anything else moves it
+                        wps.append(cart(transit, grip, speed))
                 elif skill == Skill.PLACE:
                     grip = 0.0
                     wps.append(gripper(grip))
