@@ -31,6 +31,7 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 from rclpy.parameter import Parameter
 from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy)
 
+from kestrel_common.clock_check import ClockCheck
 from kestrel_common.conversions import diagnostic_status
 from kestrel_common.counters import Counters
 from kestrel_common.heap import freeze_heap, thaw_heap, tune_malloc
@@ -102,6 +103,7 @@ class KestrelLifecycleNode(LifecycleNode):
         self._diag_timer = None
         self._status_fn: Callable[[], tuple[int, str, dict]] | None = None
         self._drop_logged: dict[str, float] = {}
+        self.clock_check: ClockCheck | None = None   # made at the first check_stamp()
         self._drop_log_lock = threading.Lock()
         self.add_on_set_parameters_callback(self._on_set_parameters)
         # Freeze the heap after every successful configure and thaw it before cleanup/shutdown
@@ -226,6 +228,18 @@ class KestrelLifecycleNode(LifecycleNode):
             self._drop_logged[reason] = now
         self.get_logger().warning(f"dropped input ({reason}, total {n}): {message}")
 
+    def check_stamp(self, stamp: Any) -> None:
+        """Feed one timed input's header stamp to the time-source check (clock_check.py): a
+        stack on two clocks becomes an ERROR on /diagnostics within about a second, naming
+        the fix, instead of a silent stream of stale-input drops."""
+        now = self.get_clock().now().nanoseconds
+        if self.clock_check is None:
+            self.clock_check = ClockCheck(
+                use_sim_time=bool(self.get_parameter("use_sim_time").value))
+        was = self.clock_check.mismatch
+        if self.clock_check.observe(stamp.sec * 1_000_000_000 + stamp.nanosec, now) and not was:
+            self.get_logger().error(self.clock_check.status())
+
     def start_diagnostics(self, status_fn: Callable[[], tuple[int, str, dict]] | None = None,
                           ) -> None:
         """Publish /diagnostics every diagnostics_period. status_fn -> (level, message,
@@ -253,6 +267,11 @@ class KestrelLifecycleNode(LifecycleNode):
             level, message, values = DiagnosticStatus.OK, "ok", {}
         merged = dict(self.counters.snapshot())
         merged.update(values)
+        clock_error = self.clock_check.status() if self.clock_check is not None else ""
+        if self.clock_check is not None:
+            merged["time_source_mismatches"] = self.clock_check.mismatches
+        if clock_error:
+            level, message = DiagnosticStatus.ERROR, f"{clock_error}; {message}"
         arr = DiagnosticArray()
         arr.header.stamp = self.get_clock().now().to_msg()
         arr.status = [diagnostic_status(f"{self.get_name()}", self.get_fully_qualified_name(),
@@ -288,7 +307,7 @@ def make_executor(node: KestrelLifecycleNode, num_threads: int = 4) -> Executor:
     'multi'. 'multi' = MultiThreadedExecutor (callbacks of different callback groups run
     concurrently); 'single' = SingleThreadedExecutor: no thread-pool hand-off and no GIL
     contention between executor threads per callback, for a node whose callbacks need not
-    overlap (scripts/bench_transport.py measures both)."""
+    overlap (`kestrel_bench transport` measures both)."""
     kind = node.get_parameter("executor").value if node.has_parameter("executor") else "multi"
     if kind == "single":
         return SingleThreadedExecutor(context=node.context)
