@@ -210,7 +210,8 @@ def start_node(launch_node, probe, params: dict):
     node = launch_node("kestrel_perception.perception_node", NODE, params=params)
     results = probe.subscribe(PerceptionResult, f"/{NODE}/output/result", 50)
     rig = Rig(probe)
-    assert probe.wait_for_subscribers(rig.img[0], timeout=30.0), node.output()
+    # bounded by the node's own configure: receive.start_timeout (60 s) for its receivers
+    assert probe.wait_for_subscribers(rig.img[0], timeout=90.0), node.output()
     assert probe.wait_for_subscribers(rig.cloud, timeout=10.0), node.output()
     return node, results, rig
 
@@ -390,7 +391,7 @@ def test_user_model_through_the_node(launch_node, probe, run_dir):
      "parameter 'runtime.cuda_graph' = True: CUDA graphs need device 'cuda'"),
     ({"runtime": {"precision": "fp64"}}, "parameter 'runtime.precision' = 'fp64': must be one"),
     ({"runtime": {"precison": "bf16"}}, "parameter 'runtime.precison' = 'bf16': not a "
-     "parameter of this node; did you mean 'runtime.precision'?"),
+     "parameter of this node; did you mean 'runtime.precision'"),
     ({"runtime_variant": "eager_fp32"}, "parameter 'runtime_variant' = 'eager_fp32': not a "
      "parameter of this node"),
     ({"lidar.point_buckets": [4096, 1024]}, "parameter 'lidar.point_buckets'"),
