@@ -119,6 +119,10 @@ def render_set(seeds: list[int], modes: list[str], width: int, height: int, rng_
                min_px: int, cache_dir: Path | None) -> dict[str, np.ndarray]:
     """Render (or load from the .npz cache) one frame per (seed, arm mode)."""
     key = hashlib.sha1(json.dumps([seeds, modes, width, height, rng_seed, min_px]).encode())
+    # the world and the arm they were rendered from: a changed world is a new set
+    from kestrel_sim.core.robot import default_urdf_path
+    from kestrel_sim.core.scene import default_world_file
+    key.update(default_world_file().read_bytes() + default_urdf_path().read_bytes())
     path = cache_dir / f"kestrel_sim_{key.hexdigest()[:12]}.npz" if cache_dir else None
     if path is not None and path.is_file():
         return dict(np.load(path))
