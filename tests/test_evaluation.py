@@ -67,3 +67,27 @@ def test_summary_counts_the_failure_it_is_shown() -> None:
     assert s["per_episode"][3]["stage"] == "grasp_slip"
     md = markdown(s, "python -m kestrel_bringup.evaluate --episodes 4")
     assert "| 4 | 3 | 75.0% |" in md and "| grasp_slip | 1 |" in md
+
+
+def test_video_and_plot(tmp_path) -> None:
+    import imageio.v2 as imageio
+    import numpy as np
+
+    from kestrel_bringup.episode_media import plot_summary, write_video
+
+    frames = []
+    for i in range(6):
+        rgb = np.zeros((64, 80, 3), dtype=np.uint8)
+        rgb[:, : 10 * (i + 1)] = (200, 30, 30)
+        frames.append((rgb, f"step {i // 2 + 1}/3 pick red_cube"))
+    for name in ("ep.mp4", "ep.gif"):
+        path = write_video(frames, tmp_path / name, fps=5.0)
+        back = imageio.mimread(path)
+        assert len(back) == 6 and back[0].shape[:2] == (64, 80)
+        # the caption band is drawn over the frame's top left
+        assert not np.array_equal(np.asarray(back[0])[:8, :40, :3], frames[0][0][:8, :40])
+    with pytest.raises(ValueError, match=".mp4 or .gif"):
+        write_video(frames, tmp_path / "ep.avi")
+    s = summarize([trace(plan_status="accepted", success_s=3.0), trace()])
+    png = plot_summary(s, tmp_path / "outcomes.png")
+    assert png.stat().st_size > 1000 and imageio.imread(png).ndim == 3

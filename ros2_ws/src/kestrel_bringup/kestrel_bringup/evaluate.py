@@ -13,7 +13,9 @@ action, so it runs against any simulator that publishes the contract:
   bin) and /control/loop_stats (deadline misses) until success or --timeout s of sim time;
   /perception/result says whether the goal's class was detected (perception_miss).
 Output: the summary of kestrel_bringup.evaluation (success rate with a Wilson 95 % interval,
-failures by stage, time to success, deadline misses) as <out>.json and <out>.md.
+failures by stage, time to success, deadline misses) as <out>.json and <out>.md, the outcomes
+as <out>.png; `--video` records the first episode from /camera/image_raw with the instruction
+and the plan step (/planner/plan, /planner/step_status) written over it (episode_media).
 """
 
 from __future__ import annotations
@@ -48,12 +50,13 @@ class Evaluator:
         import rclpy
         from kestrel_interfaces.action import PlanTask
         from kestrel_interfaces.msg import EpisodeStatus, GroundTruth, LoopStatistics
-        from kestrel_interfaces.msg import PerceptionResult
+        from kestrel_interfaces.msg import PerceptionResult, StepStatus, TaskPlan
+        from sensor_msgs.msg import Image
         from kestrel_interfaces.srv import ResetWorld
         from rclpy.action import ActionClient
         from rclpy.executors import MultiThreadedExecutor
 
-        from kestrel_common.base_node import COMMAND_QOS, LATCHED_QOS
+        from kestrel_common.base_node import COMMAND_QOS, LATCHED_QOS, SENSOR_QOS
 
         rclpy.init()
         self.rclpy = rclpy
@@ -65,6 +68,11 @@ class Evaluator:
         self.truth = None  # latest GroundTruth
         self.misses = 0  # latest LoopStatistics.deadline_misses
         self.detected: set[str] = set()  # classes in the latest perception result
+        self.recording = False  # camera frames of the current episode into `frames`
+        self.frames: list = []  # (rgb [H, W, 3] uint8, caption)
+        self.caption = ""
+        self.plan_steps: list[str] = []  # "pick red_cube", ...
+        self.step = ""
         self.reset = self.node.create_client(ResetWorld, "/sim/reset")
         self.plan = ActionClient(self.node, PlanTask, "/planner/plan_task")
         sub = self.node.create_subscription
@@ -74,6 +82,9 @@ class Evaluator:
         # best effort, as the perception node publishes it
         from rclpy.qos import qos_profile_sensor_data
         sub(PerceptionResult, "/perception/result", self._on_perception, qos_profile_sensor_data)
+        sub(Image, "/camera/image_raw", self._on_image, SENSOR_QOS)
+        sub(TaskPlan, "/planner/plan", self._on_plan, LATCHED_QOS)
+        sub(StepStatus, "/planner/step_status", self._on_step, COMMAND_QOS)
         self.executor = MultiThreadedExecutor(num_threads=2)
         self.executor.add_node(self.node)
         self.spin = threading.Thread(target=self.executor.spin, daemon=True)
@@ -101,6 +112,26 @@ class Evaluator:
         names = {msg.class_names[i] for i in msg.class_index if i < len(msg.class_names)}
         with self.lock:
             self.detected = names
+
+    def _on_plan(self, msg: Any) -> None:
+        with self.lock:
+            self.plan_steps = [f"{st.skill_name} {st.target_object}".strip()
+                               for st in msg.steps]
+
+    def _on_step(self, msg: Any) -> None:
+        names = {0: "pending", 1: "active", 2: "succeeded", 3: "failed", 4: "aborted"}
+        with self.lock:
+            i = int(msg.step_index)
+            what = self.plan_steps[i] if i < len(self.plan_steps) else ""
+            self.step = f"step {i + 1}/{msg.step_count} {what} ({names.get(msg.status, '?')})"
+
+    def _on_image(self, msg: Any) -> None:
+        if not self.recording:
+            return
+        from kestrel_common.conversions import image_to_numpy
+        rgb = image_to_numpy(msg, accept=("rgb8",)).copy()
+        with self.lock:
+            self.frames.append((rgb, f"{self.caption}\n{self.step}"))
 
     # ---- helpers ------------------------------------------------------------------------------
     def _wait(self, fn, timeout_s: float) -> Any:  # noqa: ANN001
@@ -144,6 +175,8 @@ class Evaluator:
         if resp is None or not resp.success:
             return None
         trace = EpisodeTrace(seed=seed, goal=goal, instruction=text)
+        with self.lock:
+            self.caption, self.step, self.plan_steps = f"seed {seed}: {text}", "", []
 
         def current():
             with self.lock:
@@ -198,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--controller", default="ik", choices=("ik", "policy"))
     parser.add_argument("--no-stack", action="store_true",
                         help="do not start the stack: evaluate the one already running")
-    parser.add_argument("--out", default="", help="write <out>.json and <out>.md")
+    parser.add_argument("--out", default="", help="write <out>.json, <out>.md and <out>.png")
+    parser.add_argument("--video", default="", help="record the first episode: .mp4 or .gif")
     args = parser.parse_args(argv)
     if args.episodes < 1:
         parser.error("--episodes must be >= 1")
@@ -220,7 +254,16 @@ def main(argv: list[str] | None = None) -> int:
         rng = random.Random(args.seed)
         for i in range(args.episodes):
             seed = args.seed * 100_003 + i + 1  # never 0 (the default layout)
+            ev.recording = bool(args.video) and not traces
             trace = ev.episode(seed, rng, args.timeout)
+            if ev.recording:
+                ev.recording = False
+                with ev.lock:
+                    frames, ev.frames = ev.frames, []
+                if frames:
+                    from kestrel_bringup.episode_media import write_video
+                    print(f"[evaluate] video: {write_video(frames, args.video)} "
+                          f"({len(frames)} frames)", flush=True)
             if trace is None:
                 print(f"[evaluate] episode {i} (seed {seed}) could not start", file=sys.stderr)
                 continue
@@ -243,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
         out.with_suffix(".md").write_text(markdown(summary, command))
+        from kestrel_bringup.episode_media import plot_summary
+        plot_summary(summary, out.with_suffix(".png"))
     return 0 if summary["successes"] > 0 else 2
 
 
