@@ -144,7 +144,8 @@ def render(records: list[dict], other: list[str], plots: dict[str, Path | None],
                               "line is the deadline (one period).", loops_table(shown)),
         "radar": ("Optimized relative to baseline on the five dimensions (> 1 = better; "
                   "accuracy: (1 - drift) ratio, drift = max abs difference from the fp32 "
-                  "reference; n/a = not measured).", radar_table(shown)),
+                  "reference, or the ratio of task success where a record measures it; n/a = "
+                  "not measured).", radar_table(shown)),
     }
     for key, title, _fn in PLOTS:
         text, table = sections[key]

@@ -169,7 +169,8 @@ def control_histogram(records: list[dict], path: Path) -> Path | None:
 def radar_values(b: dict, o: dict) -> dict[str, float | None]:
     """Optimized relative to baseline per axis (> 1 = better), None where a figure is absent:
     latency p50 b/o, throughput o/b, peak memory b/o, energy per item b/o, accuracy
-    (1 - drift_o) / (1 - drift_b) with drift the max abs difference from the fp32 reference."""
+    (1 - drift_o) / (1 - drift_b) with drift the max abs difference from the fp32 reference,
+    or where no drift is measured the ratio of metrics.accuracy / metrics.success_rate."""
     def get(r: dict, *path: str) -> float | None:
         for p in path:
             r = r.get(p) if isinstance(r, dict) else None
@@ -180,12 +181,18 @@ def radar_values(b: dict, o: dict) -> dict[str, float | None]:
 
     db = get(b, "drift", "max_abs") or 0.0
     do = get(o, "drift", "max_abs")
+    if do is not None:
+        accuracy = max(0.0, 1.0 - do) / max(1e-9, 1.0 - db)
+    else:  # task outcomes where a record measures them
+        accuracy = next((ratio(get(o, "metrics", k), get(b, "metrics", k))
+                         for k in ("accuracy", "success_rate")
+                         if get(o, "metrics", k) and get(b, "metrics", k)), None)
     return {"latency": ratio(get(b, "latency_ms", "p50"), get(o, "latency_ms", "p50")),
             "throughput": ratio(get(o, "throughput", "value"), get(b, "throughput", "value")),
             "memory": ratio(get(b, "peak_memory_mb"), get(o, "peak_memory_mb")),
             "energy": ratio(get(b, "power", "energy_j_per_item"),
                             get(o, "power", "energy_j_per_item")),
-            "accuracy": None if do is None else max(0.0, 1.0 - do) / max(1e-9, 1.0 - db)}
+            "accuracy": accuracy}
 
 
 def radar(records: list[dict], path: Path) -> Path | None:

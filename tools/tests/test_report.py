@@ -86,6 +86,9 @@ def test_radar_values_and_missing_data(tmp_path) -> None:
     v = report_plots.radar_values(b, o)
     assert v["latency"] == 2.0 and v["energy"] == 3.0 and v["throughput"] is None
     assert abs(v["accuracy"] - 0.99) < 1e-9
+    task = report_plots.radar_values({"latency_ms": lat(1.0), "metrics": {"success_rate": 0.5}},
+                                     {"latency_ms": lat(1.0), "metrics": {"success_rate": 1.0}})
+    assert task["accuracy"] == 2.0
     # no pair of roles: the plots that need one are not written, and say so
     solo = {"schema": "kestrel_bench/1", "benchmark": "planner", "machine": {"class": "cpu"},
             "results": [{"name": "x", "role": "variant", "latency_ms": lat(1.0)}]}
