@@ -315,9 +315,9 @@ def test_joint_states_on_another_time_source_are_an_error_naming_the_fix(launch_
         got = diag.wait_for(lambda m: error(m) is not None, timeout=15.0)
         status = error(got)
         assert status is not None, node.output()
-        assert "use_sim_time" in status.message and "another time source" in status.message
+        assert "use_sim_time" in status.message and "time source" in status.message
         values = {kv.key: kv.value for kv in status.values}
-        assert float(values["joint_state_clock_offset_s"]) > 1e8  # wall time - 1000 s
+        assert int(values["time_source_mismatches"]) > 0
     finally:
         source.close()
     assert node.stop() == 0, node.output()

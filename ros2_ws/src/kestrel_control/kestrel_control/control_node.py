@@ -76,12 +76,6 @@ from kestrel_models.control.external import ModelSpec
 from kestrel_models.control.policy import PolicyConfig
 
 
-# A joint state stamped this far from the node's clock comes from another time source (sim time
-# against wall time, or the reverse): no transport or queue delays a message by that much, and
-# safety.max_obs_age is far smaller, so every cycle would hold as stale.
-CLOCK_MISMATCH_S = 10.0
-
-
 class ControlNode(KestrelLifecycleNode):
     """Lifecycle shell around PolicyRunner + RealtimeLoop (see the module docstring)."""
 
@@ -238,9 +232,6 @@ class ControlNode(KestrelLifecycleNode):
         self._ramp_stamps = [0] * len(prefixes)
         self._last_pos = np.zeros((len(prefixes), len(names)))  # rad, node joint order
         self._have_pos = [False] * len(prefixes)
-        # per robot: the newest joint state's stamp (node clock ns) and receipt (monotonic ns)
-        self._js_stamp = [0] * len(prefixes)
-        self._js_seen = [0] * len(prefixes)
         self._group = group
         for r, prefix in enumerate(prefixes):
             msg = JointState()  # reused every cycle (loop thread only)
@@ -395,7 +386,6 @@ class ControlNode(KestrelLifecycleNode):
         self._js_bufs[robot].write_with(fill, stamp)
         np.take(pos_a, perm, out=self._last_pos[robot])  # where a speed-limited target starts
         self._have_pos[robot] = True
-        self._js_stamp[robot], self._js_seen[robot] = stamp, time.monotonic_ns()
 
     def _on_target(self, robot: int, msg: ControlTarget) -> None:
         if not self._active:
@@ -597,10 +587,6 @@ class ControlNode(KestrelLifecycleNode):
                                             " no commands"), values
         if new["step_errors"]:
             return DiagnosticStatus.ERROR, "policy step raised (see last_step_error)", values
-        mismatch = self._clock_mismatch(values)
-        if mismatch:
-            self.get_logger().error(mismatch, throttle_duration_sec=5.0)
-            return DiagnosticStatus.ERROR, mismatch, values
         if problems:
             message = "since last report: " + ", ".join(f"{k} +{new[k]}" for k in problems)
             causes = [f"{k[len('misses_'):]} +{new[k]}" for k in MISS_CAUSES if new.get(k)]
@@ -609,27 +595,6 @@ class ControlNode(KestrelLifecycleNode):
             self.get_logger().warning(message, throttle_duration_sec=5.0)
             return DiagnosticStatus.WARN, message, values
         return DiagnosticStatus.OK, "ok", values
-
-    def _clock_mismatch(self, values: dict[str, Any]) -> str:
-        """The joint states of the last 2 s against this node's clock: a message naming the
-        fix when their stamps come from another time source, else ''. Sets
-        values['joint_state_clock_offset_s'] (node clock - stamp, s; the largest)."""
-        recent = time.monotonic_ns() - 2_000_000_000
-        now = self._clock.now().nanoseconds
-        offsets = [(now - stamp) * 1e-9 for stamp, seen in zip(self._js_stamp, self._js_seen,
-                                                                strict=True) if seen > recent]
-        if not offsets or now <= 0:  # nothing recent, or no /clock yet (no_clock_cycles)
-            return ""
-        offset = max(offsets, key=abs)
-        values["joint_state_clock_offset_s"] = offset
-        if abs(offset) <= CLOCK_MISMATCH_S:
-            return ""
-        sim = str(bool(self.get_parameter("use_sim_time").value)).lower()
-        return (f"joint state stamps are {abs(offset):.0f} s "
-                f"{'behind' if offset > 0 else 'ahead of'} this node's clock (use_sim_time "
-                f"{sim}): their publisher uses another time source, so every observation is "
-                "stale and nothing is commanded; give every node the same use_sim_time, the "
-                "sim included")
 
 
 def main(args: list[str] | None = None) -> int:
