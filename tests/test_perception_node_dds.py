@@ -550,10 +550,17 @@ def local_node(ros_domain: int, **extra):
 def test_runtime_options_reach_the_core(ros_domain):
     """runtime.* (dotted names): 'auto' on the CPU is the plain fp32 model; explicit options
     prepare a runtime with exactly those (bf16 autocast, exact rewrites, no compile)."""
+    from rclpy.parameter import Parameter
+
     with local_node(ros_domain) as node:
         assert node.core is not None and node.core.runtime is None
         assert node.core.config.options.describe() == \
             "torch fp32, compile off, cuda_graph off, optimize off"
+        # a dotted run-time parameter set while configured reaches the core
+        assert node.set_parameters([Parameter("detection.score_threshold", value=0.9)]
+                                   )[0].successful
+        node._refresh_runtime()
+        assert node.core.config.model.score_threshold == 0.9
     with local_node(ros_domain, **{"runtime.precision": "bf16", "runtime.optimize": True,
                                    "runtime.compile": "off"}) as node:
         assert node.core is not None and node.core.runtime is not None
