@@ -68,6 +68,7 @@ class Evaluator:
         self.truth = None  # latest GroundTruth
         self.misses = 0  # latest LoopStatistics.deadline_misses
         self.detected: set[str] = set()  # classes in the latest perception result
+        self.detected_stamp = 0.0  # its header stamp, s (sim time)
         self.recording = False  # camera frames of the current episode into `frames`
         self.frames: list = []  # (rgb [H, W, 3] uint8, caption)
         self.caption = ""
@@ -112,6 +113,7 @@ class Evaluator:
         names = {msg.class_names[i] for i in msg.class_index if i < len(msg.class_names)}
         with self.lock:
             self.detected = names
+            self.detected_stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
 
     def _on_plan(self, msg: Any) -> None:
         with self.lock:
@@ -190,9 +192,10 @@ class Evaluator:
         t0 = start.header.stamp.sec + start.header.stamp.nanosec * 1e-9
         with self.lock:
             misses0 = self.misses
-        time.sleep(1.0)  # a perception result of the new layout (bounded, not a sync)
+        # the goal's class in a perception result of the new layout (bounded wait)
+        fresh = self._wait(lambda: self.detected_stamp > t0, 20.0)
         with self.lock:
-            trace.goal_detected = goal in self.detected if self.detected else None
+            trace.goal_detected = (goal in self.detected) if fresh else None
         goal_msg = self.PlanTask.Goal(instruction=text)
         send = self.plan.send_goal_async(goal_msg)
         handle = self._wait(lambda: send.result() if send.done() else None, 30.0)
