@@ -21,11 +21,12 @@ the policy, a layout with ee_* terms receives it, else it is held (target_cartes
 ControlTarget.gripper (0 open .. 1 closed) is the `gripper.joint` entry appended to every joint
 command (0 .. gripper.closed_position, the URDF's limit by default). Joint states may name more
 joints than the node's (e.g. the fingers): the node's joints are taken by name.
-Callbacks only check the message's structure (length, joint names: counted drops) and write
-into the buffers; values (NaN/inf, staleness, joint limits) are the SafetyFilter's job, counted
-in the loop statistics. Observation age = node clock now - header stamp, so it works on wall time
-and on /clock (use_sim_time; the node clock stands still while the sim is paused, so a paused
-sim is not "stale"). A zero header stamp is replaced by the node clock at receipt.
+Callbacks (control_inputs.py) only check the message's structure (length, joint names:
+counted drops) and write into the buffers; values (NaN/inf, staleness, joint limits) are the
+SafetyFilter's job, counted in the loop statistics. Observation age = node clock now - header
+stamp, so it works on wall time and on /clock (use_sim_time; the node clock stands still while
+the sim is paused, so a paused sim is not "stale"). A zero header stamp is replaced by the node
+clock at receipt.
 Activation clears the input buffers: nothing from before a deactivation is acted on, and no
 command is sent before the first joint state received after the activation.
 
@@ -65,18 +66,19 @@ from sensor_msgs.msg import JointState
 from kestrel_common.base_node import COMMAND_QOS, SENSOR_QOS, KestrelLifecycleNode, run_node
 from kestrel_common.conversions import stamp_to_ns
 from kestrel_common.params import ParamError
+from kestrel_control.control_inputs import ControlInputs
 from kestrel_control.control_params import RENAMED, SPECS, qualify, resolve_loop_mode
 from kestrel_control.core import LoopStats, PolicyRunner, RealtimeLoop, RunnerConfig
 from kestrel_control.core.description import joint_limits, read_description
 from kestrel_control.core.loop_process import LoopProcess, LoopSettings
 from kestrel_control.core.miss_cause import CAUSES as MISS_CAUSES
 from kestrel_control.core.stats import window_end_ns
-from kestrel_control.core.target_limit import TargetRamp, speed_limit
+from kestrel_control.core.target_limit import TargetRamp
 from kestrel_models.control.external import ModelSpec
 from kestrel_models.control.policy import PolicyConfig
 
 
-class ControlNode(KestrelLifecycleNode):
+class ControlNode(ControlInputs, KestrelLifecycleNode):
     """Lifecycle shell around PolicyRunner + RealtimeLoop (see the module docstring)."""
 
     def __init__(self) -> None:
@@ -349,93 +351,6 @@ class ControlNode(KestrelLifecycleNode):
                 self.destroy_timer(timer)
                 setattr(self, name, None)
 
-    # ---- input callbacks (executor threads): structure checks, then write a buffer -------
-    def _on_joint_state(self, robot: int, msg: JointState) -> None:
-        if not self._active:
-            return
-        n = len(self._index)
-        names, pos, vel = msg.name, msg.position, msg.velocity
-        if len(names) < n or len(pos) != len(names) or len(vel) not in (0, len(names)):
-            self.drop("joint_state_bad_length",
-                      f"{len(names)} names, {len(pos)} positions, {len(vel)} velocities; the "
-                      f"node has {n} joints")
-            return
-        if names != self._perm_names[robot]:  # new joint order: rebuild the permutation
-            try:
-                perm = np.array([list(names).index(j) for j in self._index], dtype=np.intp)
-            except ValueError:  # a node joint is not named
-                self.drop("joint_state_bad_names",
-                          f"names {list(names)} are not the node's joints {list(self._index)}")
-                return
-            self._perm_names[robot], self._perm[robot] = list(names), perm
-        self.check_stamp(msg.header.stamp)   # a stack on two clocks -> ERROR, named fix
-        stamp = stamp_to_ns(msg.header.stamp) or self._clock.now().nanoseconds
-        pos_a = np.frombuffer(pos, dtype=np.float64) if isinstance(pos, array.array) \
-            else np.asarray(pos, dtype=np.float64)
-        vel_a = np.frombuffer(vel, dtype=np.float64) if isinstance(vel, array.array) \
-            else np.asarray(vel, dtype=np.float64)
-        perm = self._perm[robot]
-
-        def fill(slot: np.ndarray) -> None:  # slot: [2, n], node joint order
-            np.take(pos_a, perm, out=slot[0])
-            if vel_a.shape[0]:
-                np.take(vel_a, perm, out=slot[1])
-            else:
-                slot[1] = 0.0
-
-        self._js_bufs[robot].write_with(fill, stamp)
-        np.take(pos_a, perm, out=self._last_pos[robot])  # where a speed-limited target starts
-        self._have_pos[robot] = True
-
-    def _on_target(self, robot: int, msg: ControlTarget) -> None:
-        if not self._active:
-            return
-        if self._gripper_closed > 0.0:  # every target carries the gripper's state
-            if math.isfinite(msg.gripper):
-                self._cmd_msgs[robot].position[-1] = \
-                    min(max(msg.gripper, 0.0), 1.0) * self._gripper_closed
-            else:
-                self.drop("target_bad_gripper", f"gripper {msg.gripper}: must be in [0, 1]")
-        if self._mode_bufs and not self._to_ik_runner(robot, msg):
-            return
-        if msg.mode != ControlTarget.MODE_JOINT:
-            # MODE_HOLD: keep the current joint target. MODE_CARTESIAN: to the policy's ee_*
-            # terms when its layout has them, else held, counted.
-            if msg.mode == ControlTarget.MODE_CARTESIAN:
-                ee = self._ee_target_buffer(robot)
-                if ee is None:
-                    self.counters.inc("target_cartesian_held")
-                else:
-                    p = msg.position
-                    ee.write(np.array([p.x, p.y, p.z]), stamp_to_ns(msg.header.stamp))
-            else:
-                self.counters.inc("target_hold")
-            return
-        n, q = len(self._index), msg.joint_positions
-        if len(q) != n:
-            self.drop("target_bad_length",
-                      f"target has {len(q)} joint positions, the node has {n} joints")
-            return
-        limit = speed_limit(msg.max_speed)
-        if limit is None:
-            self.drop("target_bad_max_speed",
-                      f"max_speed {msg.max_speed}: must be >= 0 rad/s (0 = no limit)")
-            return
-        goal = np.asarray(q, dtype=np.float64)
-        stamp = stamp_to_ns(msg.header.stamp)
-        ramp = self._ramps[robot]
-        if limit == math.inf:  # no limit: the target as given (a later ramp starts there)
-            ramp.reset()
-            ramp.current = goal
-            self._tgt_bufs[robot].write(goal, stamp)
-            return
-        ramp.set_goal(goal, limit)
-        self._ramp_stamps[robot] = stamp
-        if self._ramp_timer.is_canceled():
-            self._ramp_last_ns = self._clock.now().nanoseconds
-            self._ramp_timer.reset()
-        self._advance_targets()  # the start point now (dt 0), then one step per timer period
-
     def _gripper_setup(self, p: dict[str, Any]) -> tuple[str, float] | None:
         """(gripper joint, closed position) from gripper.* and the robot description."""
         joint = p["gripper.joint"]
@@ -468,52 +383,6 @@ class ControlNode(KestrelLifecycleNode):
             limit_margin=p["cartesian.limit_margin"], top_down=p["cartesian.top_down"],
             ik_lower=tuple(p["cartesian.ik_lower"]), ik_upper=tuple(p["cartesian.ik_upper"]))
         return IkRunner(config, kin, cart, counters=self._stats)
-
-    def _to_ik_runner(self, robot: int, msg: ControlTarget) -> bool:
-        """controller ik: the target's mode (and Cartesian position) to the runner's mode
-        buffer. True when the joint-target path must run too (MODE_JOINT)."""
-        row = self._mode_rows[robot]
-        if msg.mode == ControlTarget.MODE_CARTESIAN:
-            if not (msg.max_speed >= 0.0):  # negative or NaN
-                self.drop("target_bad_max_speed",
-                          f"max_speed {msg.max_speed}: must be >= 0 m/s (0 = default)")
-                return False
-            p = msg.position
-            row[:] = (p.x, p.y, p.z, msg.max_speed, ControlTarget.MODE_CARTESIAN)
-        elif msg.mode == ControlTarget.MODE_JOINT:
-            row[:] = (0.0, 0.0, 0.0, 0.0, ControlTarget.MODE_JOINT)
-        else:
-            row[:] = (0.0, 0.0, 0.0, 0.0, ControlTarget.MODE_HOLD)
-            self.counters.inc("target_hold")
-        self._mode_bufs[robot].write(row, stamp_to_ns(msg.header.stamp))
-        return msg.mode == ControlTarget.MODE_JOINT
-
-    def _ee_target_buffer(self, robot: int) -> Any:
-        """The policy's Cartesian target buffer of `robot` (layouts with ee_* terms), or None."""
-        if self._runner is not None:
-            return getattr(self._runner.robots[robot], "ee_target", None)
-        if self._proc is not None:
-            bufs = getattr(self._proc, "ee_targets", None)
-            return bufs[robot] if bufs else None
-        return None
-
-    def _advance_targets(self) -> None:
-        """Timer (the callbacks' group): every ramping robot's target one step on, written
-        into the loop's target buffer; the timer stops when none is left."""
-        now = self._clock.now().nanoseconds
-        # a late timer moves the target by at most two periods' worth: never a jump
-        dt = min(max(now - self._ramp_last_ns, 0) * 1e-9, 2.0 * self._ramp_period)
-        self._ramp_last_ns = now
-        busy = False
-        for r, ramp in enumerate(self._ramps):
-            if not ramp.active:
-                continue
-            nxt = ramp.advance(dt, self._last_pos[r] if self._have_pos[r] else None)
-            if nxt is not None:
-                self._tgt_bufs[r].write(nxt, self._ramp_stamps[r])
-            busy = busy or ramp.active
-        if not busy:
-            self._ramp_timer.cancel()
 
     # ---- the real-time loop's step (loop thread) ---------------------------------------------
     def _tick(self, deadline_ns: int) -> None:
