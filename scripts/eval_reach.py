@@ -37,6 +37,8 @@ import numpy as np  # noqa: E402
 
 WEIGHTS = ROOT / "ros2_ws/src/kestrel_control/weights/reach"
 SUCCESS_M = 0.01
+SHOULDER_M = 0.52  # height of the shoulder above the base, m (the arm's reach is measured from it)
+REACH_BINS_M = (0.0, 0.5, 0.6, 0.7, 1.0)  # target distance from the shoulder, m
 
 
 class Scene:
@@ -174,8 +176,19 @@ def evaluate(scene: Scene, kind: str, rate_hz: float, episode_s: float = 2.0,
         "final_distance_mm_p95": float(np.quantile(finals, 0.95) * 1e3),
         "final_distance_mm_max": float(finals.max() * 1e3),
         "failures": [int(i) for i in np.flatnonzero(finals >= SUCCESS_M)],
+        "success_by_shoulder_distance": by_reach(scene.targets, finals < SUCCESS_M),
         "step_s": np.asarray(times),
     }
+
+
+def by_reach(targets: np.ndarray, ok: np.ndarray) -> dict:
+    """Successes per bin of target distance from the shoulder: {"a-b m": "k/n"}."""
+    dist = np.linalg.norm(targets - np.array([0.0, 0.0, SHOULDER_M]), axis=1)
+    out = {}
+    for lo, hi in zip(REACH_BINS_M[:-1], REACH_BINS_M[1:], strict=True):
+        m = (dist >= lo) & (dist < hi)
+        out[f"{lo:g}-{hi:g} m"] = f"{int(ok[m].sum())}/{int(m.sum())}"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {"targets": args.targets, "seed": args.seed, "episode_s": args.episode_s,
               "success": "end effector within 1 cm of the target at the episode's end",
               "latency_steps": args.latency_steps, "physics_dt_s": scene.model.opt.timestep,
-              "ik_max_speed_m_s": args.ik_speed,
+              "ik_max_speed_m_s": args.ik_speed, "latency_compensation": False,
               "weights": str(Path(args.weights).resolve().relative_to(ROOT))
               if Path(args.weights).resolve().is_relative_to(ROOT) else args.weights}
     rec = Record("reach", config=config,
