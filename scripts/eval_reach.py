@@ -76,7 +76,7 @@ class Scene:
 
 
 def policy_runner(weights: Path, model_file: str = "policy.pt",  # noqa: ANN201 - PolicyRunner
-                  backend: str = "cpu_eager"):
+                  backend: str = "cpu_eager", latency_compensation: bool = False):
     """The exported policy through the node's user-model path (PolicyRunner + ModelSpec)."""
     from kestrel_control.core.kinematics import ArmKinematics
     from kestrel_control.core.policy_runner import PolicyRunner, RunnerConfig
@@ -86,7 +86,7 @@ def policy_runner(weights: Path, model_file: str = "policy.pt",  # noqa: ANN201 
     kin = ArmKinematics.from_default(joint_names=tuple(p["joint_names"]))
     cfg = RunnerConfig(
         joint_lower=kin.lower, joint_upper=kin.upper, warmup_steps=5, max_obs_age_s=0.05,
-        backend=backend,
+        backend=backend, latency_compensation=latency_compensation,
         model=ModelSpec(path=str(weights / model_file), obs_dim=p["policy.obs_dim"]),
         obs_layout=tuple(p["policy.obs_layout"]), action_mode=p["policy.action_mode"],
         action_scales=tuple(p["policy.action_scales"]), action_clip=p["policy.action_clip"],
@@ -152,9 +152,10 @@ def run_episode(scene: Scene, runner, kind: str, i: int, rate_hz: float, episode
 
 def evaluate(scene: Scene, kind: str, rate_hz: float, episode_s: float = 2.0,
              latency_steps: int = 1, ik_speed: float = 1.0, weights: Path = WEIGHTS,
-             progress=None) -> dict:  # noqa: ANN001
+             progress=None, latency_compensation: bool = False) -> dict:  # noqa: ANN001
     """Every target of `scene` with one controller at one rate -> summary numbers."""
-    runner = policy_runner(weights) if kind == "learned" else ik_runner(rate_hz)
+    runner = policy_runner(weights, latency_compensation=latency_compensation) \
+        if kind == "learned" else ik_runner(rate_hz)
     finals, firsts, times = [], [], []
     for i in range(len(scene.targets)):
         r = run_episode(scene, runner, kind, i, rate_hz, episode_s, latency_steps, ik_speed,
@@ -168,6 +169,7 @@ def evaluate(scene: Scene, kind: str, rate_hz: float, episode_s: float = 2.0,
     return {
         "n": len(finals),
         "success_rate": float(np.mean(finals < SUCCESS_M)),
+        "success_ci95": wilson(int(np.sum(finals < SUCCESS_M)), len(finals)),
         "reached_rate": float(np.mean(reached)),
         "time_to_1cm_s_p50": float(np.median(firsts[reached])) if reached.any() else None,
         "time_to_1cm_s_p95": float(np.quantile(firsts[reached], 0.95)) if reached.any()
@@ -179,6 +181,16 @@ def evaluate(scene: Scene, kind: str, rate_hz: float, episode_s: float = 2.0,
         "success_by_shoulder_distance": by_reach(scene.targets, finals < SUCCESS_M),
         "step_s": np.asarray(times),
     }
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> list[float]:
+    """95% Wilson score interval of a success rate k / n."""
+    if n == 0:
+        return [0.0, 1.0]
+    p = k / n
+    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [round(float(mid - half), 4), round(float(mid + half), 4)]
 
 
 def by_reach(targets: np.ndarray, ok: np.ndarray) -> dict:
@@ -203,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="physics steps (1 ms) from a tick to its command acting")
     ap.add_argument("--ik-speed", type=float, default=1.0,
                     help="the Cartesian target's max_speed for diff_ik, m/s")
+    ap.add_argument("--latency-compensation", action="store_true",
+                    help="the policy runner predicts positions forward (policy."
+                    "latency_compensation)")
     ap.add_argument("--weights", default=str(WEIGHTS))
     ap.add_argument("--out", default=None, help="record path stem (default "
                     "docs/benchmarks/reach_<machine class>)")
@@ -219,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {"targets": args.targets, "seed": args.seed, "episode_s": args.episode_s,
               "success": "end effector within 1 cm of the target at the episode's end",
               "latency_steps": args.latency_steps, "physics_dt_s": scene.model.opt.timestep,
-              "ik_max_speed_m_s": args.ik_speed, "latency_compensation": False,
+              "ik_max_speed_m_s": args.ik_speed, "latency_compensation": args.latency_compensation,
               "weights": str(Path(args.weights).resolve().relative_to(ROOT))
               if Path(args.weights).resolve().is_relative_to(ROOT) else args.weights}
     rec = Record("reach", config=config,
@@ -231,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind, rate in runs:
             out = evaluate(scene, kind, rate, args.episode_s, args.latency_steps,
                            args.ik_speed, Path(args.weights),
-                           lambda: progress.advance(task))
+                           lambda: progress.advance(task), args.latency_compensation)
             step_s = out.pop("step_s")
             rec.add(f"{kind}_{rate:g}hz", "optimized" if kind == "learned" else "baseline",
                     config={"controller": kind, "rate_hz": rate},
