@@ -126,3 +126,46 @@ def test_the_c_tick_refuses_the_ee_terms() -> None:
 
     with pytest.raises(NativeUnavailable, match="ee_"):
         NativeTick(_Runner(), views=None)
+
+
+def test_steady_state_steps_with_the_ee_terms_retain_no_memory(tmp_path: Path) -> None:
+    """The forward kinematics writes into arrays owned by the kinematics object and the
+    terms into the obs row: 2000 steps after warm-up retain nothing (Pinocchio's per-call
+    wrappers are freed)."""
+    pytest.importorskip("pinocchio")
+    import tracemalloc
+
+    from kestrel_control.core.kinematics import ArmKinematics
+
+    torch.set_num_threads(1)
+    kin = ArmKinematics.from_default()
+    cfg = RunnerConfig(joint_lower=kin.lower, joint_upper=kin.upper, warmup_steps=2,
+                       model=ModelSpec(path=str(_linear_model(tmp_path)), obs_dim=15),
+                       obs_layout=LAYOUT, action_mode="position_delta",
+                       latency_compensation=True)
+    runner = PolicyRunner(cfg)
+    robot = runner.robots[0]
+    robot.ee_target.write(np.array([0.5, 0.0, 0.6]))
+    js = np.zeros((2, 6))
+    js[0] = (0.1, 0.2, 1.2, 1.0, 0.0, 0.0)
+    stamp = 0
+
+    def steps(count: int) -> None:
+        nonlocal stamp
+        for _ in range(count):
+            stamp += 1_000_000
+            js[1, 0] += 1e-4
+            robot.joint_states.write(js, stamp)
+            runner.step(stamp + 1000)
+
+    steps(200)
+    tracemalloc.start()
+    try:
+        steps(200)
+        before = tracemalloc.get_traced_memory()[0]
+        steps(2000)
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert runner.info.valid
+    assert after - before < 2048, f"{after - before} bytes retained over 2000 steps"
