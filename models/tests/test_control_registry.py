@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from kestrel_models.control.registry import (BACKENDS, CUDA_BACKENDS, POST_BACKENDS, REGISTRY,
-                                             backend_info, create_backend)
+from kestrel_models.control.registry import (AUTO, BACKENDS, CUDA_BACKENDS, POST_BACKENDS,
+                                             REGISTRY, auto_candidates, backend_info,
+                                             create_backend, cuda_available)
 
 
 def test_registry_lists_the_backends_a_user_picks() -> None:
@@ -47,7 +48,50 @@ def test_unknown_name_fails_naming_backend_and_the_choices(name: str) -> None:
     with pytest.raises(ValueError) as err:
         backend_info(name)
     text = str(err.value)
-    assert text.startswith(f"parameter 'backend' = {name!r}: must be one of ")
+    assert text.startswith(f"parameter 'backend' = {name!r}: must be one of auto, ")
     assert all(b in text for b in BACKENDS)
     with pytest.raises(ValueError, match="parameter 'backend'"):
         create_backend(name, policy=None)
+
+
+def _policy(kind: str):
+    from kestrel_models.control.policy import PolicyConfig, build_policy
+    from kestrel_models.control.runtimes import StepPolicy, policy_from_actor_critic
+
+    if kind == "reference":
+        model = build_policy(PolicyConfig.tiny(obs_dim=16, num_actions=4))
+        policy = policy_from_actor_critic(model)
+        policy.extra["model"] = model
+        return policy
+    if kind == "onnx_file":
+        return StepPolicy(obs_dim=16, num_actions=4, onnx_path="/x/policy.onnx", source="ONNX")
+    module = torch_linear()
+    extra = {"reset": lambda: None, "max_batch": 1} if kind == "own_state" else {}
+    return StepPolicy(obs_dim=16, num_actions=4, module=module, source="TorchScript",
+                      extra=extra)
+
+
+def torch_linear():
+    import torch
+
+    return torch.nn.Linear(16, 4)
+
+
+@pytest.mark.parametrize(("kind", "cuda", "expected"), [
+    ("reference", False, ("onnxruntime", "cpu_eager")),
+    ("reference", True, ("cuda_graph_triton", "cuda_graph", "onnxruntime", "cpu_eager")),
+    ("torchscript", True, ("cuda_graph", "onnxruntime", "cpu_eager")),
+    ("own_state", False, ("cpu_eager",)),  # an ONNX export would freeze its state
+    ("own_state", True, ("cuda_graph", "cpu_eager")),
+    ("onnx_file", False, ("onnxruntime",)),
+    ("onnx_file", True, ("tensorrt", "onnxruntime")),
+])
+def test_auto_tries_the_measured_best_that_fits_first(kind, cuda, expected) -> None:
+    assert auto_candidates(_policy(kind), cuda=cuda) == expected
+
+
+def test_auto_builds_the_first_that_runs(tmp_path) -> None:
+    backend = create_backend(AUTO, _policy("reference"), 1, cache_dir=str(tmp_path))
+    expected = "cuda_graph_triton" if cuda_available() else "onnxruntime"
+    assert backend.name in (expected, "cuda_graph")
+    backend.close()

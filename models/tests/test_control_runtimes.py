@@ -92,7 +92,7 @@ def test_step_does_not_allocate(name: str, tmp_path) -> None:
 def test_unknown_and_unavailable_backends_name_the_parameter() -> None:
     for name in ("tpu", "cpu_int8", "cuda_compile"):  # not backends
         with pytest.raises(ValueError, match=rf"parameter 'backend' = '{name}': must be one of "
-                                             "cpu_eager, onnxruntime, .*cuda_persistent"):
+                                             "auto, cpu_eager, onnxruntime, .*cuda_persistent"):
             check_backend(name)
     try:
         import tensorrt  # noqa: F401

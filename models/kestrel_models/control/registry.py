@@ -15,6 +15,8 @@ When each one wins (figures: docs/benchmarks/control_*.md):
   cuda_persistent    the reference policy on a GPU (or MIG/MPS slice) the loop has to itself:
                      one resident kernel, no launch per tick; the lowest step latency
   tensorrt           a user's ONNX file on the GPU, where TensorRT is installed (FP16 engine)
+`auto` (the node's default) builds the first of `auto_candidates` that runs here for the policy:
+the order above, by device and policy kind.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ REGISTRY: dict[str, BackendInfo] = {b.name: b for b in (
                 check="kestrel_models.control.trt_backend:check_tensorrt", torch_module=False),
 )}
 BACKENDS: tuple[str, ...] = tuple(REGISTRY)
+AUTO = "auto"  # the measured best that runs here for the policy (auto_candidates)
 CUDA_BACKENDS: tuple[str, ...] = tuple(n for n, b in REGISTRY.items() if b.device == "cuda")
 POST_BACKENDS: tuple[str, ...] = tuple(n for n, b in REGISTRY.items() if b.in_graph_command)
 
@@ -84,8 +87,35 @@ def backend_info(name: str) -> BackendInfo:
     info = REGISTRY.get(name)
     if info is None:
         raise ValueError(f"parameter 'backend' = {name!r}: must be one of "
-                         f"{', '.join(BACKENDS)}")
+                         f"{', '.join((AUTO, *BACKENDS))}")
     return info
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def auto_candidates(policy: Any, cuda: bool | None = None) -> tuple[str, ...]:
+    """What `auto` tries, in order, for `policy` (a runtimes.StepPolicy): on a GPU the graph
+    paths (cuda_graph_triton lowers only the reference policy; an ONNX file: tensorrt); then
+    on the CPU onnxruntime, unless the file keeps its state in its own buffers (an ONNX export
+    would freeze them), then cpu_eager (docs/benchmarks/control_*.md)."""
+    torch_module = policy.module is not None
+    out: list[str] = []
+    if cuda_available() if cuda is None else cuda:
+        if torch_module:
+            if policy.extra.get("model") is not None:  # the reference ActorCritic
+                out.append("cuda_graph_triton")
+            out.append("cuda_graph")
+        else:
+            out.append("tensorrt")
+    if "reset" not in policy.extra:
+        out.append("onnxruntime")
+    if torch_module:
+        out.append("cpu_eager")
+    return tuple(out)
 
 
 def _resolve(target: str) -> Callable[..., Any]:
@@ -95,7 +125,9 @@ def _resolve(target: str) -> Callable[..., Any]:
 
 def check_backend(name: str) -> None:
     """Configure-time check: ValueError for an unknown name, BackendUnavailable (naming the
-    parameter and the reason) when it cannot run here."""
+    parameter and the reason) when it cannot run here (`auto`: checked as it is built)."""
+    if name == AUTO:
+        return
     info = backend_info(name)
     if info.device == "cuda":
         import torch
@@ -113,7 +145,18 @@ def create_backend(name: str, policy: Any, batch: int = 1, *, cache_dir: str = "
 
     cache_dir: exported ONNX files and TensorRT engines ("" = a temporary directory / the
     default cache). post: the in-graph command (a PostSpec; used where `in_graph_command`,
-    `backend.post_np` is None elsewhere). programs: cuda_persistent's resident programs."""
+    `backend.post_np` is None elsewhere). programs: cuda_persistent's resident programs.
+    `auto`: the first of auto_candidates that builds (`backend.name` says which)."""
+    if name == AUTO:
+        errors = []
+        for candidate in auto_candidates(policy):
+            try:
+                return create_backend(candidate, policy, batch, cache_dir=cache_dir,
+                                      warmup_steps=warmup_steps, post=post, programs=programs)
+            except BackendUnavailable as exc:
+                errors.append(str(exc))
+        raise BackendUnavailable(f"parameter 'backend' = 'auto': no backend runs "
+                                 f"{policy.source} here ({'; '.join(errors) or 'none fits'})")
     info = backend_info(name)
     check_backend(name)
     if info.torch_module and policy.module is None:

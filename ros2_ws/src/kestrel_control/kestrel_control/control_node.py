@@ -88,6 +88,7 @@ class ControlNode(ControlInputs, KestrelLifecycleNode):
         self._loop: RealtimeLoop | None = None
         self._proc: LoopProcess | None = None  # loop.mode 'process'
         self.loop_mode = "thread"
+        self.backend_name = ""  # the backend configured (policy.backend auto: the one chosen)
         self._applied: dict[str, str] = {}  # real-time settings the loop applied
         self._js_bufs: list[Any] = []  # per robot: joint-state buffer [2, n] (callbacks write)
         self._tgt_bufs: list[Any] = []  # per robot: target buffer [n] rad
@@ -197,6 +198,7 @@ class ControlNode(ControlInputs, KestrelLifecycleNode):
                 self._tgt_bufs = [r.target for r in self._runner.robots]
                 self._mode_bufs = [r.mode for r in self._runner.robots]
                 batch, source = self._runner.batch, self._runner.policy.source
+                self.backend_name = "none (controller ik)"
             elif self.loop_mode == "process":
                 self._proc = LoopProcess(
                     config, self._loop_settings(p), start_timeout_s=p["loop.start_timeout"],
@@ -206,11 +208,13 @@ class ControlNode(ControlInputs, KestrelLifecycleNode):
                 self._stats = self._proc.stats
                 self._js_bufs, self._tgt_bufs = self._proc.joint_states, self._proc.targets
                 batch, source = info["batch"], info["source"]
+                self.backend_name = info["backend"]
             else:
                 self._runner = PolicyRunner(config, counters=self._stats)
                 self._js_bufs = [r.joint_states for r in self._runner.robots]
                 self._tgt_bufs = [r.target for r in self._runner.robots]
                 batch, source = self._runner.batch, self._runner.policy.source
+                self.backend_name = self._runner.backend.name
         except ValueError as exc:  # names the parameter and value
             self.get_logger().error(f"configure failed: {qualify(str(exc))}")
             self._close_process()
@@ -262,7 +266,7 @@ class ControlNode(ControlInputs, KestrelLifecycleNode):
         self._clock = self.get_clock()
         self.get_logger().info(
             f"configured: {len(names)} joints {names}, {len(prefixes)} robot(s) (batch "
-            f"{batch}), {p['loop.rate_hz']:g} Hz, backend {p['policy.backend']}, loop in a "
+            f"{batch}), {p['loop.rate_hz']:g} Hz, backend {self.backend_name}, loop in a "
             f"{self.loop_mode}, policy {source if p['policy.model_path'] else config.policy}, "
             f"latency compensation {'on' if p['policy.latency_compensation'] else 'off'}"
             + (f", native tick {self._proc.info.get('native_tick', '?')}"
@@ -435,6 +439,7 @@ class ControlNode(ControlInputs, KestrelLifecycleNode):
         values.update({f"loop_{k}": v for k, v in stats.percentiles(window).items()})
         proc = self._proc
         values["loop_mode"] = self.loop_mode
+        values["backend"] = self.backend_name
         values["commands_published"] = proc.published if proc else self.published
         values["no_clock_cycles"] = proc.no_clock_cycles if proc else self.no_clock_cycles
         values["buffer_locked_reads"] = sum(b.locked_reads for b in self._js_bufs)

@@ -10,7 +10,7 @@ import re
 from kestrel_common.params import ParamSpec
 from kestrel_control.core.policy_io import ACTION_MODES, TERMS
 from kestrel_models.control.external import FORMATS
-from kestrel_models.control.registry import BACKENDS, REGISTRY
+from kestrel_models.control.registry import AUTO, BACKENDS, REGISTRY, cuda_available
 
 # The sim arm (kestrel_sim.core.scene.JOINT_NAMES and the joint ranges of tabletop.xml).
 SIM_JOINTS = ["shoulder_pan", "shoulder_lift", "elbow", "wrist_1", "wrist_2", "wrist_3"]
@@ -51,9 +51,10 @@ SPECS = [
               "(ControlTarget.max_speed > 0, rad/s per joint) is moved toward its goal, Hz.",
               min=1.0, max=1000.0, read_only=True),
     # ---- policy.*: the model, where it runs, what it sees and what its actions mean ----------
-    ParamSpec("policy.backend", "cpu_eager", "Inference backend: "
+    ParamSpec("policy.backend", AUTO, "Inference backend: auto (the first of these that runs "
+              "here for the policy, in this order by device and policy kind); "
               + "; ".join(f"{b.name}: {b.when}" for b in REGISTRY.values()) + ".",
-              choices=BACKENDS, read_only=True),
+              choices=(AUTO, *BACKENDS), read_only=True),
     ParamSpec("policy.model_path", "", "A user's policy file (TorchScript .pt or ONNX .onnx, "
               "Isaac Lab export style); overrides the reference policy and "
               "policy.weights_path.", read_only=True),
@@ -207,7 +208,8 @@ def qualify(message: str) -> str:
 
 def resolve_loop_mode(loop_mode: str, backend: str, rt_priority: int,
                       machine: str | None = None) -> str:
-    """'auto' -> 'process' for the cuda_* backends (the loop shares no GIL with the executor)
+    """'auto' -> 'process' for the cuda_* backends and for backend 'auto' where CUDA is
+    available (the loop shares no GIL with the executor)
     and whenever the loop gets SCHED_FIFO; else 'thread' (without the priority, a second busy
     process on a small CPU costs about what the GIL contention it removes does; measurements in
     docs/benchmarks/control_*.md). Explicit 'thread' / 'process' are kept.
@@ -224,4 +226,5 @@ def resolve_loop_mode(loop_mode: str, backend: str, rt_priority: int,
         return loop_mode
     if not stores_ordered(machine):
         return "thread"
-    return "process" if backend.startswith("cuda") or rt_priority > 0 else "thread"
+    on_gpu = backend.startswith("cuda") or (backend == AUTO and cuda_available())
+    return "process" if on_gpu or rt_priority > 0 else "thread"

@@ -18,7 +18,7 @@ def test_groups_and_names() -> None:
                  "policy.action_scales", "policy.weights_path"):
         assert name in names, name
     backend = next(s for s in SPECS if s.name == "policy.backend")
-    assert tuple(backend.choices) == BACKENDS
+    assert tuple(backend.choices) == ("auto", *BACKENDS) and backend.default == "auto"
     assert all(b in backend.description for b in BACKENDS)  # when each one wins
 
 

@@ -343,3 +343,17 @@ def test_reset_forgets_the_joint_state_and_target_from_before() -> None:
     feed(runner, np.full(N, 0.2), np.zeros(N), 10 * MS)
     _, info = runner.step(11 * MS)
     assert info.valid and np.all(runner.robots[0].target_now == 0.0)  # no target since
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU choice")
+def test_auto_backend_is_the_fastest_cpu_one_that_runs() -> None:
+    """backend 'auto' on a CPU machine: onnxruntime for the reference policy (measured the
+    fastest CPU step), with the same commands as cpu_eager."""
+    auto, eager = make(backend="auto"), make()
+    assert auto.backend.name == "onnxruntime"
+    for k in range(5):
+        for r in (auto, eager):
+            feed(r, np.full(N, 0.1 * k), np.zeros(N), k * MS)
+        (a, ia), (e, ie) = auto.step(k * MS + 1), eager.step(k * MS + 1)
+        assert ia.valid and ie.valid
+        np.testing.assert_allclose(a, e, atol=1e-5)

@@ -38,7 +38,7 @@ from kestrel_control.core.safety import (SafetyCounters, SafetyFilter, SafetySta
                                          validate_limits, validate_plausibility)
 from kestrel_models.control.external import ModelSpec, load_policy
 from kestrel_models.control.policy import ActorCritic, PolicyConfig
-from kestrel_models.control.registry import POST_BACKENDS, check_backend, create_backend
+from kestrel_models.control.registry import AUTO, POST_BACKENDS, check_backend, create_backend
 from kestrel_models.control.runtimes import PolicyBackend, PostSpec
 
 
@@ -74,7 +74,7 @@ class RunnerConfig:
     # up to max_obs_velocity, rad/s (inf: that check off); others -> hold, counted
     obs_position_margin: float = math.inf
     max_obs_velocity: float = math.inf
-    backend: str = "cpu_eager"  # one of BACKENDS
+    backend: str = "cpu_eager"  # one of BACKENDS, or "auto" (registry.auto_candidates)
     weights_path: str = ""  # torch state_dict file (reference architecture, `policy` dims)
     seed: int = 0  # random-weight seed
     warmup_steps: int = 20  # inference calls at construction
@@ -205,7 +205,7 @@ class PolicyRunner:
         self.batch = padded_batch(config.num_robots)
         # the in-graph command computes q + scale * tanh(a) from obs[:, :n]: only then
         post = PostSpec(n, tuple(config.joint_lower), tuple(config.joint_upper),
-                        float(config.action_scale)) if (config.backend in POST_BACKENDS
+                        float(config.action_scale)) if (config.backend in (*POST_BACKENDS, AUTO)
                                                         and self.io.is_reference) else None
         self.backend: PolicyBackend = create_backend(
             config.backend, self.policy, self.batch, cache_dir=config.cache_dir,
