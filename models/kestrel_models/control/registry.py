@@ -4,8 +4,8 @@ Importing this module imports neither torch nor any backend's packages (CUDA, Tr
 ONNX Runtime, TensorRT): each factory is imported on first use, by `create_backend`.
 
 When each one wins (figures: docs/benchmarks/control_*.md):
-  cpu_eager          the default: any torch policy on the CPU, including a recurrent rsl_rl
-                     policy.pt that keeps its state in its own buffers
+  cpu_eager          any torch policy on the CPU, including a recurrent rsl_rl policy.pt that
+                     keeps its state in its own buffers (which onnxruntime cannot run)
   onnxruntime        the fastest CPU step: an ONNX file, or a torch policy exported at configure
   cuda_eager         a torch policy on the GPU that a CUDA graph cannot capture
   cuda_graph         any torch policy on the GPU (a user's TorchScript file too): one graph replay
@@ -16,7 +16,9 @@ When each one wins (figures: docs/benchmarks/control_*.md):
                      one resident kernel, no launch per tick; the lowest step latency
   tensorrt           a user's ONNX file on the GPU, where TensorRT is installed (FP16 engine)
 `auto` (the node's default) builds the first of `auto_candidates` that runs here for the policy:
-the order above, by device and policy kind.
+on a GPU cuda_graph_triton (the reference policy), cuda_graph or tensorrt (an ONNX file), then
+onnxruntime, then cpu_eager. cuda_persistent is never chosen for you: it holds SMs while ticks
+come, which only a GPU the loop has to itself affords.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class BackendInfo:
 _RT = "kestrel_models.control.runtimes"
 REGISTRY: dict[str, BackendInfo] = {b.name: b for b in (
     BackendInfo("cpu_eager", f"{_RT}:make_cpu_eager", "cpu",
-                "the default: any torch policy on the CPU (a recurrent rsl_rl policy.pt too)"),
+                "any torch policy on the CPU (a recurrent rsl_rl policy.pt too)"),
     BackendInfo("onnxruntime", f"{_RT}:make_onnxruntime", "cpu",
                 "the fastest CPU step: an ONNX file, or a torch policy exported at configure",
                 check=f"{_RT}:check_onnxruntime", torch_module=False),
