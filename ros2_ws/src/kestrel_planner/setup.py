@@ -13,6 +13,7 @@ setup(
         ('share/' + package_name, ['package.xml']),
         ('share/' + package_name + '/launch', glob('launch/*.launch.py')),
         ('share/' + package_name + '/config', glob('config/*.yaml')),
+        ('share/' + package_name + '/weights', glob('weights/*.pt') + glob('weights/*.json')),
     ],
     package_data={package_name: ['worlds/*.xml']},
     include_package_data=True,
