@@ -249,3 +249,23 @@ def test_bigram_state_dict_drives_greedy_decoding() -> None:
     assert tok.decode(res.tokens[0]).startswith("home\nhome\n")
     with pytest.raises(ValueError, match="do not fit"):
         bigram_state_dict(cfg, list(range(256)), tok.eos_id, [])
+
+
+def test_train_logits_match_the_inference_forward() -> None:
+    """train_logits (autograd, output head on the selected positions only) gives the logits
+    of forward() at those positions, and gradients reach every trained parameter."""
+    torch.manual_seed(0)
+    m = VisionLanguageModel(get_config("small"))
+    tokens = torch.randint(0, 256, (2, 12))
+    select = torch.zeros(2, 12, dtype=torch.bool)
+    select[0, 3:7] = True
+    select[1, 5:] = True
+    img = _img(2)
+    ref = m.forward(img, tokens)[select]
+    got = m.train_logits(img, tokens, select)
+    assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-5)
+    got.logsumexp(-1).sum().backward()
+    assert m.tok_emb.weight.grad is not None and m.vision.patchify.weight.grad is not None
+    m.setup_cache(1, 32)
+    with pytest.raises(RuntimeError, match="without a KV cache"):
+        m.train_logits(img, tokens, select)
