@@ -249,6 +249,9 @@ class RemoteBackend:
             text = choice["message"]["content"]
             if not isinstance(text, str):
                 raise TypeError("content is not a string")
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            usage = reply.get("usage") or {}
+            usage = usage if isinstance(usage, dict) else {}
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError) as exc:
             raise RemoteError(f"{self.url}: malformed reply: {raw[:200]!r}", "malformed") from exc
-        return text, str(choice.get("finish_reason", "")), dict(reply.get("usage") or {})
+        finish = choice.get("finish_reason", "") if isinstance(choice, dict) else ""
+        return text, str(finish), usage

@@ -110,7 +110,7 @@ class RemotePlanBackend:
             return DecodeOutput("", "error", elapsed, 0,
                                 error=f"remote backend unavailable: {exc}")
         reply = call.reply
-        n = int(reply.usage.get("completion_tokens") or 0) or len(reply.text)
+        n = _tokens(reply.usage.get("completion_tokens")) or len(reply.text)
         o = DecodeOutput(reply.text, reply.finish_reason or "stop", elapsed, n)
         try:
             o.text = reply_to_plan_text(reply.text, job.cap)
@@ -121,3 +121,8 @@ class RemotePlanBackend:
         if job.on_token is not None:
             job.on_token(n, o.text)
         return o
+
+
+def _tokens(value: object) -> int:
+    """The server's completion_tokens, or 0 when it is not a count (any JSON may arrive)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

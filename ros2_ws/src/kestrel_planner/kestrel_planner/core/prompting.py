@@ -175,6 +175,8 @@ def reply_to_plan_text(reply: str, max_steps: int | None = None) -> str:
         return text
     try:
         data = json.loads(text)
+    except RecursionError:  # nesting deeper than the interpreter's stack
+        raise PlanParseError("reply is not valid JSON: nested too deeply") from None
     except ValueError as exc:
         raise PlanParseError(f"reply is not valid JSON: {exc}") from exc
     return _json_to_text(data, max_steps)
