@@ -5,12 +5,15 @@
     python scripts/train_perception_sim.py --frames 400 --steps 1500 \
         --out ros2_ws/src/kestrel_perception/weights/tiny_sim.pt
 
-Data: SimWorld layouts from random seeds (seed 0 = the demo layout is included) and random arm
-poses within the joint limits; RGB + metric depth from CameraSensor; per-pixel class from
-MuJoCo segmentation rendering (geom -> top-level body -> class, as kestrel_sim.core.scene);
-one box per object instance (tight box of its visible pixels, >= --min-box-px pixels).
-The rendered set is cached in /tmp as .npz. Evaluation uses held-out seeds. Writes the fp32
-state dict (.pt) and a .json with the config, data, metrics and command next to it.
+Data: SimWorld episodes from random seeds (seed 0 = the demo layout is included), drawn with
+the episode settings of the bringup's sim.yaml (which task objects are present, distractors,
+poses), random arm poses within the joint limits and random lighting (headlight and sun
+intensity); RGB + metric depth from CameraSensor; per-pixel class from MuJoCo segmentation
+rendering (geom -> top-level body -> class, as kestrel_sim.core.scene); one box per object
+instance (tight box of its visible pixels, >= --min-box-px pixels). The rendered set is cached
+in /tmp as .npz. Evaluation uses held-out seeds (perception_sim_eval.py: mAP@0.5 per class,
+mask mIoU, 3D position error of the LiDAR and predicted-depth paths). Writes the fp32 state
+dict (.pt) and a .json with the config, data, metrics and command next to it.
 """
 
 from __future__ import annotations
@@ -25,8 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
+try:
+    from tqdm import tqdm
+except ImportError:  # no progress bar: plain iteration
+    def tqdm(it, **_):  # type: ignore[no-redef]
+        return it
+
 ROOT = Path(__file__).resolve().parents[1]
-for _p in ("models", "ros2_ws/src/kestrel_sim"):
+for _p in ("models", "ros2_ws/src/kestrel_sim", "ros2_ws/src/kestrel_perception", "scripts"):
     if str(ROOT / _p) not in sys.path:
         sys.path.insert(0, str(ROOT / _p))
 os.environ.setdefault("MUJOCO_GL", "osmesa")
@@ -38,8 +47,21 @@ from kestrel_models.perception import MultiTaskPerceptionModel, PerceptionConfig
 from kestrel_models.perception.train import Batch, evaluate, train  # noqa: E402
 from kestrel_sim.core import CameraSensor, SimWorld  # noqa: E402
 from kestrel_sim.core.scene import CLASS_NAMES  # noqa: E402
+from kestrel_sim.core.world import SimWorldConfig  # noqa: E402
 
 EVAL_SEED_BASE = 100_000  # held-out layouts: EVAL_SEED_BASE + i (training uses 0 .. frames)
+SIM_YAML = ROOT / "ros2_ws/src/kestrel_bringup/config/sim.yaml"
+# lighting randomisation: each intensity is the world file's times a factor in this range
+LIGHT_SCALE = (0.6, 1.4)
+
+
+def episode_config(sim_yaml: Path = SIM_YAML) -> SimWorldConfig:
+    """SimWorldConfig with the episode settings the bringup runs the sim with (sim.yaml's
+    sim.ros__parameters.episode), so training scenes are drawn like the evaluated ones."""
+    import yaml
+    ep = yaml.safe_load(sim_yaml.read_text())["sim"]["ros__parameters"].get("episode", {})
+    return SimWorldConfig(min_objects=int(ep.get("min_objects", 3)),
+                          max_distractors=int(ep.get("max_distractors", 0)))
 
 
 def _top_level_bodies(model: mujoco.MjModel) -> np.ndarray:
@@ -68,8 +90,8 @@ def arm_pose(rng: np.random.Generator, home: np.ndarray, lo: np.ndarray, hi: np.
 class SimRenderer:
     """RGB + depth (CameraSensor) and class / instance maps (MuJoCo segmentation render)."""
 
-    def __init__(self, width: int, height: int) -> None:
-        self.world = SimWorld()
+    def __init__(self, width: int, height: int, config: SimWorldConfig | None = None) -> None:
+        self.world = SimWorld(config or episode_config())
         self.camera = CameraSensor(self.world, width, height)
         m = self.world.model
         self._seg = mujoco.Renderer(m, height, width)
@@ -78,12 +100,26 @@ class SimRenderer:
         self.geom_class = self.world.info.geom_class.astype(np.uint8)  # (ngeom,)
         self.geom_body = _top_level_bodies(m)  # (ngeom,)
         self.home = self.world.joint_targets()
+        v = m.vis.headlight
+        self._light0 = (v.ambient.copy(), v.diffuse.copy(), m.light_diffuse.copy())
 
-    def render(self, seed: int, q: np.ndarray) -> tuple[np.ndarray, ...]:
+    def set_lighting(self, scales: np.ndarray | None) -> None:
+        """scales [3] (headlight ambient, headlight diffuse, other lights' diffuse) times the
+        world file's intensities; None = as in the world file."""
+        amb, dif, lights = self._light0
+        s = np.ones(3) if scales is None else np.asarray(scales, np.float64)
+        v = self.world.model.vis.headlight
+        v.ambient[:] = np.clip(amb * s[0], 0.0, 1.0)
+        v.diffuse[:] = np.clip(dif * s[1], 0.0, 1.0)
+        self.world.model.light_diffuse[:] = np.clip(lights * s[2], 0.0, 1.0)
+
+    def render(self, seed: int, q: np.ndarray, light: np.ndarray | None = None
+               ) -> tuple[np.ndarray, ...]:
         """-> rgb [H,W,3] uint8, depth [H,W] float32 m (inf = none), cls [H,W] uint8,
-        inst [H,W] int16 top-level body id (0 = none / world)."""
+        inst [H,W] int16 top-level body id (0 = none / world). light: set_lighting scales."""
         self.world.reset(seed)
         self.world.set_joint_positions(q)
+        self.set_lighting(light)
         frame = self.camera.render()
         self.world.snapshot_into(self._data)
         self._seg.update_scene(self._data, camera=self.world.info.camera_id)
@@ -116,9 +152,14 @@ def instance_boxes(cls: np.ndarray, inst: np.ndarray, min_px: int
 
 
 def render_set(seeds: list[int], modes: list[str], width: int, height: int, rng_seed: int,
-               min_px: int, cache_dir: Path | None) -> dict[str, np.ndarray]:
-    """Render (or load from the .npz cache) one frame per (seed, arm mode)."""
-    key = hashlib.sha1(json.dumps([seeds, modes, width, height, rng_seed, min_px]).encode())
+               min_px: int, cache_dir: Path | None, light: bool = True
+               ) -> dict[str, np.ndarray]:
+    """Render (or load from the .npz cache) one frame per (seed, arm mode); light: random
+    lighting per frame (LIGHT_SCALE), else the world file's."""
+    cfg = episode_config()
+    key = hashlib.sha1(json.dumps([seeds, modes, width, height, rng_seed, min_px, light,
+                                   cfg.min_objects, cfg.max_distractors,
+                                   LIGHT_SCALE]).encode())
     # the world and the arm they were rendered from: a changed world is a new set
     from kestrel_sim.core.robot import default_urdf_path
     from kestrel_sim.core.scene import default_world_file
@@ -126,12 +167,15 @@ def render_set(seeds: list[int], modes: list[str], width: int, height: int, rng_
     path = cache_dir / f"kestrel_sim_{key.hexdigest()[:12]}.npz" if cache_dir else None
     if path is not None and path.is_file():
         return dict(np.load(path))
-    r = SimRenderer(width, height)
+    r = SimRenderer(width, height, cfg)
     lo, hi = r.world.joint_limits
     rng = np.random.default_rng(rng_seed)
     rgb, depth, cls, boxes, counts = [], [], [], [], []
-    for seed, mode in zip(seeds, modes, strict=True):
-        im, d, c, ins = r.render(seed, arm_pose(rng, r.home, lo, hi, mode))
+    for seed, mode in tqdm(list(zip(seeds, modes, strict=True)), desc="render", unit="frame",
+                           mininterval=5.0):
+        q = arm_pose(rng, r.home, lo, hi, mode)
+        scales = rng.uniform(*LIGHT_SCALE, size=3) if light else None
+        im, d, c, ins = r.render(seed, q, scales)
         bx, lb = instance_boxes(c, ins, min_px)
         rgb.append(im)
         depth.append(d.astype(np.float16))
@@ -185,6 +229,42 @@ def seg_weights(cls: np.ndarray, nc: int) -> torch.Tensor:
     return torch.tensor(w, dtype=torch.float32)
 
 
+def bench_record(meta: dict, argv: list[str]) -> dict:
+    """kestrel_bench/1 record of a training run (its weights' metadata `meta`): one result per
+    class (AP@0.5, mask IoU, position errors), the set's mAP / mIoU, training time."""
+    if str(ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tools"))
+    from kestrel_bench.record import Record
+
+    node = meta.get("eval_node_heldout", {})
+    rec = Record("perception_training", argv=["python", "scripts/train_perception_sim.py",
+                                              *argv],
+                 config={k: meta.get(k) for k in ("model_config", "image_size_wh",
+                                                  "train_frames", "steps_done", "batch_size",
+                                                  "lr", "seed", "init", "episodes",
+                                                  "lighting", "threads")})
+    for name, pc in node.get("per_class", {}).items():
+        m = {"ap50": pc["ap50"], "gt_objects": pc["gt"],
+             "recall_at_default_threshold": pc["recall_at_default_threshold"],
+             "mask_iou": node["mask_iou"].get(name)}
+        for path, errs in node.get("position_error", {}).items():
+            if name in errs and errs[name].get("n"):
+                m[f"position_error_median_m_{path}"] = errs[name]["median_m"]
+        rec.add(name, "variant", metrics=m)
+    all_err = {p: e["all"] for p, e in node.get("position_error", {}).items()}
+    rec.add("all_classes", "optimized", metrics={
+        "map50": node.get("map50"), "mask_miou": node.get("mask_miou"),
+        "heldout_frames": node.get("frames"),
+        **{f"position_error_median_m_{p}": e.get("median_m") for p, e in all_err.items()},
+        "train_wall_s": meta.get("train_wall_s"), "data_wall_s": meta.get("data_wall_s")})
+    if meta.get("init", "random") != "random":
+        rec.note(f"fine-tuned from {meta['init']}")
+    rec.note("3D position: the box centre's ray at the median depth inside the box (LiDAR "
+             "points projected into it, or the predicted depth map): a point on the visible "
+             "surface, compared with the object's centre")
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=400, help="training frames")
@@ -194,12 +274,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=660.0,
                     help="s of training; the cosine schedule ends by then (0 = steps only)")
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup-steps", type=int, default=50, help="linear LR warm-up steps")
     ap.add_argument("--width", type=int, default=320)
     ap.add_argument("--height", type=int, default=256)
     ap.add_argument("--min-box-px", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0, help="torch init / sampling seed")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-dir", default="/tmp", help="'' = no cache")
+    ap.add_argument("--node-eval-frames", type=int, default=60,
+                    help="held-out frames of the node-path evaluation (perception_sim_eval: "
+                         "mAP, mIoU, 3D position error); 0 = skip")
+    ap.add_argument("--bench-out", default="",
+                    help="also write the kestrel_bench record STEM.json + STEM.md ('' = no)")
+    ap.add_argument("--init", default="",
+                    help="state dict (.pt) to start from (fine-tuning); '' = random init")
+    ap.add_argument("--no-light", action="store_true",
+                    help="training frames keep the world file's lighting")
     ap.add_argument("--out", default=str(ROOT / "ros2_ws/src/kestrel_perception/weights/"
                                                  "tiny_sim.pt"))
     args = ap.parse_args(argv)
@@ -218,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     ev_seeds = [EVAL_SEED_BASE + i for i in range(args.eval_frames)]
     ev_modes = ["home" if i % 2 == 0 else "near" for i in range(args.eval_frames)]
     tr = render_set(tr_seeds, tr_modes, args.width, args.height, args.seed + 1,
-                    args.min_box_px, cache)
+                    args.min_box_px, cache, light=not args.no_light)
     ev = render_set(ev_seeds, ev_modes, args.width, args.height, args.seed + 2,
                     args.min_box_px, cache)
     t_data = time.monotonic() - t0
@@ -227,9 +317,14 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = PerceptionConfig.tiny()
     model = MultiTaskPerceptionModel(cfg)
+    if args.init:
+        model.load_state_dict(torch.load(args.init, map_location="cpu", weights_only=True))
     sw = seg_weights(tr["cls"], cfg.num_classes)
-    log = train(model, batch_stream(tr, args.batch_size, args.seed), args.steps, args.lr,
+    stream = tqdm(batch_stream(tr, args.batch_size, args.seed), total=args.steps,
+                  desc="train", unit="step", mininterval=10.0)
+    log = train(model, stream, args.steps, args.lr,
                 seg_class_weights=sw, time_budget_s=args.time_budget or None,
+                warmup_steps=args.warmup_steps,
                 log=lambda s: print(s, flush=True))
     ev_batches = [to_batch(ev, np.arange(i, min(i + 8, len(ev_seeds))), None)
                   for i in range(0, len(ev_seeds), 8)]
@@ -249,9 +344,16 @@ def main(argv: list[str] | None = None) -> int:
         "eval_seeds": [ev_seeds[0], ev_seeds[-1]], "arm_pose_modes": modes_cycle,
         "steps_max": args.steps, "steps_done": log.steps,
         "time_budget_s": args.time_budget, "batch_size": args.batch_size, "lr": args.lr,
-        "optimizer": "AdamW wd 1e-4, 50 warm-up steps, cosine", "seed": args.seed,
+        "optimizer": f"AdamW wd 1e-4, {args.warmup_steps} warm-up steps, cosine", "seed": args.seed,
+        "init": args.init or "random",
         "seg_class_weights": [round(float(x), 3) for x in sw],
         "augmentation": "brightness/contrast/colour jitter, horizontal flip",
+        "lighting": None if args.no_light else {"scale_range": list(LIGHT_SCALE),
+                                               "of": "headlight ambient, headlight diffuse, "
+                                                     "light diffuse"},
+        "episodes": {"min_objects": episode_config().min_objects,
+                     "max_distractors": episode_config().max_distractors,
+                     "from": str(SIM_YAML.relative_to(ROOT))},
         "data_wall_s": round(t_data, 1), "train_wall_s": round(log.wall_s, 1),
         "final_losses": log.history[-1] if log.history else {},
         "eval_heldout": metrics, "eval_demo_seed0": demo,
@@ -260,8 +362,17 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python scripts/train_perception_sim.py " + " ".join(
             argv if argv is not None else sys.argv[1:]),
     }
+    if args.node_eval_frames > 0:
+        import perception_sim_eval as pse
+        ne = pse.render_eval_set(args.node_eval_frames, args.width, args.height, args.seed + 3,
+                                 args.min_box_px, cache)
+        meta["eval_node_heldout"] = pse.evaluate_weights(str(out), ne, threads=args.threads)
+        print(json.dumps(meta["eval_node_heldout"], indent=1), flush=True)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB) and {out.with_suffix('.json')}")
+    if args.bench_out:
+        from kestrel_bench.record import write
+        write(bench_record(meta, argv if argv is not None else sys.argv[1:]), args.bench_out)
     return 0
 
 
