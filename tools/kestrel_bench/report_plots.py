@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))
-DPI = 80
+DPI = 70
 RADAR_AXES = ("latency", "throughput", "memory", "energy", "accuracy")
 
 
@@ -28,6 +28,7 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
+
 
 
 def label(rec: dict) -> str:
@@ -56,10 +57,12 @@ def latency_cdf(records: list[dict], path: Path, max_lines: int = 8) -> Path | N
     if not groups:
         return None
     plt = _plt()
+    from matplotlib.ticker import NullFormatter
+
     n = len(groups)
     cols = min(n, 2)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.1 * rows), squeeze=False)
     for ax, (bench, items) in zip(axes.flat, sorted(groups.items()), strict=False):
         rank = {"optimized": 0, "baseline": 1}
         items = sorted(items, key=lambda it: rank.get(it[1].get("role"), 2))[:max_lines]
@@ -83,6 +86,7 @@ def latency_cdf(records: list[dict], path: Path, max_lines: int = 8) -> Path | N
             ax.plot(x, _nines(y), marker="o", ms=3, lw=1.2,
                     label=f"{r['name']} [{machine}]"[:40])
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # decade labels only: no overlap
         ax.set_yticks(_nines(np.array([0.5, 0.9, 0.99, 0.999, 0.9999])))
         ax.set_yticklabels(["p50", "p90", "p99", "p99.9", "p99.99"])
         ax.set_ylim(0, 4.1)
@@ -103,7 +107,7 @@ def baseline_vs_optimized(records: list[dict], path: Path) -> Path | None:
     if not pairs:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(pairs) + 2), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(pairs) + 1.5), 4))
     x = np.arange(len(pairs))
     w = 0.2
     for i, (q, role, color) in enumerate((("p50", 1, "#999999"), ("p50", 2, "#1f77b4"),
@@ -121,8 +125,8 @@ def baseline_vs_optimized(records: list[dict], path: Path) -> Path | None:
     ax.set_ylim(lo, hi * 3)  # room for the speed-up labels
     ax.set_ylabel("latency, ms (log)")
     ax.set_xticks(x)
-    ax.set_xticklabels([f"{lab}\n{b['name']} vs {o['name']}"[:60] for lab, b, o in pairs],
-                       fontsize=7)
+    ax.set_xticklabels([f"{lab}\n{b['name'][:22]}\nvs {o['name'][:22]}"
+                        for lab, b, o in pairs], fontsize=6)
     ax.legend(fontsize=7)
     ax.set_title("baseline vs optimized path (label: p50 speed-up)", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
@@ -204,10 +208,12 @@ def radar(records: list[dict], path: Path) -> Path | None:
     cols = min(n, 3)
     rows = math.ceil(n / cols)
     angles = np.linspace(0, 2 * np.pi, len(RADAR_AXES), endpoint=False)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.6 * rows), squeeze=False,
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False,
                              subplot_kw={"projection": "polar"})
     for ax, (lab, vals) in zip(axes.flat, items, strict=False):
-        r = np.array([vals[a] if vals[a] is not None else 0.0 for a in RADAR_AXES])
+        # radius 1 + log10(factor): 0.1x -> 0, equal -> 1 (dashed), 10x -> 2, 100x -> 3
+        r = np.array([max(0.0, 1.0 + math.log10(vals[a])) if vals[a] else 0.0
+                      for a in RADAR_AXES])
         top = max(2.0, float(np.nanmax(r)) * 1.1)
         ax.plot(np.append(angles, angles[0]), np.append(r, r[0]), color="#1f77b4")
         ax.fill(angles, r, alpha=0.25, color="#1f77b4")
@@ -220,7 +226,7 @@ def radar(records: list[dict], path: Path) -> Path | None:
         ax.set_title(lab, fontsize=9, pad=14)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle("optimized vs baseline (dashed: equal; > 1 better)", fontsize=9)
+    fig.suptitle("optimized vs baseline (dashed: equal; radius log10, > 1 better)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
