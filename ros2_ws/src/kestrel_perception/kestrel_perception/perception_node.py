@@ -69,6 +69,7 @@ from kestrel_perception.core import (
 )
 from kestrel_perception.core.draw import render_debug
 from kestrel_perception.core.input_rings import RingLayout
+from kestrel_perception.core.loss import StampGaps
 from kestrel_perception.core.health import perception_status
 from kestrel_perception.core.receivers import InputReceivers, ReceiverError
 from kestrel_perception.core.sync import FrameSynchronizer, Stamped, SyncedSet
@@ -90,7 +91,7 @@ COUNTERS = ("processed", "dropped_bad_encoding", "dropped_bad_image", "dropped_s
             "dropped_too_many_points", "out_of_sync", "skipped_stale", "processing_error",
             "nan_points", "truncated_points", "runtime_shape_fallbacks", "nms_slow_path",
             "missing_cloud", "cloud_out_of_sync", "dropped_input_overwritten", "empty_cloud",
-            "unrectified_camera_info")
+            "unrectified_camera_info", "time_jumps_back")
 # core InputError reason code -> counter
 REASON_COUNTER = {"bad_image": "dropped_bad_image", "size_mismatch": "dropped_size_mismatch",
                   "mixed_sizes": "dropped_size_mismatch", "bad_camera": "dropped_bad_camera_info",
@@ -126,6 +127,9 @@ class PerceptionNode(KestrelLifecycleNode):
         self._receivers: InputReceivers | None = None  # receive.mode == "processes"
         self._release_timer = None  # calls _ready() every cloud_timeout / 2
         self._runtime: dict[str, Any] = {}
+        # messages lost before this node saw them, from stamp gaps (core/loss.py): per camera
+        # image stream, then the LiDAR
+        self._gaps: list[StampGaps] = []
         self.add_on_set_parameters_callback(self._check_runtime_params)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -158,7 +162,13 @@ class PerceptionNode(KestrelLifecycleNode):
             sys.setswitchinterval((p["gil_switch_interval_us"] + 0.5) * 1e-6)
         self.sync = FrameSynchronizer(n, p["sync.slop"], HISTORY, count=self.counters.inc,
                                       cloud_required=p["sync.cloud_required"],
-                                      cloud_timeout_s=p["sync.cloud_timeout"])
+                                      cloud_timeout_s=p["sync.cloud_timeout"],
+                                      jump_back_s=p["sync.jump_back"], on_jump=self._on_jump)
+        self._gaps = [StampGaps(f"camera_{i}", p["sync.jump_back"], self.counters.inc)
+                      for i in range(n)]
+        self._gaps.append(StampGaps("lidar", p["sync.jump_back"], self.counters.inc))
+        for g in self._gaps:
+            self.counters.inc(g.counter, 0)
         poses = p["camera_poses"]
         self._poses = [pose_to_matrix(poses[7 * i: 7 * i + 7]) if poses else np.eye(4)
                        for i in range(n)]
@@ -260,6 +270,8 @@ class PerceptionNode(KestrelLifecycleNode):
         with self._proc_lock:  # nothing from before: receivers' slots were reused meanwhile
             if self.sync is not None:
                 self.sync.clear()
+            for g in self._gaps:  # no gap across the time inactive
+                g.restart()
         self._active = True
         if not self._inline:
             self._worker = threading.Thread(target=self._work, name="perception_worker",
@@ -361,6 +373,7 @@ class PerceptionNode(KestrelLifecycleNode):
         sync = self.sync
         if not self._active or sync is None:
             return
+        self._gaps[cam].add(stamp_ns)
 
         def store() -> None:
             sync.add_image(cam, Stamped(stamp_ns, recv_s, (rgb, frame_id), ticket))
@@ -368,6 +381,13 @@ class PerceptionNode(KestrelLifecycleNode):
                 self.core.staging.prestage_image(cam, rgb)  # the frame skips it (staging.py)
 
         self._ready(store)
+
+    def _on_jump(self, from_ns: int, to_ns: int) -> None:
+        """The input stamps jumped back (core/sync.py): logged once per jump."""
+        self.get_logger().warning(
+            f"input stamps jumped back {(from_ns - to_ns) * 1e-9:.3f} s (from {from_ns} to "
+            f"{to_ns} ns: a bag loop or replay, a sim restart?): the synchroniser starts over "
+            f"(time_jumps_back {self.counters.get('time_jumps_back')})")
 
     def _on_info(self, cam: int, msg: CameraInfo) -> None:
         try:
@@ -419,6 +439,7 @@ class PerceptionNode(KestrelLifecycleNode):
         sync = self.sync
         if not self._active or sync is None:
             return
+        self._gaps[-1].add(stamp_ns)
         if xyz.shape[0] == 0:  # counted and logged, then used: the set completes without
             # waiting for a cloud that will not come, and runs on predicted depth alone
             n = self.counters.inc("empty_cloud")

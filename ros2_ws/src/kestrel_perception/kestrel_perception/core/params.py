@@ -132,6 +132,11 @@ SPECS: tuple[ParamSpec, ...] = (
               "cloud, s (at least 1.5 x the LiDAR's period, measured from the clouds' receipt "
               "times, at most 5 s); a waiting set is released within half of it." + _CONF,
               min=0.01, max=60.0),
+    ParamSpec("sync.jump_back", 1.0, "A message stamped more than this before the newest "
+              "stamp seen is a backwards time jump (a bag loop or replay, a sim restart): the "
+              "synchroniser forgets every stamp, counts it (time_jumps_back) and goes on. Also "
+              "the longest stamp gap counted as lost messages (lost_<sensor>), s; must be > "
+              "sync.slop." + _CONF, min=0.001, max=3600.0),
     # ---- geometry -------------------------------------------------------------------------
     ParamSpec("frame_id", "world", "Frame of the cloud, camera poses and 3D positions." + _CONF),
     ParamSpec("camera_poses", [], "Per camera x y z qx qy qz qw (m): pose of its optical "
@@ -217,6 +222,9 @@ def validate_perception_params(values: dict[str, Any]) -> None:
             or values["enable_depth"]):
         raise ParamError("enable_detection", values["enable_detection"],
                          "enable_detection/segmentation/depth are all false")
+    if not values["sync.jump_back"] > values["sync.slop"]:
+        raise ParamError("sync.jump_back", values["sync.jump_back"],
+                         f"must be > sync.slop ({values['sync.slop']})")
     if not values["frame_id"]:
         raise ParamError("frame_id", values["frame_id"], "must not be empty")
     poses, n = values["camera_poses"], values["num_cameras"]

@@ -23,6 +23,18 @@ unprocessed are counted through `count(name, n)`:
                    than the input rate: newest wins), or it arrived older than the last set;
   "out_of_sync":   no set could be formed with it (a partner image or camera_info missing or
                    further than `slop` away).
+
+Time going backwards (a bag played with --loop, an earlier bag replayed, a sim restart): a
+message stamped more than `jump_back_s` before the newest stamp seen on any input is a
+backwards jump. As tf2 clears its buffer on a /clock jump, every stamp-ordered state is
+forgotten (histories, last stamps consumed, newest cloud stamp), the jump is counted
+("time_jumps_back") and reported through `on_jump(from_ns, to_ns)` once, and the message is
+kept as the first of the new timeline. Without this, every later message would lie at or below
+the last stamp consumed and perception would stop for good. The LiDAR's liveness (receipt times,
+monotonic) is kept: sets after the jump still wait for their cloud. Messages of the old timeline
+still in flight (stamped more than `jump_back_s` after the new timeline's front and at most
+`jump_back_s` after the old front, received within JUMP_LEFTOVER_S of the jump) are dropped
+(images counted as skipped_stale), not taken for a second jump.
 """
 
 from __future__ import annotations
@@ -38,7 +50,9 @@ SKIPPED_STALE = "skipped_stale"
 OUT_OF_SYNC = "out_of_sync"
 MISSING_CLOUD = "missing_cloud"
 CLOUD_OUT_OF_SYNC = "cloud_out_of_sync"
+TIME_JUMPS_BACK = "time_jumps_back"
 MAX_LIVE_WINDOW_S = 5.0  # the LiDAR's live window never exceeds this (a slow or stalled one)
+JUMP_LEFTOVER_S = 1.0  # receipt time after a jump during which old-timeline messages are dropped
 
 
 @dataclass
@@ -71,6 +85,8 @@ class FrameSynchronizer:
     def __init__(self, num_cameras: int, slop_s: float, history: int = 8,
                  count: Callable[[str, int], Any] | None = None, *,
                  cloud_required: bool = True, cloud_timeout_s: float = 0.5,
+                 jump_back_s: float = 1.0,
+                 on_jump: Callable[[int, int], Any] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if num_cameras < 1:
             raise ValueError(f"parameter 'num_cameras' = {num_cameras}: must be >= 1")
@@ -80,6 +96,13 @@ class FrameSynchronizer:
             raise ValueError(f"parameter 'history' = {history}: must be >= 1")
         if not cloud_timeout_s > 0:
             raise ValueError(f"parameter 'sync.cloud_timeout' = {cloud_timeout_s}: must be > 0")
+        if not jump_back_s > slop_s:
+            raise ValueError(f"parameter 'sync.jump_back' = {jump_back_s}: must be > "
+                             f"sync.slop ({slop_s})")
+        self.jump_back_ns = int(round(jump_back_s * 1e9))
+        self._on_jump = on_jump or (lambda from_ns, to_ns: None)
+        self._newest_ns: int | None = None  # newest stamp on any input (the timeline's front)
+        self._leftover: tuple[int, float] | None = None  # after a jump: (old front, recv_s)
         self.cloud_required = bool(cloud_required)
         self.cloud_timeout_s = float(cloud_timeout_s)
         self._clock = clock  # same clock as the messages' recv_s (time.monotonic)
@@ -98,8 +121,31 @@ class FrameSynchronizer:
         self._lock = threading.Lock()
 
     # ---- input ----------------------------------------------------------------------------
+    def _timeline(self, msg: Stamped) -> bool:
+        """Track the newest stamp; on a backwards jump clear and count. False: drop `msg`
+        (a message of the old timeline arriving after a jump). Under the lock."""
+        t, newest = msg.stamp_ns, self._newest_ns
+        if self._leftover is not None:
+            old_front, at_s = self._leftover
+            if msg.recv_s - at_s > JUMP_LEFTOVER_S:
+                self._leftover = None
+            elif newest is not None and newest < t - self.jump_back_ns <= old_front:
+                return False
+        if newest is not None and t < newest - self.jump_back_ns:
+            self._clear_stamps()
+            self._leftover = (newest, msg.recv_s)
+            self._count(TIME_JUMPS_BACK, 1)
+            self._on_jump(newest, t)
+            newest = None
+        if newest is None or t > newest:
+            self._newest_ns = t
+        return True
+
     def add_image(self, camera: int, msg: Stamped) -> None:
         with self._lock:
+            if not self._timeline(msg):
+                self._count(SKIPPED_STALE, 1)  # an image of the old timeline, after a jump
+                return
             if msg.stamp_ns <= self._last_ns[camera]:
                 self._count(SKIPPED_STALE, 1)  # older than what was already processed
                 return
@@ -110,10 +156,13 @@ class FrameSynchronizer:
 
     def add_info(self, camera: int, msg: Stamped) -> None:
         with self._lock:
-            self._infos[camera].append(msg)
+            if self._timeline(msg):
+                self._infos[camera].append(msg)
 
     def add_cloud(self, msg: Stamped) -> None:
         with self._lock:
+            if not self._timeline(msg):
+                return
             self._clouds.append(msg)
             last_recv = self._last_cloud_recv_s
             self._last_cloud_recv_s = msg.recv_s
@@ -220,10 +269,16 @@ class FrameSynchronizer:
         cloud stamp and period of the previous run kept, sets after a stamp reset stopped
         waiting for their cloud and were counted as missing_cloud."""
         with self._lock:
-            for q in (*self._images, *self._infos, self._clouds):
-                q.clear()
-            self._last_ns = [-1] * self.num_cameras
+            self._clear_stamps()
             self._last_cloud_recv_s = None
-            self._newest_cloud_ns = None
             self._cloud_period_s = 0.0
-            self._last_set_ns = -1
+            self._leftover = None
+
+    def _clear_stamps(self) -> None:
+        """Forget every stamp-ordered state (histories, stamps consumed, timeline front)."""
+        for q in (*self._images, *self._infos, self._clouds):
+            q.clear()
+        self._last_ns = [-1] * self.num_cameras
+        self._newest_cloud_ns = None
+        self._last_set_ns = -1
+        self._newest_ns = None
