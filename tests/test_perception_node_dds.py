@@ -642,3 +642,27 @@ def test_reactivation_forgets_old_inputs_and_reused_slots_are_not_published(ros_
             node._receivers = None  # (a stub: cleanup would close it)
         assert node.counters.get("dropped_input_overwritten") == 1
         assert node.counters.get("processed") == 0
+
+
+def test_time_jumping_back_restarts_sync_and_gaps_count_lost_images(ros_domain):
+    """Stamps that jump back (a bag played with --loop) do not stop the node: the set after
+    the jump is processed and the jump counted; images missing from an evenly stamped stream
+    are counted lost (lost_camera_0). The node in this process, no executor."""
+    img = np.zeros((H, W, 3), np.uint8)
+    with local_node(ros_domain, camera_poses=POSES[:7],
+                    **{"sync.slop": 0.01, "sync.cloud_required": False}) as node:
+        node.trigger_activate()
+
+        def frame(t_ns: int) -> None:
+            node._on_info(0, make_camera_info(K, W, H, make_header(t_ns, "cam0_optical")))
+            node._take_image(0, t_ns, time.monotonic(), img, "cam0_optical")
+
+        t0, period = 20_000_000_000, 100_000_000
+        for i in (0, 1, 2, 3, 4, 5, 8):  # 6 and 7 never arrive
+            frame(t0 + i * period)
+        assert node.counters.get("processed") == 7
+        assert node.counters.get("lost_camera_0") == 2
+        frame(t0 - 10_000_000_000)  # the bag starts over, 10 s earlier
+        assert node.counters.get("processed") == 8
+        assert node.counters.get("time_jumps_back") == 1
+        assert node.counters.get("lost_camera_0") == 2  # a jump is not a loss
