@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from std_msgs.msg import Float64
 
@@ -21,6 +23,8 @@ class EchoNode(KestrelLifecycleNode):
                       read_only=True),
             ParamSpec("offset", 0.0, "Added to the output; read at configure.", min=-10.0,
                       max=10.0),
+            ParamSpec("stop_delay", 0.0, "Seconds stop_workers() takes (a slow shutdown), s.",
+                      min=0.0, max=60.0),
         ])
         self._pub = None
         self._sub = None
@@ -36,6 +40,14 @@ class EchoNode(KestrelLifecycleNode):
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.start_diagnostics()
         return TransitionCallbackReturn.SUCCESS
+
+    def stop_workers(self) -> None:
+        delay = self.get_parameter("stop_delay").value
+        if delay > 0.0:
+            print(f"stop_workers: taking {delay} s", flush=True)
+            deadline = time.monotonic() + delay
+            while time.monotonic() < deadline:  # a worker that does not stop in time
+                time.sleep(0.01)
 
     def _on_value(self, msg: Float64) -> None:
         if msg.data != msg.data or abs(msg.data) == float("inf"):

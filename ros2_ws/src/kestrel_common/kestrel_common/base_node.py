@@ -12,6 +12,8 @@ the same validation in an on-set-parameters callback.
 
 from __future__ import annotations
 
+import os
+import select
 import signal
 import sys
 import threading
@@ -324,6 +326,11 @@ def _differs(new: Any, old: Any) -> bool:
         return True
 
 
+# How long the orderly stop (stop workers, executor, node, context) may take after the first
+# SIGINT/SIGTERM before a further SIGTERM ends the process without finishing it.
+CLEANUP_GRACE_S = 2.0
+
+
 class StopSignals:
     """run_node's SIGINT/SIGTERM handler: the first signal raises KeyboardInterrupt (leave
     spin()), every later one only sets `stop`.
@@ -340,8 +347,16 @@ class StopSignals:
         self.stop = threading.Event()
         self.raised = False
         self.armed = False  # before arm(): a signal only sets `stop` (nothing to unwind yet)
+        self.first_at: float | None = None  # time.monotonic() of the first signal
+        self.shutdown_at: float | None = None  # of disarm(): the orderly stop began
+        self.term_at: float | None = None  # of a SIGTERM that was not the first signal
 
     def __call__(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if signum == signal.SIGTERM and (self.first_at is not None
+                                         or self.shutdown_at is not None):
+            self.term_at = self.term_at or now
+        self.first_at = self.first_at or now
         self.stop.set()
         if self.armed and not self.raised:
             self.raised = True
@@ -356,8 +371,26 @@ class StopSignals:
             raise KeyboardInterrupt
 
     def disarm(self) -> None:
-        """Shutdown has begun: later signals must not interrupt it."""
+        """Shutdown has begun: later signals must not interrupt it (a later SIGTERM may end
+        the process instead: force_exit_due)."""
         self.raised = True
+        self.shutdown_at = self.shutdown_at or time.monotonic()
+
+    def stop_began(self) -> float | None:
+        """When the stop began: the first signal, or disarm() when none came."""
+        times = [t for t in (self.first_at, self.shutdown_at) if t is not None]
+        return min(times) if times else None
+
+    def force_exit_due(self, now: float) -> bool:
+        """A SIGTERM after the first signal ends the process once the orderly stop has had
+        CLEANUP_GRACE_S: at once for `ros2 launch`'s escalation (sent 5 s after its SIGINT),
+        only after the grace for one that came in the same burst as the Ctrl-C."""
+        began = self.stop_began()
+        return (self.term_at is not None and began is not None
+                and now >= max(self.term_at, began + CLEANUP_GRACE_S))
+
+
+exit_watchdog: _ForceExitWatchdog | None = None  # run_node's, once its stop began
 
 
 def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None,
@@ -404,8 +437,11 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
         print(f"[{node.get_name()}] executor stopped at shutdown: {exc!r}", file=sys.stderr)
     finally:
         signals.disarm()  # from here on, signals only set signals.stop (see StopSignals)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # ours again (rclpy's chain ends here)
+            signal.signal(sig, signals)
+        name = node.get_name()  # (not after destroy_node)
+        global exit_watchdog
+        exit_watchdog = _ForceExitWatchdog(signals, name)  # lives to the exit
         try:
             node.stop_workers()
         except Exception as exc:  # noqa: BLE001 - the rest of the shutdown must still run
@@ -417,4 +453,52 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
         # after the executor's threads are gone: the objects frozen at configure (DDS entities
         # among them) must be finalised normally at interpreter exit
         thaw_heap()
+        # what is left is the interpreter's exit, which resets Python handlers to the default
+        # late on. A late Ctrl-C has nothing more to stop; a SIGTERM of the Ctrl-C's burst
+        # (within the grace) is ignored, a later one ends the process (the watchdog, then the
+        # default action).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if time.monotonic() < (signals.stop_began() or 0.0) + CLEANUP_GRACE_S:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        began = signals.stop_began()
+        if began is not None:  # (stderr: rclpy's logging is finalised with the context)
+            print(f"[{name}] stopped in {time.monotonic() - began:.3f} s",
+                  file=sys.stderr)
     return code
+
+
+class _ForceExitWatchdog:
+    """From run_node's orderly stop to the process exit: ends the process (exit code
+    128 + SIGTERM) when StopSignals.force_exit_due. The signal reaches this thread through
+    the wakeup fd, which the C-level handler writes at once, so a main thread blocked in a C
+    call (a DDS entity being destroyed, a thread join) cannot hold the exit back."""
+
+    def __init__(self, signals: StopSignals, name: str) -> None:
+        self._signals, self._name = signals, name
+        self._done = threading.Event()
+        self._read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._write = write
+        self._old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._run, name="force_exit", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            ready, _, _ = select.select([self._read], [], [], 0.02)
+            if ready:
+                for signum in os.read(self._read, 64):
+                    if signum == signal.SIGTERM:  # after disarm: never the first signal
+                        self._signals.term_at = self._signals.term_at or time.monotonic()
+            if not self._done.is_set() and self._signals.force_exit_due(time.monotonic()):
+                os.write(2, f"[{self._name}] SIGTERM: the orderly stop took longer than "
+                            f"{CLEANUP_GRACE_S} s, exiting without it\n".encode())
+                os._exit(128 + signal.SIGTERM)
+
+    def close(self) -> None:
+        """Stop watching (a process that goes on after run_node returned: tests)."""
+        self._done.set()
+        self._thread.join(1.0)
+        signal.set_wakeup_fd(self._old_fd)
+        os.close(self._read)
+        os.close(self._write)

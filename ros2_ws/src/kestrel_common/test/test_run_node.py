@@ -66,8 +66,16 @@ def stand_ins(monkeypatch):
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     _Node.stopped = False
     yield base_node
+    _close_watchdog(base_node)
     for sig, handler in saved.items():
         signal.signal(sig, handler)
+
+
+def _close_watchdog(base_node) -> None:  # noqa: ANN001
+    """run_node leaves its exit watchdog to the process exit: this process goes on."""
+    if base_node.exit_watchdog is not None:
+        base_node.exit_watchdog.close()
+        base_node.exit_watchdog = None
 
 
 def test_executor_error_after_shutdown_is_the_orderly_stop(stand_ins, capsys) -> None:
@@ -140,7 +148,28 @@ def test_repeated_real_signals_leave_the_cleanup_complete(monkeypatch) -> None:
     try:
         assert base_node.run_node(_Node, []) == 0
     finally:
+        _close_watchdog(base_node)
         for sig, handler in saved.items():
             signal.signal(sig, handler)
     assert isinstance(_SignalledExecutor.seen_handler, base_node.StopSignals)
     assert _Node.stopped
+
+
+def test_a_sigterm_after_the_grace_forces_the_exit_one_in_the_burst_waits() -> None:
+    from kestrel_common.base_node import CLEANUP_GRACE_S, StopSignals
+
+    signals = StopSignals()
+    signals.arm()
+    with pytest.raises(KeyboardInterrupt):
+        signals(signal.SIGINT, None)
+    t0 = signals.first_at
+    signals(signal.SIGTERM, None)  # same burst
+    signals.disarm()
+    assert not signals.force_exit_due(t0 + 0.5)
+    assert signals.force_exit_due(t0 + CLEANUP_GRACE_S)
+    alone = StopSignals()  # a single SIGTERM is the orderly stop, never a forced one
+    alone.arm()
+    with pytest.raises(KeyboardInterrupt):
+        alone(signal.SIGTERM, None)
+    alone.disarm()
+    assert alone.term_at is None and not alone.force_exit_due(alone.first_at + 60.0)
