@@ -87,3 +87,14 @@ def test_old_timeline_leftovers_after_a_jump_are_not_a_second_jump() -> None:
 def test_jump_back_must_exceed_slop() -> None:
     with pytest.raises(ValueError, match="sync.jump_back"):
         FrameSynchronizer(1, 0.05, 4, jump_back_s=0.05)
+
+
+def test_parameter_jump_back_must_exceed_slop() -> None:
+    from kestrel_common.params import ParamError
+    from kestrel_perception.core.params import SPECS, validate_perception_params
+
+    values = {s.name: s.default for s in SPECS}
+    validate_perception_params(values)
+    values["sync.jump_back"] = values["sync.slop"]
+    with pytest.raises(ParamError, match="sync.jump_back"):
+        validate_perception_params(values)
