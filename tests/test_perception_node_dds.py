@@ -662,7 +662,13 @@ def test_time_jumping_back_restarts_sync_and_gaps_count_lost_images(ros_domain):
             frame(t0 + i * period)
         assert node.counters.get("processed") == 7
         assert node.counters.get("lost_camera_0") == 2
+        bad = Image(encoding="mono16", width=W, height=H, step=2 * W, data=bytes(2 * W * H))
+        bad.header = make_header(t0 + 9 * period, "cam0_optical")
+        node._on_image(0, bad)  # dropped as bad, counted as that: not also "lost"
+        frame(t0 + 10 * period)
+        assert node.counters.get("dropped_bad_encoding") == 1
+        assert node.counters.get("lost_camera_0") == 2 and node.counters.get("processed") == 8
         frame(t0 - 10_000_000_000)  # the bag starts over, 10 s earlier
-        assert node.counters.get("processed") == 8
+        assert node.counters.get("processed") == 9
         assert node.counters.get("time_jumps_back") == 1
         assert node.counters.get("lost_camera_0") == 2  # a jump is not a loss

@@ -359,21 +359,26 @@ class PerceptionNode(KestrelLifecycleNode):
         if not self._active or self.sync is None:
             return
         recv_s = time.monotonic()
+        stamp_ns = stamp_to_ns(msg.header.stamp)
+        self._gaps[cam].add(stamp_ns)  # before validation: a bad image is not also "lost"
         try:
             rgb = image_rgb(msg)  # [H,W,3] uint8 view on msg.data, RGB order
         except InputDrop as exc:
             self.drop(exc.counter, f"camera {cam}: {exc}")
             return
-        self._take_image(cam, stamp_to_ns(msg.header.stamp), recv_s, rgb, msg.header.frame_id)
+        self._take_image(cam, stamp_ns, recv_s, rgb, msg.header.frame_id, gap_seen=True)
 
     def _take_image(self, cam: int, stamp_ns: int, recv_s: float, rgb: np.ndarray,
-                    frame_id: str, ticket: tuple | None = None) -> None:
+                    frame_id: str, ticket: tuple | None = None, *,
+                    gap_seen: bool = False) -> None:
         """One usable image (from a callback, or a receiver process: recv_s is its receipt
-        there, on the same monotonic clock)."""
+        there, on the same monotonic clock). gap_seen: its stamp already went to the loss
+        count (a receiver process's bad inputs never reach here: they count as lost too)."""
         sync = self.sync
         if not self._active or sync is None:
             return
-        self._gaps[cam].add(stamp_ns)
+        if not gap_seen:
+            self._gaps[cam].add(stamp_ns)
 
         def store() -> None:
             sync.add_image(cam, Stamped(stamp_ns, recv_s, (rgb, frame_id), ticket))
@@ -427,19 +432,22 @@ class PerceptionNode(KestrelLifecycleNode):
         if not self._active or self.sync is None:
             return
         recv_s = time.monotonic()
+        stamp_ns = stamp_to_ns(msg.header.stamp)
+        self._gaps[-1].add(stamp_ns)  # before validation: a bad cloud is not also "lost"
         try:
             xyz = cloud_xyz(msg, self.params["lidar.max_points"], self.params["frame_id"])
         except InputDrop as exc:
             self.drop(exc.counter, str(exc))
             return
-        self._take_points(stamp_to_ns(msg.header.stamp), recv_s, xyz)
+        self._take_points(stamp_ns, recv_s, xyz, gap_seen=True)
 
     def _take_points(self, stamp_ns: int, recv_s: float, xyz: np.ndarray,
-                     ticket: tuple | None = None) -> None:
+                     ticket: tuple | None = None, *, gap_seen: bool = False) -> None:
         sync = self.sync
         if not self._active or sync is None:
             return
-        self._gaps[-1].add(stamp_ns)
+        if not gap_seen:  # (as _take_image)
+            self._gaps[-1].add(stamp_ns)
         if xyz.shape[0] == 0:  # counted and logged, then used: the set completes without
             # waiting for a cloud that will not come, and runs on predicted depth alone
             n = self.counters.inc("empty_cloud")

@@ -13,6 +13,10 @@ ROS 2 Header has no sequence number, so the loss is read from the stamps:
 - A delta longer than `max_gap_s` (the node's sync.jump_back) is a discontinuity (the sensor
   was silent, or time jumped forward), and a stamp at or before the previous one is time going
   backwards (or a message out of order): neither is counted, the next delta starts from it.
+- What is counted: messages that never reached the node. With receive.mode 'executor' the
+  stamp is taken before validation, so a bad message counts under its own reason only; with
+  receive.mode 'processes' a message the receiver process dropped as bad (counted there) is
+  a gap at the node, so it counts as lost too.
 - A sensor that really slowed down looks like a sustained gap: after RELEARN consecutive gaps
   the period is learned again from them (so a loss on every message for that long is then
   taken for a slower sensor; the synchroniser's own counters still show the node falling
