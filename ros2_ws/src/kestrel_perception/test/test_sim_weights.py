@@ -1,10 +1,12 @@
 """The shipped sim-trained weights (weights/tiny_sim.pt) in PerceptionCore, on rendered frames.
 
-Renders the default sim scene (seed 0) and two held-out layouts (seeds never used in training,
-see scripts/train_perception_sim.py), runs PerceptionCore at the default score threshold 0.3
-and checks that the red cube, green cube and blue cylinder are each detected with IoU >= 0.5
-against the ground-truth box (tight box of the object's pixels in MuJoCo's segmentation
-render) and that the mask mIoU is above what training measured minus a margin.
+Renders the default sim scene (seed 0) and two held-out episodes (seeds never used in
+training, see scripts/train_perception_sim.py; all task objects present, with distractors),
+runs PerceptionCore at the default score threshold 0.3 and checks that the red cube, green
+cube and blue cylinder are each detected with IoU >= 0.5 against the ground-truth box (tight
+box of the object's pixels in MuJoCo's segmentation render), that their 3D positions (the
+predicted-depth path: no LiDAR here) are near the objects' centres, and that the mask mIoU
+meets the target.
 Also tests the package:// weights_path resolver (no rendering needed).
 """
 
@@ -32,13 +34,11 @@ torch.set_num_threads(1)
 PKG_ROOT = Path(__file__).resolve().parents[1]  # ros2_ws/src/kestrel_perception
 WEIGHTS_URI = "package://kestrel_perception/weights/tiny_sim.pt"
 W, H = 320, 256  # px, the sim camera's default size (training size)
-SEEDS = (0, 100_000, 100_001)  # default layout + 2 held-out layouts (training: 0..399)
+SEEDS = (0, 100_000, 100_001)  # default layout + 2 held-out episodes (training: < 100_000)
 OBJECTS = ("red_cube", "green_cube", "blue_cylinder")
-# Mask mIoU (classes present in GT or prediction) measured on these frames with the shipped
-# weights: 0.948 (seed 0), 0.918, 0.942 (held-out set of 40 frames: 0.933, see tiny_sim.json).
-MEASURED_MIOU = 0.918  # the lowest of the three
-MIOU_MARGIN = 0.08
+MIOU_TARGET = 0.85  # mask mIoU per frame (classes present in GT or prediction)
 POSITION_TOL = 0.05  # m, 3D position (predicted-depth fallback, no LiDAR) vs ground truth
+POSITION_MEDIAN_TARGET = 0.015  # m, median of those errors over the frames' objects
 
 
 # ---- resolver ------------------------------------------------------------------------------
@@ -80,8 +80,9 @@ def _render_frames() -> list[tuple[np.ndarray, np.ndarray, CameraModel, dict]]:
     {object class name: ground-truth centre [3] m, world frame}."""
     mujoco = pytest.importorskip("mujoco")
     from kestrel_sim.core import CameraSensor, SimWorld
+    from kestrel_sim.core.world import SimWorldConfig
 
-    world = SimWorld()
+    world = SimWorld(SimWorldConfig(min_objects=3, max_distractors=2))
     try:
         cam = CameraSensor(world, W, H)
         cam.render()
@@ -161,9 +162,24 @@ def test_objects_detected(results: list[tuple], frame: int) -> None:
         assert err < POSITION_TOL, f"seed {SEEDS[frame]}: {name} 3D position off by {err:.3f} m"
 
 
+@pytest.mark.slow
+def test_position_error_median(results: list[tuple]) -> None:
+    errs = []
+    for _, cls, gt_pos, out in results:
+        for name in OBJECTS:
+            gt = _gt_box(cls, name)
+            dets = [d for d in out.detections if d.class_name == name and d.position is not None
+                    and _iou(np.asarray(d.box_xyxy, np.float64), gt) >= 0.5]
+            if dets:
+                best = max(dets, key=lambda d: d.score)
+                errs.append(float(np.linalg.norm(best.position - gt_pos[name])))
+    assert len(errs) == len(OBJECTS) * len(SEEDS)
+    assert np.median(errs) <= POSITION_MEDIAN_TARGET, f"errors {np.round(errs, 3).tolist()} m"
+
+
 @pytest.mark.parametrize("frame", range(len(SEEDS)), ids=[f"seed{s}" for s in SEEDS])
 def test_mask_miou(results: list[tuple], frame: int) -> None:
     _, cls, _, out = results[frame]
     assert out.masks[0].shape == (H, W)
     miou = _miou(out.masks[0], cls)
-    assert miou >= MEASURED_MIOU - MIOU_MARGIN, f"seed {SEEDS[frame]}: mIoU {miou:.3f}"
+    assert miou >= MIOU_TARGET, f"seed {SEEDS[frame]}: mIoU {miou:.3f}"
