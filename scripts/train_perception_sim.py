@@ -2,8 +2,12 @@
 """Train the tiny perception model on frames rendered from the Kestrel MuJoCo world.
 
     source scripts/env.sh
-    python scripts/train_perception_sim.py --frames 400 --steps 1500 \
-        --out ros2_ws/src/kestrel_perception/weights/tiny_sim.pt
+    python scripts/train_perception_sim.py --frames 480 --steps 1500 \
+        --out ros2_ws/src/kestrel_perception/weights/tiny_sim.pt \
+        --bench-out docs/benchmarks/perception_training_cpu
+
+(from random init; `--init FILE.pt` fine-tunes a state dict instead: the shipped weights'
+command and starting point are in their .json).
 
 Data: SimWorld episodes from random seeds (seed 0 = the demo layout is included), drawn with
 the episode settings of the bringup's sim.yaml (which task objects are present, distractors,
