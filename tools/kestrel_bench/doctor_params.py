@@ -45,17 +45,21 @@ def knob(node: str, values: dict, name: str, default: Any = None) -> Any:
 
 def load_params_files(paths: list[Path]) -> dict[str, dict[str, Any]]:
     """YAML params files -> {node name: flat dotted values}; the node name is the last part of
-    the file's top-level key (`/robot/control` -> control)."""
+    the file's top-level key (`/robot/control` -> control). Entries without ros__parameters
+    (other YAML in a config folder) are skipped."""
     import yaml
     from kestrel_common.params import flatten_params
 
     nodes: dict[str, dict[str, Any]] = {}
     for path in paths:
         doc = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(doc, dict):
+            continue
         for key, body in doc.items():
-            params = (body or {}).get("ros__parameters", {})
+            if not isinstance(body, dict) or not isinstance(body.get("ros__parameters"), dict):
+                continue  # not a node's parameters (another kind of YAML in the folder)
             name = str(key).rstrip("/").rpartition("/")[2]
-            nodes.setdefault(name, {}).update(flatten_params(params))
+            nodes.setdefault(name, {}).update(flatten_params(body["ros__parameters"]))
     return nodes
 
 
@@ -119,6 +123,9 @@ def check_runtime_settings(nodes: dict[str, dict[str, Any]], cuda: bool) -> list
 def _control(backend: str, cuda: bool) -> list[Check]:
     """The policy backend against the device, and (where the deployment is this machine) the
     registry's own check that it can run here (packages, CUDA)."""
+    if backend == "auto":
+        return [Check("control.backend", PASS, "policy.backend auto: the measured best that "
+                      "runs here, picked at configure (the node logs which)")]
     on_gpu = backend.startswith("cuda") or backend == "tensorrt"
     if on_gpu and not cuda:
         return [Check("control.backend", FAIL, f"policy.backend {backend} needs a CUDA GPU; "

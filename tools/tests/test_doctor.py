@@ -47,6 +47,14 @@ def test_good_file_passes_offline(tmp_path) -> None:
     assert by_name(checks, "params.control").status == PASS
 
 
+def test_other_yaml_in_the_folder_is_skipped(tmp_path) -> None:
+    other = params_file(tmp_path, "schema: bridge/1\nnodes: [a, b]\n", "bridge.yaml")
+    listed = params_file(tmp_path, "- 1\n- 2\n", "list.yaml")
+    good = params_file(tmp_path, GOOD, "good.yaml")
+    nodes = doctor_params.load_params_files([other, listed, good])
+    assert sorted(nodes) == ["control", "perception"]
+
+
 def test_unknown_name_and_bad_value_fail_naming_them(tmp_path) -> None:
     nodes = doctor_params.load_params_files([params_file(tmp_path, """
         control:
@@ -93,6 +101,9 @@ def test_gpu_settings_against_the_device(tmp_path) -> None:
         missing = doctor_params.check_runtime_settings(
             {"control": {"policy.backend": "onnxruntime"}}, cuda=False)
         assert by_name(missing, "control.backend").status == PASS
+    auto = {"control": {"policy.backend": "auto"}}
+    assert by_name(doctor_params.check_runtime_settings(auto, cuda=True),
+                   "control.backend").status == PASS
     cpu_backend = {"control": {"policy.backend": "cpu_eager"}}
     assert by_name(doctor_params.check_runtime_settings(cpu_backend, cuda=True),
                    "control.backend").status == WARN
