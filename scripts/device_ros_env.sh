@@ -16,7 +16,7 @@ KWS="${KWS:-/tmp/kv_ws}"
 _klog="${KWS}_build.log"
 _kfail() { echo "device_ros_env: $*" >&2; return 1; }
 if [[ ! -d "$_kroot/.whl" ]]; then
-  _kfail "no .whl folder in $_kroot: pass carry [\".whl\"] to the device call"
+  _kfail "no .whl folder in $_kroot: copy the .whl folder (scripts/fetch_device_wheels.sh) next to the repository"
 elif ! ls "$_kroot/.whl" | cmp -s - "$KV/.kestrel_whl"; then
   echo "device_ros_env: (re)creating $KV from .whl ..." >&2
   rm -rf "$KV" "$KWS"
@@ -68,7 +68,7 @@ export MUJOCO_GL="${MUJOCO_GL:-egl}" PYOPENGL_PLATFORM="${PYOPENGL_PLATFORM:-egl
 export KPY="$KV/bin/python" KESTREL_ROOT="$_kroot"
 # As scripts/env.sh: the stack's Fast DDS profile for camera-sized samples (without it a
 # 1.8 MB PerceptionResult went over UDP fragments on the H200: 13 / 34 ms publish -> callback,
-# best effort lost 62 of 100; docs/benchmarks/result_transport_h200.md)
+# best effort lost 62 of 100; docs/benchmarks/transport_h200.md)
 export FASTDDS_DEFAULT_PROFILES_FILE="${FASTDDS_DEFAULT_PROFILES_FILE:-$_kroot/ros2_ws/src/kestrel_bringup/config/fastdds_large_data.xml}"
 unset _kroot _klog _kpyinc _knpinc _kp _kn _kpp _kpyver
 unset -f _kfail

@@ -40,7 +40,7 @@ publishes the commands, and the executor no longer competes with the loop for on
 
 Publishing (thread mode): directly from the loop thread, one preallocated message with the
 stamp and positions updated in place; a publisher thread in the same interpreter would add a
-wake-up and one more GIL contender per cycle (docs/benchmarks/command_publish_cpu.md). In
+wake-up and one more GIL contender per cycle (docs/benchmarks/control_cpu.md). In
 process mode the publisher thread is outside the loop's interpreter, so there it costs the loop
 only an eventfd write.
 """

@@ -124,7 +124,7 @@ SPECS = [
     # CPython's default is 5 ms. With the stack's joint states and TCP positions on the
     # MultiThreadedExecutor and a plan decoding, many threads want the GIL; at 5 ms per hand-over
     # a perception result can wait long enough for the best-effort keep-last-1 reader to
-    # replace it (docs/benchmarks/result_transport_cpu.md)
+    # replace it (docs/benchmarks/transport_h200.md)
     ParamSpec("gil_switch_interval_us", 200, "sys.setswitchinterval of the node process, us "
               "(0 = leave CPython's 5 ms).", min=0, max=100000, read_only=True),
 ]

@@ -2,7 +2,7 @@
 
 Why: with a fast GPU step the host part of the tick (~20 numpy and Python calls) is a large
 share of the tick, and the tick's tail comes from episodes where the machine runs all of it
-slower (docs/benchmarks/control_native_h200.md). In C the same work is a few hundred
+slower (docs/benchmarks/control_h200.md). In C the same work is a few hundred
 instructions, so the tick exposed to a slow episode is about the GPU step alone.
 
 What runs in C (one ctypes call per tick, `kt_tick`): the joint-state and target seqlock reads,

@@ -6,7 +6,7 @@ busy-waits the rest (holding the GIL: other Python threads wait at most `spin_ns
 `step_fn(deadline_ns)` and records wake error, period and step latency into `LoopStats`.
 A sleep shorter than MIN_SLEEP_NS is not taken (the loop spins instead): it saves almost no
 CPU, and on a virtual machine a short sleep is an idle exit of the virtual CPU plus a timer
-wake-up, which makes late wake-ups (docs/benchmarks/control_native_h200.md).
+wake-up, which makes late wake-ups (docs/benchmarks/control_h200.md).
 Overrun: when a cycle ends after the next deadline, the loop skips to the first future deadline
 (no catch-up burst) and counts every skipped deadline in `stats.deadline_misses`; so
 cycles + deadline_misses == deadlines elapsed. Each miss is also counted by its cause
