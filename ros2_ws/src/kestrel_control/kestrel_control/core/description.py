@@ -6,19 +6,8 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-
-def default_urdf_path() -> Path:
-    """kestrel_description's kestrel_arm.urdf (installed package, else the source tree)."""
-    try:
-        from kestrel_description import urdf_path
-        return urdf_path()
-    except ImportError:
-        src = Path(__file__).resolve().parents[3] / "kestrel_description" / \
-            "kestrel_description" / "urdf" / "kestrel_arm.urdf"
-        if not src.is_file():
-            raise FileNotFoundError("robot description: package kestrel_description not found "
-                                    f"(not installed, no {src})") from None
-        return src
+# kestrel_description's kestrel_arm.urdf: the one robot description the sim reads too
+from kestrel_description import urdf_path as default_urdf_path
 
 
 def read_description(urdf_file: str = "") -> str:

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import mujoco
 
+# kestrel_description's kestrel_arm.urdf: the one robot description the control node reads too
+from kestrel_description import urdf_path as default_urdf_path
+
 MOUNT_SITE = "robot_mount"
 TCP_LINK = "tcp"
 EE_SITE = "end_effector"
@@ -41,20 +44,6 @@ LINK_RGBA = (0.82, 0.82, 0.85, 1.0)
 DARK_RGBA = (0.3, 0.3, 0.32, 1.0)
 DARK_LINKS = ("robot_base", "wrist_1_link", "wrist_3_link", "finger_left_link",
               "finger_right_link")
-
-
-def default_urdf_path() -> Path:
-    """kestrel_description's kestrel_arm.urdf: the installed package, else the source tree."""
-    try:
-        from kestrel_description import urdf_path
-        return urdf_path()
-    except ImportError:  # a source checkout run without the built workspace
-        src = Path(__file__).resolve().parents[3] / "kestrel_description" / \
-            "kestrel_description" / "urdf" / "kestrel_arm.urdf"
-        if not src.is_file():
-            raise FileNotFoundError("robot description: package kestrel_description not found "
-                                    f"(not installed, no {src})") from None
-        return src
 
 
 def robot_spec(urdf: str | Path = "") -> mujoco.MjSpec:
