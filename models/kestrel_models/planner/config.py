@@ -4,6 +4,9 @@ Presets:
 - "tiny": ~1.7M parameters, 32x32 images -> 16 image tokens; runs on one CPU thread in tests.
 - "small": ~0.5M parameters, 32x32 images -> 4 image tokens; the size of the planner weights
   trained on generated scenes (kestrel_planner.training, scripts/train_planner.py).
+- "draft": ~0.1M parameters, the speculative-decoding draft of "small": the same tokenizer,
+  vocabulary, image size and sequence length, a 1-layer decoder of width 64 (trained on the
+  same task: scripts/train_planner.py --preset draft).
 - "0.5b": the reference size (~0.58B: a ViT-B/16 vision tower, Qwen2-0.5B-shaped decoder with
   GQA 14/2 heads, vocab 151936). Expressible and countable (on the meta device), not run here.
 """
@@ -89,6 +92,12 @@ PRESETS: dict[str, VLMConfig] = {
     "small": VLMConfig(patch_size=16, vision_dim=32, vision_depth=1, vision_heads=2,
                        projector_hidden=64, dim=96, n_layers=3, n_heads=4, n_kv_heads=2,
                        ffn_hidden=192, max_seq_len=512),
+    # the draft of "small" for speculative decoding: what the target decodes must be in its
+    # vocabulary and reach (same tokenizer, vocab_size, image_size, max_seq_len), fewer and
+    # narrower layers so that k draft passes cost less than one target pass
+    "draft": VLMConfig(patch_size=16, vision_dim=32, vision_depth=1, vision_heads=2,
+                       projector_hidden=64, dim=64, n_layers=1, n_heads=2, n_kv_heads=1,
+                       ffn_hidden=128, max_seq_len=512),
     "0.5b": VLMConfig(
         image_size=224, patch_size=16, vision_dim=768, vision_depth=12, vision_heads=12,
         vision_mlp_ratio=4.0, projector_hidden=3584, dim=896, n_layers=24, n_heads=14,
@@ -99,7 +108,7 @@ PRESETS: dict[str, VLMConfig] = {
 
 
 def get_config(name: str) -> VLMConfig:
-    """A preset by name ('tiny', '0.5b'); ValueError naming the parameter otherwise."""
+    """A preset by name (PRESETS); ValueError naming the parameter otherwise."""
     if name not in PRESETS:
         raise ValueError(f"parameter 'model_config' = {name!r}: must be one of {sorted(PRESETS)}")
     return PRESETS[name]

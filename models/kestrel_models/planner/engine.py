@@ -11,6 +11,10 @@ shape, prompt bucket) and replayed: TTFT without launch overhead. Sequence layou
     [system prefix (optional, shared)] [image tokens (if the request has an image)] [prompt].
 Prefix caching: with `prefix_cache=True` the system prefix is prefilled once at construction
 and its KV copied into each new slot (positions [0, P)), so only image + prompt are computed.
+With `prefix_entries=N` the engine also keeps the KV of the last N request prefixes (system
+prefix + image + the first `prefix_tokens` prompt tokens, keyed by the request's `image_key`
+and those tokens; prefix_store.py): a request whose prefix is kept copies it into its slot and
+prefills only the rest of its prompt (on its own, eagerly: a group of one).
 
 Decode: one step feeds every active slot's last token at its own position. The step (embed,
 all layers, lm_head, on-device sampling, position update) reads/writes only static buffers,
@@ -46,7 +50,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -58,6 +62,7 @@ from kestrel_models.planner.engine_request import (GREEDY, EngineRequest, Logits
 from kestrel_models.planner.generate import GenerationResult, _pick
 from kestrel_models.planner.graphs import capture
 from kestrel_models.planner.kvmodel import KVModel
+from kestrel_models.planner.prefix_store import PrefixEntry, PrefixStore
 from kestrel_models.planner.vlm import VisionLanguageModel
 
 __all__ = ["DecodeEngine", "EngineRequest", "greedy_pick", "sample_on_device"]
@@ -71,7 +76,7 @@ class DecodeEngine:
                  attention: AttentionPolicy | None = None,
                  prefill_graph: bool | None = None, gemv: str = "inductor",
                  decode_attention: str = "auto", greedy: str = "argmax",
-                 mlp: str = "auto") -> None:
+                 mlp: str = "auto", prefix_entries: int = 0) -> None:
         if greedy not in GREEDY:
             raise ValueError(f"parameter 'greedy' = {greedy!r}: must be one of {GREEDY}")
         self._greedy = two_stage_argmax if greedy == "two_stage" else greedy_pick
@@ -131,6 +136,7 @@ class DecodeEngine:
             self.kv.forward(x, torch.zeros(1, dtype=torch.long, device=dev), slice(0, 1),
                             len(self.prefix), last_only=True)
             self._prefix_kv = self.kv.read_prefix(0, len(self.prefix))
+        self.store = PrefixStore(prefix_entries)  # request prefixes kept for reuse
 
     def set_steps_per_replay(self, n: int) -> None:
         """Change the decode steps per replay (graphs already captured stay valid)."""
@@ -154,6 +160,9 @@ class DecodeEngine:
             raise ValueError(f"request needs {need} positions > max_len {self.max_len}")
         if image is not None and (image.ndim != 3 or image.shape[0] != 3):
             raise ValueError(f"image must be [3, H, W], got {tuple(image.shape)}")
+        if not 0 <= int(kwargs.get("prefix_tokens", 0)) < len(prompt):  # type: ignore[arg-type]
+            raise ValueError(f"prefix_tokens = {kwargs['prefix_tokens']}: must be in "
+                             f"[0, {len(prompt)}) (a prompt token is left to prefill)")
         r = EngineRequest([int(t) for t in prompt], max_new_tokens, image,
                           **kwargs)  # type: ignore[arg-type]
         r.t_submit = time.monotonic()
@@ -172,22 +181,56 @@ class DecodeEngine:
         """Move queued requests into free slots (lowest first); prefill contiguous same-shape
         runs as one batch. Returns those that already stopped at their first token."""
         groups: list[list[tuple[int, EngineRequest]]] = []
+        reused: dict[int, PrefixEntry] = {}  # slot -> its kept prefix
         while self.pending and None in self.slots:
             r = self.pending.popleft()
             slot = self.slots.index(None)
             self.slots[slot] = r
+            key = self._prefix_key(r)
+            hit = None if key is None else self.store.get(key)
+            if hit is not None:
+                reused[slot] = hit
+                groups.append([(slot, r)])
+                continue
             shape = None if r.image is None else tuple(r.image.shape)
             last = groups[-1][-1] if groups else None
-            if (last is not None and last[0] == slot - 1 and
+            if (last is not None and last[0] == slot - 1 and last[0] not in reused and
                     (None if last[1].image is None else tuple(last[1].image.shape)) == shape):
                 groups[-1].append((slot, r))
             else:
                 groups.append([(slot, r)])
         done = []
         for grp in groups:
-            self._prefill_group(grp)
+            slot, r = grp[0]
+            if slot in reused:
+                self._prefill_reused(slot, r, reused[slot])
+            else:
+                self._prefill_group(grp)
             done += [r for _, r in grp if r.stop_reason]
         return done
+
+    def _prefix_key(self, r: EngineRequest) -> Hashable | None:
+        """The PrefixStore key of a request's reusable prefix (None: nothing to keep)."""
+        if self.store.capacity == 0 or r.prefix_tokens == 0 or (
+                r.image is not None and r.image_key is None):
+            return None
+        shape = None if r.image is None else tuple(r.image.shape)
+        return (r.image_key, shape, tuple(r.prompt[:r.prefix_tokens]))
+
+    @torch.inference_mode()
+    def _prefill_reused(self, slot: int, r: EngineRequest, e: PrefixEntry) -> None:
+        """Slot <- the kept prefix's KV (positions [0, e.length)); prefill the prompt after
+        it (one row, eager)."""
+        kv, dev = self.kv, self.device
+        kv.reset_slots(slice(slot, slot + 1))
+        kv.copy_prefix(e.k, e.v, slot)
+        rest = r.prompt[r.prefix_tokens:]
+        x = kv.embed_tokens(torch.tensor([rest], dtype=torch.long, device=dev))
+        pos = torch.full((1,), e.length, dtype=torch.long, device=dev)
+        end = e.length + len(rest)
+        logits = kv.forward(x, pos, slice(slot, slot + 1), end, last_only=True)[:, 0]
+        r.prefix_hit = True
+        self._start([(slot, r)], logits, [end])
 
     def _prefill_body(self, s0: int, n: int, img: Tensor | None, tok: Tensor,
                       last: Tensor) -> Tensor:
@@ -252,9 +295,19 @@ class DecodeEngine:
             g.replay()
         else:
             logits = body()
+        for slot, r in grp:  # keep the prefixes asked for (positions < L depend on them only)
+            pkey = self._prefix_key(r)
+            if pkey is not None:
+                self.store.put(pkey, *self.kv.read_prefix(slot, off + n_img + r.prefix_tokens))
+        self._start(grp, logits, [off + n_img + m for m in lens])
+
+    def _start(self, grp: list[tuple[int, EngineRequest]], logits: Tensor,
+               ends: list[int]) -> None:
+        """After a prefill: each row's position (ends[i]: its next position), temperature and
+        first token (logits [n, V] of its last prompt position)."""
         for i, (slot, r) in enumerate(grp):
             r.slot = slot
-            end = off + n_img + lens[i]
+            end = ends[i]
             self._pos[slot] = end
             self.pos_buf[slot] = end
             self.temp_buf[slot] = float(r.temperature)
@@ -411,23 +464,29 @@ class DecodeEngine:
                  generator: torch.Generator | None = None,
                  on_token: Callable[[int, int], None] | None = None,
                  should_stop: Sequence[Callable[[], bool] | None] | None = None,
+                 image_keys: Sequence[Hashable | None] | None = None,
+                 prefix_tokens: Sequence[int] | None = None,
                  ) -> GenerationResult:
         """generate.py-compatible batch call (all requests submitted at once); on_token(row,
-        token_id) streams, should_stop[row]() cancels a row."""
+        token_id) streams, should_stop[row]() cancels a row; image_keys / prefix_tokens: each
+        row's reusable prefix (EngineRequest; used with prefix_entries > 0)."""
         t0 = time.monotonic()
         n = len(prompts)
         imgs = list(images) if images is not None else [None] * n
         procs = list(logits_processor) if logits_processor is not None else [None] * n
         stops = list(should_stop) if should_stop is not None else [None] * n
-        if not len(imgs) == len(procs) == len(stops) == n:
-            raise ValueError(f"images/logits_processor/should_stop: need {n} entries each")
+        keys = list(image_keys) if image_keys is not None else [None] * n
+        npre = list(prefix_tokens) if prefix_tokens is not None else [0] * n
+        if not len(imgs) == len(procs) == len(stops) == len(keys) == len(npre) == n:
+            raise ValueError(f"images/logits_processor/should_stop/image_keys/prefix_tokens: "
+                             f"need {n} entries each")
 
         def cb(row: int) -> Callable[[int], None] | None:
             return None if on_token is None else (lambda tok: on_token(row, tok))
 
         reqs = [self.submit(p, max_new_tokens, imgs[i], temperature=temperature,
                             logits_processor=procs[i], generator=generator, on_token=cb(i),
-                            should_stop=stops[i])
+                            should_stop=stops[i], image_key=keys[i], prefix_tokens=npre[i])
                 for i, p in enumerate(prompts)]
         steps0 = self.steps
         self.run()

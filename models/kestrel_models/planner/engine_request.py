@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +65,11 @@ class EngineRequest:
     generator: torch.Generator | None = None
     on_token: Callable[[int], None] | None = None
     should_stop: Callable[[], bool] | None = None
+    # reusable prefix (DecodeEngine prefix_entries): the image's identity (e.g. a digest of
+    # its pixels; None: an image prefix is not kept) and the prompt tokens that belong to it
+    image_key: Hashable | None = None
+    prefix_tokens: int = 0
+    prefix_hit: bool = False  # set: the prefix's KV came from the store
     tokens: list[int] = field(default_factory=list)
     stop_reason: str = ""
     slot: int = -1
