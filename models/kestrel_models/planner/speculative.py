@@ -17,13 +17,22 @@ updates) reads and writes only static buffers, so with `cuda_graph` (default on 
 captured once per (batch, draft kv bucket, target kv bucket, temperature) and replayed; the
 host reads the accepted tokens once per round. Graphed rounds draw their randomness from the
 default CUDA generator (a `generator` argument is honoured on the eager path only).
+
+Host decisions (generate(logits_processor=..., on_token=..., should_stop=...), e.g. decoding
+under the plan grammar): each draft token is picked on the host under its row's processor,
+whose mask is kept and applied to the target's scores at the same position (the processor
+must only mask: -inf for disallowed tokens); the acceptance rule then runs on the masked
+distributions, so the output is distributed as masked sampling from the target (greedy: the
+target's constrained greedy text). Such rounds run eagerly (k + 1 draft passes, each with a
+host round trip, and one target pass); a row's draft stops at <eos> or at a position where
+nothing is allowed (the row stops 'no_allowed_token' there if the target gets that far).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -32,7 +41,10 @@ from kestrel_models.planner.graphs import capture
 from kestrel_models.planner.kvmodel import KVModel
 from kestrel_models.planner.vlm import VisionLanguageModel
 
-__all__ = ["SpeculativeDecoder", "SpecResult", "accept_draft", "sample_probs", "to_probs"]
+__all__ = ["SpeculativeDecoder", "SpecResult", "accept_draft", "sample_probs", "to_probs",
+           "truncated_draft"]
+
+LogitsProcessor = Callable[[list[int], Tensor], Tensor]  # (row's tokens so far, logits [V])
 
 
 def to_probs(logits: Tensor, temperature: float) -> Tensor:
@@ -68,6 +80,24 @@ def accept_draft(p: Tensor, q: Tensor, draft: Tensor,
     return n_acc, sample_probs(res, generator)
 
 
+def truncated_draft(model: VisionLanguageModel, n_layers: int) -> VisionLanguageModel:
+    """A draft made of the model's first n_layers decoder layers (and its vision tower,
+    embeddings, final norm and head): shares the model's tensors, no copy."""
+    if not 1 <= n_layers < model.cfg.n_layers:
+        raise ValueError(f"parameter 'draft_layers' = {n_layers}: must be in [1, "
+                         f"{model.cfg.n_layers}) (the target's decoder layers)")
+    cfg = model.cfg.with_overrides(n_layers=n_layers)
+    with torch.device("meta"):
+        draft = VisionLanguageModel(cfg)
+    state = {k: v for k, v in model.state_dict().items()
+             if not k.startswith("layers.") or int(k.split(".")[1]) < n_layers}
+    draft.load_state_dict(state, assign=True)
+    draft.rope_cos, draft.rope_sin = model.rope_cos, model.rope_sin
+    if cfg.tie_embeddings:
+        draft.lm_head.weight = draft.tok_emb.weight
+    return draft.eval()
+
+
 @dataclass
 class SpecResult:
     tokens: list[list[int]]
@@ -77,6 +107,9 @@ class SpecResult:
     accepted: int  # of those, accepted by the target
     ttft_s: float
     total_s: float
+    drafted_rows: list[int] = field(default_factory=list)  # per row: drafted, accepted
+    accepted_rows: list[int] = field(default_factory=list)
+    ttft_rows: list[float] = field(default_factory=list)  # s from the call to a row's 1st token
 
     @property
     def acceptance_rate(self) -> float:
@@ -164,18 +197,33 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  images: Sequence[Tensor | None] | None = None, temperature: float = 0.0,
-                 generator: torch.Generator | None = None) -> SpecResult:
+                 generator: torch.Generator | None = None,
+                 logits_processor: Sequence[LogitsProcessor | None] | None = None,
+                 on_token: Callable[[int, int], None] | None = None,
+                 should_stop: Sequence[Callable[[], bool] | None] | None = None,
+                 ) -> SpecResult:
+        """prompts: B token lists, images: B [3, H, W] uint8 or None. With logits_processor
+        (per row), on_token(row, token_id) or should_stop (per row: 'cancelled' when it
+        returns True) the rounds take host decisions (module doc)."""
         t0 = time.monotonic()
         b, k = len(prompts), self.k
         if not 1 <= b <= self.t.max_batch:
             raise ValueError(f"{b} prompts: must be 1..{self.t.max_batch}")
         imgs = list(images) if images is not None else [None] * b
+        procs = list(logits_processor) if logits_processor is not None else [None] * b
+        stops = list(should_stop) if should_stop is not None else [None] * b
+        if not len(imgs) == len(procs) == len(stops) == b:
+            raise ValueError(f"images/logits_processor/should_stop: need {b} entries each")
         logits, tpos = self._prefill(self.t, prompts, imgs)
         _, dpos = self._prefill(self.d, prompts, imgs)
         tp, dp = tpos.tolist(), dpos.tolist()  # host mirrors of the positions
         need = max(max(tp), max(dp)) + max_new_tokens + k + 1
         if need > self.max_len:
             raise ValueError(f"request needs {need} positions > max_len {self.max_len}")
+        if any(procs) or any(stops) or on_token is not None:
+            from kestrel_models.planner.speculative_host import HostRounds
+            return HostRounds(self, procs, stops, on_token, temperature, generator).run(
+                t0, logits, tp, dp, max_new_tokens)
         p0 = to_probs(logits, temperature)
         last = sample_probs(p0, generator)
         self.last[:b].copy_(last)
@@ -186,6 +234,7 @@ class SpeculativeDecoder:
         reasons = [""] * b
         self._emit(out, reasons, [[t] for t in last.tolist()], max_new_tokens)
         rounds = drafted = accepted = 0
+        d_rows, a_rows = [0] * b, [0] * b
         while not all(reasons):
             self.running[:b].copy_(torch.tensor([not r for r in reasons]))
             ld = self._bucket(max(dp) + k + 1, self.max_len)
@@ -211,11 +260,14 @@ class SpeculativeDecoder:
                 if not reasons[i]:
                     tp[i] += na[i] + 1
                     dp[i] += na[i] + 1
+                    d_rows[i] += k
+                    a_rows[i] += na[i]
             self._emit(out, reasons, new, max_new_tokens)
-        return SpecResult(out, reasons, rounds, drafted, accepted, ttft, time.monotonic() - t0)
+        return SpecResult(out, reasons, rounds, drafted, accepted, ttft, time.monotonic() - t0,
+                          d_rows, a_rows, [ttft] * b)
 
     def _emit(self, out: list[list[int]], reasons: list[str], new: list[list[int]],
-              max_new: int) -> None:
+              max_new: int, on_token: Callable[[int, int], None] | None = None) -> None:
         for i, toks in enumerate(new):
             for t in toks:
                 if reasons[i]:
@@ -224,5 +276,7 @@ class SpeculativeDecoder:
                     reasons[i] = "eos"
                     break
                 out[i].append(t)
+                if on_token is not None:
+                    on_token(i, t)
                 if len(out[i]) >= max_new:
                     reasons[i] = "max_new_tokens"
