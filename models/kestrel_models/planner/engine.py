@@ -8,7 +8,11 @@ positions' KV entries lie past each row's position, so they are masked and later
 On CUDA (`prefill_graph`) that batched prefill (prefix KV copy, vision tower, projector,
 decoder pass, last-token lm_head) is captured as a CUDA graph per (first slot, rows, image
 shape, prompt bucket) and replayed: TTFT without launch overhead. Sequence layout per slot:
-    [system prefix (optional, shared)] [image tokens (if the request has an image)] [prompt].
+    [system prefix (optional, shared)] [image tokens (if the request has an image)] [prompt],
+or, when the prompt holds the model's image marker token (a chat template's image place, HF
+checkpoints: hf_engine/), [prefix] [prompt up to the marker] [image tokens] [rest of the
+prompt] (prefill_layout.py; M-RoPE decoders also get their 3-D positions and per-row offsets).
+The model: Kestrel's VisionLanguageModel or any PackedDecoder (decoder.py).
 Prefix caching: with `prefix_cache=True` the system prefix is prefilled once at construction
 and its KV copied into each new slot (positions [0, P)), so only image + prompt are computed.
 With `prefix_entries=N` the engine also keeps the KV of the last N request prefixes (system
@@ -56,19 +60,23 @@ import torch
 from torch import Tensor
 
 from kestrel_models.planner.attention_policy import AttentionPolicy
+from kestrel_models.planner.decoder import PackedDecoder
 from kestrel_models.planner.engine_request import (GREEDY, EngineRequest, LogitsProcessor,
                                                    _pow2_at_least, greedy_pick,
                                                    sample_on_device, two_stage_argmax)
 from kestrel_models.planner.generate import GenerationResult, _pick
 from kestrel_models.planner.graphs import capture
 from kestrel_models.planner.kvmodel import KVModel
-from kestrel_models.planner.prefix_store import PrefixEntry, PrefixStore
+from kestrel_models.planner.engine_prefill import PrefillMixin
+from kestrel_models.planner.prefill_layout import split_prompt
+from kestrel_models.planner.prefix_store import PrefixStore
 from kestrel_models.planner.vlm import VisionLanguageModel
 
 __all__ = ["DecodeEngine", "EngineRequest", "greedy_pick", "sample_on_device"]
 
-class DecodeEngine:
-    def __init__(self, model: VisionLanguageModel, max_batch: int, max_len: int, eos_id: int,
+class DecodeEngine(PrefillMixin):
+    def __init__(self, model: VisionLanguageModel | PackedDecoder, max_batch: int,
+                 max_len: int, eos_id: int,
                  system_prefix: Sequence[int] = (), prefix_cache: bool = True,
                  cuda_graph: bool | None = None, compile: bool = False,
                  compile_step: bool = False, compile_mode: str = "default",
@@ -85,16 +93,18 @@ class DecodeEngine:
         if compile and compile_step:
             raise ValueError("parameter 'compile' = True: use either compile (layer pieces) "
                              "or compile_step (whole step), not both")
-        self.model = model.eval()
+        self.model = model.eval() if isinstance(model, torch.nn.Module) else model
         self.kv = KVModel(model, max_batch, max_len, compile=compile, policy=attention,
                           gemv=gemv, decode_attention=decode_attention, mlp=mlp)
+        self.dec = self.kv.dec  # the packed decoder and its image side
         self.max_batch, self.max_len, self.eos_id = max_batch, max_len, eos_id
         dev = self.kv.device
         self.device = dev
         self.cuda_graph = (dev.type == "cuda") if cuda_graph is None else bool(cuda_graph)
         if self.cuda_graph and dev.type != "cuda":
             raise ValueError("parameter 'cuda_graph' = True: needs the model on a CUDA device")
-        self.prefill_graph = self.cuda_graph if prefill_graph is None else bool(prefill_graph)
+        self.prefill_graph = (self.cuda_graph and self.dec.graphable_prefill
+                              if prefill_graph is None else bool(prefill_graph))
         if self.prefill_graph and dev.type != "cuda":
             raise ValueError("parameter 'prefill_graph' = True: needs the model on a CUDA device")
         self.steps_per_replay = steps_per_replay
@@ -110,7 +120,7 @@ class DecodeEngine:
         self.pending: deque[EngineRequest] = deque()
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self._pgraphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
-        self._pin: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # prefill graph inputs
+        self._pin: dict[tuple, tuple] = {}  # prefill graph inputs
         cuda = dev.type == "cuda"
         self._pool = torch.cuda.graph_pool_handle() if cuda else None
         self._ppool = torch.cuda.graph_pool_handle() if cuda else None
@@ -154,12 +164,13 @@ class DecodeEngine:
             raise ValueError("every prompt needs at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
-        n_img = self.kv.cfg.num_image_tokens if image is not None else 0
-        need = len(self.prefix) + n_img + len(prompt) + max_new_tokens
-        if need > self.max_len:
-            raise ValueError(f"request needs {need} positions > max_len {self.max_len}")
         if image is not None and (image.ndim != 3 or image.shape[0] != 3):
             raise ValueError(f"image must be [3, H, W], got {tuple(image.shape)}")
+        text, _ = split_prompt(prompt, self.dec.image_marker, image is not None)
+        n_img = self.dec.image_tokens(tuple(image.shape)) if image is not None else 0
+        need = len(self.prefix) + n_img + len(text) + max_new_tokens
+        if need > self.max_len:
+            raise ValueError(f"request needs {need} positions > max_len {self.max_len}")
         if not 0 <= int(kwargs.get("prefix_tokens", 0)) < len(prompt):  # type: ignore[arg-type]
             raise ValueError(f"prefix_tokens = {kwargs['prefix_tokens']}: must be in "
                              f"[0, {len(prompt)}) (a prompt token is left to prefill)")
@@ -177,130 +188,6 @@ class DecodeEngine:
         return not self.pending and all(r is None for r in self.slots)
 
     # ---- prefill ---------------------------------------------------------------------------
-    def _admit_pending(self) -> list[EngineRequest]:
-        """Move queued requests into free slots (lowest first); prefill contiguous same-shape
-        runs as one batch. Returns those that already stopped at their first token."""
-        groups: list[list[tuple[int, EngineRequest]]] = []
-        reused: dict[int, PrefixEntry] = {}  # slot -> its kept prefix
-        while self.pending and None in self.slots:
-            r = self.pending.popleft()
-            slot = self.slots.index(None)
-            self.slots[slot] = r
-            key = self._prefix_key(r)
-            hit = None if key is None else self.store.get(key)
-            if hit is not None:
-                reused[slot] = hit
-                groups.append([(slot, r)])
-                continue
-            shape = None if r.image is None else tuple(r.image.shape)
-            last = groups[-1][-1] if groups else None
-            if (last is not None and last[0] == slot - 1 and last[0] not in reused and
-                    (None if last[1].image is None else tuple(last[1].image.shape)) == shape):
-                groups[-1].append((slot, r))
-            else:
-                groups.append([(slot, r)])
-        done = []
-        for grp in groups:
-            slot, r = grp[0]
-            if slot in reused:
-                self._prefill_reused(slot, r, reused[slot])
-            else:
-                self._prefill_group(grp)
-            done += [r for _, r in grp if r.stop_reason]
-        return done
-
-    def _prefix_key(self, r: EngineRequest) -> Hashable | None:
-        """The PrefixStore key of a request's reusable prefix (None: nothing to keep)."""
-        if self.store.capacity == 0 or r.prefix_tokens == 0 or (
-                r.image is not None and r.image_key is None):
-            return None
-        shape = None if r.image is None else tuple(r.image.shape)
-        return (r.image_key, shape, tuple(r.prompt[:r.prefix_tokens]))
-
-    @torch.inference_mode()
-    def _prefill_reused(self, slot: int, r: EngineRequest, e: PrefixEntry) -> None:
-        """Slot <- the kept prefix's KV (positions [0, e.length)); prefill the prompt after
-        it (one row, eager)."""
-        kv, dev = self.kv, self.device
-        kv.reset_slots(slice(slot, slot + 1))
-        kv.copy_prefix(e.k, e.v, slot)
-        rest = r.prompt[r.prefix_tokens:]
-        x = kv.embed_tokens(torch.tensor([rest], dtype=torch.long, device=dev))
-        pos = torch.full((1,), e.length, dtype=torch.long, device=dev)
-        end = e.length + len(rest)
-        logits = kv.forward(x, pos, slice(slot, slot + 1), end, last_only=True)[:, 0]
-        r.prefix_hit = True
-        self._start([(slot, r)], logits, [end])
-
-    def _prefill_body(self, s0: int, n: int, img: Tensor | None, tok: Tensor,
-                      last: Tensor) -> Tensor:
-        """Rows [s0, s0+n): img [n, 3, H, W] or None, tok [n, T] right-padded, last [n] the
-        chunk index of each row's last token -> logits [n, V]. Static shapes (graphable)."""
-        kv, dev = self.kv, self.device
-        rows = slice(s0, s0 + n)  # graph-safe: no host->device copies in here
-        kv.reset_slots(rows)
-        parts, off = [], 0
-        if self.prefix_cache:
-            assert self._prefix_kv is not None
-            for s in range(s0, s0 + n):
-                kv.copy_prefix(*self._prefix_kv, s)
-            off = len(self.prefix)
-        elif self.prefix:
-            parts.append(kv.embed_tokens(self._prefix_t).expand(n, -1, -1))
-        if img is not None:
-            parts.append(kv.embed_image(img))
-        parts.append(kv.embed_tokens(tok))
-        x = torch.cat(parts, dim=1)
-        pos = torch.full((n,), off, dtype=torch.long, device=dev)
-        return kv.forward(x, pos, rows, off + x.shape[1], last_index=last)[:, 0]
-
-    @torch.inference_mode()
-    def _prefill_group(self, grp: list[tuple[int, EngineRequest]]) -> None:
-        s0, n, dev = grp[0][0], len(grp), self.device
-        first = grp[0][1]
-        n_img = self.kv.cfg.num_image_tokens if first.image is not None else 0
-        off = len(self.prefix)  # cached or recomputed: the prompt starts after it
-        lens = [len(r.prompt) for _, r in grp]
-        t = _pow2_at_least(max(lens), 16, 1 << 30)
-        if off + n_img + t > self.max_len:
-            t = max(lens)
-        img_shape = None if first.image is None else tuple(first.image.shape)
-        key = (s0, n, img_shape, t)
-        if self.prefill_graph and key in self._pin:
-            img_b, tok_b, last_b = self._pin[key]
-        else:
-            img_b = (torch.zeros((n, *img_shape), dtype=first.image.dtype, device=dev)
-                     if img_shape is not None else torch.zeros(0, device=dev))
-            tok_b = torch.zeros(n, t, dtype=torch.long, device=dev)
-            last_b = torch.zeros(n, dtype=torch.long, device=dev)
-            if self.prefill_graph:
-                self._pin[key] = (img_b, tok_b, last_b)
-        toks = torch.zeros(n, t, dtype=torch.long)
-        for i, (_, r) in enumerate(grp):
-            toks[i, :len(r.prompt)] = torch.tensor(r.prompt)
-            if img_shape is not None:
-                img_b[i].copy_(r.image, non_blocking=True)
-        tok_b.copy_(toks, non_blocking=True)
-        pre = 0 if self.prefix_cache else off
-        last_b.copy_(torch.tensor([pre + n_img + m - 1 for m in lens]), non_blocking=True)
-        img_arg = img_b if img_shape is not None else None
-
-        def body() -> Tensor:
-            return self._prefill_body(s0, n, img_arg, tok_b, last_b)
-
-        if self.prefill_graph:
-            if key not in self._pgraphs:
-                self._pgraphs[key] = capture(body, self._ppool)
-            g, logits = self._pgraphs[key]
-            g.replay()
-        else:
-            logits = body()
-        for slot, r in grp:  # keep the prefixes asked for (positions < L depend on them only)
-            pkey = self._prefix_key(r)
-            if pkey is not None:
-                self.store.put(pkey, *self.kv.read_prefix(slot, off + n_img + r.prefix_tokens))
-        self._start(grp, logits, [off + n_img + m for m in lens])
-
     def _start(self, grp: list[tuple[int, EngineRequest]], logits: Tensor,
                ends: list[int]) -> None:
         """After a prefill: each row's position (ends[i]: its next position), temperature and

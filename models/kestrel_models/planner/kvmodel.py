@@ -1,10 +1,17 @@
-"""KVModel: the VLM's decoder as a few fused steps over a static, slot-addressed KV cache.
+"""KVModel: a decoder as a few fused steps over a static, slot-addressed KV cache.
 
-Shared by the decode engine (engine.py) and speculative decoding (speculative.py). It reads
-the weights of a `VisionLanguageModel` (packed once: wq|wk|wv -> wqkv with 1/sqrt(head_dim)
-folded into wq and q/k features permuted so RoPE pairs are adjacent (a complex product);
-w_gate|w_up -> w13; the model itself is not changed) and owns its own cache, per layer
+Shared by the decode engine (engine.py) and speculative decoding (speculative.py). It runs a
+`PackedDecoder` (decoder.py: wq|wk|wv -> wqkv with 1/sqrt(head_dim) folded into wq and q/k
+features permuted so RoPE pairs are adjacent (a complex product); w_gate|w_up -> w13): Kestrel's
+`VisionLanguageModel` (packed once, the model itself is not changed) or a Hugging Face
+checkpoint's decoder (hf_engine/). It owns its own cache, per layer
     k, v: [max_batch, n_kv_heads, max_len, head_dim]  (model dtype, on the model's device).
+What a decoder may add: a qkv bias (added to the packed projection), sliding-window layers
+(`window` per layer: a query at p attends keys in (p - w, p], in every attention path), tied
+embeddings (lm_head is the embedding tensor), and M-RoPE: 3-D rope positions for a prefill
+chunk (`rope_pos`), and per cache row a rope offset (`rope_off` [max_batch] long: the rope
+position of the token at cache position p is p + rope_off[row]; set by the engine's prefill to
+the shift that an image's 3-D positions leave behind).
 
 `forward(x, pos, rows, kv_len)` runs S new positions for a contiguous block of cache rows
 (`rows` = slice of slots, B rows): row b's tokens go to positions pos[b] .. pos[b] + S - 1,
@@ -47,7 +54,6 @@ Decode-step kernel choices (only what `decode` runs; prefill is unchanged):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 
@@ -59,6 +65,7 @@ from kestrel_models.planner.attention_policy import (AttentionPolicy, attend_gat
                                                      column_mass, h2o_select, h2o_update,
                                                      local_global_index)
 from kestrel_models.planner import triton_decode
+from kestrel_models.planner.decoder import PackedDecoder, VLMDecoder
 from kestrel_models.planner.triton_decode import decode_attention as triton_attention
 from kestrel_models.planner.triton_decode import decode_attention_fused, mlp_triton
 from kestrel_models.planner.vlm import VisionLanguageModel
@@ -150,12 +157,16 @@ def _rope_real(x: Tensor, cis: Tensor) -> Tensor:
 
 
 def _pre(x: Tensor, norm_w: Tensor, eps: float, wqkv: Tensor, cis: Tensor, n_heads: int,
-         n_kv: int, hd: int, real_rope: bool = False, lin_qkv: Callable = F.linear
-         ) -> tuple[Tensor, Tensor, Tensor]:
-    """x [B, S, D] -> q [B, S, H, hd] (pre-scaled by 1/sqrt(hd)), k, v [B, S, Hkv, hd]."""
+         n_kv: int, hd: int, real_rope: bool = False, lin_qkv: Callable = F.linear,
+         bqkv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """x [B, S, D] -> q [B, S, H, hd] (pre-scaled by 1/sqrt(hd)), k, v [B, S, Hkv, hd].
+    bqkv: the packed qkv bias or None."""
     b, s, _ = x.shape
     h = F.rms_norm(x, (x.shape[-1],), norm_w, eps)
-    qkv = lin_qkv(h, wqkv).view(b, s, n_heads + 2 * n_kv, hd)
+    qkv = lin_qkv(h, wqkv)
+    if bqkv is not None:
+        qkv = qkv + bqkv
+    qkv = qkv.view(b, s, n_heads + 2 * n_kv, hd)
     rope = _rope_real if real_rope else _rope_complex
     qk = rope(qkv[:, :, : n_heads + n_kv], cis)
     return qk[:, :, :n_heads], qk[:, :, n_heads:], qkv[:, :, n_heads + n_kv:]
@@ -210,21 +221,22 @@ def _attn_post(x: Tensor, q: Tensor, k: Tensor, v: Tensor, mask_add: Tensor, wo:
 
 class KVModel:
     """Decoder runner over a static KV cache; `compile=True` wraps the per-layer pieces in
-    torch.compile (one compiled graph reused by all layers, since weights are arguments)."""
+    torch.compile (one compiled graph reused by all layers, since weights are arguments).
+    model: a PackedDecoder, or a VisionLanguageModel (packed here)."""
 
-    def __init__(self, model: VisionLanguageModel, max_batch: int, max_len: int,
-                 compile: bool = False, policy: AttentionPolicy | None = None,
+    def __init__(self, model: VisionLanguageModel | PackedDecoder, max_batch: int,
+                 max_len: int, compile: bool = False, policy: AttentionPolicy | None = None,
                  gemv: str = "inductor", decode_attention: str = "auto",
                  mlp: str = "auto") -> None:
-        cfg = model.cfg
+        dec = model if isinstance(model, PackedDecoder) else VLMDecoder(model)
+        cfg = dec.cfg
         cub = parse_gemv(gemv)
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"parameter 'decode_attention' = {decode_attention!r}: must be "
                              f"one of {DECODE_ATTENTION}")
         if mlp not in MLP:
             raise ValueError(f"parameter 'mlp' = {mlp!r}: must be one of {MLP}")
-        decode_attention, mlp = resolve_auto(decode_attention, mlp,
-                                             model.tok_emb.weight.device, cub)
+        decode_attention, mlp = resolve_auto(decode_attention, mlp, dec.device, cub)
         if mlp != "inductor" and ("w13" in cub or "w2" in cub):
             raise ValueError(f"parameter 'mlp' = {mlp!r}: replaces the w13/w2 GEMVs, so "
                              f"'gemv' = {gemv!r} must not name w13 or w2")
@@ -233,31 +245,21 @@ class KVModel:
         if not 0 < max_len <= cfg.max_seq_len:
             raise ValueError(f"parameter 'max_len' = {max_len}: must be in "
                              f"(0, {cfg.max_seq_len}] (the model's max_seq_len)")
-        self.model, self.cfg = model, cfg
+        self.model, self.dec, self.cfg = model, dec, cfg
         self.max_batch, self.max_len = max_batch, max_len
-        w = model.tok_emb.weight
-        self.device, self.dtype = w.device, w.dtype
-        hd, half = cfg.head_dim, cfg.head_dim // 2
-        # RoPE pairs (i, i + hd/2) -> adjacent (2i, 2i+1): the same permutation of q's and
-        # k's features in every head leaves q.k unchanged and makes RoPE a complex product.
-        perm = torch.stack([torch.arange(half), torch.arange(half) + half], 1).flatten()
-        perm = perm.to(w.device)
-
-        def heads(wt: Tensor, n: int) -> Tensor:
-            return wt.view(n, hd, -1)[:, perm].reshape(n * hd, -1)
-
-        scale = 1.0 / math.sqrt(hd)
-        with torch.no_grad():
-            self.layers = [dict(
-                attn_norm=ly.attn_norm.weight, ffn_norm=ly.ffn_norm.weight,
-                wqkv=torch.cat([heads(ly.attn.wq.weight, cfg.n_heads) * scale,
-                                heads(ly.attn.wk.weight, cfg.n_kv_heads), ly.attn.wv.weight]),
-                wo=ly.attn.wo.weight, w13=torch.cat([ly.w_gate.weight, ly.w_up.weight]),
-                w2=ly.w_down.weight) for ly in model.layers]
+        dev = dec.device
+        self.device, self.dtype = dev, dec.dtype
+        self.layers = dec.layers
+        self.rope_cos, self.rope_sin = dec.rope(max_len)  # [max_len, hd/2]
+        self._comp = dec.mrope_comp()  # [hd/2] position component per frequency, or None
+        # rope position = cache position + rope_off[row] (M-RoPE decoders only)
+        self.rope_off = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self._use_off = self._comp is not None
+        self.window = dec.window
         shape = (max_batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in model.layers]
-        self.v = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in model.layers]
-        self._ar = torch.arange(max_len, device=w.device)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in self.layers]
+        self._ar = torch.arange(max_len, device=dev)
         self.policy = policy or AttentionPolicy()
         if self.policy.mode == "local_global" and self.policy.n_global >= max_len:
             raise ValueError(f"parameter 'n_global' = {self.policy.n_global}: must be < "
@@ -265,9 +267,9 @@ class KVModel:
         # H2O state per layer: accumulated attention mass and liveness of every position.
         hshape = (max_batch, cfg.n_kv_heads, max_len)
         h2o = self.policy.mode == "h2o"
-        self.score = [torch.zeros(hshape, device=w.device) for _ in model.layers] if h2o else []
-        self.alive = ([torch.ones(hshape, dtype=torch.bool, device=w.device)
-                       for _ in model.layers] if h2o else [])
+        self.score = [torch.zeros(hshape, device=dev) for _ in self.layers] if h2o else []
+        self.alive = ([torch.ones(hshape, dtype=torch.bool, device=dev)
+                       for _ in self.layers] if h2o else [])
         self._real_rope = compile
         self.gemv, self.decode_attention, self.mlp = gemv, decode_attention, mlp
         self._attn_chunk = ATTN_SPLIT_CHUNK if decode_attention == "triton_split" else 0
@@ -291,12 +293,12 @@ class KVModel:
     @torch.inference_mode()
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """tokens [B, S] long -> [B, S, D]."""
-        return self.model.tok_emb(tokens)
+        return F.embedding(tokens, self.dec.embed)
 
     @torch.inference_mode()
     def embed_image(self, image: Tensor) -> Tensor:
-        """image [B, 3, H, W] uint8 (or float 0..1) -> image tokens [B, N, D]."""
-        return self.model.projector(self.model.vision(image.to(self.device)))
+        """image [B, 3, H, W] uint8 (or float 0..1) -> the image block [B, N, D]."""
+        return self.dec.embed_image(image)
 
     # ---- cache helpers ---------------------------------------------------------------------
     def copy_prefix(self, src_k: list[Tensor], src_v: list[Tensor], slot: int) -> None:
@@ -316,68 +318,100 @@ class KVModel:
         return ([k[slot, :, :length].clone() for k in self.k],
                 [v[slot, :, :length].clone() for v in self.v])
 
+    # ---- positions -------------------------------------------------------------------------
+    def _cis(self, rp: Tensor) -> Tensor:
+        """Rope positions [...] long (1-D) or [..., 3] (t, h, w: M-RoPE) -> cis [..., hd/2, 2]
+        float32 (cos, sin)."""
+        if rp.shape[-1:] == (3,) and rp.ndim >= 3:
+            if self._comp is None:
+                rp = rp[..., 0]
+            else:  # frequency j rotates by component comp[j] of the 3-D position
+                p = rp[..., self._comp]  # [..., hd/2]
+                j = torch.arange(p.shape[-1], device=p.device)
+                return torch.stack([self.rope_cos[p, j], self.rope_sin[p, j]], dim=-1).float()
+        return torch.stack([self.rope_cos[rp], self.rope_sin[rp]], dim=-1).float()
+
+    def _windowed(self, allowed: Tensor, positions: Tensor) -> dict[int, Tensor]:
+        """allowed [B, S, L] (keys <= each query) -> {window: allowed within it} for this
+        decoder's windows (0: allowed itself). positions [B, S]: the queries' positions."""
+        out = {0: allowed}
+        for w in set(self.window) - {0}:
+            L = allowed.shape[-1]
+            out[w] = allowed & (self._ar[None, None, :L] > positions[:, :, None] - w)
+        return out
+
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, x: Tensor, pos: Tensor, rows: slice, kv_len: int,
-                last_only: bool = False, last_index: Tensor | None = None) -> Tensor:
+                last_only: bool = False, last_index: Tensor | None = None,
+                rope_pos: Tensor | None = None) -> Tensor:
         """x [B, S, D] (embeddings), pos [B] long (first position of each row), rows: the
         B cache slots, kv_len: keys attended (static; >= max(pos) + S, <= max_len).
         -> logits [B, S or 1, vocab] float32 (1: last_only, or last_index [B] long = the
-        chunk index whose logits each row wants: right-padded batched prefill). The caller
-        guarantees pos + S <= kv_len. Attention here is always dense (prefill, verification);
-        with the H2O policy the chunk's attention mass is added to the rows' scores."""
+        chunk index whose logits each row wants: right-padded batched prefill). rope_pos:
+        [B, S, 3] long 3-D rope positions of the chunk (M-RoPE), default cache position +
+        rope_off. The caller guarantees pos + S <= kv_len. Attention here is always dense
+        (prefill, verification) within each layer's window; with the H2O policy the chunk's
+        attention mass is added to the rows' scores."""
         cfg = self.cfg
         b, s, _ = x.shape
         positions = pos[:, None] + self._ar[:s]  # [B, S]
-        cis = torch.stack([self.model.rope_cos[positions], self.model.rope_sin[positions]],
-                          dim=-1).float()  # [B, S, hd/2, 2] (buffers follow the model dtype)
+        if rope_pos is None:
+            rope_pos = positions + self.rope_off[rows, None] if self._use_off else positions
+        cis = self._cis(rope_pos)  # [B, S, hd/2, 2]
         bi = torch.arange(b, device=x.device)[:, None]
-        allowed = self._ar[None, None, :kv_len] <= positions[:, :, None]  # [B, S, L]
+        allowed = self._windowed(self._ar[None, None, :kv_len] <= positions[:, :, None],
+                                 positions)  # window -> [B, S, L]
         use_sdpa = s >= SDPA_MIN_CHUNK
+        masks = {}
         if not use_sdpa:
-            mask_add = torch.zeros(allowed.shape, dtype=torch.float32, device=x.device)
-            mask_add.masked_fill_(~allowed, float("-inf"))
+            for w, al in allowed.items():
+                masks[w] = torch.zeros(al.shape, dtype=torch.float32, device=x.device)
+                masks[w].masked_fill_(~al, float("-inf"))
         for i, w in enumerate(self.layers):
+            win = self.window[i]
             pre = _pre if use_sdpa else self._pre  # prefill stays eager: no compile per length
             q, k, v = pre(x, w["attn_norm"], cfg.norm_eps, w["wqkv"], cis, cfg.n_heads,
-                                cfg.n_kv_heads, cfg.head_dim, self._real_rope)
+                          cfg.n_kv_heads, cfg.head_dim, self._real_rope, bqkv=w["bqkv"])
             kc, vc = self.k[i][rows], self.v[i][rows]  # views [B, Hkv, max_len, hd]
             kc[bi, :, positions] = k  # k [B, S, Hkv, hd]
             vc[bi, :, positions] = v
             kk, vv = kc[:, :, :kv_len], vc[:, :, :kv_len]
             if self.score:
-                self.score[i][rows, :, :kv_len] += column_mass(q, kk, allowed)
+                self.score[i][rows, :, :kv_len] += column_mass(q, kk, allowed[win])
             if use_sdpa:
                 a = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv,
-                                                   attn_mask=allowed[:, None], scale=1.0,
+                                                   attn_mask=allowed[win][:, None], scale=1.0,
                                                    enable_gqa=True)
                 a = a.transpose(1, 2).reshape(b, s, cfg.n_heads * cfg.head_dim)
                 x = _post(x, a, w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"], w["w2"])
             else:
-                x = self._attn_post(x, q, kk, vv, mask_add, w["wo"], w["ffn_norm"],
+                x = self._attn_post(x, q, kk, vv, masks[win], w["wo"], w["ffn_norm"],
                                     cfg.norm_eps, w["w13"], w["w2"])
         if last_index is not None:
             x = x[torch.arange(b, device=x.device), last_index][:, None]
         elif last_only:
             x = x[:, -1:]
-        x = F.rms_norm(x, (x.shape[-1],), self.model.norm.weight, cfg.norm_eps)
-        return F.linear(x, self.model.lm_head.weight).float()
+        x = F.rms_norm(x, (x.shape[-1],), self.dec.norm, cfg.norm_eps)
+        return F.linear(x, self.dec.lm_head).float()
 
     def decode(self, tok: Tensor, pos: Tensor, kv_len: int) -> Tensor:
         """One token per row for cache slots [0, B): tok [B] long at positions pos [B] long
         (pos < kv_len <= max_len) -> logits [B, vocab] float32. Writes k, v at pos; attends
-        per `policy`. Pure tensor code with static shapes for a given (B, kv_len): the unit
-        that the engine compiles (fullgraph) and captures as a CUDA graph."""
+        per `policy` (within each layer's window). Pure tensor code with static shapes for a
+        given (B, kv_len): the unit that the engine compiles (fullgraph) and captures as a
+        CUDA graph."""
         cfg, pol = self.cfg, self.policy
         b = tok.shape[0]
-        x = F.embedding(tok, self.model.tok_emb.weight)[:, None]  # [B, 1, D]
-        cis = torch.stack([self.model.rope_cos[pos], self.model.rope_sin[pos]],
-                          dim=-1).float()[:, None]  # [B, 1, hd/2, 2]
+        x = F.embedding(tok, self.dec.embed)[:, None]  # [B, 1, D]
+        rp = pos + self.rope_off[:b] if self._use_off else pos
+        cis = self._cis(rp)[:, None]  # [B, 1, hd/2, 2]
         bi = torch.arange(b, device=tok.device)
-        mask_add = idx = valid = allowed = None
+        mask_add = allowed = idx = valid = None
         if pol.mode == "dense":
-            allowed = self._ar[None, None, :kv_len] <= pos[:, None, None]  # [B, 1, L]
-            mask_add = torch.where(allowed, 0.0, float("-inf"))
+            allowed = self._windowed(self._ar[None, None, :kv_len] <= pos[:, None, None],
+                                     pos[:, None])  # window -> [B, 1, L]
+            mask_add = {w: torch.where(al, 0.0, float("-inf")) for w, al in allowed.items()}
         elif pol.mode == "local_global":
             idx, valid = local_global_index(pos, pol.n_global, pol.window)
             idx = idx[:, None].expand(b, cfg.n_kv_heads, -1)
@@ -386,41 +420,47 @@ class KVModel:
         fused = self._fused and mask_add is not None
         lin_qkv = self._pre_kw.get("lin_qkv", F.linear)
         for i, w in enumerate(self.layers):
+            win = self.window[i]
             if fused:  # RoPE + k/v cache write + attention: one op (kernel) per layer
                 h = F.rms_norm(x, (x.shape[-1],), w["attn_norm"], cfg.norm_eps)
-                a = decode_attention_fused(lin_qkv(h, w["wqkv"])[:, 0], cis[:, 0], self.k[i],
-                                           self.v[i], pos, kv_len, 0)  # [B, H * hd]
+                qkv = lin_qkv(h, w["wqkv"])[:, 0]
+                if w["bqkv"] is not None:
+                    qkv = qkv + w["bqkv"]
+                a = decode_attention_fused(qkv, cis[:, 0], self.k[i], self.v[i], pos, kv_len, 0,
+                                           win)  # [B, H * hd]
                 x = _post(x, a[:, None], w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"],
                           w["w2"], **post_kw)
                 continue
             q, k, v = self._pre(x, w["attn_norm"], cfg.norm_eps, w["wqkv"], cis, cfg.n_heads,
-                                cfg.n_kv_heads, cfg.head_dim, self._real_rope, **self._pre_kw)
+                                cfg.n_kv_heads, cfg.head_dim, self._real_rope, bqkv=w["bqkv"],
+                                **self._pre_kw)
             kc, vc = self.k[i][:b], self.v[i][:b]
             kc[bi, :, pos] = k[:, 0]  # [B, Hkv, hd]
             vc[bi, :, pos] = v[:, 0]
             if mask_add is not None and self.decode_attention.startswith("triton"):
                 a = triton_attention(q[:, 0], kc[:, :, :kv_len], vc[:, :, :kv_len], pos,
-                                     self._attn_chunk)  # [B, H * hd]
+                                     self._attn_chunk, win)  # [B, H * hd]
                 x = _post(x, a[:, None], w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"],
                           w["w2"], **post_kw)
                 continue
             if mask_add is not None and self.decode_attention == "sdpa":
-                a = _attn_sdpa(q, kc[:, :, :kv_len], vc[:, :, :kv_len], allowed)
+                a = _attn_sdpa(q, kc[:, :, :kv_len], vc[:, :, :kv_len], allowed[win])
                 x = _post(x, a, w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"], w["w2"],
                           **post_kw)
                 continue
             if mask_add is not None:
-                x = self._attn_post(x, q, kc[:, :, :kv_len], vc[:, :, :kv_len], mask_add,
+                x = self._attn_post(x, q, kc[:, :, :kv_len], vc[:, :, :kv_len], mask_add[win],
                                     w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"], w["w2"],
                                     **post_kw)
                 continue
             if pol.mode == "h2o":
                 sc, al = self.score[i][:b, :, :kv_len], self.alive[i][:b, :, :kv_len]
                 idx, valid = h2o_select(sc, al, pos, pol.budget, pol.recent)
-            a, mass = attend_gathered(q, kc, vc, idx, valid)
+            lvalid = valid if not win else valid & (idx > (pos - win)[:, None, None])
+            a, mass = attend_gathered(q, kc, vc, idx, lvalid)
             if pol.mode == "h2o":
-                h2o_update(sc, al, pos, idx, valid, mass)
+                h2o_update(sc, al, pos, idx, lvalid, mass)
             x = _post(x, a, w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"], w["w2"],
                       **post_kw)
-        x = F.rms_norm(x, (x.shape[-1],), self.model.norm.weight, cfg.norm_eps)
-        return self._lin_head(x[:, 0], self.model.lm_head.weight).float()
+        x = F.rms_norm(x, (x.shape[-1],), self.dec.norm, cfg.norm_eps)
+        return self._lin_head(x[:, 0], self.dec.lm_head).float()

@@ -2,20 +2,22 @@
 the compiled, CUDA-graph-captured step; every op has a torch CPU path with the same meaning, so
 the same op and call sites run in CPU CI (no triton needed there).
 
-kestrel::decode_attention(q, k, v, pos, chunk) -> out
+kestrel::decode_attention(q, k, v, pos, chunk, window) -> out
     q [B, H, hd] (pre-scaled by 1/sqrt(hd)), k, v [B, Hkv, L, hd] (cache rows, any strides with
     a contiguous last dim), pos [B] long -> out [B, H * hd] in q's dtype: row b attends keys
-    0..pos[b] (pos[b] < L), query head h reads kv head h // (H / Hkv). Flash decoding: one
+    0..pos[b] (pos[b] < L; with window > 0 only keys > pos[b] - window: sliding-window
+    attention), query head h reads kv head h // (H / Hkv). Flash decoding: one
     program per (row, kv head) handles the G = H / Hkv query heads of its kv head together
     (G padded to 16 rows for tl.dot), online softmax in fp32, looping only over positions
     <= pos[b] (read from the tensor: no recompile, graph-safe). chunk = 0: one pass; chunk > 0:
     the positions are split into chunks of that many keys, one program per (row, kv head,
     chunk) (chunks past pos[b] exit at once), then a combine kernel (two kernels in all).
-kestrel::decode_attention_fused(qkv, cis, k_cache, v_cache, pos, kv_len, chunk) -> out
+kestrel::decode_attention_fused(qkv, cis, k_cache, v_cache, pos, kv_len, chunk, window) -> out
     the same attention from the raw qkv projection [B, (H + 2 Hkv) * hd] (q/k features in RoPE
     pair order, q pre-scaled): RoPE of q and k at pos (cis [B, hd/2, 2] float32 = cos, sin),
     k (roped) and v written IN PLACE into the caches k_cache, v_cache [max_batch, Hkv, max_len,
-    hd] at (row b < B, pos[b]) (mutates_args), then attention over keys 0..pos[b] -> [B, H*hd].
+    hd] at (row b < B, pos[b]) (mutates_args), then attention over keys 0..pos[b] (within the
+    window, as decode_attention) -> [B, H*hd].
     The kernel takes the new key from registers (the cache is read only below pos[b]: no
     read-after-write inside the kernel); kv_len only bounds the CPU path's key slice.
 kestrel::silu_gemv(x, w, n_split, silu) -> partial [n_split, M, N] float32
@@ -112,7 +114,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, sqb, sqh, skb, skh, skl,
-                     svb, svh, svl, sob, G: tl.constexpr, G_PAD: tl.constexpr,
+                     svb, svh, svl, sob, window, G: tl.constexpr, G_PAD: tl.constexpr,
                      HD: tl.constexpr, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr,
                      N_SPLIT: tl.constexpr, IEEE: tl.constexpr):
         b, hk, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -128,6 +130,8 @@ if HAVE_TRITON:
         end = p + 1
         if N_SPLIT > 1:
             end = tl.minimum(start + CHUNK, end)
+        if window > 0:  # sliding window: keys > p - window only
+            start = tl.maximum(start, p - window + 1)
         kb = k_ptr + b * skb + hk * skh
         vb = v_ptr + b * svb + hk * svh
         _flash(q, kb, vb, skl, svl, m_i, l_i, acc, start, end, o_ptr, m_ptr, l_ptr, b, hk, s,
@@ -135,7 +139,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fused_attn_kernel(x_ptr, cis_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, sxb, scb,
-                           skb, skh, skl, svb, svh, svl, sob, H: tl.constexpr,
+                           skb, skh, skl, svb, svh, svl, sob, window, H: tl.constexpr,
                            HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                            HD: tl.constexpr, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr,
                            N_SPLIT: tl.constexpr, IEEE: tl.constexpr):
@@ -171,6 +175,8 @@ if HAVE_TRITON:
         end = p  # keys below pos from the cache (pos itself: the registers above)
         if N_SPLIT > 1:
             end = tl.minimum(start + CHUNK, end)
+        if window > 0:  # sliding window: keys > p - window only
+            start = tl.maximum(start, p - window + 1)
         _flash(q, kb, vb, skl, svl, m_i, l_i, acc, start, end, o_ptr, m_ptr, l_ptr, b, hk, s,
                sob, G, G_PAD, HD, BLOCK_L, N_SPLIT, IEEE)
 
@@ -184,7 +190,7 @@ if HAVE_TRITON:
         d = tl.arange(0, HD)
         mi = tl.load(m_ptr + (base + sp)[:, None] * G_PAD + g[None, :])  # [N_SPLIT, G_PAD]
         li = tl.load(l_ptr + (base + sp)[:, None] * G_PAD + g[None, :])
-        mx = tl.max(mi, 0)  # split 0 always holds key 0: finite
+        mx = tl.max(mi, 0)  # the split holding pos is never empty: finite
         w = tl.exp(mi - mx[None, :])  # empty splits: exp(-inf) = 0
         den = tl.sum(w * li, 0)  # [G_PAD]
         ai = tl.load(a_ptr + ((base + sp)[:, None, None] * G_PAD + g[None, :, None]) * HD
@@ -245,21 +251,25 @@ if HAVE_TRITON:
 
 
 # ---- torch reference paths (CPU, and the meaning of each op) ---------------------------------
-def attention_ref(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+def attention_ref(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: int = 0) -> Tensor:
     """The grouped decode attention in torch (as kvmodel._attn_grouped with S = 1):
-    q [B, H, hd], k, v [B, Hkv, L, hd], pos [B] -> [B, H * hd] (q's dtype)."""
+    q [B, H, hd], k, v [B, Hkv, L, hd], pos [B] -> [B, H * hd] (q's dtype). window > 0: keys
+    in (pos - window, pos] only."""
     b, h, hd = q.shape
     hkv, L = k.shape[1], k.shape[2]
     g = h // hkv
-    mask = torch.where(torch.arange(L, device=q.device)[None] <= pos[:, None], 0.0,
-                       float("-inf"))  # [B, L] float32
+    ar = torch.arange(L, device=q.device)[None]
+    ok = ar <= pos[:, None]
+    if window > 0:
+        ok = ok & (ar > pos[:, None] - window)
+    mask = torch.where(ok, 0.0, float("-inf"))  # [B, L] float32
     sc = torch.matmul(q.view(b, hkv, g, hd), k.transpose(-1, -2))  # [B, Hkv, G, L]
     p = torch.softmax(sc + mask[:, None, None], dim=-1).to(v.dtype)
     return torch.matmul(p, v).reshape(b, h * hd)
 
 
 def fused_ref(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-              kv_len: int) -> Tensor:
+              kv_len: int, window: int = 0) -> Tensor:
     """decode_attention_fused in torch (the eager engine's math: complex RoPE product, index
     write, grouped attention over keys < kv_len): mutates k_cache, v_cache rows [0, B)."""
     b, hkv, hd = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
@@ -271,7 +281,8 @@ def fused_ref(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, pos: T
     bi = torch.arange(b, device=qkv.device)
     k_cache[bi, :, pos] = qk[:, n_heads:].to(k_cache.dtype)  # [B, Hkv, hd]
     v_cache[bi, :, pos] = x[:, n_heads + hkv:].flatten(2).to(v_cache.dtype)
-    return attention_ref(qk[:, :n_heads], k_cache[:b, :, :kv_len], v_cache[:b, :, :kv_len], pos)
+    return attention_ref(qk[:, :n_heads], k_cache[:b, :, :kv_len], v_cache[:b, :, :kv_len], pos,
+                         window)
 
 
 def _chunks(k: int, n_split: int, block: int) -> int:
@@ -296,14 +307,16 @@ def _rms_w13_ref(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor) -> Tensor:
 
 
 # ---- the ops --------------------------------------------------------------------------------
-def _decode_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, chunk: int) -> Tensor:
+def _decode_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, chunk: int,
+                      window: int = 0) -> Tensor:
     if q.device.type != "cuda":
-        return attention_ref(q, k, v, pos)
+        return attention_ref(q, k, v, pos, window)
     _need_triton("decode_attention='triton'")
-    return _attention_triton(q, k, v, pos, chunk)
+    return _attention_triton(q, k, v, pos, chunk, window)
 
 
-def _attention_triton(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, chunk: int) -> Tensor:
+def _attention_triton(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, chunk: int,
+                      window: int = 0) -> Tensor:
     q = q if q.stride(-1) == 1 else q.contiguous()
     b, h, hd = q.shape
     hkv, L = k.shape[1], k.shape[2]
@@ -315,15 +328,15 @@ def _attention_triton(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, chunk: int) 
     if n_split == 1:
         _wrap(_attn_kernel)[(b, hkv, 1)](
             q, k, v, pos, out, out, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), G=g, G_PAD=gp,
-            HD=hd, BLOCK_L=ATTN_BLOCK_L, CHUNK=0, N_SPLIT=1, IEEE=ieee)
+            k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), window, G=g,
+            G_PAD=gp, HD=hd, BLOCK_L=ATTN_BLOCK_L, CHUNK=0, N_SPLIT=1, IEEE=ieee)
         return out
     blk = min(ATTN_BLOCK_L, chunk)
     ml = torch.empty((2, b, hkv, n_split, gp), dtype=torch.float32, device=q.device)
     part = torch.empty((b, hkv, n_split, gp, hd), dtype=torch.float32, device=q.device)
     _wrap(_attn_kernel)[(b, hkv, n_split)](
         q, k, v, pos, part, ml[0], ml[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        k.stride(2), v.stride(0), v.stride(1), v.stride(2), 0, G=g, G_PAD=gp, HD=hd,
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), 0, window, G=g, G_PAD=gp, HD=hd,
         BLOCK_L=blk, CHUNK=chunk, N_SPLIT=n_split, IEEE=ieee)
     _wrap(_attn_combine)[(b, hkv)](ml[0], ml[1], part, out, out.stride(0), G=g, G_PAD=gp,
                                    HD=hd, N_SPLIT=n_split)
@@ -331,15 +344,15 @@ def _attention_triton(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, chunk: int) 
 
 
 def _decode_attention_fused(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor,
-                            pos: Tensor, kv_len: int, chunk: int) -> Tensor:
+                            pos: Tensor, kv_len: int, chunk: int, window: int = 0) -> Tensor:
     if qkv.device.type != "cuda":
-        return fused_ref(qkv, cis, k_cache, v_cache, pos, kv_len)
+        return fused_ref(qkv, cis, k_cache, v_cache, pos, kv_len, window)
     _need_triton("decode_attention='triton_fused'")
-    return _fused_triton(qkv, cis, k_cache, v_cache, pos, kv_len, chunk)
+    return _fused_triton(qkv, cis, k_cache, v_cache, pos, kv_len, chunk, window)
 
 
 def _fused_triton(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-                  kv_len: int, chunk: int) -> Tensor:
+                  kv_len: int, chunk: int, window: int = 0) -> Tensor:
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     cis = cis.contiguous()
     b, hkv, hd = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
@@ -354,13 +367,13 @@ def _fused_triton(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, po
     meta = dict(H=h, HKV=hkv, G=g, G_PAD=gp, HD=hd, IEEE=ieee, N_SPLIT=n_split)
     if n_split == 1:
         _wrap(_fused_attn_kernel)[(b, hkv, 1)](
-            qkv, cis, k_cache, v_cache, pos, out, out, out, *strides, out.stride(0),
+            qkv, cis, k_cache, v_cache, pos, out, out, out, *strides, out.stride(0), window,
             BLOCK_L=ATTN_BLOCK_L, CHUNK=0, **meta)
         return out
     ml = torch.empty((2, b, hkv, n_split, gp), dtype=torch.float32, device=qkv.device)
     part = torch.empty((b, hkv, n_split, gp, hd), dtype=torch.float32, device=qkv.device)
     _wrap(_fused_attn_kernel)[(b, hkv, n_split)](
-        qkv, cis, k_cache, v_cache, pos, part, ml[0], ml[1], *strides, 0,
+        qkv, cis, k_cache, v_cache, pos, part, ml[0], ml[1], *strides, 0, window,
         BLOCK_L=min(ATTN_BLOCK_L, chunk), CHUNK=chunk, **meta)
     _wrap(_attn_combine)[(b, hkv)](ml[0], ml[1], part, out, out.stride(0), G=g, G_PAD=gp,
                                    HD=hd, N_SPLIT=n_split)
@@ -425,7 +438,7 @@ else:
 
     @decode_attention_fused.register_fake
     def _fused_fake(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-                    kv_len: int, chunk: int) -> Tensor:
+                    kv_len: int, chunk: int, window: int = 0) -> Tensor:
         hd = k_cache.shape[3]
         return qkv.new_empty((qkv.shape[0], qkv.shape[1] - 2 * k_cache.shape[1] * hd))
 silu_gemv = _register("silu_gemv", _silu_gemv)
