@@ -59,7 +59,8 @@ SPECS = [
     ParamSpec("backend", "generate", "Decoder: generate (our VLM, batch per call), engine "
               "(our VLM, DecodeEngine: KV-cache slots, CUDA-graph decode on GPU), hf (a local "
               "Hugging Face VLM directory), remote (an OpenAI-compatible server: vLLM, SGLang, "
-              "TensorRT-LLM).", choices=BACKENDS, read_only=True),
+              "TensorRT-LLM), plan_text (no model: the instruction is the plan text, lines "
+              "separated by ';').", choices=BACKENDS, read_only=True),
     ParamSpec("engine_compile", False, "backend engine on CUDA: compile the whole decode step "
               "(inductor, coordinate-descent tuned) under the CUDA graph; compiles every "
               "batch/length bucket at configure (docs/benchmarks/planner_h200.md).",

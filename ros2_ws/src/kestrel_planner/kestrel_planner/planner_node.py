@@ -118,7 +118,8 @@ class PlannerNode(KestrelLifecycleNode):
             sys.setswitchinterval(p["gil_switch_interval_us"] * 1e-6)
         self._create_entities()
         model = {"hf": p["hf.model_path"], "remote": f"{p['remote.model']} at "
-                 f"{p['remote.base_url']}"}.get(p["backend"], f"{p['model_config']} model "
+                 f"{p['remote.base_url']}", "plan_text": "no model: the instruction is the "
+                 "plan"}.get(p["backend"], f"{p['model_config']} model "
                                                    f"({self._weights_text(p)})")
         self.get_logger().info(f"configured: backend {p['backend']}, {model}, max_batch "
                                f"{p['max_batch']}, limits {limits}")

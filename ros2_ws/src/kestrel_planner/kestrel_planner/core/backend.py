@@ -3,6 +3,7 @@
   generate | engine  our VLM (backend_local.py): byte tokenizer, plan grammar, batched decode
   hf                 a Hugging Face VLM from a local directory (backend_hf.py)
   remote             an OpenAI-compatible server: vLLM, SGLang, TensorRT-LLM (backend_remote.py)
+  plan_text          no model: the instruction is the plan text (backend_text.py)
 
 A backend only turns DecodeJobs into text. PlannerCore does the rest for all of them alike:
 request checks before, and after: the same plan parser and validator (skills enum, targets in
@@ -20,7 +21,7 @@ import numpy as np
 __all__ = ["BACKENDS", "DecodeJob", "DecodeOutput", "PlanBackend", "OnToken", "StopFn",
            "PlannerInputError"]
 
-BACKENDS = ("generate", "engine", "hf", "remote")
+BACKENDS = ("generate", "engine", "hf", "remote", "plan_text")
 OnToken = Callable[[int, str], None]  # (tokens generated so far, partial plan text)
 StopFn = Callable[[], bool]
 

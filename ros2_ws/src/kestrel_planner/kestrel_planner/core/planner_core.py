@@ -2,10 +2,11 @@
 
 Per batch: check every request (instruction, image format, scene names, step cap), hand the
 jobs to the decoding backend (backend.py: our VLM 'generate' | 'engine', a local Hugging Face
-VLM 'hf', an OpenAI-compatible server 'remote'), then, for every backend alike, parse the text
-(plan.py) and validate the plan (validator.py: skills enum, targets in the current scene,
-numeric limits). Only an accepted report may reach control. Determinism (local backends) comes
-from the seed and greedy decoding. Not thread-safe: one caller at a time.
+VLM 'hf', an OpenAI-compatible server 'remote', or the instruction read as the plan
+'plan_text'), then, for every backend alike, parse the text (plan.py) and validate the plan
+(validator.py: skills enum, targets in the current scene, numeric limits). Only an accepted
+report may reach control. Determinism (local backends) comes from the seed and greedy
+decoding. Not thread-safe: one caller at a time.
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ def make_backend(config: PlannerConfig, model: torch.nn.Module | None = None) ->
     if config.backend == "hf":
         from kestrel_planner.core.backend_hf import HFPlanBackend
         return HFPlanBackend(config)
+    if config.backend == "plan_text":
+        from kestrel_planner.core.backend_text import PlanTextBackend
+        return PlanTextBackend()
     from kestrel_planner.core.backend_remote import RemotePlanBackend
     return RemotePlanBackend(config)
 
