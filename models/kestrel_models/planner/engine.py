@@ -379,4 +379,5 @@ class DecodeEngine(PrefillMixin):
         self.run()
         ttfts = [r.ttft_s for r in reqs]
         return GenerationResult([r.tokens for r in reqs], [r.stop_reason for r in reqs],
-                                min(ttfts), time.monotonic() - t0, self.steps - steps0, ttfts)
+                                min(ttfts), time.monotonic() - t0, self.steps - steps0, ttfts,
+                                [r.prefix_hit for r in reqs])

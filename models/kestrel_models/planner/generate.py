@@ -34,6 +34,7 @@ class GenerationResult:
     total_s: float
     steps: int = 0
     ttft_rows: list[float] = field(default_factory=list)
+    prefix_hits: list[bool] = field(default_factory=list)  # DecodeEngine: prefix reused, per row
 
 
 def _per_row(value: object, b: int, name: str) -> list:

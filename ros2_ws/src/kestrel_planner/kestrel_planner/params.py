@@ -15,6 +15,7 @@ from kestrel_common.params import ParamSpec
 from kestrel_planner.core import BACKENDS
 from kestrel_planner.core.constrained_llg import GRAMMAR_ENGINES
 from kestrel_planner.core.prompting import OUTPUT_FORMATS
+from kestrel_models.planner.config import PRESETS
 from kestrel_models.planner.hf import DTYPES
 from kestrel_models.planner.remote import RemoteConfig
 
@@ -64,6 +65,23 @@ SPECS = [
     ParamSpec("engine_compile", False, "backend engine on CUDA: compile the whole decode step "
               "(inductor, coordinate-descent tuned) under the CUDA graph; compiles every "
               "batch/length bucket at configure (docs/benchmarks/planner_h200.md).",
+              read_only=True),
+    ParamSpec("prefix_cache_entries", 8, "backend engine: goals whose KV of the camera frame "
+              "and object line is kept; a goal on the same frame (pixels) and objects then "
+              "prefills only its task line (the same plan); 0 = off.", min=0, max=256,
+              read_only=True),
+    ParamSpec("speculative.k", 0, "backends generate and engine: tokens a draft model "
+              "proposes per round, all checked by the model in one pass (the plan stays the "
+              "model's own); acceptance on /diagnostics and in each PlanTask result; 0 = off.",
+              min=0, max=16, read_only=True),
+    ParamSpec("speculative.draft_weights_path", "", "State dict of the draft model (preset "
+              "speculative.draft_model_config, trained on the same task and tokenizer: "
+              "scripts/train_planner.py --preset draft), or package://<package>/<path>; '' = "
+              "the model's first speculative.draft_layers decoder layers.", read_only=True),
+    ParamSpec("speculative.draft_model_config", "draft", "VLM preset of "
+              "speculative.draft_weights_path.", choices=tuple(PRESETS), read_only=True),
+    ParamSpec("speculative.draft_layers", 1, "Without draft weights: the model's first N "
+              "decoder layers are the draft (N < the model's layers).", min=1, max=64,
               read_only=True),
     ParamSpec("hf.model_path", "", "backend hf: local directory saved with save_pretrained "
               "(config.json, weights, tokenizer).", read_only=True),
@@ -146,15 +164,16 @@ def remote_config(p: dict) -> RemoteConfig:
                         max_reply_bytes=p["remote.max_reply_bytes"])
 
 
-def resolve_weights(path: str) -> str:
+def resolve_weights(path: str, name: str = "weights_path") -> str:
     """'package://<package>/<path>' (a file installed with a ROS package) -> a file path;
-    other paths unchanged. ValueError naming weights_path when the package is unknown."""
+    other paths unchanged. ValueError naming the parameter `name` when the package is
+    unknown."""
     if not path.startswith("package://"):
         return path
     package, _, rel = path[len("package://"):].partition("/")
     try:
         share = get_package_share_directory(package)
     except (PackageNotFoundError, ValueError) as exc:
-        raise ValueError(f"parameter 'weights_path' = {path!r}: package {package!r} not "
+        raise ValueError(f"parameter '{name}' = {path!r}: package {package!r} not "
                          f"found: {exc}") from exc
     return os.path.join(share, rel)

@@ -70,8 +70,8 @@ MAX_REASONS = 32  # reasons in one result; the rest are counted in a last line
 
 
 class PlannerNode(KestrelLifecycleNode):
-    def __init__(self) -> None:
-        super().__init__("planner", SPECS)
+    def __init__(self, **kwargs: object) -> None:  # kwargs: rclpy Node's (context, overrides)
+        super().__init__("planner", SPECS, **kwargs)
         self.core: PlannerCore | None = None
         self.executor_core: PlanExecutor | None = None
         self._lock = threading.Lock()  # latest inputs + executor
@@ -121,8 +121,11 @@ class PlannerNode(KestrelLifecycleNode):
                  f"{p['remote.base_url']}", "plan_text": "no model: the instruction is the "
                  "plan"}.get(p["backend"], f"{p['model_config']} model "
                                                    f"({self._weights_text(p)})")
+        draft = (p["speculative.draft_weights_path"]
+                 or f"the first {p['speculative.draft_layers']} layer(s)")
+        spec = f", speculative k {p['speculative.k']} (draft {draft})" if p["speculative.k"] else ""
         self.get_logger().info(f"configured: backend {p['backend']}, {model}, max_batch "
-                               f"{p['max_batch']}, limits {limits}")
+                               f"{p['max_batch']}{spec}, limits {limits}")
         return TransitionCallbackReturn.SUCCESS
 
     def _configure_failed(self) -> TransitionCallbackReturn:
@@ -163,7 +166,12 @@ class PlannerNode(KestrelLifecycleNode):
             hf_tokenizer=p["hf.tokenizer"], hf_grammar=p["hf.grammar"],
             grammar_engine=p["grammar_engine"], remote=remote,
             remote_send_image=p["remote.send_image"],
-            remote_response_format=p["remote.response_format"]))
+            remote_response_format=p["remote.response_format"],
+            prefix_cache_entries=p["prefix_cache_entries"], speculative_k=p["speculative.k"],
+            draft_weights_path=resolve_weights(p["speculative.draft_weights_path"],
+                                               "speculative.draft_weights_path"),
+            draft_model=p["speculative.draft_model_config"],
+            draft_layers=p["speculative.draft_layers"]))
         return limits
 
     def _create_entities(self) -> None:
@@ -306,6 +314,8 @@ class PlannerNode(KestrelLifecycleNode):
             out.reasons.append(f"... and {len(reasons) - MAX_REASONS} more")
         if res is not None:
             out.plan = plan_to_msg(res, self.get_clock().now().nanoseconds, frame_id)
+            if res.drafted:
+                out.draft_acceptance_rate = res.accepted / res.drafted
         if t_goal is not None:
             out.total_time = time.monotonic() - t_goal
             if res is not None and res.started is not None:
@@ -374,6 +384,11 @@ class PlannerNode(KestrelLifecycleNode):
         if job.result is None:
             return error(job.error or "planning failed")
         res = job.result
+        if res.drafted:  # speculative decoding: the draft's tokens and the accepted ones
+            self.counters.inc("draft_tokens_proposed", res.drafted)
+            self.counters.inc("draft_tokens_accepted", res.accepted)
+        if res.prefix_hit is not None:
+            self.counters.inc("prefix_cache_hits" if res.prefix_hit else "prefix_cache_misses")
         if res.cancelled:
             return self._finish(handle, R.VALIDATION_ERROR, ["cancelled"], res, frame, t_goal)
         if res.error:  # no reply from the backend (e.g. the server is unreachable)
@@ -467,6 +482,10 @@ class PlannerNode(KestrelLifecycleNode):
         ex = self.executor_core
         values["executing_step"] = -1 if ex is None or ex.active_index is None \
             else ex.active_index
+        if self.params.get("speculative.k"):  # accepted / proposed draft tokens, all goals
+            n = self.counters.get("draft_tokens_proposed")
+            values["draft_acceptance_rate"] = (
+                round(self.counters.get("draft_tokens_accepted") / n, 4) if n else -1.0)
         return DiagnosticStatus.OK, "ok" if self._active else "inactive", values
 
 

@@ -51,7 +51,10 @@ class DecodeOutput:
     stop_reason: 'eos' | 'max_new_tokens' | 'no_allowed_token' | 'cancelled' | 'stop' | 'error'.
     error: planning failed without a reply (server unreachable...): the node answers
     VALIDATION_ERROR. reject: a reply that is not a plan: the plan is REJECTED with it.
-    ttft_s: s from the start of decode() to this row's first token (whole reply for remote)."""
+    ttft_s: s from the start of decode() to this row's first token (whole reply for remote).
+    drafted / accepted: speculative decoding's draft tokens proposed for this row / accepted
+    by the model (0 / 0 without it); prefix_hit: the prefix cache's KV was reused for this row
+    (None: no prefix cache)."""
 
     text: str
     stop_reason: str
@@ -59,6 +62,9 @@ class DecodeOutput:
     tokens: int
     error: str = ""
     reject: str = ""
+    drafted: int = 0
+    accepted: int = 0
+    prefix_hit: bool | None = None
 
 
 class PlanBackend(Protocol):

@@ -6,10 +6,18 @@ by the engine of `grammar_engine`: 'llguidance' (constrained_llg.py, default) or
 (constrained.py). 'generate': generate.py (right-padded batch per call, per-sequence
 positions in the KV cache); 'engine': DecodeEngine (slots over a static KV cache, CUDA-graph
 decode on GPU). Same prompt layout, same outputs. Not thread-safe: one caller at a time.
+
+engine + prefix_cache_entries: the KV of [image][<bos> objects line] is kept per (image pixels
+digest, object line), so a goal on the same frame and scene prefills only its task line.
+speculative_k > 0 (either backend): SpeculativeDecoder replaces the decode loop; the draft is a
+model of its own (draft_weights_path, preset draft_model) or the model's first draft_layers
+layers; the grammar masks the draft's picks and the model's verification alike, so the plan
+is the model's own (greedy) and each row reports its drafted and accepted tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -20,6 +28,7 @@ from kestrel_models.planner import ByteTokenizer, StreamDecoder, VisionLanguageM
 from kestrel_models.planner import generate as generate_tokens
 from kestrel_models.planner import get_config
 from kestrel_models.planner.engine import DecodeEngine
+from kestrel_models.planner.speculative import SpeculativeDecoder, truncated_draft
 from kestrel_models.planner.vlm import bigram_state_dict
 from kestrel_planner.core.backend import DecodeJob, DecodeOutput, PlannerInputError
 from kestrel_planner.core.constrained import PlanGrammar, PlanLogitsProcessor
@@ -29,7 +38,7 @@ from kestrel_planner.core.plan import PlanParseError, parse_plan
 if TYPE_CHECKING:
     from kestrel_planner.core.planner_core import PlannerConfig
 
-__all__ = ["LocalVLMBackend", "SYSTEM_PROMPT", "plain_prompt"]
+__all__ = ["LocalVLMBackend", "SYSTEM_PROMPT", "plain_prompt", "scene_prompt"]
 
 # The chat backends' rules (prompting.py) are for general models. Models trained on the Kestrel
 # layout learn the skills from their training pairs, so their prompt carries only the scene and
@@ -37,9 +46,14 @@ __all__ = ["LocalVLMBackend", "SYSTEM_PROMPT", "plain_prompt"]
 SYSTEM_PROMPT = ""
 
 
+def scene_prompt(names: Sequence[str]) -> str:
+    """The start of plain_prompt that depends on the scene only (kept by the prefix cache)."""
+    return f"{SYSTEM_PROMPT}objects: {' '.join(names) or 'none'}\n"
+
+
 def plain_prompt(instruction: str, names: Sequence[str]) -> str:
     """The prompt text of models trained on the Kestrel layout (no chat template)."""
-    return f"{SYSTEM_PROMPT}objects: {' '.join(names) or 'none'}\ntask: {instruction}\nplan:\n"
+    return f"{scene_prompt(names)}task: {instruction}\nplan:\n"
 
 
 class LocalVLMBackend:
@@ -64,17 +78,54 @@ class LocalVLMBackend:
                 self._load(model, config.weights_path)
         self.model = model.to(config.device).eval()
         self._n_img = cfg.num_image_tokens
+        self._reserve = 0  # positions past the plan budget that decoding needs
         self.engine: DecodeEngine | None = None
-        if config.backend == "engine":
+        self.spec: SpeculativeDecoder | None = None
+        if config.speculative_k > 0:
+            draft = self._draft(cfg)
+            self._n_img = max(self._n_img, draft.cfg.num_image_tokens)
+            self._reserve = config.speculative_k + 1
+            self.spec = SpeculativeDecoder(self.model, draft, config.speculative_k,
+                                           config.max_batch, cfg.max_seq_len,
+                                           self.tokenizer.eos_id)
+        elif config.backend == "engine":
             fast = config.engine_compile and str(config.device).startswith("cuda")
             self.engine = DecodeEngine(self.model, config.max_batch, cfg.max_seq_len,
                                        self.tokenizer.eos_id, compile_step=fast,
-                                       coordinate_descent=fast)
+                                       coordinate_descent=fast,
+                                       prefix_entries=config.prefix_cache_entries)
         else:
             self.model.setup_cache(config.max_batch, cfg.max_seq_len)
 
+    def _draft(self, cfg: VLMConfig) -> VisionLanguageModel:
+        """The speculative draft: weights of its own, or the model's first layers."""
+        c = self.config
+        if not c.draft_weights_path:
+            if not 1 <= c.draft_layers < cfg.n_layers:
+                raise ValueError(f"parameter 'speculative.draft_layers' = {c.draft_layers}: "
+                                 f"must be < the model's {cfg.n_layers} decoder layers (or give "
+                                 "speculative.draft_weights_path)")
+            return truncated_draft(self.model, c.draft_layers)
+        name = "speculative.draft_model_config"
+        if isinstance(c.draft_model, VLMConfig):
+            dcfg = c.draft_model
+        else:
+            try:
+                dcfg = get_config(c.draft_model)
+            except ValueError:
+                raise ValueError(f"parameter '{name}' = {c.draft_model!r}: not a preset") from None
+        if dcfg.vocab_size != cfg.vocab_size or dcfg.max_seq_len < cfg.max_seq_len:
+            raise ValueError(f"parameter '{name}' = {c.draft_model!r}: the draft needs the "
+                             f"model's vocabulary ({cfg.vocab_size}, has {dcfg.vocab_size}) "
+                             f"and at least its max_seq_len ({cfg.max_seq_len}, has "
+                             f"{dcfg.max_seq_len})")
+        draft = VisionLanguageModel(dcfg)
+        self._load(draft, c.draft_weights_path, "speculative.draft_weights_path", name)
+        return draft.to(c.device).eval()
+
     @staticmethod
-    def _load(model: torch.nn.Module, path: str) -> None:
+    def _load(model: torch.nn.Module, path: str, name: str = "weights_path",
+              config_name: str = "model_config") -> None:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - missing, truncated, not a state dict, ...
@@ -82,13 +133,13 @@ class LocalVLMBackend:
             why = (str(exc).strip().splitlines() or [""])[0]
             if "weights_only" in why or not why:
                 why = "not a state dict saved with torch.save"
-            raise ValueError(f"parameter 'weights_path' = {path!r}: cannot load: "
+            raise ValueError(f"parameter '{name}' = {path!r}: cannot load: "
                              f"{type(exc).__name__}: {why}") from None
         try:
             model.load_state_dict(state, strict=True)
         except (RuntimeError, ValueError, TypeError, AttributeError) as exc:
-            raise ValueError(f"parameter 'weights_path' = {path!r}: cannot load: the file does "
-                             f"not fit model_config: {exc}") from None
+            raise ValueError(f"parameter '{name}' = {path!r}: cannot load: the file does "
+                             f"not fit {config_name}: {exc}") from None
 
     def _demo_weights(self, cfg: VLMConfig, text: str) -> dict[str, torch.Tensor]:
         try:
@@ -106,7 +157,8 @@ class LocalVLMBackend:
     # ---- prompt ----------------------------------------------------------------------------
     def build_prompt(self, instruction: str, names: Sequence[str]) -> list[int]:
         ids = self.tokenizer.encode(plain_prompt(instruction, names), add_bos=True)
-        room = self.model_config.max_seq_len - self._n_img - self.config.max_new_tokens
+        room = (self.model_config.max_seq_len - self._n_img - self.config.max_new_tokens
+                - self._reserve)
         if len(ids) > room:
             raise PlannerInputError(f"prompt of {len(ids)} tokens exceeds the room of {room} "
                                     "(too many scene objects)")
@@ -146,12 +198,26 @@ class LocalVLMBackend:
 
         gen = torch.Generator().manual_seed(cfg.seed)
         stops = [j.should_cancel for j in jobs]
+        dev_images = [None if im is None or self.spec is None and self.engine is None
+                      else im.to(cfg.device) for im in images]
+        if self.spec is not None:
+            sres = self.spec.generate(prompts, cfg.max_new_tokens, images=dev_images,
+                                      temperature=cfg.temperature, generator=gen,
+                                      logits_processor=procs, on_token=on_token,
+                                      should_stop=stops)
+            return [DecodeOutput(self.tokenizer.decode(sres.tokens[k]), sres.stop_reasons[k],
+                                 sres.ttft_rows[k], len(sres.tokens[k]),
+                                 drafted=sres.drafted_rows[k], accepted=sres.accepted_rows[k])
+                    for k in range(len(jobs))]
+        keep = self.engine is not None and self.engine.store.capacity > 0
         if self.engine is not None:
             res = self.engine.generate(
-                prompts, cfg.max_new_tokens,
-                images=[None if im is None else im.to(cfg.device) for im in images],
+                prompts, cfg.max_new_tokens, images=dev_images,
                 temperature=cfg.temperature, logits_processor=procs, generator=gen,
-                on_token=on_token, should_stop=stops)
+                on_token=on_token, should_stop=stops,
+                image_keys=[_digest(im) if keep and im is not None else None for im in images],
+                prefix_tokens=[self._scene_tokens(j.names, p) if keep else 0
+                               for j, p in zip(jobs, prompts, strict=True)])
         else:
             image, image_mask = None, None
             if any(im is not None for im in images):
@@ -168,6 +234,18 @@ class LocalVLMBackend:
         out = []
         for k in range(len(jobs)):
             ttft = res.ttft_rows[k] if k < len(res.ttft_rows) else res.ttft_s
+            hit = res.prefix_hits[k] if k < len(res.prefix_hits) and keep else None
             out.append(DecodeOutput(self.tokenizer.decode(res.tokens[k]), res.stop_reasons[k],
-                                    ttft, len(res.tokens[k])))
+                                    ttft, len(res.tokens[k]), prefix_hit=hit))
         return out
+
+    def _scene_tokens(self, names: Sequence[str], prompt: list[int]) -> int:
+        """Leading prompt tokens that depend on the scene only (0 if they do not tokenize
+        as a prefix of the prompt)."""
+        head = self.tokenizer.encode(scene_prompt(names), add_bos=True)
+        return len(head) if prompt[:len(head)] == head and len(head) < len(prompt) else 0
+
+
+def _digest(image: torch.Tensor) -> bytes:
+    """The identity of a model-input image (uint8 [3, S, S] on the CPU): its pixels' digest."""
+    return hashlib.blake2b(image.contiguous().numpy().tobytes(), digest_size=16).digest()

@@ -67,6 +67,14 @@ class PlannerConfig:
     remote: RemoteConfig | None = None  # backend 'remote': URL, model, key, timeout, retries
     remote_send_image: bool = True
     remote_response_format: str = "json_schema"  # json_schema | text
+    # engine: request prefixes ([image][<bos> objects line]) whose KV is kept; 0 = none
+    prefix_cache_entries: int = 0
+    # speculative decoding of the local backends: draft tokens per round (0 = off); the draft
+    # is draft_weights_path (preset draft_model) or, when '', the model's first draft_layers
+    speculative_k: int = 0
+    draft_weights_path: str = ""
+    draft_model: str | VLMConfig = "draft"
+    draft_layers: int = 1
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 8:  # the shortest plan, 'home\nend'
@@ -93,6 +101,14 @@ class PlannerConfig:
             raise ValueError(f"parameter 'remote.response_format' = "
                              f"{self.remote_response_format!r}: must be one of "
                              f"{list(OUTPUT_FORMATS)}")
+        if self.prefix_cache_entries < 0:
+            raise ValueError(f"parameter 'prefix_cache_entries' = {self.prefix_cache_entries}: "
+                             "must be >= 0")
+        if self.speculative_k < 0 or self.speculative_k and self.backend not in (
+                "generate", "engine"):
+            raise ValueError(f"parameter 'speculative.k' = {self.speculative_k}: must be >= 0, "
+                             f"and 0 with backend {self.backend!r} (speculative decoding runs "
+                             "our VLM: backends generate and engine)")
 
     def _check_hf(self) -> None:
         path = self.hf_model_path
@@ -140,6 +156,9 @@ class PlanResult:
     cancelled: bool = False
     error: str = ""
     started: float | None = None  # time.monotonic() when its batch started (set by a caller)
+    drafted: int = 0  # speculative decoding: draft tokens proposed / accepted (DecodeOutput)
+    accepted: int = 0
+    prefix_hit: bool | None = None  # the prefix cache's KV was reused (None: no cache)
 
 
 def make_backend(config: PlannerConfig, model: torch.nn.Module | None = None) -> PlanBackend:
@@ -219,8 +238,11 @@ class PlannerCore:
         jobs = [self._job(k, r) for k, r in enumerate(requests)]
         outputs = self.backend.decode(jobs)
         total = time.monotonic() - t0
-        return [self._result(r, j, o, total)
-                for r, j, o in zip(requests, jobs, outputs, strict=True)]
+        results = [self._result(r, j, o, total)
+                   for r, j, o in zip(requests, jobs, outputs, strict=True)]
+        for res, o in zip(results, outputs, strict=True):
+            res.drafted, res.accepted, res.prefix_hit = o.drafted, o.accepted, o.prefix_hit
+        return results
 
     def _result(self, r: PlanRequest, job: DecodeJob, o: DecodeOutput, total: float) -> PlanResult:
         """The same parse + validation for every backend's output."""

@@ -1,0 +1,123 @@
+"""The planner's decode options: speculative decoding (the plans stay the model's own, each
+result carries its draft tokens and the accepted ones), the engine's prefix cache (the same
+plans, the frame + object line reused), and their parameters' validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kestrel_common.params import ParamError, validate_params
+from kestrel_models.planner import VisionLanguageModel, get_config
+from kestrel_planner.core import PlanLimits, PlannerConfig, PlannerCore, PlanRequest, SceneObject
+from kestrel_planner.core.backend_local import plain_prompt, scene_prompt
+from kestrel_planner.params import SPECS, resolve_weights
+
+torch.set_num_threads(1)
+SCENE = [SceneObject("red_cube", "red_cube", (0.4, 0.0, 0.02)),
+         SceneObject("bin", "bin", (0.3, 0.3, 0.0))]
+LIMITS = PlanLimits(max_speed=0.5, min_height=0.0, max_height=0.3, max_steps=6)
+IMAGE = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+DEMO = "move_to bin speed=0.3\nend"  # the bigram demo model repeats the step up to max_steps
+PLAN = "move_to bin speed=0.3\nmove_to bin speed=0.3\nend"
+TASKS = ["put the red cube in the bin", "go home", "move to the bin"]
+
+
+def _core(**kw: object) -> PlannerCore:
+    return PlannerCore(PlannerConfig(demo_plan=DEMO, limits=LIMITS, warmup=False,
+                                     max_new_tokens=96, **kw))
+
+
+def _draft_file(tmp_path: Path, preset: str = "tiny", seed: int = 5) -> str:
+    torch.manual_seed(seed)
+    path = tmp_path / f"draft_{preset}_{seed}.pt"
+    torch.save(VisionLanguageModel(get_config(preset)).state_dict(), path)
+    return str(path)
+
+
+def test_speculative_plans_are_the_models_own(tmp_path: Path) -> None:
+    """A batch of goals, speculative (a layer-truncated draft, and a draft of its own) or not:
+    the same plan texts and reports; every goal reports its drafted and accepted tokens."""
+    reqs = [PlanRequest(t, IMAGE, SCENE, max_steps=2) for t in TASKS]
+    plain = _core().plan_batch(reqs)
+    assert all(r.report.accepted for r in plain) and plain[0].text == PLAN
+    assert all(r.drafted == 0 and r.accepted == 0 for r in plain)
+    # demo weights: every layer past the first is zero, so the first layer agrees with all
+    same = _core(speculative_k=4, draft_layers=1).plan_batch(reqs)
+    own = _core(speculative_k=3, draft_weights_path=_draft_file(tmp_path),
+                draft_model="tiny").plan_batch(reqs)
+    for res in (same, own):
+        assert [r.text for r in res] == [r.text for r in plain]
+        assert [r.report for r in res] == [r.report for r in plain]
+        assert all(r.drafted > 0 and 0 <= r.accepted <= r.drafted for r in res)
+    assert all(r.accepted == r.drafted for r in same)
+    assert sum(r.accepted for r in own) < sum(r.drafted for r in own)
+
+
+def test_speculative_stream_and_cancel() -> None:
+    core = _core(speculative_k=3, draft_layers=1)
+    streamed: list[tuple[int, str]] = []
+    r = core.plan(TASKS[0], IMAGE, SCENE, max_steps=2,
+                  on_token=lambda n, text: streamed.append((n, text)))
+    assert [n for n, _ in streamed] == list(range(1, len(PLAN) + 1))
+    assert streamed[-1][1] == r.text == PLAN
+    streamed.clear()
+    r = core.plan(TASKS[0], IMAGE, SCENE, on_token=lambda n, text: streamed.append((n, text)),
+                  should_cancel=lambda: len(streamed) >= 3)
+    assert r.cancelled and 3 <= r.tokens < len(PLAN)
+
+
+def test_prefix_cache_reuses_frame_and_objects() -> None:
+    """backend engine: the second goal on the same frame and objects reuses their KV; another
+    frame or another object set does not; the plans equal the engine's without the cache."""
+    plain = _core(backend="engine")
+    kept = _core(backend="engine", prefix_cache_entries=4)
+    other_image = IMAGE.copy()
+    other_image[0, 0, 0] ^= 0xFF
+    goals = [(TASKS[0], IMAGE, SCENE, False), (TASKS[1], IMAGE, SCENE, True),
+             (TASKS[2], other_image, SCENE, False), (TASKS[1], IMAGE, SCENE[:1], False),
+             (TASKS[2], IMAGE, SCENE, True)]
+    for task, image, scene, hit in goals:
+        a, b = plain.plan(task, image, scene, 2), kept.plan(task, image, scene, 2)
+        assert (a.text, a.report) == (b.text, b.report)
+        assert a.prefix_hit is None and b.prefix_hit is hit, task
+    assert plain_prompt("go", ["a"]).startswith(scene_prompt(["a"]))
+
+
+def test_parameter_values_are_validated() -> None:
+    base = validate_params(SPECS, {s.name: s.default for s in SPECS})
+    assert (base["speculative.k"], base["speculative.draft_model_config"],
+            base["prefix_cache_entries"]) == (0, "draft", 8)
+    for bad, msg in [({"speculative.k": -1}, "parameter 'speculative.k' = -1"),
+                     ({"speculative.k": 17}, "parameter 'speculative.k' = 17"),
+                     ({"speculative.draft_layers": 0}, "parameter 'speculative.draft_layers' = 0"),
+                     ({"speculative.draft_model_config": "huge"},
+                      "parameter 'speculative.draft_model_config' = 'huge'"),
+                     ({"prefix_cache_entries": -1}, "parameter 'prefix_cache_entries' = -1")]:
+        with pytest.raises(ParamError, match=msg):
+            validate_params(SPECS, base | bad)
+
+
+def test_configure_checks_name_the_parameter(tmp_path: Path) -> None:
+    cases = [
+        (dict(backend="plan_text", speculative_k=2), "parameter 'speculative.k' = 2"),
+        (dict(speculative_k=2, draft_layers=4), "parameter 'speculative.draft_layers' = 4"),
+        (dict(speculative_k=2, draft_model="tiny", draft_weights_path=str(tmp_path / "none.pt")),
+         "parameter 'speculative.draft_weights_path' = .*none.pt.*cannot load"),
+        (dict(speculative_k=2, draft_model="small", draft_weights_path=_draft_file(tmp_path)),
+         "parameter 'speculative.draft_model_config' = 'small'.*max_seq_len"),
+        (dict(speculative_k=2, draft_model="tiny",
+              draft_weights_path=_draft_file(tmp_path, "draft")),
+         "parameter 'speculative.draft_weights_path' = .*does not fit "
+         "speculative.draft_model_config"),
+        (dict(prefix_cache_entries=-2), "parameter 'prefix_cache_entries' = -2"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            _core(**kw)
+    with pytest.raises(ValueError, match="parameter 'speculative.draft_weights_path' = "
+                                         "'package://no_such_package/d.pt'"):
+        resolve_weights("package://no_such_package/d.pt", "speculative.draft_weights_path")
