@@ -3,10 +3,13 @@ generation interface (the generate.py contract: per-row logits_processor, on_tok
 should_stop, greedy or seeded temperature sampling, the same stop reasons).
 
 Loads with `AutoModelForImageTextToText.from_pretrained(path, local_files_only=True)`: nothing
-is downloaded. Supported: LLaVA-style models whose config gives `image_token_id` and a CLIP-like
-`vision_config` (image_size, patch_size; `vision_feature_select_strategy` 'default' drops the
-CLS token, 'full' keeps it); the number of image placeholder tokens is
-(image_size / patch_size)^2 (+1 for 'full'), else `config.image_seq_length`.
+is downloaded; any failure while loading is a ValueError naming 'hf.model_path' and the cause.
+The planner's hf backend runs the families of hf_engine/ on the decode engine; this is its
+transformers fallback. Supported: LLaVA-style models whose config gives `image_token_id` and a
+CLIP-like `vision_config` (image_size, patch_size; `vision_feature_select_strategy` 'default'
+drops the CLS token, 'full' keeps it); the number of image placeholder tokens is
+(image_size / patch_size)^2 (+1 for 'full'), else `config.image_seq_length`. Families whose
+image inputs differ (NEEDS_ENGINE: tiles, pixel shuffle, patch lists) are refused here.
 Images: uint8 [3, H, W] -> resized (bilinear, antialias) to image_size, scaled to [0, 1] and
 normalised with the directory's preprocessor_config.json mean/std (CLIP's when absent).
 Prompts are token ids of the model's own tokenizer (the caller's concern, as with our VLM).
@@ -40,11 +43,17 @@ def parse_dtype(name: str) -> torch.dtype | None:
         raise ValueError(f"parameter 'hf.dtype' = {name!r}: must be one of {list(DTYPES)}")
     return DTYPES[name]
 
+# image inputs this path cannot build (the engine's family modules do: hf_engine/)
+NEEDS_ENGINE = ("llava_next", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 class HFVisionLanguageModel:
+    kind = "transformers"
+    image_marker: int | None = None  # the image tokens go before the prompt
+    image_prompt_ids: list[int] = []
+
     def __init__(self, path: str | Path, device: str = "cpu",
                  dtype: torch.dtype | None = None) -> None:
         p = Path(path)
@@ -56,21 +65,31 @@ class HFVisionLanguageModel:
         except ImportError as exc:
             raise ValueError("parameter 'hf.model_path' is set but transformers is not "
                              "installed") from exc
+        where = f"parameter 'hf.model_path' = {str(path)!r}"
+        try:
+            mt = json.loads((p / "config.json").read_text()).get("model_type")
+        except Exception as exc:  # noqa: BLE001 - unreadable or not JSON
+            raise ValueError(f"{where}: cannot read config.json: {type(exc).__name__}: "
+                             f"{exc}") from exc
+        if mt in NEEDS_ENGINE:
+            raise ValueError(f"{where}: model_type {mt!r} needs the decode engine's image "
+                             "inputs; the transformers path runs LLaVA-style checkpoints only")
         try:
             kw = {"dtype": dtype} if dtype is not None else {}
             model = AutoModelForImageTextToText.from_pretrained(str(p), local_files_only=True,
                                                                 **kw)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ValueError(f"parameter 'hf.model_path' = {str(path)!r}: cannot load: "
-                             f"{exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - whatever the loader raises, say what
+            why = (str(exc).strip().splitlines() or [""])[0][:400]
+            raise ValueError(f"{where}: cannot load: {type(exc).__name__}: {why}") from exc
         self.model = model.to(device).eval()
         self.device = torch.device(device)
         cfg = model.config
         self.image_token_id = getattr(cfg, "image_token_id", None)
         vc = getattr(cfg, "vision_config", None)
-        if self.image_token_id is None or vc is None:
-            raise ValueError(f"parameter 'hf.model_path' = {str(path)!r}: "
-                             f"{type(cfg).__name__} has no image_token_id/vision_config")
+        if (self.image_token_id is None or vc is None or not getattr(vc, "image_size", None)):
+            raise ValueError(f"{where}: {type(cfg).__name__} has no image_token_id or no "
+                             "vision_config.image_size (the transformers path runs "
+                             "LLaVA-style checkpoints only)")
         self.image_size = int(vc.image_size)
         if getattr(vc, "patch_size", None):
             n = (vc.image_size // vc.patch_size) ** 2
@@ -91,6 +110,10 @@ class HFVisionLanguageModel:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1)
         self._std = torch.tensor(std, device=self.device).view(1, 3, 1, 1)
+
+    def image_tokens(self, shape: tuple[int, ...]) -> int:
+        """Image placeholder tokens of one image (any shape: it is resized)."""
+        return self.num_image_tokens
 
     def pixel_values(self, image: Tensor) -> Tensor:
         """uint8 [3, H, W] -> normalised float [1, 3, S, S] in the model's dtype."""

@@ -1,0 +1,89 @@
+"""Idefics3 and SmolVLM (model_type 'idefics3', 'smolvlm'; Llama decoders, SigLIP-style
+vision tower, pixel-shuffle connector) on the decode engine.
+
+Image: one view, resized to the vision tower's square input (S = vision_config.image_size; no
+splitting into tiles) and normalised with the directory's mean/std (0.5, 0.5 when absent); the
+checkpoint's own vision model and connector (pixel shuffle by scale_factor, projection) run it
+with a full pixel_attention_mask. Block, as the processor writes a single image:
+    <fake_token_around_image> <global-img> <image> x N <fake_token_around_image>
+N = (S / patch)^2 / scale_factor^2. The two framing tokens' ids come from the directory's
+tokenizer (the config has only image_token_id).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kestrel_models.planner.hf_engine.common import (PARAM, HFDecoder, HFLoadError,
+                                                     features_of, normalize)
+
+__all__ = ["Idefics3Decoder", "MODEL_TYPES", "FAKE", "GLOBAL"]
+
+MODEL_TYPES = ("idefics3", "smolvlm")
+FAKE, GLOBAL = "<fake_token_around_image>", "<global-img>"
+
+
+def special_id(tokenizer: Any, token: str, path: str) -> int:
+    tid = tokenizer.convert_tokens_to_ids(token) if tokenizer is not None else None
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if not isinstance(tid, int) or tid < 0 or tid == unk:
+        raise HFLoadError(f"parameter '{PARAM}' = {path!r}: the tokenizer has no {token} token "
+                          "(the image block of Idefics3 / SmolVLM needs it)")
+    return tid
+
+
+class Idefics3Decoder(HFDecoder):
+    default_mean = (0.5, 0.5, 0.5)
+    default_std = (0.5, 0.5, 0.5)
+
+    def __init__(self, hf: Any, path: str | Path, packed: dict, tokenizer: Any = None) -> None:
+        super().__init__(hf, path, packed)
+        cfg = hf.config
+        vc = cfg.vision_config
+        self.family = cfg.model_type
+        self.size = int(vc.image_size)
+        scale = int(getattr(cfg, "scale_factor", 1) or 1)
+        self.n_feat = (self.size // int(vc.patch_size)) ** 2 // (scale * scale)
+        self.image_marker = int(cfg.image_token_id)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            except Exception as exc:  # noqa: BLE001 - say why, naming the parameter
+                raise HFLoadError(f"parameter '{PARAM}' = {str(path)!r}: no loadable tokenizer "
+                                  f"there ({type(exc).__name__}: {exc}); Idefics3 / SmolVLM "
+                                  "need it for their image tokens") from exc
+        fake, glob = special_id(tokenizer, FAKE, str(path)), special_id(tokenizer, GLOBAL,
+                                                                         str(path))
+        block = [fake, glob, *([self.image_marker] * self.n_feat), fake]
+        self.block = torch.tensor(block, dtype=torch.long, device=self.device)
+        self.image_prompt_ids = [self.image_marker]
+
+    def image_tokens(self, shape: tuple[int, ...]) -> int:
+        return self.n_feat + 3
+
+    def block_ids(self, shape: tuple[int, ...]) -> list[int]:
+        return [int(t) for t in self.block.tolist()]
+
+    def pixel_kwargs(self, images: Tensor) -> dict:
+        n, s = images.shape[0], self.size
+        x = normalize(images, (s, s), self.mean, self.std, self.vision_dtype)
+        return {"pixel_values": x[:, None],
+                "pixel_attention_mask": torch.ones(n, 1, s, s, dtype=torch.bool,
+                                                   device=x.device)}
+
+    def embed_image(self, images: Tensor) -> Tensor:
+        n, s = images.shape[0], self.size
+        x = normalize(images.to(self.device), (s, s), self.mean, self.std, self.vision_dtype)
+        mask = torch.ones(n, 1, s, s, dtype=torch.bool, device=self.device)
+        out = self.hf.model.get_image_features(pixel_values=x[:, None],
+                                               pixel_attention_mask=mask)
+        feats = features_of(out, n).to(self.dtype)  # [n, N, D]
+        frame = F.embedding(self.block, self.embed)  # [N + 3, D]
+        return torch.cat([frame[None, :2].expand(n, -1, -1), feats,
+                          frame[None, -1:].expand(n, -1, -1)], dim=1)
