@@ -7,6 +7,9 @@ histories (`core.sync.FrameSynchronizer`); the NEWEST synchronised set is proces
 result published on `~/output/result`, COMMAND_QOS) by default in the subscription callback
 that completed it (`processing`: 'callback'; 'worker' = a worker thread woken by the
 callbacks). Bad input is dropped and counted by name on /diagnostics, never crashes the node.
+Per sensor, /diagnostics counts the messages taken (received_camera_<i>, received_lidar) and
+those overwritten before the node took them (lost_camera_<i>, lost_lidar: the publisher's
+sequence numbers, from the subscriptions' message info; core/loss.py).
 
 Latency (measured, docs/benchmarks/perception_node_*.md): receipt of the set's last message
 -> publish = wait + the core's stages + build. Every torch call releases the GIL; with
@@ -69,7 +72,7 @@ from kestrel_perception.core import (
 )
 from kestrel_perception.core.draw import render_debug
 from kestrel_perception.core.input_rings import RingLayout
-from kestrel_perception.core.loss import StampGaps
+from kestrel_perception.core.loss import InputLoss, message_sequence
 from kestrel_perception.core.health import perception_status
 from kestrel_perception.core.receivers import InputReceivers, ReceiverError
 from kestrel_perception.core.sync import FrameSynchronizer, Stamped, SyncedSet
@@ -127,9 +130,9 @@ class PerceptionNode(KestrelLifecycleNode):
         self._receivers: InputReceivers | None = None  # receive.mode == "processes"
         self._release_timer = None  # calls _ready() every cloud_timeout / 2
         self._runtime: dict[str, Any] = {}
-        # messages lost before this node saw them, from stamp gaps (core/loss.py): per camera
-        # image stream, then the LiDAR
-        self._gaps: list[StampGaps] = []
+        # messages taken and lost before this node saw them (core/loss.py): per camera image
+        # stream, then the LiDAR
+        self._gaps: list[InputLoss] = []
         self.add_on_set_parameters_callback(self._check_runtime_params)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -164,10 +167,11 @@ class PerceptionNode(KestrelLifecycleNode):
                                       cloud_required=p["sync.cloud_required"],
                                       cloud_timeout_s=p["sync.cloud_timeout"],
                                       jump_back_s=p["sync.jump_back"], on_jump=self._on_jump)
-        self._gaps = [StampGaps(f"camera_{i}", p["sync.jump_back"], self.counters.inc)
+        self._gaps = [InputLoss(f"camera_{i}", p["sync.jump_back"], self.counters.inc)
                       for i in range(n)]
-        self._gaps.append(StampGaps("lidar", p["sync.jump_back"], self.counters.inc))
+        self._gaps.append(InputLoss("lidar", p["sync.jump_back"], self.counters.inc))
         for g in self._gaps:
+            self.counters.inc(g.received_counter, 0)
             self.counters.inc(g.counter, 0)
         poses = p["camera_poses"]
         self._poses = [pose_to_matrix(poses[7 * i: 7 * i + 7]) if poses else np.eye(4)
@@ -196,8 +200,9 @@ class PerceptionNode(KestrelLifecycleNode):
         group = MutuallyExclusiveCallbackGroup()
         for i in range(n):
             if in_node:
-                self._subs.append(self.create_subscription(
-                    Image, f"~/input/camera_{i}/image", lambda m, i=i: self._on_image(i, m),
+                self._subs.append(self.create_subscription(  # (with the message info:
+                    Image, f"~/input/camera_{i}/image",  # its sequence number, core/loss.py)
+                    lambda m, info, i=i: self._on_image(i, m, info),
                     SENSOR_QOS, callback_group=group))
                 self._subs.append(self.create_subscription(  # (else: the receivers take it)
                     CameraInfo, f"~/input/camera_{i}/camera_info",
@@ -210,9 +215,10 @@ class PerceptionNode(KestrelLifecycleNode):
         self._release_timer = self.create_timer(p["sync.cloud_timeout"] / 2, self._ready,
                                                 callback_group=group)
         if in_node:
-            self._subs.append(self.create_subscription(PointCloud2, "~/input/points",
-                                                       self._on_points, SENSOR_QOS,
-                                                       callback_group=group))
+            # (two arguments: rclpy then passes the message info, as for the images)
+            self._subs.append(self.create_subscription(
+                PointCloud2, "~/input/points", lambda m, info: self._on_points(m, info),
+                SENSOR_QOS, callback_group=group))
         graphs = self.core.region.graphs
         for why in (graphs.failed.values() if graphs is not None else ()):
             self.get_logger().warning(f"device region signature runs without a CUDA graph: {why}")
@@ -355,12 +361,14 @@ class PerceptionNode(KestrelLifecycleNode):
         self.get_logger().info(f"runtime parameters applied: {now}")
 
     # ---- input callbacks (cheap: convert, validate, store) -------------------------------------
-    def _on_image(self, cam: int, msg: Image) -> None:
+    def _on_image(self, cam: int, msg: Image, info: dict | None = None) -> None:
         if not self._active or self.sync is None:
             return
         recv_s = time.monotonic()
         stamp_ns = stamp_to_ns(msg.header.stamp)
-        self._gaps[cam].add(stamp_ns)  # before validation: a bad image is not also "lost"
+        # taken (received_camera_<i>), and those lost before it (lost_camera_<i>); before
+        # validation: a bad image is counted under its reason, not also as lost
+        self._gaps[cam].add(stamp_ns, *message_sequence(info))
         try:
             rgb = image_rgb(msg)  # [H,W,3] uint8 view on msg.data, RGB order
         except InputDrop as exc:
@@ -372,13 +380,14 @@ class PerceptionNode(KestrelLifecycleNode):
                     frame_id: str, ticket: tuple | None = None, *,
                     gap_seen: bool = False) -> None:
         """One usable image (from a callback, or a receiver process: recv_s is its receipt
-        there, on the same monotonic clock). gap_seen: its stamp already went to the loss
-        count (a receiver process's bad inputs never reach here: they count as lost too)."""
+        there, on the same monotonic clock). gap_seen: it was already counted as received
+        (core/loss.py); from a receiver process the ring version (ticket[2]) is its sequence
+        number, so messages replaced in the ring count as lost."""
         sync = self.sync
         if not self._active or sync is None:
             return
         if not gap_seen:
-            self._gaps[cam].add(stamp_ns)
+            self._gaps[cam].add(stamp_ns, *_ring_sequence(ticket))
 
         def store() -> None:
             sync.add_image(cam, Stamped(stamp_ns, recv_s, (rgb, frame_id), ticket))
@@ -428,12 +437,13 @@ class PerceptionNode(KestrelLifecycleNode):
         except ValueError as exc:
             self.drop("dropped_bad_pose", f"camera {cam}: {exc}")
 
-    def _on_points(self, msg: PointCloud2) -> None:
+    def _on_points(self, msg: PointCloud2, info: dict | None = None) -> None:
         if not self._active or self.sync is None:
             return
         recv_s = time.monotonic()
         stamp_ns = stamp_to_ns(msg.header.stamp)
-        self._gaps[-1].add(stamp_ns)  # before validation: a bad cloud is not also "lost"
+        # (as _on_image) received_lidar, lost_lidar; a bad cloud counts under its reason
+        self._gaps[-1].add(stamp_ns, *message_sequence(info))
         try:
             xyz = cloud_xyz(msg, self.params["lidar.max_points"], self.params["frame_id"])
         except InputDrop as exc:
@@ -447,7 +457,7 @@ class PerceptionNode(KestrelLifecycleNode):
         if not self._active or sync is None:
             return
         if not gap_seen:  # (as _take_image)
-            self._gaps[-1].add(stamp_ns)
+            self._gaps[-1].add(stamp_ns, *_ring_sequence(ticket))
         if xyz.shape[0] == 0:  # counted and logged, then used: the set completes without
             # waiting for a cloud that will not come, and runs on predicted depth alone
             n = self.counters.inc("empty_cloud")
@@ -580,6 +590,11 @@ class PerceptionNode(KestrelLifecycleNode):
             self.timer.summary((50.0, 99.0)), self.params.get("target_fps", 10.0))
         return {"ok": DiagnosticStatus.OK, "warn": DiagnosticStatus.WARN,
                 "error": DiagnosticStatus.ERROR}[level], message, values
+
+
+def _ring_sequence(ticket: tuple | None) -> tuple[int | None, bytes | None]:
+    """A receiver process's message: (ring version, the ring as its publisher), else none."""
+    return (int(ticket[2]), b"ring") if ticket is not None else (None, None)
 
 
 def main(args: list[str] | None = None) -> int:

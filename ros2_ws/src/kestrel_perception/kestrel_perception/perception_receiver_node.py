@@ -12,7 +12,8 @@ A camera's receiver also takes its CameraInfo topic (`--info-topic`): K and size
 the node does, go into the ring's info record, handed over with the images (the node's
 executor then takes no per-frame message).
 
-Per message: the same checks as the node's own callbacks (msg_inputs: encoding, size, cloud
+Per message: counted (received; the publisher's sequence gaps before it as lost, core/loss.py),
+the same checks as the node's own callbacks (msg_inputs: encoding, size, cloud
 frame / point count / all-NaN; drops counted in the ring and added to the node's counters of
 the same name on its /diagnostics), then the array into a free slot of the ring
 (core/input_rings.py: the node reads it there, no copy) and one eventfd write to wake the
@@ -48,6 +49,7 @@ from rclpy.utilities import remove_ros_args
 from sensor_msgs.msg import CameraInfo, Image, PointCloud2
 
 from kestrel_perception.core.input_rings import RingLayout
+from kestrel_perception.core.loss import SequenceGaps, message_sequence
 from kestrel_perception.msg_inputs import InputDrop, cloud_xyz, image_rgb
 
 
@@ -64,6 +66,8 @@ class Receiver:
         self.is_cloud = sensor == layout.num_cameras
         self.name = "cloud" if self.is_cloud else f"camera {sensor}"
         self._logged: dict[str, float] = {}
+        # messages of the topic this subscription (depth 1) never took: counted in the ring
+        self._gaps = SequenceGaps("lost", ring.count)
 
     def drop(self, counter: str, message: str) -> None:
         self.count(counter, f"dropped ({counter}): {message}")
@@ -77,10 +81,13 @@ class Receiver:
             self._logged[counter] = now
             _log(f"{self.name}: {message}")
 
-    def __call__(self, msg) -> None:
+    def __call__(self, msg, info) -> None:  # noqa: ANN001 - info: rclpy's message info
         recv_ns = time.monotonic_ns()
         ring = self.ring
         ring.count("received")
+        seq, writer = message_sequence(info)
+        if seq is not None:
+            self._gaps.add(seq, writer)
         try:
             if self.is_cloud:
                 array = cloud_xyz(msg, self.layout.max_points, self.frame_id)
@@ -151,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
     node = rclpy.create_node("perception_receiver")  # named by the node's -r __node:=...
     msg_type = PointCloud2 if receiver.is_cloud else Image
+    # a callback of two arguments: rclpy passes the message info (its sequence number) too
     node.create_subscription(msg_type, args.topic, receiver, SENSOR_QOS)
     if args.info_topic and not receiver.is_cloud:
         node.create_subscription(CameraInfo, args.info_topic, receiver.on_info, SENSOR_QOS)

@@ -33,6 +33,10 @@ def perception_status(core: Any, results: Any, receivers: Any, counters: Any,
     if receivers is not None:  # receive == "processes": drops in the receivers
         for name, n in receivers.counters().items():  # added to the node's own
             values[name] = n + (counters.get(name) if name.startswith("dropped_") else 0)
+        lost = receivers.lost()  # per sensor: never taken by its receiver, + lost in the ring
+        names = [f"lost_camera_{i}" for i in range(len(lost) - 1)] + ["lost_lidar"]
+        for name, n in zip(names, lost, strict=True):
+            values[name] = n + counters.get(name)
     for stage, q in summary.items():
         values[f"latency_{stage}_p50_s"] = q["p50"]
         values[f"latency_{stage}_p99_s"] = q["p99"]

@@ -4,9 +4,10 @@ input: its arrays are views of the slot the receiver wrote, and on CUDA the node
 page-locked the slots (cudaHostRegister) so they go straight to the device.
 
 One segment, one ring of `slots` slots per sensor (cameras 0..C-1, then the LiDAR cloud):
-  header  int64 [16]: PUB (slot of the newest message not yet claimed, -1 none), VER (messages
+  header  int64 [24]: PUB (slot of the newest message not yet claimed, -1 none), VER (messages
           published), READY (the receiver subscribed), PID, then the receiver's counters
-          (RX_COUNTERS)
+          (RX_COUNTERS; "lost": messages its depth-1 subscription never took, from the
+          publisher's sequence numbers, core/loss.py)
   state   int64 [slots]: FREE, WRITING (the receiver fills it), PUBLISHED (= PUB), HELD (the
           node uses it: its synchroniser history, a pending host->device copy)
   meta    int64 [slots, 9]: stamp ns (header.stamp), receipt ns (time.monotonic_ns at the
@@ -46,12 +47,12 @@ from kestrel_common.shm import Arena
 FRAME_ID_BYTES = 128
 ENCODINGS = ("rgb8", "bgr8", "xyz32")  # meta ENC: image encodings, then the cloud's
 # receiver-side counters, named as the node's own (a drop in a receiver is the same drop)
-RX_COUNTERS = ("received", "dropped_bad_encoding", "dropped_bad_image", "dropped_size_mismatch",
-               "dropped_bad_cloud", "dropped_too_many_points", "dropped_bad_camera_info",
-               "unrectified_camera_info")
+RX_COUNTERS = ("received", "lost", "dropped_bad_encoding", "dropped_bad_image",
+               "dropped_size_mismatch", "dropped_bad_cloud", "dropped_too_many_points",
+               "dropped_bad_camera_info", "unrectified_camera_info")
 FREE, WRITING, PUBLISHED, HELD = 0, 1, 2, 3
 _PUB, _VER, _READY, _PID, _CNT = 0, 1, 2, 3, 8
-_HEADER = 16  # _CNT + len(RX_COUNTERS) <= _HEADER (full: a new counter needs a bigger header)
+_HEADER = 24  # _CNT + len(RX_COUNTERS) <= _HEADER (a new counter may need a bigger header)
 assert _CNT + len(RX_COUNTERS) <= _HEADER, "ring header too small for RX_COUNTERS"
 _I_VER, _I_STAMP, _I_RECV, _I_SIZE = range(4)
 _M_STAMP, _M_RECV, _M_ROWS, _M_COLS, _M_ENC, _M_BYTES, _M_VER, _M_FID, _M_PUBT = range(9)

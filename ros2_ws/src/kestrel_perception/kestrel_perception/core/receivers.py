@@ -224,16 +224,21 @@ class InputReceivers:
 
     def counters(self) -> dict[str, int]:
         """The receivers' drop counters summed over sensors (named as the node's own drops,
-        which the node adds them to), their message count as rx_received, and this side's
-        (rx_overwritten, rx_handler_errors)."""
+        which the node adds them to), their message count as rx_received and the messages
+        they never took as rx_lost, and this side's (rx_overwritten, rx_handler_errors)."""
         out: dict[str, int] = {}
         for ring in self.rings:
             for name, n in ring.counters().items():
-                key = "rx_received" if name == "received" else name
+                key = {"received": "rx_received", "lost": "rx_lost"}.get(name, name)
                 out[key] = out.get(key, 0) + n
         out["rx_overwritten"] = self.overwritten
         out["rx_handler_errors"] = self.handler_errors
         return out
+
+    def lost(self) -> list[int]:
+        """Per sensor (cameras, then the cloud): messages its receiver never took (the
+        publisher's sequence gaps; the node adds the ring's own to lost_<sensor>)."""
+        return [ring.counters()["lost"] for ring in self.rings]
 
     def timings(self, newest_recv_s: float) -> dict[str, float]:
         """Hand-over timings (s) of the message whose handler is running now (the node calls
