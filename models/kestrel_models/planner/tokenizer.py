@@ -9,12 +9,14 @@ streaming and holds back an incomplete multi-byte character until it is complete
 
 The `Tokenizer` protocol is the interface the planner uses. `HFTokenizer` adapts a Hugging Face
 tokenizer saved in a local model directory (AutoTokenizer, local_files_only: nothing is
-downloaded) to it, plus the model's chat template when it has one.
+downloaded) to it, plus the model's chat template when it has one (the tokenizer's own, else
+the directory's chat_template.jinja or chat_template.json, where processors keep it).
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -130,6 +132,20 @@ class StreamDecoder:
         return piece
 
 
+def processor_template(path: Path) -> str | None:
+    """The chat template a processor saved beside the tokenizer (chat_template.jinja, or
+    chat_template.json's "chat_template"), or None."""
+    try:
+        if (path / "chat_template.jinja").is_file():
+            return (path / "chat_template.jinja").read_text()
+        if (path / "chat_template.json").is_file():
+            t = json.loads((path / "chat_template.json").read_text()).get("chat_template")
+            return t if isinstance(t, str) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None
+
+
 class HFTokenizer:
     """A transformers tokenizer behind the `Tokenizer` protocol (+ `token_for_char`, `chat`).
 
@@ -167,6 +183,8 @@ class HFTokenizer:
             raise ValueError(f"parameter 'hf.model_path' = {str(path)!r}: no loadable tokenizer "
                              f"there ({exc}); save it with the model or set hf.tokenizer: byte"
                              ) from exc
+        if not getattr(tok, "chat_template", None):
+            tok.chat_template = processor_template(Path(path))
         return cls(tok)
 
     @property

@@ -62,7 +62,8 @@ SPECS = [
               "Hugging Face VLM directory), remote (an OpenAI-compatible server: vLLM, SGLang, "
               "TensorRT-LLM), plan_text (no model: the instruction is the plan text, lines "
               "separated by ';').", choices=BACKENDS, read_only=True),
-    ParamSpec("engine_compile", False, "backend engine on CUDA: compile the whole decode step "
+    ParamSpec("engine_compile", False, "backends engine and hf (a checkpoint on the engine) on "
+              "CUDA: compile the whole decode step "
               "(inductor, coordinate-descent tuned) under the CUDA graph; compiles every "
               "batch/length bucket at configure (docs/benchmarks/planner_h200.md).",
               read_only=True),

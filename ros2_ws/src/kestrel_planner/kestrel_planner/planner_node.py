@@ -126,6 +126,11 @@ class PlannerNode(KestrelLifecycleNode):
         spec = f", speculative k {p['speculative.k']} (draft {draft})" if p["speculative.k"] else ""
         self.get_logger().info(f"configured: backend {p['backend']}, {model}, max_batch "
                                f"{p['max_batch']}{spec}, limits {limits}")
+        note = getattr(self.core.backend, "note", "")  # hf: engine, or transformers and why
+        if note:
+            log = self.get_logger()
+            (log.warning if getattr(self.core.backend, "fallback", False) else log.info)(
+                f"backend {p['backend']}: {note}")
         return TransitionCallbackReturn.SUCCESS
 
     def _configure_failed(self) -> TransitionCallbackReturn:

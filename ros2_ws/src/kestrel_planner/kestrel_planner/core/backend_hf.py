@@ -1,6 +1,10 @@
-"""Backend 'hf': a Hugging Face image-text-to-text model from a LOCAL directory (transformers,
-local_files_only: nothing is downloaded). See kestrel_models.planner.hf for the supported
-architectures (LLaVA-style: image_token_id + a CLIP-like vision_config).
+"""Backend 'hf': a Hugging Face image-text-to-text model from a LOCAL directory (local_files_only:
+nothing is downloaded). Where the architecture is one the decode engine runs (LLaVA-1.5 /
+LLaVA-NeXT, Idefics3 / SmolVLM, Qwen2-VL / Qwen2.5-VL: kestrel_models.planner.hf_engine) the
+checkpoint's decoder runs on the engine (static KV cache, CUDA graphs, continuous batching;
+`engine_compile` compiles its step on CUDA); otherwise transformers runs it row by row
+(kestrel_models.planner.hf: LLaVA-style checkpoints). `note` says which and why (the node logs
+it at configure).
 
 Tokenizer (hf_tokenizer): 'auto' = the directory's own (AutoTokenizer); its chat template, when
 present, wraps the chat system prompt (prompting.py) and the request; without one the Kestrel
@@ -13,9 +17,11 @@ character per token are left out of the grammar so that the token budget stays e
 'automaton' (constrained.py) needs every plan character as a single token (configure fails
 naming 'hf.grammar' otherwise). false = free decoding, the text is
 held to the schema by the prompt plus the parser and validator only.
-Limitation: the image placeholder tokens go before the whole prompt (hf.py), not inside the
-chat template's user turn; models trained with the image inside the turn may plan worse.
-For large checkpoints, serving them with vLLM and using backend 'remote' is the scalable path.
+Image place: on the engine the image goes where the model's chat template puts it (a user turn
+whose content is [image, text]; where the template cannot render that, the model's image
+tokens lead the user text); without a chat template, right after <bos>. On the transformers
+path the image placeholder tokens go before the whole prompt. For large checkpoints served
+with vLLM, backend 'remote' is the scalable path.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kestrel_models.planner import ByteTokenizer
-from kestrel_models.planner.hf import HFVisionLanguageModel, parse_dtype
+from kestrel_models.planner.hf import parse_dtype
+from kestrel_models.planner.hf_engine.runner import open_hf
 from kestrel_models.planner.tokenizer import HFTokenizer
 from kestrel_planner.core.backend import DecodeJob, DecodeOutput, PlannerInputError
 from kestrel_planner.core.backend_local import plain_prompt
@@ -76,11 +83,15 @@ class HFPlanBackend:
         self.name = "hf"
         self.config = config
         dtype = parse_dtype(config.hf_dtype)
-        self.vlm = HFVisionLanguageModel(config.hf_model_path, config.device, dtype)
         if config.hf_tokenizer == "byte":
             self.tokenizer: ByteTokenizer | HFTokenizer = ByteTokenizer()
         else:
             self.tokenizer = HFTokenizer.from_pretrained(config.hf_model_path)
+        hf_tok = self.tokenizer.tok if isinstance(self.tokenizer, HFTokenizer) else None
+        self.vlm, self.note = open_hf(config.hf_model_path, config.device, dtype,
+                                      eos_id=self.tokenizer.eos_id, max_batch=config.max_batch,
+                                      compile_step=config.engine_compile, tokenizer=hf_tok)
+        self.fallback = self.vlm.kind != "engine"  # transformers: `note` says why
         if self.vlm.vocab_size and self.tokenizer.vocab_size > self.vlm.vocab_size:
             raise ValueError(f"parameter 'hf.tokenizer' = {config.hf_tokenizer!r}: its "
                              f"{self.tokenizer.vocab_size} tokens exceed the model's vocabulary "
@@ -96,14 +107,40 @@ class HFPlanBackend:
     def close(self) -> None:
         pass
 
+    def _image_chat(self, user: str) -> list[int]:
+        """The chat prompt with the image where the model's template puts it: a user turn of
+        [image, text]; the model's image tokens before the user text where the template cannot
+        render that (exactly one image marker either way)."""
+        tok = self.tokenizer.tok  # type: ignore[union-attr]
+        marker = self.vlm.image_marker
+        msgs = [{"role": "system", "content": self._system},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": user}]}]
+        try:
+            ids = self.tokenizer.encode(tok.apply_chat_template(msgs, tokenize=False,
+                                                                add_generation_prompt=True))
+        except Exception:  # noqa: BLE001 - a template for text content only
+            ids = []
+        if ids.count(marker) == 1:
+            return ids
+        lead = tok.decode(self.vlm.image_prompt_ids, skip_special_tokens=False)
+        return self.tokenizer.encode(self.tokenizer.chat(  # type: ignore[union-attr]
+            self._system, f"{lead}\n{user}"))
+
     def prompt_ids(self, job: DecodeJob) -> list[int]:
-        if self._chat:
-            text = self.tokenizer.chat(self._system,  # type: ignore[union-attr]
-                                       user_prompt(job.instruction, job.names, job.cap))
+        marker = self.vlm.image_marker  # None: the image goes before the prompt
+        user = user_prompt(job.instruction, job.names, job.cap)
+        if self._chat and job.image is not None and marker is not None:
+            ids = self._image_chat(user)
+        elif self._chat:
+            text = self.tokenizer.chat(self._system, user)  # type: ignore[union-attr]
             ids = self.tokenizer.encode(text)  # the template adds its own special tokens
         else:
             ids = self.tokenizer.encode(plain_prompt(job.instruction, job.names), add_bos=True)
-        n_img = self.vlm.num_image_tokens if job.image is not None else 0
+            if job.image is not None and marker is not None:  # the image right after <bos>
+                k = int(bool(ids) and ids[0] == self.tokenizer.bos_id)
+                ids = ids[:k] + list(self.vlm.image_prompt_ids) + ids[k:]
+        shape = None if job.image is None else (3, *job.image.shape[:2])
+        n_img = self.vlm.image_tokens(shape) if shape is not None else 0
         limit = self.vlm.max_positions
         if limit and len(ids) + n_img + self.config.max_new_tokens > limit:
             raise PlannerInputError(f"prompt of {len(ids)} tokens + {n_img} image tokens + "
