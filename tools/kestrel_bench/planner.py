@@ -15,14 +15,22 @@ Sections (each isolated: a failure is recorded as a row, the run goes on):
   engine_step_compiled[_<v>][_x<M>]  (--compile) the whole decode step compiled as one
                           inductor graph in a CUDA graph, per --step-variants, with a kernel
                           census of the warm engine in the record's tables
+  prefix_cache            TTFT with and without prefix reuse: a fixed system prefix, and the
+                          node's frame + scene line (planner_decode.py; in --quick too)
+  spec_trained            (--target-weights, --draft-weights) speculative decoding of trained
+                          weights under the plan grammar on held-out goals vs the engine:
+                          plan time, acceptance, agreement (planner_decode.py)
 Rows: latency_ms = time per output token of one stream; throughput tok/s (1 / median TPOT;
 aggregate for concurrent rows in metrics); TTFT, peak memory, power and J per token.
 Roles: baseline = hf_static (hf_eager where static did not run); optimized = the fastest
 single-stream dense engine row. ratios: optimized_vs_baseline_tok_s, and
 engine_graph_vs_baseline_tok_s.
---quick: tiny config on the CPU, 16 new tokens, HF eager vs engine eager (seconds).
+--quick: tiny config on the CPU, 16 new tokens, HF eager vs engine eager, prefix_cache.
 
   python -m kestrel_bench planner --quick
+  python -m kestrel_bench planner --only spec_trained --device cpu \
+      --target-weights ros2_ws/src/kestrel_planner/weights/planner_small.pt \
+      --draft-weights ros2_ws/src/kestrel_planner/weights/planner_draft.pt --k 4
   python -m kestrel_bench planner --config 0.5b --compile --cdt   # GPU: 128 tokens, bf16
   python -m kestrel_bench planner --config 0.5b --compile --cdt \
       --only hf_static engine_graph --budget-s 200
@@ -70,6 +78,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="skip a section whose estimated cost would pass this many seconds")
     ap.add_argument("--compile-cost-s", type=float, default=60.0)
+    ap.add_argument("--target-weights", default="", help="spec_trained: target state dict")
+    ap.add_argument("--target-config", default="small", help="spec_trained: target preset")
+    ap.add_argument("--draft-weights", default="", help="spec_trained: draft state dict")
+    ap.add_argument("--draft-config", default="draft", help="spec_trained: draft preset")
+    ap.add_argument("--goals", type=int, default=32, help="spec_trained: held-out goals")
     rec_mod.add_common_arguments(ap)
 
 
@@ -79,11 +92,12 @@ def run(args: argparse.Namespace) -> int:
     from kestrel_models.planner import VisionLanguageModel, get_config
     from kestrel_models.planner.attention_policy import AttentionPolicy
 
+    from kestrel_bench import planner_decode as pd
     from kestrel_bench import planner_sections as ps
 
     if args.quick:
         args.config, args.device, args.new_tokens, args.reps = "tiny", "cpu", 16, 2
-        args.only = args.only or ["engine_eager", "hf_eager"]
+        args.only = args.only or ["engine_eager", "hf_eager", "prefix_cache"]
         args.compile = False
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bf16" if dev.type == "cuda" else "fp32")
@@ -161,6 +175,26 @@ def run(args: argparse.Namespace) -> int:
     for agree in (False, True):
         section(f"spec_graph_{'agree' if agree else 'random'}", lambda agree=agree: ps.bench_spec(
             model, args.draft_layers, args.k, prompt, image, nt, reps, dev, agree, ml))
+    decode_rows: dict[str, dict] = {}  # planner_decode.py's rows (metrics of their own)
+
+    def decode_section(name: str, fn) -> None:  # noqa: ANN001
+        if args.only and name not in args.only:
+            return
+        try:
+            decode_rows.update(fn())
+        except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
+            traceback.print_exc()
+            decode_rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        print(f"[planner] {name}: {decode_rows}"[:400], flush=True)
+
+    decode_section("prefix_cache", lambda: pd.bench_prefix(model, prompt, image, reps, ml))
+    if args.target_weights and args.draft_weights:
+        ensure_paths("kestrel_planner")
+        decode_section("spec_trained", lambda: pd.bench_spec_trained(
+            args.target_weights, args.target_config, args.draft_weights, args.draft_config,
+            args.k, args.draft_layers, args.goals, dev, dtype))
+    elif args.only and "spec_trained" in args.only:
+        decode_rows["spec_trained"] = {"skipped": "needs --target-weights and --draft-weights"}
     hf: dict = {}
 
     def hf_section(static: bool) -> dict:
@@ -203,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
             keep.clear()
         ic.coordinate_descent_tuning = cdt0
     _to_record(record, rows)
+    pd.to_record(record, decode_rows)
     if tables:
         record["tables"] = tables
     rec_mod.finish(record, args)
