@@ -121,3 +121,24 @@ def test_configure_checks_name_the_parameter(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="parameter 'speculative.draft_weights_path' = "
                                          "'package://no_such_package/d.pt'"):
         resolve_weights("package://no_such_package/d.pt", "speculative.draft_weights_path")
+
+
+def test_trainer_trains_the_draft_of_the_small_model(tmp_path: Path) -> None:
+    """The 'draft' preset fits 'small' (same vocabulary, image size and reach, a smaller
+    decoder); the trainer trains it as any preset (scripts/train_planner.py --preset draft) and
+    the file serves as speculative.draft_weights_path of a 'small' model."""
+    from kestrel_planner.training.train import TrainConfig, train
+
+    s, d = get_config("small"), get_config("draft")
+    assert (d.vocab_size, d.image_size) == (s.vocab_size, s.image_size)
+    assert d.max_seq_len >= s.max_seq_len and d.n_layers < s.n_layers and d.dim < s.dim
+    draft, hist = train(TrainConfig(preset="draft", steps=2, batch=4, warmup=1))
+    assert draft.cfg == d and len(hist.loss) == 2
+    path = tmp_path / "planner_draft.pt"
+    torch.save(draft.state_dict(), path)
+    reqs = [PlanRequest(t, IMAGE, SCENE, max_steps=2) for t in TASKS[:2]]
+    plain = _core(model="small").plan_batch(reqs)
+    spec = _core(model="small", speculative_k=3, draft_weights_path=str(path),
+                 draft_model="draft").plan_batch(reqs)
+    assert [r.text for r in spec] == [r.text for r in plain]
+    assert all(r.drafted > 0 for r in spec)
