@@ -108,3 +108,25 @@ def test_prefix_tokens_must_leave_a_prompt_token(model: VisionLanguageModel) -> 
     eng = DecodeEngine(model, 1, 256, EOS, prefix_entries=1)
     with pytest.raises(ValueError, match="prefix_tokens = 3"):
         eng.submit([1, 2, 3], 4, None, prefix_tokens=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_reused_prefix_with_cuda_graphs() -> None:
+    """On CUDA (graphed batched prefill and decode step) a reused prefix (its eager prefill
+    of the rest) decodes what the engine without the store decodes."""
+    torch.manual_seed(0)
+    m = VisionLanguageModel(get_config("tiny")).cuda().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.ndim >= 2:
+                p.mul_(30.0)
+    img = _image(1).cuda()
+    plain = DecodeEngine(m, 2, 256, EOS)
+    kept = DecodeEngine(m, 2, 256, EOS, prefix_entries=2)
+    assert kept.cuda_graph and kept.prefill_graph
+    for task in TASKS * 2:
+        ref, _ = _run(plain, SCENE + task, img, "frame-1")
+        got, _ = _run(kept, SCENE + task, img, "frame-1")
+        assert got == ref
+    assert kept.store.hits == 5

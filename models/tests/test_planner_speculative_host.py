@@ -144,3 +144,20 @@ def test_sampling_under_a_mask_keeps_the_masked_target_distribution() -> None:
     tv = 0.5 * float((emp - exact.flatten()).abs().sum())
     assert tv < 0.08, tv  # sampling noise for 4000 draws over <= 64 cells is ~0.05
     assert 0.1 < res.acceptance_rate < 0.95
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_under_a_processor_on_cuda(models) -> None:  # noqa: ANN001
+    target, draft = (m.cuda() for m in models)
+    try:
+        prompts, imgs = _inputs(3)
+        imgs = [im.cuda() for im in imgs]
+        procs = [Letters(), Letters(dead=7), None]
+        ref = _engine(target, prompts, imgs, procs)
+        spec = SpeculativeDecoder(target, draft, k=3, max_batch=3, max_len=256, eos_id=EOS)
+        res = spec.generate(prompts, 20, images=imgs, logits_processor=procs)
+        assert res.tokens == ref.tokens and res.stop_reasons == ref.stop_reasons
+    finally:
+        for m in models:
+            m.cpu()

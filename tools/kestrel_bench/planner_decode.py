@@ -3,7 +3,8 @@ it: prefix reuse (TTFT) and speculative decoding with trained weights (plan late
 draft tokens, agreement).
 
 prefix_cache (random weights of --config, runs with --quick on the CPU), TTFT of one request
-(submit -> first token on the host), eager engine, the reps requests one after another:
+(submit -> first token on the host), the engine's defaults (on CUDA: graphed batched prefill;
+a reused prefix's rest is prefilled eagerly), the requests one after another:
   prefix_system_off / _on   a 48-token system prefix before the image (chat layouts):
                             DecodeEngine(system_prefix, prefix_cache=False / True)
   prefix_scene_off / _on    the node's layout [image][scene tokens][task tokens]: the same
@@ -59,11 +60,10 @@ def bench_prefix(model: Any, prompt: list[int], image: torch.Tensor, reps: int,
     layouts = {
         "system": ([(rest, image, {})] * n,
                    lambda on: DecodeEngine(model, 1, max_len, -1, system_prefix=system,
-                                           prefix_cache=on, cuda_graph=False)),
+                                           prefix_cache=on)),
         "scene": ([(scene + t, image, {"image_key": "frame", "prefix_tokens": len(scene)})
                    for t in tasks],
-                  lambda on: DecodeEngine(model, 1, max_len, -1, prefix_entries=8 if on else 0,
-                                          cuda_graph=False)),
+                  lambda on: DecodeEngine(model, 1, max_len, -1, prefix_entries=8 if on else 0)),
     }
     out: dict[str, dict] = {}
     for name, (reqs, make) in layouts.items():
