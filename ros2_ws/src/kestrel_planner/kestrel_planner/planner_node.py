@@ -20,7 +20,9 @@ perception result, the numeric limits); a reply that is not a plan or breaks a l
 VALIDATION_REJECTED with reasons, and nothing reaches control.
 
 Goals: a goal is refused (VALIDATION_ERROR, with the reason) when the scene is older than
-max_scene_age; REJECTED and ERROR results finish the goal ABORTED, accepted ones SUCCEEDED, a
+max_scene_age, or from before a backwards time jump (core/scene_time.py: a sim restart, a bag
+loop; the jump also forgets the camera frame and feedback and aborts a running plan, counted
+as time_jumps_back); REJECTED and ERROR results finish the goal ABORTED, accepted ones SUCCEEDED, a
 cancelled one CANCELED. goal_timeout bounds the wait for a plan; time_to_first_token and
 total_time are measured from the goal's arrival. A rejected plan is not sent back when it has
 more steps than max_steps (it is refused before parsing).
@@ -60,6 +62,7 @@ from kestrel_planner.core import (ExecutorConfig, PlanExecutor, PlanLimits,
                                   PlannerConfig, PlannerCore, PlanRequest,
                                   PlanResult, SceneObject, StepEvent)
 from kestrel_planner.core.scene import scene_from_detections
+from kestrel_planner.core.scene_time import SceneTime
 from kestrel_planner.batcher import Batcher, Job
 from kestrel_planner.params import SPECS, remote_config, resolve_weights
 from kestrel_planner.plan_msg import plan_to_msg
@@ -88,7 +91,7 @@ class PlannerNode(KestrelLifecycleNode):
         self._ttft = LatencyWindow(256)
         self._scene_age = LatencyWindow(256)  # perception result stamp -> its callback, s
         self._total = LatencyWindow(256)
-        self._scene_stamp_ns: int | None = None  # header stamp of the latest scene, ns
+        self._scene_time = SceneTime(0.0)  # the latest scene's stamp, the clock's jumps
         self._handles: list = []
         self._plan_pub = self._target_pub = self._status_pub = None
         self._timer = None
@@ -99,6 +102,9 @@ class PlannerNode(KestrelLifecycleNode):
         p = self.load_params()
         if p is None:
             return TransitionCallbackReturn.FAILURE
+        with self._lock:
+            self._scene_time = SceneTime(p["max_scene_age"])
+        self.counters.inc("time_jumps_back", 0)
         try:
             limits = self._build(p)
         except ValueError as exc:  # a parameter's value (the message names it)
@@ -225,7 +231,8 @@ class PlannerNode(KestrelLifecycleNode):
             core.close()
         with self._lock:
             self._image, self._scene, self._frame_id = None, [], ""
-            self._scene_stamp_ns, self._ee, self._joints = None, None, None
+            self._ee, self._joints = None, None
+            self._scene_time.clear()
         return TransitionCallbackReturn.SUCCESS
 
     def stop_workers(self) -> None:
@@ -272,9 +279,13 @@ class PlannerNode(KestrelLifecycleNode):
         for reason, n in skipped.items():
             if n:
                 self.drop(reason, f"{n} detection(s) in the perception result")
+        now = self._clock_now()
         with self._lock:
-            self._scene, self._frame_id = objects, msg.header.frame_id
-            self._scene_stamp_ns = stamp_to_ns(msg.header.stamp)
+            why = self._scene_time.take(stamp_to_ns(msg.header.stamp), now)
+            if not why:
+                self._scene, self._frame_id = objects, msg.header.frame_id
+        if why:
+            self.drop("perception_stamp_ahead", why)
 
     def _on_joints(self, msg: JointState) -> None:
         if self.core is None:  # not configured (cleaned up): inputs are not kept
@@ -345,9 +356,10 @@ class PlannerNode(KestrelLifecycleNode):
     def _serve(self, handle) -> PlanTask.Result:
         t_goal = time.monotonic()
         goal = handle.request
+        now = self._clock_now()
         with self._lock:
             image, scene, frame = self._image, list(self._scene), self._frame_id
-            scene_stamp = self._scene_stamp_ns
+            stale = self._scene_time.refusal(now)
 
         def error(reason: str, counter: str = "") -> PlanTask.Result:
             if counter:
@@ -364,7 +376,6 @@ class PlannerNode(KestrelLifecycleNode):
                          "received", "goal_no_image")
         if not goal.instruction.strip():
             return error("instruction is empty")
-        stale = self._stale_scene(scene_stamp)
         if stale:
             return error(stale, "goal_stale_scene")
         last = [0.0]
@@ -409,19 +420,27 @@ class PlannerNode(KestrelLifecycleNode):
                                 t_goal)
         return self._accept(handle, res, scene, frame, t_goal)
 
-    def _stale_scene(self, stamp_ns: int | None) -> str:
-        """Why the latest scene is too old to plan against ('' when it is fresh enough)."""
-        max_age = self.params["max_scene_age"]
-        if max_age <= 0:
-            return ""
-        if stamp_ns is None:
-            return ("no perception result received yet: no scene to plan against "
-                    "(max_scene_age; 0 disables the check)")
-        age = (self.get_clock().now().nanoseconds - stamp_ns) * 1e-9
-        if age > max_age:
-            return (f"the scene is {age:.1f} s old, more than max_scene_age {max_age} s: are "
-                    "perception results arriving, stamped with this node's clock?")
-        return ""
+    def _clock_now(self) -> int:
+        """The node clock, ns. After a backwards jump (core/scene_time.py) nothing received
+        before is used: scene, camera frame and feedback are forgotten and a running plan is
+        aborted (control told to hold); counted as time_jumps_back and logged."""
+        now = self.get_clock().now().nanoseconds
+        with self._lock:
+            if not self._scene_time.observe(now):
+                return now
+            back = self._scene_time.clock.last_jump_s
+            self._image, self._scene, self._frame_id = None, [], ""
+            self._ee, self._joints = None, None
+            ex = self.executor_core
+            events = ex.abort(f"time jumped back {back:.1f} s") if ex is not None else []
+        n = self.counters.inc("time_jumps_back")
+        self.get_logger().warning(
+            f"time jumped back {back:.1f} s (a sim restart, a bag loop?; total {n}): scene, "
+            f"camera frame and feedback from before are forgotten"
+            + (", the running plan aborted" if events else ""))
+        if events:
+            self._publish_events(events, hold=True)
+        return now
 
     def _accept(self, handle, res: PlanResult, scene, frame: str,
                 t_goal: float) -> PlanTask.Result:
@@ -447,11 +466,12 @@ class PlannerNode(KestrelLifecycleNode):
         ex = self.executor_core
         if not self._active or ex is None:
             return
+        now = self._clock_now()  # (a backwards jump aborts the plan first)
         now_m, age = time.monotonic(), self.params["feedback_age"]
         with self._lock:
             ee = self._ee[0] if self._ee and now_m - self._ee[1] <= age else None
             q = self._joints[0] if self._joints and now_m - self._joints[1] <= age else None
-            out = ex.tick(self._now(), ee, q)
+            out = ex.tick(now * 1e-9, ee, q)
             frame = self._plan_frame
         if out.target is not None:
             self._publish_target(out.target, frame)
