@@ -17,9 +17,11 @@ Metrics:
 - 3D position error (m): for every task object matched by a detection (IoU >= 0.5, best
   score), |detection position - object centre| with the LiDAR cloud (LiDAR path) and without
   it (predicted-depth path); median, p90, count.
-The node's position is the box centre ray at the median depth of the LiDAR points (or
-predicted depth) inside the box: a point on the visible surface, so the error includes the
-distance from that surface to the object's centre.
+The node's LiDAR position is the object's centre from its own points above the table (the
+support rule, kestrel_models perception/support.py); its predicted-depth position is the box
+centre ray at the median predicted depth inside the box, a point near the visible surface.
+--bench-out writes the kestrel_bench record of the weights (their training config from the
+weights' .json, these metrics, this command).
 """
 
 from __future__ import annotations
@@ -203,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", default="/tmp", help="'' = no cache")
     ap.add_argument("--update-json", action="store_true",
                     help="write the metrics into the weights' .json (key eval_node_heldout)")
+    ap.add_argument("--bench-out", default="",
+                    help="also write the kestrel_bench record STEM.json + STEM.md of the "
+                         "weights and these metrics ('' = no)")
     args = ap.parse_args(argv)
     if args.frames < 1:
         raise SystemExit(f"parameter 'frames' = {args.frames}: must be >= 1")
@@ -212,11 +217,18 @@ def main(argv: list[str] | None = None) -> int:
                            args.min_box_px, Path(args.cache_dir) if args.cache_dir else None)
     m = evaluate_weights(args.weights, data, threads=args.threads)
     print(json.dumps(m, indent=1), flush=True)
-    if args.update_json:
-        meta_path = Path(args.weights).with_suffix(".json")
+    meta_path = Path(args.weights).with_suffix(".json")
+    if args.update_json or args.bench_out:
         meta = json.loads(meta_path.read_text())
         meta["eval_node_heldout"] = m
+    if args.update_json:
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+    if args.bench_out:
+        from kestrel_bench.record import write
+        rec = tps.bench_record(meta, argv if argv is not None else sys.argv[1:],
+                               script="scripts/perception_sim_eval.py")
+        rec.note(f"the weights' training command: {meta.get('command', 'unknown')}")
+        write(rec, args.bench_out)
     return 0
 
 

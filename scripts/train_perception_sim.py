@@ -233,16 +233,17 @@ def seg_weights(cls: np.ndarray, nc: int) -> torch.Tensor:
     return torch.tensor(w, dtype=torch.float32)
 
 
-def bench_record(meta: dict, argv: list[str]) -> dict:
+def bench_record(meta: dict, argv: list[str],
+                 script: str = "scripts/train_perception_sim.py") -> dict:
     """kestrel_bench/1 record of a training run (its weights' metadata `meta`): one result per
-    class (AP@0.5, mask IoU, position errors), the set's mAP / mIoU, training time."""
+    class (AP@0.5, mask IoU, position errors), the set's mAP / mIoU, training time. `script`
+    and argv: the command that measured it (perception_sim_eval.py re-evaluates weights)."""
     if str(ROOT / "tools") not in sys.path:
         sys.path.insert(0, str(ROOT / "tools"))
     from kestrel_bench.record import Record
 
     node = meta.get("eval_node_heldout", {})
-    rec = Record("perception_training", argv=["python", "scripts/train_perception_sim.py",
-                                              *argv],
+    rec = Record("perception_training", argv=["python", script, *argv],
                  config={k: meta.get(k) for k in ("model_config", "image_size_wh",
                                                   "train_frames", "steps_done", "batch_size",
                                                   "lr", "seed", "init", "episodes",
@@ -263,9 +264,11 @@ def bench_record(meta: dict, argv: list[str]) -> dict:
         "train_wall_s": meta.get("train_wall_s"), "data_wall_s": meta.get("data_wall_s")})
     if meta.get("init", "random") != "random":
         rec.note(f"fine-tuned from {meta['init']}")
-    rec.note("3D position: the box centre's ray at the median depth inside the box (LiDAR "
-             "points projected into it, or the predicted depth map): a point on the visible "
-             "surface, compared with the object's centre")
+    rec.note("3D position, compared with the object's centre (the sim's ground truth): LiDAR "
+             "path = the object's own points (segmentation class at their pixel) above the "
+             "table plane, the centre half way between their top and the plane on the box "
+             "centre's ray (kestrel_models perception/support.py); predicted-depth path = the "
+             "box centre's ray at the median predicted depth inside the box")
     return rec
 
 

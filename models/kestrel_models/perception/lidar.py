@@ -1,4 +1,5 @@
-"""LiDAR <-> camera geometry: batched projection, static-shape bucketing, 3D box positions.
+"""LiDAR <-> camera geometry: batched projection, static-shape bucketing, 3D box positions
+(the box rule here; the support rule for objects on a table in support.py).
 
 Conventions: points are in the base (or world) frame, m. T_cam_from_base [4,4] maps base
 coordinates to the camera optical frame (x right, y down, z forward). K [3,3] is the pinhole
@@ -15,8 +16,16 @@ import torch
 
 from kestrel_models.perception import box_median_triton as _bmt
 from kestrel_models.perception.compiled import compiled
+from kestrel_models.perception.support import (
+    centre_depth,
+    class_lanes,
+    is_support,
+    point_classes,
+    support_heights,
+)
 
 DEFAULT_BUCKETS: tuple[int, ...] = (16384, 32768, 65536, 131072)
+DEFAULT_SUPPORT_TOLERANCE = 0.01  # m, support rule: points up to this above h_s are support
 # static medians on CUDA with triton importable run the Triton kernel (box_median_triton.py,
 # same values as the torch path); False forces the torch path (tests, benchmarks)
 USE_TRITON: bool = True
@@ -126,15 +135,23 @@ def _backproject_to_base(u: torch.Tensor, v: torch.Tensor, z: torch.Tensor, K: t
 
 def box_positions(boxes: torch.Tensor, uv: torch.Tensor, depth: torch.Tensor,
                   valid: torch.Tensor, depth_map: torch.Tensor | None, K: torch.Tensor,
-                  T_cam_from_base: torch.Tensor, min_points: int = 5
+                  T_cam_from_base: torch.Tensor, min_points: int = 5, *,
+                  heights: torch.Tensor | None = None, class_map: torch.Tensor | None = None,
+                  box_class: torch.Tensor | None = None, support_classes: tuple[int, ...] = (),
+                  support_tolerance: float = DEFAULT_SUPPORT_TOLERANCE
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """3D positions of D boxes of one camera.
 
     boxes [D,4] xyxy px; uv [N,2], depth [N], valid [N]: this camera's `project_points`
     output (N may be 0); depth_map [H,W] m predicted depth, or None; K [3,3]; T [4,4].
-    Depth of a box = (lower) median LiDAR depth of the valid projections inside the box when
-    there are >= min_points of them, else the median predicted depth inside the box, else none.
-    The box centre is back-projected at that depth and moved to the base frame.
+    Box rule: depth of a box = (lower) median LiDAR depth of the valid projections inside the
+    box when there are >= min_points of them, else the median predicted depth inside the box,
+    else none. The box centre is back-projected at that depth and moved to the base frame.
+    Support rule (support.py), with heights [N] m (base-frame z of the points), class_map
+    [H,W] (segmentation class per pixel), box_class [D] and support_classes (class indices)
+    all given: where the camera sees a support plane, a box whose class is not a support
+    class gets the object centre from its own points above the plane (>= min_points of
+    them), else the predicted depth, else none; the other boxes keep the box rule.
     Returns positions [D,3] m (NaN where none) and sources [D] int64 (PositionSource).
     """
     dt = torch.float64
@@ -144,6 +161,12 @@ def box_positions(boxes: torch.Tensor, uv: torch.Tensor, depth: torch.Tensor,
     src = torch.full((d,), int(PositionSource.NONE), dtype=torch.long, device=boxes.device)
     if d == 0:
         return torch.zeros((0, 3), dtype=dt, device=boxes.device), src
+    rule = torch.zeros(d, dtype=torch.bool, device=boxes.device)  # boxes under the support rule
+    if heights is not None and class_map is not None and box_class is not None and \
+            support_classes and uv.shape[0] > 0:
+        rule = _support_rule_one_camera(boxes, uv, depth, valid, K, T, min_points, heights,
+                                        class_map, box_class, support_classes,
+                                        support_tolerance, z, src)
     keep = valid.nonzero().flatten()
     if keep.numel() > 0:
         zs, order = depth[keep].float().sort()  # [M] ascending depth, m
@@ -159,7 +182,7 @@ def box_positions(boxes: torch.Tensor, uv: torch.Tensor, depth: torch.Tensor,
             # point where the running count of inside points reaches ceil(count / 2)
             rank = inside.cumsum(dim=1, dtype=torch.int32)  # [d_chunk, M]
             first = (rank >= ((count + 1) // 2)[:, None]).to(torch.uint8).argmax(dim=1)
-            use = count >= max(1, min_points)
+            use = (count >= max(1, min_points)) & ~rule[s:s + chunk]
             z[s:s + chunk] = torch.where(use, zs[first].to(dt), z[s:s + chunk])
             src[s:s + chunk][use] = int(PositionSource.LIDAR)
     if depth_map is not None:
@@ -179,6 +202,44 @@ def box_positions(boxes: torch.Tensor, uv: torch.Tensor, depth: torch.Tensor,
     cv = (boxes[:, 1] + boxes[:, 3]) * 0.5
     pos = _backproject_to_base(cu, cv, z, K, T)  # NaN rows where z is NaN
     return pos, src
+
+
+def _support_rule_one_camera(boxes: torch.Tensor, uv: torch.Tensor, depth: torch.Tensor,
+                             valid: torch.Tensor, K: torch.Tensor, T: torch.Tensor,
+                             min_points: int, heights: torch.Tensor, class_map: torch.Tensor,
+                             box_class: torch.Tensor, support_classes: tuple[int, ...],
+                             tol: float, z: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """`box_positions`' support rule, box by box (the reference of the batched form): fills
+    z [D] / src [D] in place where the object has enough points; returns the [D] bool mask of
+    the boxes under the rule."""
+    d = boxes.shape[0]
+    rule = torch.zeros(d, dtype=torch.bool, device=boxes.device)
+    pc = point_classes(class_map[None], uv[None], valid[None])[0]  # [N]
+    hs, ok = support_heights(heights, pc[None], support_classes, tol, min_points)
+    if not bool(ok[0]):
+        return rule
+    hz = heights.float()
+    above = valid & (hz > hs[0] + tol)
+    u, v = uv[:, 0].float(), uv[:, 1].float()
+    bx = boxes.float()
+    sup = is_support(box_class.long(), support_classes)
+    T_base = torch.linalg.inv(T)
+    for i in range(d):
+        if bool(sup[i]):
+            continue
+        rule[i] = True
+        x1, y1, x2, y2 = bx[i]
+        obj = above & (pc == int(box_class[i])) & (u >= x1) & (u <= x2) & (v >= y1) & (v <= y2)
+        n = int(obj.sum())
+        if n < max(1, min_points):
+            continue
+        k = (n + 1) // 2 - 1  # lower median
+        h_top = hz[obj].sort().values[k]
+        z_surf = depth[obj].float().sort().values[k]
+        z[i] = centre_depth(boxes[i:i + 1][None], h_top.reshape(1, 1), hs, z_surf.reshape(1, 1),
+                            torch.linalg.inv(K)[None], T_base[None])[0, 0]
+        src[i] = int(PositionSource.LIDAR)
+    return rule
 
 
 def box_position(box_xyxy: torch.Tensor, uv: torch.Tensor, depth: torch.Tensor,
@@ -227,16 +288,24 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
                           depth_map: torch.Tensor | None, K_inv: torch.Tensor,
                           T_base_from_cam: torch.Tensor, min_points: int = 5,
                           chunk_elems: int = 1 << 24, static: bool = True,
-                          compile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          compile: bool = False, *, heights: torch.Tensor | None = None,
+                          seg: torch.Tensor | None = None, box_class: torch.Tensor | None = None,
+                          support_classes: tuple[int, ...] = (),
+                          support_tolerance: float = DEFAULT_SUPPORT_TOLERANCE
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """`box_positions` for all C cameras x D detection slots at once, no host sync.
 
     boxes [C,D,4] xyxy px, box_valid [C,D] bool (unused slots get NONE); uv [C,N,2] px,
     depth [C,N] m, valid [C,N] bool (`project_points` output, N may be 0); depth_map [C,H,W] m
     or None; K_inv [C,3,3] (inverse intrinsics), T_base_from_cam [C,4,4] m.
-    Same rule as `box_positions`: lower median LiDAR depth of the valid projections inside the
+    Same rules as `box_positions`: lower median LiDAR depth of the valid projections inside the
     box (inclusive edges) when >= min_points of them, else the lower nan-median of the
     predicted depth over the box's pixel rectangle [floor(x1), ceil(x2)) x [floor(y1), ceil(y2)),
     if finite and > 0; the box centre back-projected at that depth into the base frame.
+    Support rule (support.py) with heights [N] m (base-frame z of the points), seg [C,K,H,W]
+    class logits (or [C,H,W] classes), box_class [C,D] and support_classes all given; its
+    object medians run through the same median paths, each class in a lane of its own
+    (`support.class_lanes`).
     Returns positions [C,D,3] float64 m (NaN where none), sources [C,D] int64 PositionSource.
     static=False (for the CPU, where reading a value is no device sync): the LiDAR medians run
     per camera over its valid projections only and the predicted-depth medians only for the
@@ -250,28 +319,32 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
     dt = torch.float64
     c, d = boxes.shape[:2]
     dev = boxes.device
+    n = uv.shape[1]
     on = compile and static  # the element-wise steps compiled (compiled.py)
     bf = boxes.float()
     triton = static and USE_TRITON and _bmt.available(boxes)
+    rule = None  # [C,D] bool: the slots under the support rule
+    if d > 0 and n > 0 and heights is not None and seg is not None and box_class is not None \
+            and support_classes:
+        pc = point_classes(seg, uv, valid)  # [C,N]
+        hs, plane = support_heights(heights, pc, support_classes, support_tolerance,
+                                    min_points)
+        rule = box_valid & plane[:, None] & ~is_support(box_class.long(), support_classes)
+    box_rule = box_valid if rule is None else box_valid & ~rule
     med = count = None
-    if d > 0 and uv.shape[1] > 0 and triton:  # skips the unused slots (count 0 there)
-        med, count = _bmt.lidar_box_medians(depth, uv, valid, bf, need=box_valid)
-    elif d > 0 and uv.shape[1] > 0 and static:
-        med, count = _lower_median_in_boxes(depth.float(), uv[..., 0].float(), uv[..., 1].float(),
-                                            valid, bf[..., 0:2], bf[..., 2:4], chunk_elems)
-    elif d > 0 and uv.shape[1] > 0:  # per camera over its valid projections only
-        med = torch.zeros((c, d), dtype=torch.float32, device=dev)
-        count = torch.zeros((c, d), dtype=torch.long, device=dev)
-        for cam in range(c):
-            idx = valid[cam].nonzero().flatten()
-            if idx.numel():
-                q = uv[cam, idx].float()
-                ok = torch.ones((1, idx.numel()), dtype=torch.bool, device=dev)
-                mc, cc = _lower_median_in_boxes(depth[cam, idx].float()[None], q[None, :, 0],
-                                                q[None, :, 1], ok, bf[cam:cam + 1, :, 0:2],
-                                                bf[cam:cam + 1, :, 2:4], chunk_elems)
-                med[cam], count[cam] = mc[0], cc[0]
-    z, src = compiled(_lidar_choice, on)(med, count, box_valid, min_points)
+    if d > 0 and n > 0:
+        med, count = _box_medians(depth, uv, valid, bf, box_rule, static, triton, chunk_elems)
+    z, src = compiled(_lidar_choice, on)(med, count, box_rule, min_points)
+    if rule is not None:  # the object's own points above the support (lane per class)
+        hz = heights.float()[None].expand(c, n)
+        above = valid & (hz > hs[:, None] + support_tolerance)
+        uvl, bl = class_lanes(uv, pc, boxes, box_class, seg.shape[-1])
+        h_top, n_obj = _box_medians(hz, uvl, above, bl, rule, static, triton, chunk_elems)
+        z_surf, _ = _box_medians(depth, uvl, above, bl, rule, static, triton, chunk_elems)
+        use = rule & (n_obj >= max(1, min_points))
+        zc = centre_depth(boxes, h_top, hs, z_surf, K_inv, T_base_from_cam)
+        z = torch.where(use, zc, z)
+        src = torch.where(use, int(PositionSource.LIDAR), src)
     if d > 0 and depth_map is not None:
         h, w = depth_map.shape[-2:]
         if triton:  # only each needed box's own pixel rectangle is read
@@ -307,6 +380,34 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
                     count[cam, k] = 1
         z, src = compiled(_depth_choice, on)(z, src, med, count, box_valid)
     return compiled(_backproject, on)(boxes, z, K_inv, T_base_from_cam), src
+
+
+def _box_medians(values: torch.Tensor, uv: torch.Tensor, ok: torch.Tensor, boxes: torch.Tensor,
+                 need: torch.Tensor, static: bool, triton: bool, chunk_elems: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower median of values [C,N] over the ok [C,N] points with uv [C,N,2] inside each box
+    [C,D,4] (inclusive) -> (median [C,D] float32, count [C,D] int64), by the path that
+    `box_positions_batched` documents. need [C,D]: the slots that read the result (the Triton
+    kernel skips the others, the CPU path the cameras without one; their count is then 0)."""
+    c, d = boxes.shape[:2]
+    bf = boxes.float()
+    if triton:
+        return _bmt.lidar_box_medians(values, uv, ok, bf, need=need)
+    if static:
+        return _lower_median_in_boxes(values.float(), uv[..., 0].float(), uv[..., 1].float(),
+                                      ok, bf[..., 0:2], bf[..., 2:4], chunk_elems)
+    med = torch.zeros((c, d), dtype=torch.float32, device=boxes.device)
+    count = torch.zeros((c, d), dtype=torch.long, device=boxes.device)
+    for cam in range(c):  # per camera over its ok points only
+        idx = ok[cam].nonzero().flatten()
+        if idx.numel() and bool(need[cam].any()):
+            q = uv[cam, idx].float()
+            one = torch.ones((1, idx.numel()), dtype=torch.bool, device=boxes.device)
+            mc, cc = _lower_median_in_boxes(values[cam, idx].float()[None], q[None, :, 0],
+                                            q[None, :, 1], one, bf[cam:cam + 1, :, 0:2],
+                                            bf[cam:cam + 1, :, 2:4], chunk_elems)
+            med[cam], count[cam] = mc[0], cc[0]
+    return med, count
 
 
 def _lidar_choice(med: torch.Tensor | None, count: torch.Tensor | None,

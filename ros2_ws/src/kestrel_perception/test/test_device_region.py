@@ -14,7 +14,15 @@ from kestrel_perception.core import PerceptionCore
 from kestrel_perception.core.device_region import DeviceRegion, encode_depth
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_perception_core import CAMERAS, H, W, core_config, frames, wall_points  # noqa: E402
+from test_perception_core import (  # noqa: E402
+    CAMERAS,
+    H,
+    W,
+    core_config,
+    frames,
+    table_points,
+    wall_points,
+)
 
 torch.set_num_threads(1)
 _CORES: dict[tuple, PerceptionCore] = {}
@@ -49,24 +57,39 @@ def reference(core: PerceptionCore, f) -> list[tuple]:
                 uv, z, ok = uv[0], z[0], ok[0]
             else:
                 uv, z, ok = torch.zeros(0, 2), torch.zeros(0), torch.zeros(0, dtype=torch.bool)
+            rule = {} if pts is None or "seg" not in raw else dict(  # the support rule
+                heights=pts[:, 2], class_map=raw["seg"][cam].argmax(0), box_class=d.classes,
+                support_classes=core._support_classes,
+                support_tolerance=core.config.support_tolerance)
             pos, src = box_positions(d.boxes, uv, z, ok, raw["depth"][cam, 0], K, T,
-                                     core.config.min_lidar_points)
+                                     core.config.min_lidar_points, **rule)
             for k in range(d.boxes.shape[0]):
                 out.append((cam, int(d.classes[k]), float(d.scores[k]), d.boxes[k].numpy(),
                             pos[k].numpy(), int(src[k])))
     return out
 
 
+def run_with_support(core: PerceptionCore, f, support: tuple[int, ...]) -> tuple:
+    """(region output, reference) with the support rule on these class indices."""
+    kept, core._support_classes = core._support_classes, support
+    try:
+        return core.process(f), reference(core, f)
+    finally:
+        core._support_classes = kept
+
+
 @pytest.mark.parametrize("static", [True, False])
-@pytest.mark.parametrize("cloud", ["wall", "none", "sparse"])
+@pytest.mark.parametrize("cloud", ["wall", "none", "sparse", "table", "table_on_background"])
 def test_region_equals_previous_per_camera_path(static: bool, cloud: str) -> None:
     core = cached_core()
     core.region.static = static
-    pts = {"wall": wall_points(3.0), "none": None,
-           "sparse": wall_points(2.0, step=0.2)}[cloud]  # few points: some boxes fall back
-    f = frames(points=pts)
-    out = core.process(f)
-    ref = reference(core, f)
+    pts = {"wall": wall_points(3.0), "none": None, "sparse": wall_points(2.0, step=0.2),
+           "table": table_points(), "table_on_background": table_points()}[cloud]
+    f = frames(points=pts)  # sparse: 0.2 m grid, small boxes have < min_lidar_points inside
+    # table_on_background: the support rule on the class the random model labels most
+    # pixels with (background), so that detections of its other classes find object points
+    support = (0,) if cloud == "table_on_background" else core._support_classes
+    out, ref = run_with_support(core, f, support)
     assert len(out.detections) == len(ref) == 2 * 12
     for det, (cam, cls, score, box, pos, src) in zip(out.detections, ref, strict=True):
         assert (det.camera_index, det.class_index) == (cam, cls)
@@ -82,8 +105,18 @@ def test_region_equals_previous_per_camera_path(static: bool, cloud: str) -> Non
         assert sources == {int(PositionSource.LIDAR)}
     if cloud == "none":
         assert sources == {int(PositionSource.PREDICTED_DEPTH)}
-    if cloud == "sparse":  # 0.2 m grid: small boxes have < min_lidar_points inside
+    if cloud == "sparse":
         assert sources == {int(PositionSource.LIDAR), int(PositionSource.PREDICTED_DEPTH)}
+    if cloud.startswith("table"):  # a support plane is seen: the rule decides positions
+        box_rule, _ = run_with_support(core, f, ())
+        changed = [(int(a.position_source), int(b.position_source)) for a, b in
+                   zip(out.detections, box_rule.detections, strict=True)
+                   if a.position_source != b.position_source
+                   or not np.allclose(a.position, b.position)]
+        assert len(changed) >= 2
+        if cloud == "table_on_background":  # object centres from the LiDAR
+            lidar = int(PositionSource.LIDAR)
+            assert changed.count((lidar, lidar)) >= 2
 
 
 @pytest.mark.slow

@@ -137,7 +137,7 @@ def test_contract_errors_fail_at_construction(model_file) -> None:
                                          "found"):
         PerceptionCore(config(model_file, model_outputs=("seg:logits",)))
     with pytest.raises(ValueError, match=r"parameter 'model.outputs'.*seg has shape"):
-        PerceptionCore(config(model_file, class_names=NAMES[:3],
+        PerceptionCore(config(model_file, class_names=NAMES[:3], support_classes=(),
                               model=PerceptionConfig.tiny(num_classes=3),
                               model_outputs=("seg:output3",)))
     with pytest.raises(ValueError, match="parameter 'runtime.compile' = 'whole'.*runs as "

@@ -68,6 +68,20 @@ def wall_points(depth: float, cam_x: float = 0.0, step: float = 0.02) -> np.ndar
     return np.stack([x, ys.ravel(), zs.ravel()], axis=1).astype(np.float32)
 
 
+def table_points(step: float = 0.04) -> np.ndarray:
+    """A horizontal plane 0.4 m below the test cameras (base z = 0.6) in front of them, and
+    0.3 m blocks standing on it (points on their tops and on the faces the cameras see)."""
+    xs, ys = np.meshgrid(np.arange(1.0, 6.0, step), np.arange(-3.0, 3.0, step))
+    parts = [np.stack([xs.ravel(), ys.ravel(), np.full(xs.size, 0.6)], axis=1)]
+    a, b = np.meshgrid(np.arange(0.0, 0.3, step / 2), np.arange(0.0, 0.3, step / 2))
+    a, b = a.ravel(), b.ravel()
+    for x0 in (1.8, 2.6, 3.4):
+        for y0 in (-1.0, -0.4, 0.2, 0.8):
+            parts.append(np.stack([x0 + a, y0 + b, np.full(a.size, 0.9)], axis=1))  # top
+            parts.append(np.stack([np.full(a.size, x0), y0 + a, 0.6 + b], axis=1))  # front
+    return np.concatenate(parts).astype(np.float32)
+
+
 # ---- happy path -----------------------------------------------------------------------------
 def test_happy_path_shapes_values_and_stamp(core: PerceptionCore) -> None:
     out = core.process(frames(stamp=42_000_000_123))
@@ -212,6 +226,10 @@ def test_config_errors_name_parameter() -> None:
         core_config(class_names=("background", "cube"))
     with pytest.raises(ValueError, match="'runtime.device' = 'tpu'"):
         core_config(device="tpu")
+    with pytest.raises(ValueError, match=r"'lidar.support_classes' = \['shelf'\]"):
+        core_config(support_classes=("shelf",))
+    with pytest.raises(ValueError, match="'lidar.support_tolerance' = 2.0"):
+        core_config(support_tolerance=2.0)
     with pytest.raises(ValueError, match="'model.weights_path' = '/nonexistent.pt'"):
         core_config(weights_path="/nonexistent.pt")
 
@@ -414,7 +432,8 @@ def test_param_cross_checks_and_core_config() -> None:
                       ({"enable_detection": False, "enable_segmentation": False,
                         "enable_depth": False}, "enable_detection"),
                       ({"receive.cpus": [0, os.cpu_count()]},
-                       "receive.cpus")):
+                       "receive.cpus"),
+                      ({"lidar.support_classes": ["table", "shelf"]}, "lidar.support_classes")):
         with pytest.raises(ParamError, match=f"parameter '{name}'"):
             validate_perception_params({**values, **bad})
     with pytest.raises(ParamError, match="parameter 'model.backbone_depth' = 101"):
@@ -425,6 +444,13 @@ def test_param_cross_checks_and_core_config() -> None:
     for bad in ([], [4096, 1024], [1024, 1024], [0, 8]):
         with pytest.raises(ParamError, match="parameter 'lidar.point_buckets'"):
             validate_params(SPECS, {"lidar.point_buckets": bad})
+    # the support rule: on the table by default, off with []
+    assert (cfg.support_classes, cfg.support_tolerance) == (("table",), 0.01)
+    off = core_config(validate_params(SPECS, {"lidar": {"support_classes": [],
+                                                        "support_tolerance": 0.03}}))
+    assert (off.support_classes, off.support_tolerance) == ((), 0.03)
+    with pytest.raises(ParamError, match="parameter 'lidar.support_tolerance'"):
+        validate_params(SPECS, {"lidar.support_tolerance": -0.01})
 
 
 def test_pose_to_matrix() -> None:

@@ -15,7 +15,7 @@ from kestrel_perception.core.device_region import DeviceRegion
 from kestrel_perception.core.region_graph import EmulatedCapture, RegionGraphs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_perception_core import H, W, core_config, frames, wall_points  # noqa: E402
+from test_perception_core import H, W, core_config, frames, table_points, wall_points  # noqa: E402,E501
 
 torch.set_num_threads(1)
 
@@ -73,6 +73,26 @@ def test_replay_equals_eager_frame_after_frame(core: PerceptionCore) -> None:
     # the inputs really changed between frames (a replay on stale inputs would repeat frame 0)
     assert not np.array_equal(outs[0]["pos"], outs[1]["pos"])
     assert not np.array_equal(outs[0]["boxes"], outs[2]["boxes"])
+
+
+@pytest.mark.slow
+def test_replay_equals_eager_with_the_support_rule(core: PerceptionCore) -> None:
+    """The support rule's steps (point classes from the seg logits, support height, object
+    medians in class lanes, centre depth) inside the captured fusion graph: replay == eager,
+    frame after frame, and its positions differ from the box median's."""
+    graphs = RegionGraphs(EmulatedCapture())
+    graphed = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True, graphs=graphs)
+    eager = DeviceRegion(torch.device("cpu"), "16UC1", 2, 8, static=True)
+    # support: background, the class the random model labels most pixels with
+    det = {**det_settings(core), "support_classes": (0,), "support_tolerance": 0.01}
+    for seed in (21, 22):
+        raw, pts, cams = region_inputs(core, seed, table_points())
+        a = fields(graphed.run(raw, (H, W), det, pts, cams))
+        assert_same(a, fields(eager.run(raw, (H, W), det, pts, cams)))
+        box = fields(eager.run(raw, (H, W), det_settings(core), pts, cams))
+        lidar = (a["src"] == 1) & (box["src"] == 1)
+        assert (lidar & ~np.isclose(a["pos"], box["pos"]).all(axis=-1)).any()
+    assert len(graphs.entries) == 1 and graphs.replays == 2 and not graphs.failed
 
 
 @pytest.mark.slow
@@ -239,7 +259,8 @@ def test_cuda_graphed_core_equals_the_launched_region() -> None:
     assert g is not None and not g.failed, g.failed
     assert len(g.entries) == 3 * 7  # (no cloud + 2 buckets) x head subsets, at warm-up
     n0 = len(g.entries)
-    for seed, pts in ((31, wall_points(3.0, step=0.05)), (32, None), (33, wall_points(2.0))):
+    for seed, pts in ((31, wall_points(3.0, step=0.05)), (32, None), (33, wall_points(2.0)),
+                      (34, table_points())):  # table: the support rule in the graph
         a = graphed.process(frames(stamp=seed, points=pts))
         b = plain.process(frames(stamp=seed, points=pts))
         assert len(a.detections) == len(b.detections) > 0

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from kestrel_models.perception.compiled import compiled
-from kestrel_models.perception.lidar import box_positions_batched, project_points
+from kestrel_models.perception.lidar import (DEFAULT_SUPPORT_TOLERANCE, box_positions_batched,
+                                              project_points)
 from kestrel_models.perception.postprocess import (decode_detections_batched,
                                                    detections_from_decoded)
 
@@ -324,8 +325,10 @@ class DeviceRegion:
     def _fusion(self, dets, raw: dict, image_hw: tuple[int, int], det: dict,
                 points: torch.Tensor | None, cams: dict[str, torch.Tensor],
                 v: dict[str, torch.Tensor]) -> None:
-        """LiDAR projection + per-detection positions (LiDAR median, else predicted depth)
-        and the count of non-finite cloud rows, written into the staging views `v`."""
+        """LiDAR projection + per-detection positions (LiDAR: the support rule where the
+        segmentation ran and det["support_classes"] names classes, else the box median; else
+        predicted depth) and the count of non-finite cloud rows, written into the staging
+        views `v`."""
         m = self.layout.max_det
         if dets is not None:
             c = dets.boxes.shape[0]
@@ -336,13 +339,18 @@ class DeviceRegion:
                 uv = torch.zeros((c, 0, 2), device=self.device)
                 z, ok = uv[..., 0], uv[..., 0].bool()
             depth_full = raw["depth"][:, 0].float() if "depth" in raw else None
-            boxes, bvalid = dets.boxes, dets.valid
+            boxes, bvalid, bclass = dets.boxes, dets.valid, dets.classes
             if not self.static:  # valid slots come first: drop the unused tail
-                boxes, bvalid = boxes[:, :n_used(bvalid)], bvalid[:, :n_used(bvalid)]
+                k = n_used(bvalid)
+                boxes, bvalid, bclass = boxes[:, :k], bvalid[:, :k], bclass[:, :k]
+            # support rule (kestrel_models perception/support.py): needs the segmentation
+            support = det.get("support_classes", ()) if "seg" in raw else ()
             pos, src = box_positions_batched(
                 boxes, bvalid, uv, z, ok, depth_full, cams["K_inv"],
                 cams["T_base_from_cam"], det["min_points"], self.chunk, self.static,
-                self.compile)
+                self.compile, heights=points[:, 2] if points is not None else None,
+                seg=raw.get("seg"), box_class=bclass, support_classes=support,
+                support_tolerance=det.get("support_tolerance", DEFAULT_SUPPORT_TOLERANCE))
             d = pos.shape[1]
             v["pos"][:, :d].copy_(pos)
             v["src"][:, :d].copy_(src)

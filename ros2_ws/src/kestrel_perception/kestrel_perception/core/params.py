@@ -120,6 +120,18 @@ SPECS: tuple[ParamSpec, ...] = (
               else "must be 1-8 distinct sizes in ascending order"),
     ParamSpec("lidar.min_points", 5, "LiDAR points needed in a box for a LiDAR position."
               + _CONF, min=1, max=100_000),
+    ParamSpec("lidar.support_classes", ["table"], "Classes whose surfaces objects stand on. "
+              "Where a camera sees one as a horizontal plane (base frame z up), a detection "
+              "of another class gets its LiDAR position from its own points (segmentation "
+              "class at their pixel = its class) above that plane: the object's centre, half "
+              "way between its top and the plane, on the ray through the box centre "
+              "(kestrel_models perception/support.py); with fewer than lidar.min_points such "
+              "points, the predicted depth. Other detections, and all without segmentation, "
+              "take the median depth of the points in the box. [] = the box median for "
+              "all." + _CONF, element_type=str),
+    ParamSpec("lidar.support_tolerance", 0.01, "Points up to this far above the support "
+              "plane belong to it (about 3x the LiDAR's range noise), m." + _CONF, min=0.0,
+              max=1.0),
     # ---- sync: which images, camera_infos and cloud form one set --------------------------
     ParamSpec("sync.slop", 0.02, "Max stamp difference between the images, camera_infos and "
               "cloud of one set, s." + _CONF, min=0.0, max=1.0),
@@ -222,6 +234,10 @@ def validate_perception_params(values: dict[str, Any]) -> None:
             or values["enable_depth"]):
         raise ParamError("enable_detection", values["enable_detection"],
                          "enable_detection/segmentation/depth are all false")
+    unknown = [c for c in values["lidar.support_classes"] if c not in names]
+    if unknown:
+        raise ParamError("lidar.support_classes", values["lidar.support_classes"],
+                         f"{unknown} not in model.class_names ([] = the box median)")
     if not values["sync.jump_back"] > values["sync.slop"]:
         raise ParamError("sync.jump_back", values["sync.jump_back"],
                          f"must be > sync.slop ({values['sync.slop']})")
@@ -279,6 +295,8 @@ def core_config(values: dict[str, Any]) -> PerceptionCoreConfig:
         model_input_name=values["model.input_name"],
         model_input_format=values["model.input_format"],
         max_points=values["lidar.max_points"], min_lidar_points=values["lidar.min_points"],
+        support_classes=tuple(values["lidar.support_classes"]),
+        support_tolerance=values["lidar.support_tolerance"],
         point_buckets=tuple(values["lidar.point_buckets"]),
         warmup_image_hw=(h, w), warmup_cameras=values["num_cameras"],
         num_threads=values["runtime.torch_threads"], engine=values["runtime.engine"],

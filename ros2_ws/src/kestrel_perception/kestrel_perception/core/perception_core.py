@@ -14,6 +14,7 @@ from kestrel_models.perception.external import (ExternalPerceptionModel, OutputC
                                                 parse_outputs, resolve_format)
 from kestrel_models.perception.options import RuntimeOptions, resolve_options
 from kestrel_models.perception.runtime import VARIANTS, PerceptionRuntime, VariantSpec
+from kestrel_models.perception.lidar import DEFAULT_SUPPORT_TOLERANCE
 from kestrel_models.perception.model import load_weights
 from kestrel_models.perception import (
     DEFAULT_BUCKETS,
@@ -101,6 +102,12 @@ class PerceptionCoreConfig:
     max_points: int = 500_000  # larger clouds are rejected (InputError too_many_points)
     point_buckets: tuple[int, ...] = DEFAULT_BUCKETS  # static cloud sizes (NaN padded)
     min_lidar_points: int = 5  # LiDAR points needed inside a box for a LiDAR position
+    # LiDAR positions of objects standing on these classes' surfaces: the object's own points
+    # above the support plane, its centre (kestrel_models perception/support.py); () = the
+    # median depth of all points in the box. support_tolerance: m above the plane still
+    # counted as the support (about 3x the LiDAR's range noise)
+    support_classes: tuple[str, ...] = ("table",)
+    support_tolerance: float = DEFAULT_SUPPORT_TOLERANCE
     channels_last: bool = True
     warmup_image_hw: tuple[int, int] | None = (256, 320)  # (H, W) px of the warm-up run
     warmup_cameras: int = 1
@@ -169,6 +176,14 @@ class PerceptionCoreConfig:
             raise _fail("lidar.point_buckets", self.point_buckets, "must be positive sizes")
         if self.min_lidar_points < 1:
             raise _fail("lidar.min_points", self.min_lidar_points, "must be >= 1")
+        object.__setattr__(self, "support_classes", tuple(self.support_classes))
+        unknown = [c for c in self.support_classes if c not in self.class_names]
+        if unknown:
+            raise _fail("lidar.support_classes", list(self.support_classes),
+                        f"{unknown} not in model.class_names (set [] for the box median)")
+        if not 0.0 <= self.support_tolerance <= 1.0:
+            raise _fail("lidar.support_tolerance", self.support_tolerance,
+                        "must be in [0, 1] m")
         if self.warmup_image_hw is not None and min(self.warmup_image_hw) < 1:
             raise _fail("warmup_size", self.warmup_image_hw, "must be positive")
         if not 1 <= self.warmup_cameras <= 16:
@@ -205,6 +220,8 @@ class PerceptionCore:
 
     def __init__(self, config: PerceptionCoreConfig) -> None:
         self.config = config
+        self._support_classes = tuple(config.class_names.index(c)
+                                      for c in config.support_classes)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise _fail("runtime.device", config.device,
                         "CUDA is not available on this machine")
@@ -351,6 +368,8 @@ class PerceptionCore:
         det = {"score_thr": m.score_threshold, "iou_thr": m.nms_iou,
                "max_det": m.max_detections, "pre_nms_top_k": m.pre_nms_top_k,
                "class_offset": m.det_class_offset, "min_points": cfg.min_lidar_points,
+               "support_classes": self._support_classes,
+               "support_tolerance": cfg.support_tolerance,
                "num_classes": len(cfg.class_names)}
         res = self.region.run(raw, hw, det, points, cams, clock, persistent=persistent)
         if not res.nms_converged:  # exact slow path (rare, counted): NMS to its fixed point
