@@ -109,9 +109,11 @@ def build(family: str, sharpen: float = 20.0, seed: int = 0, **text: Any) -> Any
     torch.manual_seed(seed)
     m = AutoModelForImageTextToText.from_config(config(family, **text)).eval()
     with torch.no_grad():  # sharper random weights: greedy text varies token to token
-        for p in m.parameters():
+        for name, p in m.named_parameters():
             if p.ndim >= 2:
                 p.mul_(sharpen)
+            elif name.endswith("bias") and not p.any():  # transformers starts biases at 0
+                p.normal_(0.0, 0.5)
     return m
 
 
