@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                         "(messages in -> result out)"),
     "transport": ("transport", "ROS 2 transport: camera sets, results, commands, DDS sizes"),
     "planner": ("planner", "planner decoding: our engine vs HF transformers, tok/s, TTFT"),
+    "planner-hf": ("planner_hf", "HF VLM checkpoints (random weights, published shapes) on our "
+                   "engine vs transformers: tok/s, TTFT, 16 streams, weight-bandwidth floor"),
     "kernels": ("kernels", "GPU kernel micro-benchmarks: box medians, NMS rounds, decode "
                 "kernels"),
     "profile": ("profile", "classify each stage of a step as compute-, memory-, launch- or "

@@ -135,9 +135,11 @@ class PackedDecoder:
                           for i, n in enumerate(self.mrope_section)]).to(self.device)
 
     def weight_bytes(self) -> int:
-        """Bytes of the decoder weights a decode step reads (embedding counted once if tied)."""
+        """Bytes of weights one decode step reads whatever the batch: every layer, the final
+        norm and lm_head (the embedding matrix is lm_head when tied; otherwise a step reads
+        only its B rows, not counted)."""
         seen: dict[int, int] = {}
-        for t in [self.embed, self.norm, self.lm_head,
+        for t in [self.norm, self.lm_head,
                   *(v for ly in self.layers for v in ly.values() if v is not None)]:
             seen[id(t)] = t.numel() * t.element_size()
         return sum(seen.values())

@@ -8,7 +8,8 @@ Families (one module each):
     llava.py      LLaVA-1.5, LLaVA-NeXT          model_type llava, llava_next
     idefics3.py   Idefics3, SmolVLM               model_type idefics3, smolvlm
     qwen2_vl.py   Qwen2-VL, Qwen2.5-VL            model_type qwen2_vl, qwen2_5_vl
-`load(path, device, dtype)` -> an HFDecoder; it raises `Unsupported` (a ValueError saying why:
+`load(path, device, dtype)` -> an HFDecoder (`from_model` for a model already in memory); it
+raises `Unsupported` (a ValueError saying why:
 another architecture, with the supported families listed, or a decoder feature the engine
 lacks) and `HFLoadError` (a checkpoint that does not load: the parameter and the cause).
 runner.py puts a decoder behind the generation interface of hf.py (`open_hf` picks the engine
@@ -24,10 +25,10 @@ import torch
 
 from kestrel_models.planner.hf_engine.common import (HFDecoder, HFLoadError, Unsupported,
                                                      load_hf_model, pack_text_model,
-                                                     read_config, text_problem, where)
+                                                     read_config, text_problem)
 
-__all__ = ["FAMILIES", "HFDecoder", "HFLoadError", "Unsupported", "load", "supported_text",
-           "check_config"]
+__all__ = ["FAMILIES", "HFDecoder", "HFLoadError", "Unsupported", "load", "from_model",
+           "supported_text", "check_config"]
 
 # model_type -> (family module, family name shown to users)
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -73,9 +74,21 @@ def load(path: str | Path, device: str | torch.device = "cpu",
     """The checkpoint at `path` on `device` as an engine decoder (module doc). tokenizer: the
     directory's tokenizer when the caller has it (Idefics3 / SmolVLM read their image tokens
     from it; loaded from the directory otherwise)."""
-    cfg = check_config(path)
-    module, _ = FAMILIES[cfg["model_type"]]
-    hf = load_hf_model(path, dtype)
+    check_config(path)
+    return from_model(load_hf_model(path, dtype), path, device, tokenizer)
+
+
+def from_model(hf: Any, path: str | Path | None = None, device: str | torch.device = "cpu",
+               tokenizer: Any = None, consume: bool = True) -> HFDecoder:
+    """A transformers model already in memory (e.g. random weights built for a benchmark) as
+    an engine decoder; its decoder layers are consumed (consume=False: kept, a second copy,
+    so that transformers can still run the model: benchmarks). path: its directory, if any
+    (preprocessor_config.json, the tokenizer)."""
+    mt = getattr(hf.config, "model_type", None)
+    if mt not in FAMILIES:
+        raise Unsupported(f"architecture {type(hf).__name__} (model_type {mt!r}) is not one "
+                          f"the engine runs; supported families: {supported_text()}")
+    module, _ = FAMILIES[mt]
     try:
         tcfg = hf.config.get_text_config()
         why = text_problem(tcfg)
@@ -83,7 +96,7 @@ def load(path: str | Path, device: str | torch.device = "cpu",
             raise Unsupported(why)
         hf = hf.to(device)
         text, lm_head = _text_parts(hf)
-        packed = pack_text_model(text, lm_head, tcfg)
+        packed = pack_text_model(text, lm_head, tcfg, consume)
         if module == "llava":
             from kestrel_models.planner.hf_engine.llava import LlavaDecoder
             return LlavaDecoder(hf, path, packed)
@@ -95,5 +108,5 @@ def load(path: str | Path, device: str | torch.device = "cpu",
     except (Unsupported, HFLoadError):
         raise
     except Exception as exc:  # noqa: BLE001 - a checkpoint variant the mapping does not know
-        raise Unsupported(f"{where(path)}: mapping {type(hf).__name__} into the engine failed: "
+        raise Unsupported(f"mapping {type(hf).__name__} into the engine failed: "
                           f"{type(exc).__name__}: {exc}") from exc

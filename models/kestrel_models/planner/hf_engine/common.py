@@ -119,11 +119,13 @@ def _windows(tcfg: Any, n: int) -> tuple[int, ...]:
     return tuple(int(sw) if t == "sliding_attention" else 0 for t in types)
 
 
-def pack_text_model(text_model: nn.Module, lm_head: nn.Module, tcfg: Any) -> dict:
+def pack_text_model(text_model: nn.Module, lm_head: nn.Module, tcfg: Any,
+                    consume: bool = True) -> dict:
     """The HF text model's weights -> PackedDecoder keyword arguments. Layer by layer: the
     packed q|k|v and gate|up are new tensors and the layer's module is dropped right after
     (the originals are released; o_proj, down_proj, the norms, the embedding and lm_head are
-    used as they are, no copy). Afterwards text_model.layers is empty."""
+    used as they are, no copy). Afterwards text_model.layers is empty. consume=False keeps
+    the layers (a second copy of q/k/v and gate/up: for comparisons with transformers)."""
     n_heads, n_kv = int(tcfg.num_attention_heads), int(tcfg.num_key_value_heads)
     hd = int(getattr(tcfg, "head_dim", None) or tcfg.hidden_size // n_heads)
     layers = []
@@ -145,8 +147,10 @@ def pack_text_model(text_model: nn.Module, lm_head: nn.Module, tcfg: Any) -> dic
                                  ly.input_layernorm.weight.detach(),
                                  ly.post_attention_layernorm.weight.detach(), n_heads, n_kv, hd,
                                  bq=b(a.q_proj), bk=b(a.k_proj), bv=b(a.v_proj)))
-        mods[i] = nn.Identity()  # the layer's q, k, v, gate, up go now: one copy at a time
-    text_model.layers = nn.ModuleList()
+        if consume:
+            mods[i] = nn.Identity()  # the layer's q, k, v, gate, up go now: one at a time
+    if consume:
+        text_model.layers = nn.ModuleList()
     emb = text_model.embed_tokens.weight
     tied = lm_head.weight is emb or lm_head.weight.data_ptr() == emb.data_ptr()
     embed = emb.detach()
@@ -191,12 +195,12 @@ class HFDecoder(PackedDecoder):
     graphable_prefill = False  # vision towers run eagerly, once per request, in prefill
     family = ""
 
-    def __init__(self, hf: nn.Module, path: str | Path, packed: dict) -> None:
+    def __init__(self, hf: nn.Module, path: str | Path | None, packed: dict) -> None:
         super().__init__(**packed)
-        self.hf, self.path = hf, str(path)
+        self.hf, self.path = hf, str(path or "")
         self.architecture = type(hf).__name__
         self.image_prompt_ids: list[int] = []
-        pc = preprocessor(path)
+        pc = preprocessor(path) if path else {}
         mean, std = pc.get("image_mean", self.default_mean), pc.get("image_std", self.default_std)
         dev = self.device
         self.mean = torch.tensor(mean, dtype=torch.float32, device=dev).view(3)

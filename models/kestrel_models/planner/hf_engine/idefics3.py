@@ -41,7 +41,8 @@ class Idefics3Decoder(HFDecoder):
     default_mean = (0.5, 0.5, 0.5)
     default_std = (0.5, 0.5, 0.5)
 
-    def __init__(self, hf: Any, path: str | Path, packed: dict, tokenizer: Any = None) -> None:
+    def __init__(self, hf: Any, path: str | Path | None, packed: dict,
+                 tokenizer: Any = None) -> None:
         super().__init__(hf, path, packed)
         cfg = hf.config
         vc = cfg.vision_config
@@ -50,7 +51,7 @@ class Idefics3Decoder(HFDecoder):
         scale = int(getattr(cfg, "scale_factor", 1) or 1)
         self.n_feat = (self.size // int(vc.patch_size)) ** 2 // (scale * scale)
         self.image_marker = int(cfg.image_token_id)
-        if tokenizer is None:
+        if tokenizer is None and path:
             from transformers import AutoTokenizer
             try:
                 tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

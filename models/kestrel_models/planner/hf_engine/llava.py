@@ -46,7 +46,7 @@ def best_resolution(size: tuple[int, int], pinpoints: list) -> tuple[int, int]:
 class LlavaDecoder(HFDecoder):
     family = "llava"
 
-    def __init__(self, hf: Any, path: str | Path, packed: dict) -> None:
+    def __init__(self, hf: Any, path: str | Path | None, packed: dict) -> None:
         super().__init__(hf, path, packed)
         cfg = hf.config
         vc = cfg.vision_config

@@ -48,7 +48,7 @@ def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int
 
 
 class Qwen2VLDecoder(HFDecoder):
-    def __init__(self, hf: Any, path: str | Path, packed: dict) -> None:
+    def __init__(self, hf: Any, path: str | Path | None, packed: dict) -> None:
         super().__init__(hf, path, packed)
         cfg = hf.config
         vc = cfg.vision_config

@@ -1,0 +1,35 @@
+"""`kestrel_bench planner-hf --quick`: HF VLM checkpoints (tiny shapes of Qwen2.5-VL and
+SmolVLM, random weights) on our engine vs transformers on the CPU; the same code path the GPU
+run takes with the published shapes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from benchmark_run import row, run_bench
+
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+
+@pytest.mark.slow
+def test_planner_hf_quick(tmp_path: Path) -> None:
+    rec = run_bench(tmp_path / "planner_hf_cpu", "planner-hf", "--quick", timeout=600)
+    assert rec["config"]["copy_bandwidth_gb_s"] > 0 and rec["config"]["concurrent"] == 4
+    for shape in ("qwen2.5-vl-tiny", "smolvlm-tiny"):
+        for kind in ("hf", "hf_c4", "engine", "engine_c4"):
+            r = row(rec, f"{shape}_{kind}")
+            assert "error" not in r, r
+            assert r["throughput"]["unit"] == "tok/s" and r["throughput"]["value"] > 0
+            m = r["metrics"]
+            assert m["ttft_ms"] > 0 and m["ttft_p99_ms"] >= m["ttft_ms"] * 0.99
+            assert m["floor_ms"] > 0 and 0 < m["floor_fraction"]
+        for kind in ("hf_c4", "engine_c4"):
+            assert row(rec, f"{shape}_{kind}")["metrics"]["agg_tok_s"] > 0
+        assert row(rec, f"{shape}_hf")["config"]["cache"] in ("static", "dynamic")
+        assert row(rec, f"{shape}_engine")["metrics"]["image_tokens"] > 1
+        tag = shape.replace(".", "_").replace("-", "_")
+        assert {f"engine_vs_hf_tok_s_{tag}", f"engine_vs_hf_ttft_{tag}",
+                f"engine_vs_hf_tok_s_{tag}_c4"} <= set(rec["ratios"])
+    assert row(rec, "qwen2.5-vl-tiny_hf")["role"] == "baseline"
+    assert row(rec, "qwen2.5-vl-tiny_engine")["role"] == "optimized"
