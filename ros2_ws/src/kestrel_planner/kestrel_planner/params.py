@@ -128,10 +128,10 @@ SPECS = [
     ParamSpec("step_timeout", 10.0, "A step not done after this FAILS, s.", check=_positive),
     ParamSpec("position_tolerance", 0.01, "Waypoint reached within, m.", check=_positive),
     ParamSpec("gripper_time", 0.5, "Wait after a gripper command, s.", min=0.0, max=30.0),
-    ParamSpec("transit_clearance", 0.15, "After a pick, lift the object this far above its "
-              "grasp position; a place first goes this far above its target, then down to "
-              "its height (clears the bin's walls with the object in hand); 0 = off, m.",
-              min=0.0, max=1.0),
+    ParamSpec("transit_clearance", 0.15, "A pick or a place first goes this far above its "
+              "target, then down to its height; a pick lifts the object this far once "
+              "closed, a place goes back up this far once open: moves between targets clear "
+              "the bin's walls and the objects; 0 = off, m.", min=0.0, max=1.0),
     ParamSpec("home_joint_positions", [], "HOME target, rad (control joint order).",
               element_type=float),
     ParamSpec("execution_rate", 20.0, "Executor tick / target rate, Hz.", min=1.0, max=200.0),

@@ -130,7 +130,7 @@ def test_home_reached_with_gripper_joints_after_the_arm() -> None:
     assert out.target is None and ex.statuses == [StepState.SUCCEEDED]
 
 
-def test_transit_clearance_lifts_after_pick_and_places_from_above() -> None:
+def test_transit_clearance_approaches_and_leaves_from_above() -> None:
     cfg = ExecutorConfig(position_tolerance=0.01, step_timeout=5.0, gripper_time=0.0,
                          transit_clearance=0.15)
     ex = PlanExecutor(cfg)
@@ -147,10 +147,15 @@ def test_transit_clearance_lifts_after_pick_and_places_from_above() -> None:
             ee = tg.position
         t += 0.05
     points = [tuple(round(v, 6) for v in p) for p, _ in seen]
-    assert points == [(0.4, 0.0, 0.07), (0.4, 0.0, 0.02),  # approach, grasp
+    # every move between the two targets runs at the clearance: a straight line from where
+    # the arm is to 5 cm above the object would sweep through what stands in between (the
+    # bin's walls, when the previous place left the fingers in it)
+    assert points == [(0.4, 0.0, 0.17),  # over the object first
+                      (0.4, 0.0, 0.07), (0.4, 0.0, 0.02),  # approach, grasp
                       (0.4, 0.0, 0.17),  # lifted with the gripper closed
-                      (0.3, 0.3, 0.15), (0.3, 0.3, 0.05)]  # over the bin, then down
-    assert [g for _, g in seen] == [0.0, 0.0, 1.0, 1.0, 1.0]
+                      (0.3, 0.3, 0.15), (0.3, 0.3, 0.05),  # over the bin, then down
+                      (0.3, 0.3, 0.15)]  # released: back up out of the bin
+    assert [g for _, g in seen] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
     assert ex.statuses == [StepState.SUCCEEDED] * 2
     with pytest.raises(ValueError, match="transit_clearance"):
         ExecutorConfig(transit_clearance=-0.1)

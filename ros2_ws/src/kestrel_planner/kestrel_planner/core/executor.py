@@ -74,9 +74,11 @@ class ExecutorConfig:
     home_position: Vec3 | None = None  # m, optional EE position check for HOME
     joint_tolerance: float = 0.02  # rad
     home_speed: float = 0.5  # rad/s
-    # m: after PICK closes the gripper, lift the object this far above its grasp position;
-    # PLACE first goes this far above its target, then down to its `height`: the object in
-    # hand clears obstacles on the way, such as the bin's walls. 0 = the skills' points only.
+    # m: PICK and PLACE first go this far above their target, then down to its `height`;
+    # PICK lifts the object this far above its grasp position once the gripper closed, PLACE
+    # goes back up this far above its target once the gripper opened. Every move between two
+    # targets then runs at this clearance: the arm and the object in hand clear obstacles on
+    # the way (the bin's walls, the other objects). 0 = the skills' points only.
     transit_clearance: float = 0.0
 
     def __post_init__(self) -> None:
@@ -161,7 +163,7 @@ class PlanExecutor:
                 clear = self.config.transit_clearance
                 x, y, z = (float(v) for v in obj.position)
                 transit = (x, y, z + clear)
-                if skill == Skill.PLACE and clear > step.value("height"):
+                if skill in (Skill.PICK, Skill.PLACE) and clear > step.value("height"):
                     pts = [transit, *pts]  # over the target first, then down
                 if skill == Skill.PICK:
                     grip = 0.0
@@ -174,6 +176,8 @@ class PlanExecutor:
                 elif skill == Skill.PLACE:
                     grip = 0.0
                     wps.append(gripper(grip))
+                    if clear > 0.0:  # out of the target (the bin) before anything else moves
+                        wps.append(cart(transit, grip, speed))
             elif skill in (Skill.OPEN_GRIPPER, Skill.CLOSE_GRIPPER):
                 grip = 0.0 if skill == Skill.OPEN_GRIPPER else 1.0
                 wps.append(gripper(grip))
