@@ -91,3 +91,44 @@ def test_video_and_plot(tmp_path) -> None:
     s = summarize([trace(plan_status="accepted", success_s=3.0), trace()])
     png = plot_summary(s, tmp_path / "outcomes.png")
     assert png.stat().st_size > 1000 and imageio.imread(png).ndim == 3
+
+
+def test_sim_speed_and_plan_source_are_reported() -> None:
+    from kestrel_bringup.evaluation import sim_speed
+
+    assert sim_speed(None, (5.0, 1.0)) is None
+    assert sim_speed((1.0, 10.0), (1.0, 10.0)) is None  # no wall time between them
+    speed = sim_speed((2.0, 100.0), (32.0, 160.0))
+    assert speed == {"sim_s": 30.0, "wall_s": 60.0, "real_time_factor": 0.5}
+    s = summarize([trace(plan_status="accepted", success_s=3.0)])
+    s["sim_speed"] = speed
+    s["plan_source"] = "oracle plan: the planner's model is NOT measured"
+    md = markdown(s)
+    assert "Sim-time speed: 0.50 sim s per wall s (30 sim s in 60 wall s)." in md
+    # the plan source comes before the results, so a reader cannot miss it
+    assert md.index("NOT measured") < md.index("| episodes |")
+
+
+def test_the_oracle_plan_is_a_valid_pick_and_place() -> None:
+    from kestrel_bringup.evaluate import oracle_plan
+    from kestrel_planner.core import PlanValidator, SceneObject, Skill, parse_plan
+    from kestrel_planner.core.backend_text import plan_text_of
+    from kestrel_planner.core.validator import PlanLimits
+
+    text = plan_text_of(oracle_plan("blue_cylinder", 0.3))
+    plan = parse_plan(text)
+    assert [(s.skill, s.target_object) for s in plan.steps] == [
+        (Skill.PICK, "blue_cylinder"), (Skill.PLACE, "bin")]
+    scene = [SceneObject("blue_cylinder", "blue_cylinder", (0.5, 0.1, 0.44)),
+             SceneObject("bin", "bin", (0.42, 0.3, 0.44))]
+    assert PlanValidator(PlanLimits()).validate(plan, scene).accepted
+
+
+def test_failed_episodes_are_listed_with_their_steps() -> None:
+    slip = trace(seed=7, plan_status="accepted")
+    slip.steps = ["step 1/2 pick red_cube (failed): timeout after 10.0 s"]
+    slip.position_error_m = {"red_cube": 0.052, "bin": None}
+    md = markdown(summarize([trace(plan_status="accepted", success_s=3.0), slip]))
+    assert ("| seed 7 | red_cube | reach_timeout | step 1/2 pick red_cube (failed): timeout "
+            "after 10.0 s | red_cube 0.052, bin - |") in md
+    assert "| seed 1 |" not in md  # successes are not listed

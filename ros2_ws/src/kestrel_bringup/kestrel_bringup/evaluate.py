@@ -11,9 +11,16 @@ action, so it runs against any simulator that publishes the contract:
   them and the instruction from templates; /planner/plan_task (PlanTask) with the instruction;
   then /sim/episode (EpisodeStatus: held, success), /sim/ground_truth (is the goal over the
   bin) and /control/loop_stats (deadline misses) until success or --timeout s of sim time;
-  /perception/result says whether the goal's class was detected (perception_miss).
+  /perception/result says whether the goal's class was detected (perception_miss) and how far
+  its position (and the bin's) is from the ground truth; /planner/step_status how each plan
+  step ended (a step's timeout names it).
+`--oracle-plan`: the planner node runs backend plan_text and is sent the correct plan for the
+goal ('pick <goal>; place bin') instead of the instruction. That measures everything but the
+planner's model (perception's scene, validation, execution, control, the robot) and the
+output says so in its first lines.
 Output: the summary of kestrel_bringup.evaluation (success rate with a Wilson 95 % interval,
-failures by stage, time to success, deadline misses) as <out>.json and <out>.md, the outcomes
+failures by stage, time to success, deadline misses, the sim-time speed: sim seconds per wall
+second over the run) as <out>.json and <out>.md, the outcomes
 as <out>.png; `--video` records the first episode from /camera/image_raw with the instruction
 and the plan step (/planner/plan, /planner/step_status) written over it (episode_media).
 """
@@ -29,13 +36,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kestrel_bringup.evaluation import EpisodeTrace, markdown, summarize
+from kestrel_bringup.evaluation import EpisodeTrace, markdown, sim_speed, summarize
 
 COLOURS = {"red_cube": ("red", "cube"), "green_cube": ("green", "cube"),
            "blue_cylinder": ("blue", "cylinder")}
 TEMPLATES = ("put the {c} {s} in the bin", "place the {c} {s} into the bin",
              "pick up the {c} {s} and drop it in the bin")
 BIN_HALF = 0.1  # m, half the bin's footprint (tabletop.xml)
+ORACLE_NOTE = ("oracle plan: the planner node ran backend plan_text and was sent the correct "
+               "plan for the goal, not the instruction; the planner's model is NOT measured")
+
+
+def oracle_plan(goal: str, speed: float) -> str:
+    """The correct plan for 'put <goal> in the bin', in the plan text form ';'-separated."""
+    return f"pick {goal} speed={speed:g}; place bin speed={speed:g}; end"
 
 
 def instruction_for(goal: str, rng: random.Random) -> str:
@@ -53,6 +67,8 @@ class Evaluator:
         from kestrel_interfaces.msg import PerceptionResult, StepStatus, TaskPlan
         from sensor_msgs.msg import Image
         from kestrel_interfaces.srv import ResetWorld
+        from lifecycle_msgs.msg import Transition
+        from lifecycle_msgs.srv import ChangeState
         from rclpy.action import ActionClient
         from rclpy.executors import MultiThreadedExecutor
 
@@ -65,16 +81,25 @@ class Evaluator:
         self.plan_timeout_s = plan_timeout_s
         self.lock = threading.Lock()
         self.status = None  # latest EpisodeStatus
+        # (sim s, wall s) of the first and the latest EpisodeStatus: the sim-time speed
+        self.clock_first: tuple[float, float] | None = None
+        self.clock_last: tuple[float, float] | None = None
         self.truth = None  # latest GroundTruth
         self.misses = 0  # latest LoopStatistics.deadline_misses
         self.detected: set[str] = set()  # classes in the latest perception result
         self.detected_stamp = 0.0  # its header stamp, s (sim time)
+        self.results = 0  # perception results received
+        self.positions: dict[str, tuple[float, float, float]] = {}  # class -> its 3D position
+        self.step_events: list[str] = []  # the current plan's step ends, with their messages
         self.recording = False  # camera frames of the current episode into `frames`
         self.frames: list = []  # (rgb [H, W, 3] uint8, caption)
         self.caption = ""
         self.plan_steps: list[str] = []  # "pick red_cube", ...
         self.step = ""
         self.reset = self.node.create_client(ResetWorld, "/sim/reset")
+        self.ChangeState, self.Transition = ChangeState, Transition
+        self.control_state = self.node.create_client(ChangeState, "/control/change_state")
+        self.plan_ended = False  # the current plan's last step ended (or one failed)
         self.plan = ActionClient(self.node, PlanTask, "/planner/plan_task")
         sub = self.node.create_subscription
         sub(EpisodeStatus, "/sim/episode", self._on_status, LATCHED_QOS)
@@ -98,8 +123,17 @@ class Evaluator:
 
     # ---- inputs -------------------------------------------------------------------------------
     def _on_status(self, msg: Any) -> None:
+        sample = (msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9, time.monotonic())
         with self.lock:
             self.status = msg
+            if self.clock_first is None:
+                self.clock_first = sample
+            self.clock_last = sample
+
+    def sim_speed(self) -> dict[str, float] | None:
+        """Sim seconds per wall second since the first EpisodeStatus (None before two)."""
+        with self.lock:
+            return sim_speed(self.clock_first, self.clock_last)
 
     def _on_truth(self, msg: Any) -> None:
         with self.lock:
@@ -110,10 +144,27 @@ class Evaluator:
             self.misses = int(msg.deadline_misses)
 
     def _on_perception(self, msg: Any) -> None:
-        names = {msg.class_names[i] for i in msg.class_index if i < len(msg.class_names)}
+        from kestrel_common.conversions import ConversionError, detection_arrays
+        try:
+            d = detection_arrays(msg)
+        except ConversionError:
+            return
+        names, best = set(), {}
+        for k, score, src, p in zip(d["class_index"].tolist(), d["score"].tolist(),
+                                    d["position_source"].tolist(), d["position"].tolist(),
+                                    strict=True):
+            if k >= len(msg.class_names):
+                continue
+            name = msg.class_names[k]
+            names.add(name)
+            # as the planner's scene: the detection with a position, then the best score
+            if src and (name not in best or score > best[name][0]):
+                best[name] = (score, tuple(p))
         with self.lock:
             self.detected = names
+            self.positions = {n: p for n, (_, p) in best.items()}
             self.detected_stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+            self.results += 1
 
     def _on_plan(self, msg: Any) -> None:
         with self.lock:
@@ -126,6 +177,9 @@ class Evaluator:
             i = int(msg.step_index)
             what = self.plan_steps[i] if i < len(self.plan_steps) else ""
             self.step = f"step {i + 1}/{msg.step_count} {what} ({names.get(msg.status, '?')})"
+            if msg.status >= 2:  # succeeded, failed, aborted
+                self.step_events.append(self.step + (f": {msg.message}" if msg.message else ""))
+                self.plan_ended |= msg.status > 2 or i + 1 >= msg.step_count
 
     def _on_image(self, msg: Any) -> None:
         if not self.recording:
@@ -149,9 +203,34 @@ class Evaluator:
         return bool(self.reset.wait_for_service(timeout_sec=timeout_s)
                     and self.plan.wait_for_server(timeout_sec=timeout_s))
 
+    def control_transition(self, transition: str) -> bool:
+        """'deactivate' | 'activate' the control node (lifecycle); False when it is not there
+        or refused."""
+        tid = {"deactivate": self.Transition.TRANSITION_DEACTIVATE,
+               "activate": self.Transition.TRANSITION_ACTIVATE}[transition]
+        if not self.control_state.service_is_ready():
+            return False
+        fut = self.control_state.call_async(
+            self.ChangeState.Request(transition=self.Transition(id=tid)))
+        res = self._wait(lambda: fut.result() if fut.done() else None, 10.0)
+        return bool(res is not None and res.success)
+
     def call_reset(self, seed: int, goal: str) -> Any:
         fut = self.reset.call_async(self.ResetWorld.Request(seed=seed, goal_object=goal))
         return self._wait(lambda: fut.result() if fut.done() else None, 30.0)
+
+    def position_error(self, name: str) -> float | None:
+        """m between perception's latest position of `name` and the ground truth's centre."""
+        with self.lock:
+            seen, truth = self.positions.get(name), self.truth
+        if seen is None or truth is None:
+            return None
+        for o in truth.objects:
+            if o.name == name:
+                p = o.pose.position
+                return round(sum((a - b) ** 2 for a, b in zip(seen, (p.x, p.y, p.z),
+                                                             strict=True)) ** 0.5, 4)
+        return None
 
     def over_bin(self, goal: str) -> bool | None:
         with self.lock:
@@ -165,17 +244,30 @@ class Evaluator:
         return abs(g.x - b.x) <= BIN_HALF and abs(g.y - b.y) <= BIN_HALF
 
     # ---- one episode --------------------------------------------------------------------------
-    def episode(self, seed: int, rng: random.Random, timeout_s: float) -> EpisodeTrace | None:
-        first = self.call_reset(seed, "")
-        if first is None or not first.success or not first.objects:
-            print(f"[evaluate] reset {seed} failed: {getattr(first, 'message', 'no answer')}",
-                  file=sys.stderr)
-            return None
-        goal = rng.choice(list(first.objects))
-        text = instruction_for(goal, rng)
-        resp = self.call_reset(seed, goal)  # the same layout, with its goal
-        if resp is None or not resp.success:
-            return None
+    def episode(self, seed: int, rng: random.Random, timeout_s: float,
+                oracle_speed: float = 0.0) -> EpisodeTrace | None:
+        """One episode; oracle_speed > 0: send the planner (backend plan_text) the correct plan
+        at that speed, m/s, instead of the instruction."""
+        # The reset puts the arm back at home. The control node would drive it back to the
+        # previous episode's last target (it holds that target, as it should on a robot
+        # nothing teleports): it is deactivated across the reset and activated after it,
+        # which forgets its targets and holds the arm where it now is (its activation).
+        stopped = self.control_transition("deactivate")
+        try:
+            first = self.call_reset(seed, "")
+            if first is None or not first.success or not first.objects:
+                print(f"[evaluate] reset {seed} failed: "
+                      f"{getattr(first, 'message', 'no answer')}", file=sys.stderr)
+                return None
+            goal = rng.choice(list(first.objects))
+            text = instruction_for(goal, rng)
+            resp = self.call_reset(seed, goal)  # the same layout, with its goal
+            if resp is None or not resp.success:
+                return None
+        finally:
+            if stopped and not self.control_transition("activate"):
+                print("[evaluate] the control node did not activate again",
+                      file=sys.stderr)
         trace = EpisodeTrace(seed=seed, goal=goal, instruction=text)
         with self.lock:
             self.caption, self.step, self.plan_steps = f"seed {seed}: {text}", "", []
@@ -194,9 +286,20 @@ class Evaluator:
             misses0 = self.misses
         # the goal's class in a perception result of the new layout (bounded wait)
         fresh = self._wait(lambda: self.detected_stamp > t0, 20.0)
+        # The planner plans against ITS latest result of the same best-effort topic; right
+        # after a reset that may still be the previous layout's (or none, while discovery
+        # completes at start-up). One more result of the new layout before the goal: the
+        # planner would have to lose both to plan on a stale scene.
+        if fresh:
+            with self.lock:
+                seen = self.results
+            self._wait(lambda: self.results > seen, 20.0)
         with self.lock:
             trace.goal_detected = (goal in self.detected) if fresh else None
-        goal_msg = self.PlanTask.Goal(instruction=text)
+            self.step_events, self.plan_ended = [], False
+        trace.position_error_m = {n: self.position_error(n) for n in (goal, "bin")}
+        goal_msg = self.PlanTask.Goal(
+            instruction=oracle_plan(goal, oracle_speed) if oracle_speed > 0 else text)
         send = self.plan.send_goal_async(goal_msg)
         handle = self._wait(lambda: send.result() if send.done() else None, 30.0)
         result = None
@@ -216,11 +319,16 @@ class Evaluator:
                 t = s.header.stamp.sec + s.header.stamp.nanosec * 1e-9 - t0
                 trace.observe(t, held=goal in s.objects_held, success=bool(s.success),
                               over_bin=self.over_bin(goal))
-                if trace.success_s is not None or t > timeout_s:
+                if t > timeout_s:
+                    break
+                if trace.success_s is not None:
+                    # the plan's last moves (out of the bin) end before the next reset
+                    self._wait(lambda: self.plan_ended, 10.0)
                     break
                 time.sleep(0.1)
         with self.lock:
             trace.deadline_misses = max(0, self.misses - misses0)
+            trace.steps = list(self.step_events)
         return trace
 
 
@@ -228,24 +336,42 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--episodes", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0, help="seed of the episode seeds")
+    parser.add_argument("--seeds", default="", help="comma-separated episode seeds to run "
+                        "instead (e.g. the failed ones of a run: its table lists them)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="sim s an episode may take after its plan")
     parser.add_argument("--plan-timeout", type=float, default=120.0, help="wall s per plan")
     parser.add_argument("--controller", default="ik", choices=("ik", "policy"))
+    parser.add_argument("--oracle-plan", action="store_true",
+                        help="the planner runs backend plan_text and is sent the correct plan "
+                        "('pick <goal>; place bin') instead of the instruction: measures "
+                        "perception, validation, execution, control and the robot, NOT the "
+                        "planner's model (reported as such)")
+    parser.add_argument("--oracle-speed", type=float, default=0.3,
+                        help="m/s, the oracle plan's speed")
     parser.add_argument("--no-stack", action="store_true",
                         help="do not start the stack: evaluate the one already running")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="write each node's output to <dir>/<node>.log")
     parser.add_argument("--out", default="", help="write <out>.json, <out>.md and <out>.png")
     parser.add_argument("--video", default="", help="record the first episode: .mp4 or .gif")
     args = parser.parse_args(argv)
     if args.episodes < 1:
         parser.error("--episodes must be >= 1")
+    if not args.oracle_speed > 0:
+        parser.error("--oracle-speed must be > 0")
     runner = None
     if not args.no_stack:
         from kestrel_bringup.run_stack import StackRunner
-        runner = StackRunner(extra_params={"control": {"controller": args.controller}},
-                             echo=False)
+        extra = {"control": {"controller": args.controller}}
+        if args.oracle_plan:
+            extra["planner"] = {"backend": "plan_text"}
+        if args.log_dir:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
+        runner = StackRunner(extra_params=extra, echo=False, log_dir=args.log_dir)
         runner.start()
     ev = None
+    speed = None
     traces: list[EpisodeTrace] = []
     t_start = time.monotonic()
     try:
@@ -254,11 +380,14 @@ def main(argv: list[str] | None = None) -> int:
             print("[evaluate] /sim/reset or /planner/plan_task not available",
                   file=sys.stderr)
             return 1
-        rng = random.Random(args.seed)
-        for i in range(args.episodes):
-            seed = args.seed * 100_003 + i + 1  # never 0 (the default layout)
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else \
+            [args.seed * 100_003 + i + 1 for i in range(args.episodes)]  # never 0 (default)
+        for i, seed in enumerate(seeds):
+            # each episode's goal and wording from its own seed: any episode re-runs alone
+            rng = random.Random(seed)
             ev.recording = bool(args.video) and not traces
-            trace = ev.episode(seed, rng, args.timeout)
+            trace = ev.episode(seed, rng, args.timeout,
+                               args.oracle_speed if args.oracle_plan else 0.0)
             if ev.recording:
                 ev.recording = False
                 with ev.lock:
@@ -268,13 +397,20 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[evaluate] video: {write_video(frames, args.video)} "
                           f"({len(frames)} frames)", flush=True)
             if trace is None:
-                print(f"[evaluate] episode {i} (seed {seed}) could not start", file=sys.stderr)
+                print(f"[evaluate] episode {i + 1} (seed {seed}) could not start",
+                      file=sys.stderr)
                 continue
             traces.append(trace)
-            print(f"[evaluate] episode {i + 1}/{args.episodes} seed {seed} '{trace.instruction}'"
-                  f": {trace.stage}", flush=True)
+            print(f"[evaluate] episode {i + 1}/{len(seeds)} seed {seed} '{trace.instruction}'"
+                  f": {trace.stage}"
+                  + (f" ({'; '.join(trace.plan_reasons)})" if trace.plan_reasons else ""),
+                  flush=True)
+            if trace.stage != "success":
+                print(f"[evaluate]   position error (m) {trace.position_error_m}; steps: "
+                      f"{' | '.join(trace.steps) or 'none ended'}", flush=True)
     finally:
         if ev is not None:
+            speed = ev.sim_speed()
             ev.close()
         if runner is not None:
             runner.stop()
@@ -283,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(traces, {**vars(args), "wall_s": round(time.monotonic() - t_start, 1)})
     summary["schema"] = "kestrel_eval/1"
     summary["command"] = command
+    summary["sim_speed"] = speed
+    if args.oracle_plan:
+        summary["plan_source"] = ORACLE_NOTE
     print(markdown(summary, command))
     if args.out:
         out = Path(args.out)

@@ -38,6 +38,10 @@ class EpisodeTrace:
     released_over_bin: bool | None = None  # at the last release: above the bin's footprint
     success_s: float | None = None  # first time the goal was in the bin and settled
     deadline_misses: int = 0  # control loop misses during the episode
+    # m, perception's position of the goal and of the bin when the plan was asked for vs the
+    # ground truth's centre (None: not detected with a position)
+    position_error_m: dict[str, float | None] = field(default_factory=dict)
+    steps: list[str] = field(default_factory=list)  # plan steps' ends, with their messages
     duration_s: float = 0.0
 
     def observe(self, t_s: float, held: bool, success: bool,
@@ -81,6 +85,17 @@ def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def sim_speed(first: tuple[float, float] | None,
+              last: tuple[float, float] | None) -> dict[str, float] | None:
+    """Sim-time speed between two (sim s, wall s) samples: sim seconds per wall second (the
+    achieved real-time factor). None without two samples apart in wall time."""
+    if first is None or last is None or last[1] - first[1] <= 0.0:
+        return None
+    sim_s, wall_s = last[0] - first[0], last[1] - first[1]
+    return {"sim_s": round(sim_s, 1), "wall_s": round(wall_s, 1),
+            "real_time_factor": round(sim_s / wall_s, 3)}
+
+
 def _quantiles(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
@@ -118,6 +133,8 @@ def markdown(summary: dict, command: str = "") -> str:
     lines = ["# Closed-loop evaluation", ""]
     if command:
         lines += [f"Command: `{command}`", ""]
+    if summary.get("plan_source"):
+        lines += [f"**Plans: {summary['plan_source']}.**", ""]
     lines += [
         "| episodes | successes | success rate | 95 % CI (Wilson) |",
         "|---|---|---|---|",
@@ -134,4 +151,17 @@ def markdown(summary: dict, command: str = "") -> str:
     if dm:
         lines += [f"Control deadline misses per episode: mean {dm['mean']:.1f}, "
                   f"max {dm['max']:.0f}."]
+    speed = summary.get("sim_speed")
+    if speed:
+        lines += [f"Sim-time speed: {speed['real_time_factor']:.2f} sim s per wall s "
+                  f"({speed['sim_s']:.0f} sim s in {speed['wall_s']:.0f} wall s)."]
+    failed = [e for e in summary.get("per_episode", []) if e["stage"] != "success"]
+    if failed:
+        lines += ["", "| failed episode | goal | stage | plan steps | position error (m) |",
+                  "|---|---|---|---|---|"]
+        for e in failed:
+            steps = "; ".join(e.get("steps") or e.get("plan_reasons") or []) or "-"
+            err = ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -"
+                            for k, v in (e.get("position_error_m") or {}).items()) or "-"
+            lines.append(f"| seed {e['seed']} | {e['goal']} | {e['stage']} | {steps} | {err} |")
     return "\n".join(lines) + "\n"
