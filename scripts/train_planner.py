@@ -51,11 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads")
+    ap.add_argument("--device", default=d.device, help="torch device: cpu | cuda")
+    ap.add_argument("--workers", type=int, default=d.workers,
+                    help="batch-generating processes (0: in the training process)")
     ap.add_argument("--eval-samples", type=int, default=d.eval_samples,
                     help="held-out samples per evaluation (0 = no evaluation)")
+    ap.add_argument("--evaluate-only", action="store_true",
+                    help="load --out (trained elsewhere, e.g. on the GPU machine) and its .json, "
+                         "run the held-out evaluation here, write the metrics into the .json")
     args = ap.parse_args(argv)
+    if args.evaluate_only:
+        return _evaluate_only(args.out, args.eval_samples, argv)
     cfg = TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, lr=args.lr,
                       seed=args.seed, threads=args.threads, eval_samples=args.eval_samples,
+                      device=args.device, workers=args.workers,
                       warmup=min(d.warmup, max(1, args.steps // 10)))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
@@ -80,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python scripts/train_planner.py " + " ".join(
             a if " " not in a else repr(a) for a in (argv if argv is not None else sys.argv[1:])),
         "commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"class": "cpu", "cpu": platform.processor() or platform.machine(),
-                    "threads": cfg.threads, "torch": torch.__version__},
+        "machine": {"class": "gpu" if cfg.device.startswith("cuda") else "cpu",
+                    "device": (torch.cuda.get_device_name() if cfg.device.startswith("cuda")
+                               else platform.processor() or platform.machine()),
+                    "threads": cfg.threads, "workers": cfg.workers, "torch": torch.__version__},
         "config": {**vars(cfg), "params": model.num_params()},
         "train_seconds": round(hist.seconds, 1),
         "loss": {"first": round(hist.loss[0], 4), "last": round(hist.loss[-1], 4),
@@ -94,6 +105,36 @@ def main(argv: list[str] | None = None) -> int:
               f"{m['refusals']:.3f}  false refusals {m['false_refusals']:.3f}  accepted "
               f"{m['accepted']:.3f}")
     print(f"trained in {hist.seconds:.0f} s; wrote {args.out} and {args.out.with_suffix('.json')}")
+    return 0
+
+
+def _evaluate_only(out: Path, n: int, argv: list[str] | None) -> int:
+    from kestrel_models.planner import VisionLanguageModel, get_config
+
+    record = json.loads(out.with_suffix(".json").read_text())
+    model = VisionLanguageModel(get_config(record["config"]["preset"]))
+    model.load_state_dict(torch.load(out, map_location="cpu", weights_only=True))
+    metrics = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn()) as progress:
+        for grammar in (True, False):
+            name = "grammar_on" if grammar else "grammar_off"
+            ev = progress.add_task(f"eval {name}", total=n)
+            metrics[name] = evaluate(model.eval(), n, grammar,
+                                     on_batch=lambda k, ev=ev: progress.update(ev, completed=k))
+    record["heldout"] = metrics
+    record["config"]["eval_samples"] = n
+    record["evaluation"] = {
+        "command": "python scripts/train_planner.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]),
+        "commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"class": "cpu", "cpu": platform.processor() or platform.machine(),
+                    "torch": torch.__version__}}
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    for name, m in metrics.items():
+        print(f"{name}: grammatical {m['grammatical']:.3f}  exact {m['exact']:.3f}  refusals "
+              f"{m['refusals']:.3f}  false refusals {m['false_refusals']:.3f}  accepted "
+              f"{m['accepted']:.3f}")
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Presets:
 - "tiny": ~1.7M parameters, 32x32 images -> 16 image tokens; runs on one CPU thread in tests.
-- "small": ~0.5M parameters, 32x32 images -> 4 image tokens; the size of the planner weights
+- "small": ~0.9M parameters, 32x32 images -> 4 image tokens; the size of the planner weights
   trained on generated scenes (kestrel_planner.training, scripts/train_planner.py).
 - "draft": ~0.1M parameters, the speculative-decoding draft of "small": the same tokenizer,
   vocabulary, image size and sequence length, a 1-layer decoder of width 64 (trained on the
@@ -88,10 +88,10 @@ class VLMConfig:
 PRESETS: dict[str, VLMConfig] = {
     "tiny": VLMConfig(),
     # the size trained on generated scenes (kestrel_planner.training): 4 image tokens, a
-    # 3-layer decoder; trains on a CPU in minutes
+    # 4-layer decoder; trains in minutes on one GPU (scripts/train_planner.py --device cuda)
     "small": VLMConfig(patch_size=16, vision_dim=32, vision_depth=1, vision_heads=2,
-                       projector_hidden=64, dim=96, n_layers=3, n_heads=4, n_kv_heads=2,
-                       ffn_hidden=192, max_seq_len=512),
+                       projector_hidden=64, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                       ffn_hidden=384, max_seq_len=512),
     # the draft of "small" for speculative decoding: what the target decodes must be in its
     # vocabulary and reach (same tokenizer, vocab_size, image_size, max_seq_len), fewer and
     # narrower layers so that k draft passes cost less than one target pass

@@ -100,8 +100,8 @@ class VisionEncoder(nn.Module):
         """uint8 [B,3,H,W] in 0..255 (or float in 0..1) -> float [B,3,S,S] in [-1, 1]."""
         if image.ndim != 4 or image.shape[1] != 3:
             raise ValueError(f"image must be [B, 3, H, W], got {tuple(image.shape)}")
-        dtype = self.pos_emb.dtype
-        x = image.to(dtype) / 255.0 if image.dtype == torch.uint8 else image.to(dtype)
+        dtype, dev = self.pos_emb.dtype, self.pos_emb.device
+        x = image.to(dev, dtype) / 255.0 if image.dtype == torch.uint8 else image.to(dev, dtype)
         s = self.cfg.image_size
         if x.shape[-2:] != (s, s):
             x = F.interpolate(x, size=(s, s), mode="bilinear", align_corners=False, antialias=True)

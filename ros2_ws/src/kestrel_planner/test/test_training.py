@@ -81,3 +81,27 @@ def test_train_planner_script(tmp_path: Path) -> None:
     assert set(record["heldout"]) == {"grammar_on", "grammar_off"}
     state = torch.load(out, weights_only=True)
     assert any(k.startswith("layers.") for k in state)
+
+
+def test_heldout_unsupported_verbs_are_never_trained() -> None:
+    train_t, held_t = TEMPLATES["unsupported"]
+    trained = {t.split(" ")[0] for t in train_t}
+    assert len(trained) >= 40  # refusal is learned from many verbs, not a short list
+    assert {"kick", "dance"} <= {t.split(" ")[0] for t in held_t}
+    assert not {"kick", "dance"} & trained
+
+
+def test_evaluate_only_fills_the_metrics_of_weights_trained_elsewhere(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("train_planner",
+                                                  ROOT / "scripts" / "train_planner.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    out = tmp_path / "w.pt"
+    assert mod.main(["--out", str(out), "--steps", "2", "--batch", "4",
+                     "--eval-samples", "0"]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["heldout"] == {}
+    assert mod.main(["--out", str(out), "--evaluate-only", "--eval-samples", "4"]) == 0
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert set(record["heldout"]) == {"grammar_on", "grammar_off"}
+    assert record["heldout"]["grammar_on"]["samples"] == 4
+    assert "--evaluate-only" in record["evaluation"]["command"]

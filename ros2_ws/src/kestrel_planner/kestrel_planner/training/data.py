@@ -52,45 +52,70 @@ BIN_WORDS = ("bin", "basket", "container", "tray", "box")
 OBJECT_NAMES = tuple(f"{c}_{s}" for c in COLOURS for s in SHAPES)
 FIXTURES = ("table", "robot")  # reported by perception; never manipulated
 
+# Actions outside the skill set (refused). Many verbs, so that the planner learns to refuse
+# whatever is not a skill rather than a list; the held-out verbs (kick, dance) are never here.
+_VERBS = ("throw", "break", "eat", "smash", "wash", "fold", "lick", "bite", "burn", "melt",
+          "bend", "twist", "squeeze", "polish", "juggle", "hide", "bury", "shake", "spin",
+          "crush", "tear", "sell", "hit", "punch", "hammer", "drill", "weld", "tape", "wrap",
+          "count", "sniff", "cook", "freeze", "heat", "inflate", "scratch", "stomp", "slap",
+          "kiss", "tickle", "shoot", "peel", "chop", "dissolve", "explode", "pour", "sew")
+UNSUPPORTED_TRAIN: tuple[str, ...] = tuple(f"{v} {{o}}" for v in _VERBS) + (
+    "paint {o} blue", "cut {o} in half", "throw {o} in {d}", "glue {o} to {d}",
+    "roll {o} off the table", "sing a song", "fly to the moon", "pick up the table",
+    "lift the robot", "paint the table", "tell me a joke", "make some coffee",
+    "open the door", "turn off the lights", "walk to the kitchen", "jump", "clean the room",
+    "move the table", "push the robot", "play music", "write a poem")
+
 # (train templates, held-out templates) per kind; {o}: the object, {d}: the destination
 TEMPLATES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "place": (("put {o} in {d}", "place {o} into {d}", "drop {o} in {d}", "move {o} to {d}",
                "put {o} inside {d}", "pick up {o} and put it in {d}", "store {o} in {d}",
-               "grab {o} and drop it into {d}", "{o} goes in {d}", "set {o} in {d}"),
+               "grab {o} and drop it into {d}", "{o} goes in {d}", "set {o} in {d}",
+               "carry {o} to {d}", "bring {o} over to {d}", "transfer {o} into {d}",
+               "get {o} into {d}", "move {o} into {d}", "lift {o} and drop it in {d}",
+               "pick {o} up and place it in {d}", "i need {o} in {d}", "take {o} to {d}"),
               ("i want {o} in {d}", "grab {o} and place it in {d}", "drop {o} inside {d}",
                "take {o} and put it into {d}")),
     "stack": (("put {o} on {d}", "stack {o} on top of {d}", "place {o} onto {d}",
-               "set {o} on {d}"),
+               "set {o} on {d}", "stack {o} on {d}", "put {o} onto {d}", "rest {o} on {d}",
+               "pile {o} on {d}"),
               ("stack {o} onto {d}", "put {o} on top of {d}")),
-    "pick": (("pick up {o}", "grab {o}", "lift {o}", "pick {o} up", "take {o}"),
+    "pick": (("pick up {o}", "grab {o}", "lift {o}", "pick {o} up", "take {o}", "grasp {o}",
+              "get {o}", "raise {o}", "hold {o}", "pick {o}", "grab {o} and hold it"),
              ("lift up {o}", "grab hold of {o}")),
-    "move_to": (("move above {o}", "go to {o}", "hover over {o}", "move over {o}"),
+    "move_to": (("move above {o}", "go to {o}", "hover over {o}", "move over {o}",
+                 "go above {o}", "approach {o}", "move the arm over {o}", "position over {o}",
+                 "reach over {o}"),
                 ("hover above {o}", "go over to {o}")),
-    "push": (("push {o}", "shove {o}", "nudge {o}", "push {o} forward"),
+    "push": (("push {o}", "shove {o}", "nudge {o}", "push {o} forward", "push {o} away",
+              "poke {o}", "bump {o}", "give {o} a shove"),
              ("give {o} a push", "nudge {o} forward")),
-    "home": (("go home", "return home", "go back to the home position", "move to home"),
+    "home": (("go home", "return home", "go back to the home position", "move to home",
+              "return to home", "head home", "go to the home pose"),
              ("go back home", "return to the home position")),
-    "open_gripper": (("open the gripper", "open your hand", "release the gripper"),
+    "open_gripper": (("open the gripper", "open your hand", "release the gripper",
+                      "open the fingers", "release"),
                      ("open the hand",)),
-    "close_gripper": (("close the gripper", "close your hand"), ("close the hand",)),
+    "close_gripper": (("close the gripper", "close your hand", "close the fingers"),
+                      ("close the hand",)),
     "place_home": (("put {o} in {d} and then go home", "drop {o} into {d} then return home",
-                    "place {o} in {d} and go home"),
+                    "place {o} in {d} and go home", "store {o} in {d} and return home",
+                    "move {o} to {d}, then go home"),
                    ("put {o} into {d}, then go back home",)),
-    "unsupported": (("throw {o}", "paint {o} blue", "break {o}", "eat {o}", "smash {o}",
-                     "wash {o}", "fold {o}", "cut {o} in half", "sing a song",
-                     "fly to the moon", "pick up the table", "lift the robot", "throw {o} in {d}",
-                     "paint the table"),
+    "unsupported": (UNSUPPORTED_TRAIN,
                     ("kick {o}", "throw {o} at the wall", "break {o} in two",
                      "dance for me", "pick up the robot")),
 }
 FRAMES = ((("", ""), ("please ", ""), ("", " please"), ("robot, ", ""), ("", " now"),
-           ("now ", ""), ("", " thanks")),
+           ("now ", ""), ("", " thanks"), ("can you ", ""), ("would you ", ""),
+           ("i need you to ", ""), ("please, ", ""), ("", " quickly"), ("ok robot, ", ""),
+           ("", " thank you")),
           (("could you ", ""), ("kindly ", ""), ("", " for me"), ("hey robot, ", ""),
            ("", " right away")))
 KINDS = ("place", "stack", "pick", "move_to", "push", "home", "open_gripper", "close_gripper",
          "place_home", "unsupported")
 _WEIGHTS = (28, 8, 10, 8, 7, 4, 3, 3, 7, 10)
-ABSENT_P = 0.2  # share of object-naming requests whose object is not in the scene
+ABSENT_P = 0.3  # share of object-naming requests whose object is not in the scene
 TABLE_X, TABLE_Y, TABLE_Z = (0.3, 0.8), (-0.4, 0.4), 0.425  # m
 
 
@@ -149,7 +174,15 @@ class SampleGenerator:
         movable = [n for n in names if n in OBJECT_NAMES]
         absent = [n for n in OBJECT_NAMES if n not in names]
         want_absent = rng.random() < ABSENT_P
-        o = rng.choice(absent) if want_absent or not movable else rng.choice(movable)
+        if want_absent or not movable:
+            # half of the absent objects share a colour or a shape with one in the scene, so
+            # that both words must match
+            near = [n for n in absent if any(n.split("_")[0] == m.split("_")[0]
+                                             or n.split("_")[1] == m.split("_")[1]
+                                             for m in movable)]
+            o = rng.choice(near if near and rng.random() < 0.5 else absent)
+        else:
+            o = rng.choice(movable)
         if kind == "stack":
             others = [n for n in movable if n != o]
             if want_absent or not others:

@@ -53,6 +53,8 @@ class TrainConfig:
     image_p: float = 0.5  # share of rows with a rendered image
     eval_samples: int = 400
     threads: int = 1
+    device: str = "cpu"  # torch device of the model ('cuda' on the GPU machine)
+    workers: int = 0  # processes generating batches (0: in the training process)
 
 
 @dataclass
@@ -61,8 +63,23 @@ class History:
     seconds: float = 0.0
 
 
+# Words and addresses a user adds without changing the request (training rows only): the
+# planner learns that the action word and the object words decide the plan, not the rest.
+_FILLERS = ("gently", "carefully", "slowly", "just", "quickly", "also", "softly", "again",
+            "very carefully", "with care", "if possible", "at once", "when ready", "a little")
+_ADDRESS = ("robot", "arm", "ok", "okay", "buddy", "kestrel", "hello", "hi", "alright", "so",
+            "well", "listen")
+
+
 def _augment(rng: random.Random, text: str) -> str:
-    """Capitals and end punctuation as users type them (the plan does not change)."""
+    """Fillers, addresses, capitals and end punctuation as users type them (the plan does
+    not change)."""
+    words = text.split(" ")
+    if rng.random() < 0.3 and len(words) > 1:  # a filler after the action word
+        words.insert(rng.randint(1, len(words)), rng.choice(_FILLERS))
+    if rng.random() < 0.15:  # an address before the request
+        words.insert(0, rng.choice(_ADDRESS) + rng.choice((",", "", " robot,")))
+    text = " ".join(words)
     if rng.random() < 0.3:
         text = text[0].upper() + text[1:]
     if rng.random() < 0.3:
@@ -115,15 +132,32 @@ def _train_images(samples: list[Sample], p: float, size: int, rng: np.random.Gen
     return torch.from_numpy(imgs).permute(0, 3, 1, 2).contiguous()
 
 
+class _Batches(torch.utils.data.IterableDataset):
+    """Endless training batches (tokens, targets, images) from the generator; worker w of W
+    draws from seed * 1000 + w, so a run is reproducible for a given number of workers."""
+
+    def __init__(self, cfg: TrainConfig, size: int) -> None:
+        self.cfg, self.size = cfg, size
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        seed = self.cfg.seed if info is None else self.cfg.seed * 1000 + info.id
+        gen = SampleGenerator(seed, "train")
+        rng, nrng = random.Random(seed + 1), np.random.default_rng(seed + 2)
+        tok = ByteTokenizer()
+        while True:
+            samples = [gen.sample() for _ in range(self.cfg.batch)]
+            tokens, target = _rows(samples, tok, rng)
+            yield tokens, target, _train_images(samples, self.cfg.image_p, self.size, nrng)
+
+
 def train(cfg: TrainConfig, on_step: Callable[[int, float], None] | None = None
           ) -> tuple[VisionLanguageModel, History]:
     """Train a fresh model of cfg.preset; on_step(step, loss) after every step."""
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
-    model = VisionLanguageModel(get_config(cfg.preset)).train()
-    tok = ByteTokenizer()
-    gen = SampleGenerator(cfg.seed, "train")
-    rng, nrng = random.Random(cfg.seed + 1), np.random.default_rng(cfg.seed + 2)
+    dev = torch.device(cfg.device)
+    model = VisionLanguageModel(get_config(cfg.preset)).to(dev).train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     other = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -138,11 +172,11 @@ def train(cfg: TrainConfig, on_step: Callable[[int, float], None] | None = None
 
     hist = History()
     t0 = time.monotonic()
-    size = model.cfg.image_size
+    batches = iter(torch.utils.data.DataLoader(
+        _Batches(cfg, model.cfg.image_size), batch_size=None, num_workers=cfg.workers,
+        pin_memory=dev.type == "cuda", prefetch_factor=4 if cfg.workers else None))
     for step in range(cfg.steps):
-        samples = [gen.sample() for _ in range(cfg.batch)]
-        tokens, target = _rows(samples, tok, rng)
-        image = _train_images(samples, cfg.image_p, size, nrng)
+        tokens, target, image = (x.to(dev, non_blocking=True) for x in next(batches))
         select = target >= 0
         loss = F.cross_entropy(model.train_logits(image, tokens, select), target[select])
         for g in opt.param_groups:
@@ -156,7 +190,7 @@ def train(cfg: TrainConfig, on_step: Callable[[int, float], None] | None = None
         if on_step is not None:
             on_step(step, value)
     hist.seconds = time.monotonic() - t0
-    return model.eval(), hist
+    return model.cpu().eval(), hist
 
 
 def _scene(s: Sample) -> list[SceneObject]:
