@@ -2,7 +2,8 @@
 joint states and targets from their subscriptions into the loop's buffers, and the timer that
 moves a speed-limited joint target (ControlTarget.max_speed, core/target_limit.py). Callbacks
 check a message's structure (counted drops) and write; values are the loop's SafetyFilter's
-to judge. A mixin of ControlNode (control_node.py), which owns the state used here."""
+to judge. Every callback first checks the node clock for a backwards jump (`_time_jumped`).
+A mixin of ControlNode (control_node.py), which owns the state used here."""
 
 from __future__ import annotations
 
@@ -21,9 +22,31 @@ from kestrel_control.core.target_limit import speed_limit
 class ControlInputs:
     """ControlNode's subscription callbacks and target timer (see the module docstring)."""
 
+    def _time_jumped(self) -> bool:
+        """The node clock jumped back (kestrel_common.time_jump; a sim restart, a bag loop)
+        since the last callback: the speed-limited targets and the gripper state of before
+        are dropped, as at activation (the loop forgets its own inputs: the runner's
+        check_time, which counts the jump). Logged."""
+        if not self._clock_jumps.observe(self._clock.now().nanoseconds):
+            return False
+        for ramp in self._ramps:
+            ramp.reset()
+        if self._ramp_timer is not None:
+            self._ramp_timer.cancel()
+        self._have_pos = [False] * len(self._ramps)
+        if self._gripper_closed > 0.0:
+            for msg in self._cmd_msgs:
+                msg.position[-1] = 0.0  # open, as configured, until a target says otherwise
+        self.get_logger().warning(
+            f"time jumped back {self._clock_jumps.last_jump_s:.3f} s (a sim restart, a bag "
+            "loop?): joint states, targets and the policy state of before are forgotten; "
+            "commands resume with the next joint state")
+        return True
+
     def _on_joint_state(self, robot: int, msg: JointState) -> None:
         if not self._active:
             return
+        self._time_jumped()
         n = len(self._index)
         names, pos, vel = msg.name, msg.position, msg.velocity
         if len(names) < n or len(pos) != len(names) or len(vel) not in (0, len(names)):
@@ -61,6 +84,7 @@ class ControlInputs:
     def _on_target(self, robot: int, msg: ControlTarget) -> None:
         if not self._active:
             return
+        self._time_jumped()
         if self._gripper_closed > 0.0:  # every target carries the gripper's state
             if math.isfinite(msg.gripper):
                 self._cmd_msgs[robot].position[-1] = \
@@ -138,6 +162,8 @@ class ControlInputs:
     def _advance_targets(self) -> None:
         """Timer (the callbacks' group): every ramping robot's target one step on, written
         into the loop's target buffer; the timer stops when none is left."""
+        if self._time_jumped():  # the ramps of before are gone (the timer stops)
+            return
         now = self._clock.now().nanoseconds
         # a late timer moves the target by at most two periods' worth: never a jump
         dt = min(max(now - self._ramp_last_ns, 0) * 1e-9, 2.0 * self._ramp_period)

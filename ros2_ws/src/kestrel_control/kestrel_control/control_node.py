@@ -28,7 +28,12 @@ stamp, so it works on wall time and on /clock (use_sim_time; the node clock stan
 the sim is paused, so a paused sim is not "stale"). A zero header stamp is replaced by the node
 clock at receipt.
 Activation clears the input buffers: nothing from before a deactivation is acted on, and no
-command is sent before the first joint state received after the activation.
+command is sent before the first joint state received after the activation. The same after a
+backwards jump of the node clock by more than safety.max_obs_age (a sim restart, a bag played
+with --loop): the loop forgets the joint states, targets and policy state of before
+(core/policy_runner.py check_time), the callbacks their speed-limited targets and gripper
+state (control_inputs.py); counted as loop_time_jumps_back on /diagnostics (WARN once),
+logged; commands resume with the first joint state of after the jump.
 
 loop.mode (read-only): 'thread' runs PolicyRunner + RealtimeLoop on a thread of this process;
 'process' runs them in a child interpreter (kestrel_control.core.loop_process / loop_child, no
@@ -66,6 +71,7 @@ from sensor_msgs.msg import JointState
 from kestrel_common.base_node import COMMAND_QOS, SENSOR_QOS, KestrelLifecycleNode, run_node
 from kestrel_common.conversions import stamp_to_ns
 from kestrel_common.params import ParamError
+from kestrel_common.time_jump import ClockJumps
 from kestrel_control.control_inputs import ControlInputs
 from kestrel_control.control_params import RENAMED, SPECS, qualify, resolve_loop_mode
 from kestrel_control.core import LoopStats, PolicyRunner, RealtimeLoop, RunnerConfig
@@ -81,8 +87,8 @@ from kestrel_models.control.policy import PolicyConfig
 class ControlNode(ControlInputs, KestrelLifecycleNode):
     """Lifecycle shell around PolicyRunner + RealtimeLoop (see the module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__("control", SPECS)
+    def __init__(self, **kwargs: Any) -> None:  # kwargs: rclpy Node's (context, overrides)
+        super().__init__("control", SPECS, **kwargs)
         self._runner: PolicyRunner | None = None
         self._stats: LoopStats | None = None
         self._loop: RealtimeLoop | None = None
@@ -102,6 +108,7 @@ class ControlNode(ControlInputs, KestrelLifecycleNode):
         self._ramp_timer = None
         self._ramps: list[TargetRamp] = []
         self._steady = Clock(clock_type=ClockType.STEADY_TIME)
+        self._clock_jumps = ClockJumps(1.0)  # the callbacks' view (configure: max_obs_age)
         # Per robot: joint-name order of the last accepted message, message index per joint.
         self._perm_names: list[list[str]] = []
         self._perm: list[np.ndarray] = []
@@ -235,6 +242,7 @@ class ControlNode(ControlInputs, KestrelLifecycleNode):
         # speed-limited joint targets (ControlTarget.max_speed): per robot, advanced by a timer
         # in the callbacks' group; the latest joint positions start a ramp
         self._ramps = [TargetRamp(len(names)) for _ in prefixes]
+        self._clock_jumps = ClockJumps(p["safety.max_obs_age"])  # as the loop's runner
         self._ramp_stamps = [0] * len(prefixes)
         self._last_pos = np.zeros((len(prefixes), len(names)))  # rad, node joint order
         self._have_pos = [False] * len(prefixes)
@@ -295,6 +303,7 @@ class ControlNode(ControlInputs, KestrelLifecycleNode):
         for ramp in self._ramps:
             ramp.reset()
         self._have_pos = [False] * len(self._ramps)
+        self._clock_jumps.reset()
         try:
             if self._proc is not None:  # the child resets the policy and the statistics
                 self._applied = self._proc.activate(self._publish_command)
@@ -455,7 +464,8 @@ class ControlNode(ControlInputs, KestrelLifecycleNode):
         new = {k: counters[k] - self._last_diag.get(k, 0) for k in counters}
         self._last_diag = counters
         problems = [k for k in ("step_errors", "deadline_misses", "stale_inputs",
-                                "rejected_nonfinite", "rejected_implausible") if new[k] > 0]
+                                "rejected_nonfinite", "rejected_implausible",
+                                "time_jumps_back") if new[k] > 0]
         if proc is not None and proc.proc.poll() is not None:
             return DiagnosticStatus.ERROR, (f"loop process exited (code {proc.proc.returncode}):"
                                             " no commands"), values

@@ -409,6 +409,37 @@ def test_c_tick_launches_a_user_files_graph(tmp_path) -> None:
             rig.close()
 
 
+def test_after_a_backwards_jump_the_python_tick_runs_until_a_joint_state_of_after_it(
+) -> None:
+    """The C tick knows nothing of time jumps (PolicyRunner.check_time): after /clock went
+    back, the Python tick runs until every robot has a joint state written after the jump, so
+    the joint state of before is not acted on; then C runs again, and the target of before
+    stays forgotten (the runner marked its version as read)."""
+    rig = Rig("jump", 1, True, False, set())
+    try:
+        js, tg = rig.views.joint_states[0], rig.views.targets[0]
+        robot = rig.runner.robots[0]
+        before, after, ms = 100 * 10**9, 3 * 10**9, 10**6
+        for k in range(3):  # C prepares the tick (the CPU backend's inference is Python's)
+            js.write(np.stack([np.full(N, 0.1), np.zeros(N)]), before + k * ms)
+            tg.write(np.full(N, 0.3), before)
+            rig.step(before + k * ms + ms // 2)
+        assert rig.codes[-1] == nt.KT_PY_INFER and (robot.target_now == 0.3).all()
+        commands, codes = rig.state()["commands"], len(rig.codes)
+        for k in range(3):  # the jump; no joint state of after it yet: no command, no C
+            rig.step(after + k * ms)
+        assert rig.views.stats.time_jumps_back == 1 and len(rig.codes) == codes
+        assert rig.state()["commands"] == commands and (robot.target_now == 0.0).all()
+        for k in (3, 4):  # joint states of after the jump: C again, without the old target
+            js.write(np.stack([np.full(N, -0.2), np.zeros(N)]), after + k * ms)
+            rig.step(after + k * ms + ms // 2)
+        assert rig.codes[codes:] == [nt.KT_PY_INFER] * 2
+        assert (robot.target_now == 0.0).all() and (robot.pos == -0.2).all()
+        assert rig.state()["commands"] == commands + 2
+    finally:
+        rig.close()
+
+
 def test_offsets_match_the_c_source() -> None:
     src = nt.SOURCE.read_text()
 

@@ -12,6 +12,9 @@ Per tick (`step_all(now_ns)`), per robot, no allocation in steady state:
   target's max_speed), MODE_HOLD (0) or nothing yet -> hold;
   the proposed command -> SafetyFilter.filter_command (non-finite -> hold, clamp to the joint
   limits, counted) -> commands[r].
+A backwards jump of the clock (as PolicyRunner.check_time): the joint states, target and mode
+of before are forgotten (no command until a joint state of after the jump, then hold there
+until a new target), counted as `time_jumps_back`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from kestrel_common.time_jump import ClockJumps
 
 from kestrel_control.core.cartesian import CartesianConfig, CartesianController
 from kestrel_control.core.double_buffer import LatestValueBuffer
@@ -56,6 +60,7 @@ class _IkRobot:
         self.proposed = np.zeros(n)
         self.tver = 0  # version of target_now (0 = none)
         self.mver = 0  # version of mode_now
+        self.js_floor = 0  # joint-state version at the last time jump: it and older are none
         self.info = StepInfo()
 
 
@@ -78,6 +83,7 @@ class IkRunner:
         self.policy = _Source(f"differential IK ({kinematics.n} joints, "
                               f"{cartesian.rate_hz:g} Hz)")
         self._lat = np.zeros(1)  # EMA of the step time, s
+        self._clock_jumps = ClockJumps(config.max_obs_age_s)
 
     @property
     def compute_latency_s(self) -> float:
@@ -90,8 +96,24 @@ class IkRunner:
             robot.controller.clear()
             for buf in (robot.joint_states, robot.target, robot.mode):
                 buf.clear()
-            robot.tver = robot.mver = 0
+            robot.tver = robot.mver = robot.js_floor = 0
             robot.mode_now.fill(0.0)
+        self._clock_jumps.reset()
+
+    def check_time(self, now_ns: int) -> bool:
+        """The tick's clock reading: True when it jumped back; then every input received
+        before is forgotten (the buffers untouched: their writer is another thread)."""
+        if not self._clock_jumps.observe(now_ns):
+            return False
+        for robot in self.robots:
+            robot.safety.reset()
+            robot.controller.clear()
+            robot.js_floor = robot.joint_states.version
+            robot.tver, robot.mver = robot.target.version, robot.mode.version
+            robot.target_now.fill(0.0)
+            robot.mode_now.fill(0.0)  # MODE_HOLD until a target of after the jump
+        self.counters.time_jumps_back += 1
+        return True
 
     def close(self) -> None:
         """Nothing to release (the policy runner's interface)."""
@@ -100,6 +122,7 @@ class IkRunner:
         """One tick for every robot: (commands [R, n] rad, infos); send row r only when
         infos[r].valid. Never raises for bad input."""
         t0 = time.perf_counter()
+        self.check_time(now_ns)
         for r in range(self.num_robots):
             self._step(r, now_ns)
         self._lat[0] += 0.05 * (time.perf_counter() - t0 - self._lat[0])
@@ -114,7 +137,7 @@ class IkRunner:
         info = robot.info
         version, stamp = robot.joint_states.read_into(robot.js)
         info.obs_version, info.obs_stamp_ns = version, stamp
-        if version == 0:
+        if version <= robot.js_floor:  # none yet, or from before a time jump
             info.status, info.valid, info.obs_age_s = SafetyStatus.NO_INPUT, False, math.nan
             return
         age = (now_ns - stamp) * 1e-9

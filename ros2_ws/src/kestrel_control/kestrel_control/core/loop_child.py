@@ -82,13 +82,15 @@ class _Tick:
             ctrl[CTRL_NO_CLOCK] += 1
             return
         native = self.native
-        if native is None:
+        runner = self.runner
+        # a backwards time jump: the inputs of before are forgotten (PolicyRunner.check_time),
+        # which the C tick cannot see: Python until every robot has a joint state of after it
+        if native is None or runner.check_time(now) or runner.after_jump:
             self._python(now)
             return
         code = native.tick(now)
         if code == KT_DONE:  # common case: the whole tick ran in C
             return
-        runner = self.runner
         if code == KT_PY_ALL:  # an input C does not take (none yet, stale, non-finite, ...)
             self._python(now)
             return

@@ -19,6 +19,13 @@ one captured graph / engine serves; padded rows are zeros); then per robot
 When no robot has a valid observation the backend is not run. With several robots, a held
 robot's row still goes through the batch step (on its last observation), so its recurrent state
 advances; it is not reset.
+Time jumping back (`check_time`, first in every tick: the clock `now_ns` went back more than
+max_obs_age, as /clock does at a sim restart or a bag loop): every input from before is of the
+world before the jump, whatever its stamp now looks like. The runner forgets them, as at
+activation, without touching the buffers (their writer is another thread or process): the
+joint-state value of before no longer counts as input (no command until one written after the
+jump), the target and Cartesian target of before are read as none, the recurrent state,
+previous action and last safe commands are reset; counted as `time_jumps_back`.
 `step(now_ns)` is the single-robot form: robot 0's (command, info).
 """
 
@@ -31,6 +38,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from kestrel_common.time_jump import ClockJumps
 
 from kestrel_control.core.double_buffer import LatestValueBuffer
 from kestrel_control.core.policy_io import ACTION_MODES, PolicyIO, RowIO, build_io, check_obs_dim
@@ -231,6 +240,11 @@ class PolicyRunner:
         self._tver = np.zeros(self.num_robots, dtype=np.int64)
         self._ever = np.zeros(self.num_robots, dtype=np.int64)  # same, Cartesian targets
         self._ready = [False] * self.num_robots  # per tick: robot has a fresh, finite obs
+        # backwards clock jumps (check_time); per robot, the joint-state version at the last
+        # jump: that value and older ones are not input (0: none)
+        self._clock_jumps = ClockJumps(config.max_obs_age_s)
+        self._js_floor = [0] * self.num_robots  # (a list: read every tick, plain ints)
+        self._after_jump = False  # a robot has had no joint state since the last jump
         self._infos = [r.info for r in self.robots]
         self._compensate = bool(config.latency_compensation)
         self.warmup(config.warmup_steps)
@@ -269,6 +283,9 @@ class PolicyRunner:
         self.backend.act_np[:] = 0.0
         self._tver[:] = 0
         self._ever[:] = 0
+        self._js_floor = [0] * self.num_robots
+        self._after_jump = False
+        self._clock_jumps.reset()
         for robot in self.robots:
             robot.safety.reset()
             robot.joint_states.clear()
@@ -277,6 +294,36 @@ class PolicyRunner:
                 robot.ee_target.clear()
                 robot.io.ee_target_set = False  # hold where the arm is until a target comes
             robot.inputs.fill(0.0)
+
+    def check_time(self, now_ns: int) -> bool:
+        """The tick's clock reading: True when it jumped back (see the module docstring);
+        then every input received before is forgotten (in place: the loop process's C tick
+        holds the arrays' addresses)."""
+        if not self._clock_jumps.observe(now_ns):
+            return False
+        self.backend.reset_state()
+        self.backend.obs_np[:] = 0.0
+        self.backend.act_np[:] = 0.0
+        for r, robot in enumerate(self.robots):
+            robot.safety.reset()
+            self._js_floor[r] = robot.joint_states.version
+            self._tver[r] = robot.target.version  # read as none: zeros in inputs
+            if robot.ee_target is not None:
+                self._ever[r] = robot.ee_target.version
+                robot.io.ee_target_set = False
+            robot.inputs.fill(0.0)
+        self._after_jump = True
+        self.counters.time_jumps_back += 1
+        return True
+
+    @property
+    def after_jump(self) -> bool:
+        """A robot has had no joint state since the last backwards jump (the loop process
+        runs the Python tick until every one has: its C tick knows no such floor)."""
+        if self._after_jump:
+            self._after_jump = any(r.joint_states.version <= f
+                                   for r, f in zip(self.robots, self._js_floor, strict=True))
+        return self._after_jump
 
     def close(self) -> None:
         """Release the backend's non-memory resources (cuda_persistent: its resident kernel);
@@ -312,7 +359,7 @@ class PolicyRunner:
         info = robot.info
         version, stamp = robot.joint_states.read_into(robot.js)
         info.obs_version, info.obs_stamp_ns = version, stamp
-        if version == 0:
+        if version <= self._js_floor[index]:  # none yet, or from before a time jump
             info.status, info.valid, info.obs_age_s = SafetyStatus.NO_INPUT, False, math.nan
             return False
         target, tver = robot.target, self._tver
@@ -381,6 +428,7 @@ class PolicyRunner:
     def step_all(self, now_ns: int) -> tuple[np.ndarray, list[StepInfo]]:
         """One tick for every robot. Returns (commands [R, n] rad, per-robot infos); send row r
         only when `infos[r].valid`. Arrays are the runner's own (overwritten next tick)."""
+        self.check_time(now_ns)
         if self._prepare_all(now_ns):
             self._infer()
             self._finish_all()

@@ -38,6 +38,7 @@ class SafetyCounters:
     rejected_nonfinite: int = 0
     rejected_implausible: int = 0
     clamped_actions: int = 0
+    time_jumps_back: int = 0  # backwards jumps of the clock (the runners forget their inputs)
 
 
 def _all_finite(x: np.ndarray) -> bool:

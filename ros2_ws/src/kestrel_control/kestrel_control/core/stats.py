@@ -107,7 +107,8 @@ class LoopStats:
     # to a cause second; readers take the causes first, so they never add up to more.
     CAUSES = MISS_CAUSES
     COUNTERS = ("cycles", "deadline_misses", "stale_inputs", "rejected_nonfinite",
-                "clamped_actions", "step_errors", *MISS_CAUSES, "rejected_implausible")
+                "clamped_actions", "step_errors", *MISS_CAUSES, "rejected_implausible",
+                "time_jumps_back")
 
     def __init__(self, period_target_s: float, capacity: int = 16384) -> None:
         if not period_target_s > 0:
@@ -123,6 +124,7 @@ class LoopStats:
         self.rejected_implausible = 0  # cycles whose observation was out of range (safety.py)
         self.clamped_actions = 0  # cycles where a command was clamped to the joint limits
         self.step_errors = 0  # exceptions raised by the step function (loop kept running)
+        self.time_jumps_back = 0  # backwards jumps of the loop's clock (policy_runner.py)
         self.misses_preempted = 0  # misses while another task had the loop's CPU
         self.misses_blocked = 0  # misses while the loop thread waited (GIL, lock) off its CPU
         self.misses_late_wake = 0  # misses from a late wake-up without a switch-out
