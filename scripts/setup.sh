@@ -83,7 +83,7 @@ fi
 # ---- 4/5. colcon build --------------------------------------------------------------------
 src_hash=$(cd "$ROOT/ros2_ws" && find src -type f \( -name '*.msg' -o -name '*.srv' -o -name '*.action' \
   -o -name 'CMakeLists.txt' -o -name 'package.xml' -o -name 'setup.py' -o -name 'setup.cfg' \
-  -o -path '*/launch/*' -o -path '*/config/*' -o -path '*/resource/*' \) -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+  -o -path '*/launch/*' -o -path '*/config/*' -o -path '*/resource/*' -o -path '*/weights/*' \) -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
 if [[ "$(cat "$ROOT/ros2_ws/.kestrel_build" 2>/dev/null)" != "$src_hash" || ! -f "$ROOT/ros2_ws/install/setup.bash" ]]; then
   say "colcon build (ros2_ws) ..."
   (
