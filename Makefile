@@ -1,12 +1,13 @@
 # Kestrel: the commands a new user needs.
-#   make demo        # set up if needed, run the whole stack on the embedded sim (~30 s), print a table
+#   make demo        # set up if needed, one pick-and-place episode through the whole stack, a table
 #   make test        # set up if needed, then lint + the whole test suite (what CI runs)
 #   make test-fast   # lint + unit and in-process tests: no DDS, no launch, no slow, no GPU tests
 #   make eval        # seeded pick-and-place episodes through the stack: success rate, failures
+#   make eval-oracle # the same with the correct plan per goal: everything but the planner's model
 DURATION ?= 30
 EPISODES ?= 50
 
-.PHONY: setup demo test test-fast lint clean eval
+.PHONY: setup demo test test-fast lint clean eval eval-oracle
 setup:
 	bash scripts/setup.sh
 
@@ -22,6 +23,10 @@ test-fast: setup
 eval: setup
 	bash scripts/run.sh python -m kestrel_bringup.evaluate --episodes $(EPISODES) --seed 0 \
 		--out docs/benchmarks/closed_loop_cpu
+
+eval-oracle: setup
+	bash scripts/run.sh python -m kestrel_bringup.evaluate --episodes $(EPISODES) --seed 0 \
+		--oracle-plan --out docs/benchmarks/closed_loop_oracle_plan_cpu
 
 lint: setup
 	bash scripts/run.sh ruff check .

@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
-"""Run the whole Kestrel stack on the embedded simulator for a bounded time, then print a
-table (topic rates, per-node latency percentiles, control-loop deadline misses) and judge the
-data flow sim -> perception -> planner -> control -> sim.
+"""Run the whole Kestrel stack on the embedded simulator and one pick-and-place episode
+through it: the sim is reset to a seeded layout, the planner gets the instruction, and the
+episode succeeds when the simulator's ground truth has the object in the bin and settled.
+Then a table (topic rates, per-node latency percentiles, control-loop deadline misses).
 
     make demo                         # = scripts/run.sh python scripts/demo.py
-    python scripts/demo.py --duration 60 --json out/demo.json
+    python scripts/demo.py --duration 60 --json out/demo.json --video out/episode.mp4
 
-Exit status 0 only if every node came up and stayed up, and data flowed end to end.
-Runs on its own ROS_DOMAIN_ID (default: a free one in 1..100) with localhost discovery.
+Plans: with --oracle-plan (the default until the trained planner's weights are the planner's
+default) the planner runs backend plan_text and is sent the correct plan for the goal; the
+demo says so. --no-oracle-plan sends the instruction to the planner as configured.
+Exit status 0 only if every node came up and stayed up, data flowed end to end and the
+episode succeeded. Runs on its own ROS_DOMAIN_ID (default: a free one in 1..100) with
+localhost discovery.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import tempfile
 import threading
@@ -31,10 +37,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float,
                         default=float(os.environ.get("KESTREL_DEMO_DURATION", "30")),
-                        help="seconds of measured run after start-up (default 30)")
+                        help="seconds of measured run after start-up, at least the episode "
+                        "(default 30)")
     parser.add_argument("--startup-timeout", type=float, default=60.0,
                         help="max seconds for every node to come up and data to flow")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="episode layout (0 = the default layout: every task object)")
+    parser.add_argument("--goal", default="red_cube", help="the object to put in the bin")
     parser.add_argument("--instruction", default="put the red cube in the bin")
+    parser.add_argument("--oracle-plan", action=argparse.BooleanOptionalAction, default=True,
+                        help="send the planner (backend plan_text) the correct plan instead "
+                        "of the instruction: the planner's model is not used")
+    parser.add_argument("--episode-timeout", type=float, default=60.0,
+                        help="sim s the episode may take after its plan")
+    parser.add_argument("--video", type=Path, default=None,
+                        help="record the episode (.mp4 or .gif; default <log dir>/episode.mp4)")
     parser.add_argument("--json", type=Path, default=None, help="write the report as JSON")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="node logs (default: a temp dir, printed at the end)")
@@ -47,47 +64,72 @@ def main() -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kestrel_demo_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("ROS_LOG_DIR", str(log_dir / "ros_log"))
+    video = args.video or log_dir / "episode.mp4"
 
     import rclpy
     from rclpy.executors import MultiThreadedExecutor
 
+    from kestrel_bringup.evaluate import ORACLE_NOTE, Evaluator
     from kestrel_bringup.monitor_node import StackMonitor
     from kestrel_bringup.run_stack import StackRunner
     from kestrel_bringup.stack_report import StackReport
 
     print(f"[demo] ROS_DOMAIN_ID={lease.domain_id}, logs in {log_dir}", flush=True)
-    runner = StackRunner(log_dir=log_dir, echo=not args.quiet)
+    if args.oracle_plan:
+        print(f"[demo] {ORACLE_NOTE}", flush=True)
+    extra = {"planner": {"backend": "plan_text"}} if args.oracle_plan else {}
+    runner = StackRunner(log_dir=log_dir, echo=not args.quiet, extra_params=extra)
     report = StackReport()
     rclpy.init()
-    monitor = StackMonitor(report, args.instruction)
+    monitor = StackMonitor(report, "")  # counts and latencies; the episode sends the goal
     executor = MultiThreadedExecutor(num_threads=2)
     executor.add_node(monitor)
     spin = threading.Thread(target=executor.spin, daemon=True)
     spin.start()
     failures: list[str] = []
+    trace = None
+    ev = None
     t_start = time.monotonic()
     runner.start()
     try:
-        # Start-up: wait (bounded) until every link of the chain has carried a message.
+        # Start-up: wait (bounded) until every link that needs no plan has carried a message.
         deadline = time.monotonic() + args.startup_timeout
         while time.monotonic() < deadline and not runner.exited():
-            if not report.flow_failures():
+            if not report.flow_failures(plans=False):
                 break
             time.sleep(0.25)
         startup = time.monotonic() - t_start
-        print(f"[demo] start-up took {startup:.1f} s; measuring for {args.duration:.0f} s",
-              flush=True)
-        end = time.monotonic() + args.duration
+        print(f"[demo] start-up took {startup:.1f} s; episode: seed {args.seed}, "
+              f"'{args.instruction}'", flush=True)
+        ev = Evaluator(plan_timeout_s=120.0, echo=True)
+        if not ev.wait_ready(max(1.0, deadline - time.monotonic())):
+            failures.append("/sim/reset or /planner/plan_task not available")
+        elif not runner.exited():
+            ev.recording = True
+            trace = ev.episode(args.seed, random.Random(args.seed), args.episode_timeout,
+                               0.3 if args.oracle_plan else 0.0, goal=args.goal,
+                               instruction=args.instruction)
+            ev.recording = False
+            _episode_verdict(trace, report, failures)
+        end = t_start + startup + args.duration
         while time.monotonic() < end and not runner.exited():
             time.sleep(0.25)
         early = runner.exited()
         failures += [f"node '{n}' exited early with code {c}" for n, c in early]
     finally:
+        frames = []
+        if ev is not None:
+            with ev.lock:
+                frames, ev.frames = ev.frames, []
+            ev.close()
         codes = runner.stop()
         executor.shutdown(timeout_sec=2.0)
         monitor.close()
         rclpy.try_shutdown()
         lease.release()
+    if frames:
+        from kestrel_bringup.episode_media import write_video
+        print(f"[demo] episode video: {write_video(frames, video)} ({len(frames)} frames)")
     failures += report.flow_failures()
     failures += [f"node '{n}' exit code {c} at shutdown" for n, c in codes.items()
                  if c not in (0, -2) and not any(n in f for f in failures)]
@@ -97,14 +139,35 @@ def main() -> int:
     print()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(_report_json(report, measured, failures), indent=2))
+        out = _report_json(report, measured, failures)
+        out["episode"] = None if trace is None else {
+            "seed": trace.seed, "goal": trace.goal, "instruction": trace.instruction,
+            "oracle_plan": args.oracle_plan, "stage": trace.stage,
+            "success_s": trace.success_s, "steps": trace.steps}
+        args.json.write_text(json.dumps(out, indent=2))
+    if trace is not None:
+        print(f"EPISODE: '{trace.instruction}' (seed {trace.seed}): "
+              + (f"SUCCESS, {trace.goal} in the bin and settled {trace.success_s:.1f} s "
+                 "(sim) after the plan" if trace.stage == "success" else
+                 f"FAILED at {trace.stage}") + (" [oracle plan]" if args.oracle_plan else ""))
     if failures:
         print("DEMO FAILED:\n  " + "\n  ".join(failures))
         print(f"node logs: {log_dir}")
         return 1
-    print("DEMO OK: every node came up and data flowed sim -> perception -> planner -> "
-          "control -> sim")
+    print("DEMO OK: every node came up, data flowed sim -> perception -> planner -> "
+          "control -> sim, and the episode succeeded")
     return 0
+
+
+def _episode_verdict(trace, report, failures: list[str]) -> None:  # noqa: ANN001
+    """The episode's plan into the report (the planner's link); its failure into failures."""
+    if trace is None:
+        failures.append("the episode could not start (reset or first status missing)")
+        return
+    report.on_plan(trace.plan_status)
+    if trace.stage != "success":
+        why = "; ".join(trace.steps or trace.plan_reasons) or "no step ended"
+        failures.append(f"episode: {trace.goal} not in the bin: {trace.stage} ({why})")
 
 
 def _report_json(report, duration: float, failures: list[str]) -> dict:

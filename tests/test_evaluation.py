@@ -132,3 +132,20 @@ def test_failed_episodes_are_listed_with_their_steps() -> None:
     assert ("| seed 7 | red_cube | reach_timeout | step 1/2 pick red_cube (failed): timeout "
             "after 10.0 s | red_cube 0.052, bin - |") in md
     assert "| seed 1 |" not in md  # successes are not listed
+
+
+def test_flow_before_the_first_plan_does_not_ask_for_the_plans_links() -> None:
+    from kestrel_bringup.stack_report import FLOW_CHAIN, StackReport
+
+    r = StackReport()
+    for _, topic in FLOW_CHAIN:
+        if topic != "/control/target":
+            r.on_message(topic, 1.0)
+    r.sim_applied_commands = 5
+    assert r.flow_failures(plans=False) == []  # the demo's start-up: no goal sent yet
+    full = r.flow_failures()
+    assert any("/control/target" in f for f in full) and any("no accepted plan" in f
+                                                             for f in full)
+    r.on_message("/control/target", 2.0)
+    r.on_plan("accepted")
+    assert r.flow_failures() == []

@@ -60,7 +60,8 @@ def instruction_for(goal: str, rng: random.Random) -> str:
 class Evaluator:
     """The ROS side: clients and subscriptions on the contract's names (one rclpy node)."""
 
-    def __init__(self, plan_timeout_s: float) -> None:
+    def __init__(self, plan_timeout_s: float, echo: bool = False) -> None:
+        """echo: print each plan step's start and end as it happens (the demo)."""
         import rclpy
         from kestrel_interfaces.action import PlanTask
         from kestrel_interfaces.msg import EpisodeStatus, GroundTruth, LoopStatistics
@@ -74,7 +75,10 @@ class Evaluator:
 
         from kestrel_common.base_node import COMMAND_QOS, LATCHED_QOS, SENSOR_QOS
 
-        rclpy.init()
+        self.owns_context = not rclpy.ok()  # a caller (the demo) may have initialised it
+        if self.owns_context:
+            rclpy.init()
+        self.echo = echo
         self.rclpy = rclpy
         self.PlanTask, self.ResetWorld = PlanTask, ResetWorld
         self.node = rclpy.create_node("evaluator")
@@ -119,7 +123,8 @@ class Evaluator:
     def close(self) -> None:
         self.executor.shutdown()
         self.node.destroy_node()
-        self.rclpy.try_shutdown()
+        if self.owns_context:
+            self.rclpy.try_shutdown()
 
     # ---- inputs -------------------------------------------------------------------------------
     def _on_status(self, msg: Any) -> None:
@@ -177,6 +182,9 @@ class Evaluator:
             i = int(msg.step_index)
             what = self.plan_steps[i] if i < len(self.plan_steps) else ""
             self.step = f"step {i + 1}/{msg.step_count} {what} ({names.get(msg.status, '?')})"
+            if self.echo:
+                print(f"[episode] {self.step}" + (f": {msg.message}" if msg.message else ""),
+                      flush=True)
             if msg.status >= 2:  # succeeded, failed, aborted
                 self.step_events.append(self.step + (f": {msg.message}" if msg.message else ""))
                 self.plan_ended |= msg.status > 2 or i + 1 >= msg.step_count
@@ -245,9 +253,11 @@ class Evaluator:
 
     # ---- one episode --------------------------------------------------------------------------
     def episode(self, seed: int, rng: random.Random, timeout_s: float,
-                oracle_speed: float = 0.0) -> EpisodeTrace | None:
+                oracle_speed: float = 0.0, goal: str = "",
+                instruction: str = "") -> EpisodeTrace | None:
         """One episode; oracle_speed > 0: send the planner (backend plan_text) the correct plan
-        at that speed, m/s, instead of the instruction."""
+        at that speed, m/s, instead of the instruction. goal / instruction: these instead of
+        ones drawn with rng (a goal must be on the table in the seed's layout)."""
         # The reset puts the arm back at home. The control node would drive it back to the
         # previous episode's last target (it holds that target, as it should on a robot
         # nothing teleports): it is deactivated across the reset and activated after it,
@@ -259,8 +269,12 @@ class Evaluator:
                 print(f"[evaluate] reset {seed} failed: "
                       f"{getattr(first, 'message', 'no answer')}", file=sys.stderr)
                 return None
-            goal = rng.choice(list(first.objects))
-            text = instruction_for(goal, rng)
+            if goal and goal not in first.objects:
+                print(f"[evaluate] seed {seed}: no {goal} on the table "
+                      f"({', '.join(first.objects)})", file=sys.stderr)
+                return None
+            goal = goal or rng.choice(list(first.objects))
+            text = instruction or instruction_for(goal, rng)
             resp = self.call_reset(seed, goal)  # the same layout, with its goal
             if resp is None or not resp.success:
                 return None
