@@ -1,9 +1,9 @@
 """perception node under overload, over DDS: every input message sent is accounted for.
 
-A separate process (sensor_burst.py) publishes camera + LiDAR sets at 3x and at 10x what the
-node can process (slow_perception_node.py: every frame takes at least FRAME_S). The node's
-depth-1 subscriptions keep only the newest message, so most are overwritten before the node
-sees them. Per sensor, /diagnostics must then tell the truth: received_<sensor> (taken by the
+A separate process (sensor_burst.py) publishes a few camera + LiDAR sets slowly, then sets at
+3x and at 10x what the node can process (slow_perception_node.py: every frame takes at least
+FRAME_S). The node's depth-1 subscriptions keep only the newest message, so most are
+overwritten before the node sees them. Per sensor, /diagnostics must then tell the truth: received_<sensor> (taken by the
 node) + lost_<sensor> (overwritten or lost on the way, counted from the publisher's sequence
 numbers) = sent, and at least LOST_COUNTED of the messages lost are counted as lost.
 """
@@ -26,7 +26,9 @@ FRAME_S = 0.1  # s per frame at least: the node processes at most 10 sets/s
 CAPACITY = 1.0 / FRAME_S  # sets/s
 PHASES = ((3.0, 4.0), (10.0, 12.0))  # (x the node's capacity, s of publishing)
 LOST_COUNTED = 0.9  # fraction of the lost messages that must be counted
-SLACK = 3  # messages per sensor and phase the accounting may miss (start of a publisher)
+# messages per sensor and phase the accounting may miss: those a subscription lost before it
+# matched the new publisher (no sequence number seen yet), during its slow warm-up sets
+SLACK = 3
 SENSORS = ("camera_0", "lidar")
 PARAMS = {
     "num_cameras": 1, "model.base_width": 8, "model.fpn_channels": 32,
