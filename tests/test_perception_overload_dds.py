@@ -3,9 +3,10 @@
 A separate process (sensor_burst.py) publishes a few camera + LiDAR sets slowly, then sets at
 3x and at 10x what the node can process (slow_perception_node.py: every frame takes at least
 FRAME_S). The node's depth-1 subscriptions keep only the newest message, so most are
-overwritten before the node sees them. Per sensor, /diagnostics must then tell the truth: received_<sensor> (taken by the
-node) + lost_<sensor> (overwritten or lost on the way, counted from the publisher's sequence
-numbers) = sent, and at least LOST_COUNTED of the messages lost are counted as lost.
+overwritten before the node sees them. Per sensor, /diagnostics must then tell the truth:
+received_<sensor> (taken by the node) + lost_<sensor> (overwritten or lost on the way,
+counted from the publisher's sequence numbers) = sent, and at least LOST_COUNTED of the
+messages lost are counted as lost.
 """
 
 from __future__ import annotations
