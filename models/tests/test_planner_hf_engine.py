@@ -196,3 +196,47 @@ def test_bf16_agreement_on_gpu(family: str, tmp_path: Path) -> None:
     assert res.tokens[0] == want
     agree = sum(a == b for a, b in zip(picks, want, strict=True)) / len(want)
     assert agree >= 0.98, (family, agree)
+
+
+def test_engine_or_tokenizer_failures_name_the_parameter(dirs: dict[str, Path], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that cannot be built (here: its constructor raises) and a corrupt
+    tokenizer.json are ValueErrors naming hf.model_path and the cause."""
+    import shutil
+
+    from kestrel_models.planner.hf_engine import runner
+    from kestrel_models.planner.tokenizer import HFTokenizer
+
+    def no_memory(*a: object, **k: object) -> None:
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(runner, "DecodeEngine", no_memory)
+    with pytest.raises(HFLoadError, match="parameter 'hf.model_path' = .*could not be built .*"
+                                          "RuntimeError: CUDA out of memory"):
+        open_hf(dirs["llava"], eos_id=EOS)
+    d = tmp_path / "badtok"
+    shutil.copytree(dirs["llava"], d)
+    (d / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="parameter 'hf.model_path' = .*no loadable tokenizer"):
+        HFTokenizer.from_pretrained(d)
+
+
+def test_processor_chat_template_is_used(dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A tokenizer without a chat template gets the one its processor saved beside it."""
+    import json
+    import shutil
+
+    from kestrel_models.planner.tokenizer import HFTokenizer
+    from tiny_hf_vlm import tokenizer
+
+    d = tmp_path / "proc"
+    shutil.copytree(dirs["llava"], d)
+    tok = tokenizer("llava")
+    tok.chat_template = None
+    tok.save_pretrained(str(d))
+    for f in ("chat_template.jinja", "chat_template.json"):
+        (d / f).unlink(missing_ok=True)
+    assert HFTokenizer.from_pretrained(d).chat("s", "u") is None
+    (d / "chat_template.json").write_text(json.dumps({"chat_template": "[{{ messages[1]"
+                                                      "['content'] }}]"}))
+    assert HFTokenizer.from_pretrained(d).chat("s", "u") == "[u]"

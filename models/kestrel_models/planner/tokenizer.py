@@ -179,7 +179,7 @@ class HFTokenizer:
                              "not installed") from exc
         try:
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - missing or corrupt files: name the parameter
             raise ValueError(f"parameter 'hf.model_path' = {str(path)!r}: no loadable tokenizer "
                              f"there ({exc}); save it with the model or set hf.tokenizer: byte"
                              ) from exc

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from kestrel_models.planner.engine import DecodeEngine
 from kestrel_models.planner.generate import GenerationResult, _per_row
-from kestrel_models.planner.hf_engine import HFDecoder, Unsupported, load
+from kestrel_models.planner.hf_engine import HFDecoder, HFLoadError, Unsupported, load
 
 __all__ = ["EngineRunner", "open_hf", "MAX_LEN"]
 
@@ -72,8 +72,9 @@ def open_hf(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = N
             eos_id: int = 0, max_batch: int = 4, compile_step: bool = False,
             tokenizer: Any = None, max_len: int = MAX_LEN) -> tuple[Any, str]:
     """(runner, note). The engine when `load` maps the checkpoint; transformers (hf.py) when
-    it raises Unsupported (note: why); HFLoadError (a checkpoint that does not load) and the
-    transformers path's own errors propagate (ValueErrors naming hf.model_path)."""
+    it raises Unsupported (note: why); HFLoadError (a checkpoint that does not load, or an
+    engine that cannot be built for it) and the transformers path's own errors propagate
+    (ValueErrors naming hf.model_path)."""
     try:
         dec = load(path, device, dtype, tokenizer)
     except Unsupported as why:
@@ -81,5 +82,10 @@ def open_hf(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = N
         vlm = HFVisionLanguageModel(path, device, dtype)
         return vlm, f"transformers, row by row (the engine does not run it: {why})"
     n = min(dec.cfg.max_seq_len, max_len)
-    runner = EngineRunner(dec, eos_id, max_batch, n, compile_step)
+    try:
+        runner = EngineRunner(dec, eos_id, max_batch, n, compile_step)
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the KV cache: say where
+        raise HFLoadError(f"parameter 'hf.model_path' = {str(path)!r}: the decode engine for "
+                          f"it could not be built ({max_batch} slots x {n} positions): "
+                          f"{type(exc).__name__}: {exc}") from exc
     return runner, f"engine: {dec.describe()}; {max_batch} slots x {n} positions"
