@@ -125,7 +125,8 @@ SPECS = [
     ParamSpec("max_height", 0.4, "Maximum clearance above a target, m."),
     ParamSpec("workspace_min", [-1.0, -1.0, -0.05], "Workspace box min (x, y, z), m.", length=3),
     ParamSpec("workspace_max", [1.0, 1.0, 1.0], "Workspace box max (x, y, z), m.", length=3),
-    ParamSpec("step_timeout", 10.0, "A step not done after this FAILS, s.", check=_positive),
+    ParamSpec("step_timeout", 10.0, "A waypoint not reached this long after its move at the "
+              "step's speed should have ended FAILS its step, s.", check=_positive),
     ParamSpec("position_tolerance", 0.01, "Waypoint reached within, m.", check=_positive),
     ParamSpec("gripper_time", 0.5, "Wait after a gripper command, s.", min=0.0, max=30.0),
     ParamSpec("transit_clearance", 0.15, "A pick or a place first goes this far above its "

@@ -96,6 +96,30 @@ def test_timeout_fails_step_and_aborts_rest() -> None:
     assert ex.tick(16.0, None).target is None
 
 
+def test_a_slow_long_move_gets_its_time_and_a_stuck_one_fails() -> None:
+    """The time a waypoint may take is its move at the step's speed + step_timeout (5 s): a
+    0.5 m move at 0.05 m/s takes 10 s, so it is no failure 10.5 s in (more than step_timeout)
+    and arrives at about 11 s; stuck, it fails 15 s after it was set."""
+    for stuck in (False, True):
+        ex = PlanExecutor(CFG)
+        ex.start(parse_plan("move_to bin speed=0.05\nend"), SCENE, 0.0)
+        t = 0.0
+        while ex.running and t < 15.0:
+            # 0.5 m above the bin target (0.3, 0.3, 0.05), going down at 0.045 m/s
+            ee = (0.3, 0.3, 0.55 if stuck else max(0.05, 0.55 - 0.045 * t))
+            out = ex.tick(t, ee)
+            if t == 10.5:
+                assert ex.statuses == [StepState.ACTIVE], out.events
+            t = round(t + 0.05, 2)
+        if stuck:
+            out = ex.tick(15.1, (0.3, 0.3, 0.55))
+            assert ex.statuses == [StepState.FAILED], ex.statuses
+            assert "not reached 15.1 s after it was set (its move: 10.0 s" in \
+                out.events[0].message
+        else:
+            assert ex.statuses == [StepState.SUCCEEDED] and 10.5 < t < 11.5, t
+
+
 def test_abort_and_preempt() -> None:
     ex = PlanExecutor(CFG)
     ex.start(parse_plan("move_to bin\nmove_to red_cube\nend"), SCENE, 0.0)

@@ -4,9 +4,13 @@ Each step expands into waypoints (skills.skill_points for the Cartesian geometry
 command, or the home joint configuration). `tick(now_s, ee_position)` returns the target to
 send and the status transitions: a Cartesian waypoint is reached when the end effector is within
 `position_tolerance` m; a gripper command after `gripper_time` s; HOME when the joints (or the
-end effector, if `home_position` is set) are within tolerance. A step that does not finish
-within `step_timeout` s FAILS and the rest of the plan is ABORTED. Without feedback
-(ee_position None) Cartesian steps can only time out.
+end effector, if `home_position` is set) are within tolerance. Each waypoint has the time its
+move takes at the step's speed (the distance from where the end effector is when the waypoint
+is set, or from the previous waypoint without feedback; the joint distance at `home_speed`
+for HOME) plus `step_timeout` s: a waypoint not reached by then FAILS its step and the rest of
+the plan is ABORTED. A slow plan over a long path is given its time; a stuck one fails
+`step_timeout` s after it should have arrived. Without feedback (ee_position None) Cartesian
+steps can only time out.
 """
 
 from __future__ import annotations
@@ -117,8 +121,9 @@ class PlanExecutor:
         self._names: list[str] = []
         self._step = 0
         self._wp = 0
-        self._t_step = 0.0
-        self._t_wp = 0.0
+        self._t_wp = 0.0  # s, when the current waypoint was set
+        self._move_s: float | None = None  # s its move takes at its speed (None: not yet known)
+        self._from: Vec3 | None = None  # m, the last Cartesian waypoint reached
         self._gripper = 0.0
 
     # ---- state -----------------------------------------------------------------------------
@@ -199,7 +204,7 @@ class PlanExecutor:
         self.statuses = [StepState.PENDING] * len(expanded)
         self._step, self._wp = 0, 0
         if expanded:
-            self._t_step = self._t_wp = now_s
+            self._t_wp, self._move_s, self._from = now_s, None, None
             events.append(self._event(0, StepState.ACTIVE, self._names[0]))
         return events
 
@@ -228,6 +233,24 @@ class PlanExecutor:
             return False
         return ee is not None and _dist(ee, wp.target.position) <= c.position_tolerance
 
+    def _move_time(self, wp: _Waypoint, ee: Sequence[float] | None,
+                   joints: Sequence[float] | None) -> float:
+        """s the waypoint's move takes at its speed, from where the arm is now (or from the
+        previous waypoint); 0 when neither is known."""
+        c = self.config
+        if wp.kind == "gripper":
+            return c.gripper_time
+        if wp.kind == "joint":
+            home = wp.target.joint_positions
+            if joints is None or not home or len(joints) < len(home):
+                return 0.0
+            return max(abs(float(a) - b) for a, b in zip(joints[:len(home)], home,
+                                                         strict=True)) / c.home_speed
+        start = ee if ee is not None else self._from
+        if start is None or not wp.target.max_speed > 0:
+            return 0.0
+        return _dist(start, wp.target.position) / wp.target.max_speed
+
     def tick(self, now_s: float, ee_position: Sequence[float] | None = None,
              joint_positions: Sequence[float] | None = None) -> ExecutorOutput:
         """Advance on feedback (ee_position xyz m, joint_positions rad; either may be None).
@@ -239,23 +262,30 @@ class PlanExecutor:
         while self.running:
             wps = self._plan[self._step]
             wp = wps[self._wp]
+            if self._move_s is None:
+                self._move_s = self._move_time(wp, ee_position, joint_positions)
             if self._reached(wp, now_s, ee_position, joint_positions):
                 if wp.kind == "gripper":
                     self._gripper = wp.target.gripper
+                elif wp.kind == "cartesian":
+                    self._from = wp.target.position
                 self._wp += 1
-                self._t_wp = now_s
+                self._t_wp, self._move_s = now_s, None
                 if self._wp < len(wps):
                     continue
                 events.append(self._event(self._step, StepState.SUCCEEDED))
                 self._step, self._wp = self._step + 1, 0
-                self._t_step = now_s
                 if self._step < len(self._plan):
                     events.append(self._event(self._step, StepState.ACTIVE,
                                               self._names[self._step]))
                 continue
-            if now_s - self._t_step > self.config.step_timeout:
-                events.append(self._event(self._step, StepState.FAILED,
-                                          f"timeout after {self.config.step_timeout:.1f} s"))
+            late = now_s - self._t_wp - self._move_s
+            if late > self.config.step_timeout:
+                events.append(self._event(
+                    self._step, StepState.FAILED,
+                    f"timeout: waypoint {self._wp + 1}/{len(wps)} not reached "
+                    f"{now_s - self._t_wp:.1f} s after it was set (its move: "
+                    f"{self._move_s:.1f} s, step_timeout {self.config.step_timeout:.1f} s)"))
                 events += self.abort(f"step {self._step} failed")
                 return ExecutorOutput(self.hold_target(), events)
             return ExecutorOutput(wp.target, events)
