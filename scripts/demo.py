@@ -7,9 +7,9 @@ Then a table (topic rates, per-node latency percentiles, control-loop deadline m
     make demo                         # = scripts/run.sh python scripts/demo.py
     python scripts/demo.py --duration 60 --json out/demo.json --video out/episode.mp4
 
-Plans: with --oracle-plan (the default until the trained planner's weights are the planner's
-default) the planner runs backend plan_text and is sent the correct plan for the goal; the
-demo says so. --no-oracle-plan sends the instruction to the planner as configured.
+Plans: the planner as configured (config/planner.yaml: the trained VLM) turns the instruction
+into the plan; with --oracle-plan it runs backend plan_text instead and is sent the correct
+plan for the goal (the demo says so).
 Exit status 0 only if every node came up and stayed up, data flowed end to end and the
 episode succeeded. Runs on its own ROS_DOMAIN_ID (default: a free one in 1..100) with
 localhost discovery.
@@ -45,7 +45,7 @@ def main() -> int:
                         help="episode layout (0 = the default layout: every task object)")
     parser.add_argument("--goal", default="red_cube", help="the object to put in the bin")
     parser.add_argument("--instruction", default="put the red cube in the bin")
-    parser.add_argument("--oracle-plan", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--oracle-plan", action="store_true",
                         help="send the planner (backend plan_text) the correct plan instead "
                         "of the instruction: the planner's model is not used")
     parser.add_argument("--episode-timeout", type=float, default=60.0,
