@@ -240,3 +240,28 @@ def test_processor_chat_template_is_used(dirs: dict[str, Path], tmp_path: Path) 
     (d / "chat_template.json").write_text(json.dumps({"chat_template": "[{{ messages[1]"
                                                       "['content'] }}]"}))
     assert HFTokenizer.from_pretrained(d).chat("s", "u") == "[u]"
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_kept_prefix_with_the_image_inside(family: str, dirs: dict[str, Path]) -> None:
+    """prefix_entries: a prefix holding the image marker (the image block and the prompt up to
+    prefix_tokens) is kept and reused (M-RoPE: the rope offset after the image comes back
+    with it); the tokens equal a run without the store. An image after the prefix: nothing
+    kept."""
+    torch.set_num_threads(1)
+    dec = load(dirs[family])
+    m, img = IMAGE_TOKEN[family], _image(5, family)
+    first, second = [1, 20, m, 21, 22, 23], [1, 20, m, 21, 22, 40, 41]
+    plain = DecodeEngine(dec, 1, 256, eos_id=-1)
+    want = [plain.generate([p], 24, images=[img]).tokens[0] for p in (first, second)]
+    eng = DecodeEngine(dec, 1, 256, eos_id=-1, prefix_entries=2)
+    got = []
+    for p in (first, second):
+        r = eng.submit(p, 24, img, image_key="frame", prefix_tokens=5)
+        eng.run()
+        got.append((r.tokens, r.prefix_hit))
+        eng.generate([[1, 30, 31]], 2)  # a text request in the slot between (offset 0)
+    assert got == [(want[0], False), (want[1], True)]
+    r = eng.submit([1, 20, 21, m, 22], 4, img, image_key="frame", prefix_tokens=2)
+    eng.run()
+    assert not r.prefix_hit and len(eng.store) == 1
