@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kestrel_bringup.core_loop import run_plan
-from kestrel_sim.core import SimWorld
+from kestrel_sim.core import SimWorld, SimWorldConfig
 
 
 @pytest.mark.parametrize("name", ["red_cube", "blue_cylinder"])
@@ -19,3 +19,18 @@ def test_pick_and_place_plan_succeeds(name: str) -> None:
     assert not ex.running and all(s.name == "SUCCEEDED" for s in ex.statuses), ex.statuses
     status = world.task_status()
     assert status.success(name), status
+
+
+def test_pick_and_place_in_the_far_corner() -> None:
+    """Seed 47 puts the cylinder in the table's far corner (0.46, -0.36): with the tool
+    pointing down the arm does not reach 15 cm above it, and the pick's first waypoint (over
+    the object at the transit clearance) stalled 2.5 cm short. The planner's default clearance
+    is within reach there and still clears the bin's walls."""
+    from kestrel_bringup.core_loop import TRANSIT_CLEARANCE
+
+    world = SimWorld(SimWorldConfig(min_objects=1, max_distractors=2))
+    world.reset(47)
+    assert world.task_objects == ("blue_cylinder",)
+    ex = run_plan(world, "pick blue_cylinder\nplace bin\nend", 30.0)
+    assert [s.name for s in ex.statuses] == ["SUCCEEDED"] * 2, (TRANSIT_CLEARANCE, ex.statuses)
+    assert world.task_status().success("blue_cylinder")

@@ -19,10 +19,12 @@ from kestrel_control.core.kinematics import ArmKinematics
 from kestrel_control.core.policy_runner import RunnerConfig
 from kestrel_planner.core.executor import ExecutorConfig, PlanExecutor, TargetMode
 from kestrel_planner.core.plan import SceneObject, parse_plan
+from kestrel_planner.params import SPECS
 from kestrel_sim.core import SimWorld
 
 CONTROL_HZ, PLANNER_HZ = 500.0, 20.0
-TRANSIT_CLEARANCE = 0.15  # m, the planner's default (params.py)
+# m, the planner node's default (kestrel_planner.params), so this loop runs what the stack runs
+TRANSIT_CLEARANCE = next(s.default for s in SPECS if s.name == "transit_clearance")
 
 
 def run_plan(world: SimWorld, plan_text: str, seconds: float,

@@ -129,7 +129,7 @@ SPECS = [
               "step's speed should have ended FAILS its step, s.", check=_positive),
     ParamSpec("position_tolerance", 0.01, "Waypoint reached within, m.", check=_positive),
     ParamSpec("gripper_time", 0.5, "Wait after a gripper command, s.", min=0.0, max=30.0),
-    ParamSpec("transit_clearance", 0.15, "A pick or a place first goes this far above its "
+    ParamSpec("transit_clearance", 0.12, "A pick or a place first goes this far above its "
               "target, then down to its height; a pick lifts the object this far once "
               "closed, a place goes back up this far once open: moves between targets clear "
               "the bin's walls and the objects; 0 = off, m.", min=0.0, max=1.0),
