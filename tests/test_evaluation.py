@@ -149,3 +149,15 @@ def test_flow_before_the_first_plan_does_not_ask_for_the_plans_links() -> None:
     r.on_message("/control/target", 2.0)
     r.on_plan("accepted")
     assert r.flow_failures() == []
+
+
+def test_the_result_file_names_machine_commit_and_date() -> None:
+    from kestrel_bringup.evaluate import run_record
+
+    rec = run_record()
+    assert rec["machine"]["cpus"] >= 1 and rec["machine"]["class"] == "cpu"
+    assert rec["commit"] and len(rec["date"]) == 20 and rec["date"].endswith("Z")
+    s = summarize([trace(plan_status="accepted", success_s=3.0)])
+    s.update(rec)
+    md = markdown(s, "python -m kestrel_bringup.evaluate --episodes 1")
+    assert f"- commit: `{rec['commit']}`, date: {rec['date']}" in md

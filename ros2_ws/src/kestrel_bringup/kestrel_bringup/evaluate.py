@@ -21,8 +21,9 @@ output says so in its first lines.
 Output: the summary of kestrel_bringup.evaluation (success rate with a Wilson 95 % interval,
 failures by stage, time to success, deadline misses, the sim-time speed: sim seconds per wall
 second over the run) as <out>.json and <out>.md, the outcomes
-as <out>.png; `--video` records the first episode from /camera/image_raw with the instruction
-and the plan step (/planner/plan, /planner/step_status) written over it (episode_media).
+as <out>.png, and the first episode's video (<out>.mp4 or `--video`) from /camera/image_raw
+with the instruction and the plan step (/planner/plan, /planner/step_status) written over it
+(episode_media).
 """
 
 from __future__ import annotations
@@ -50,6 +51,38 @@ ORACLE_NOTE = ("oracle plan: the planner node ran backend plan_text and was sent
 def oracle_plan(goal: str, speed: float) -> str:
     """The correct plan for 'put <goal> in the bin', in the plan text form ';'-separated."""
     return f"pick {goal} speed={speed:g}; place bin speed={speed:g}; end"
+
+
+def run_record() -> dict[str, Any]:
+    """machine (cpu model, cpus, load), commit (of the working directory's repository, '+dirty'
+    with uncommitted changes) and date (UTC) of a run, for its result file."""
+    import datetime
+    import os
+    import platform
+    import subprocess
+
+    machine: dict[str, Any] = {"class": "cpu", "cpus": os.cpu_count(),
+                               "python": platform.python_version(),
+                               "loadavg_1m": round(os.getloadavg()[0], 2)}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                machine["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    commit = "unknown"
+    try:
+        git = ["git", "-C", os.getcwd()]
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = (head + ("+dirty" if dirty else "")) or commit
+    except (OSError, subprocess.SubprocessError):
+        pass
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"machine": machine, "commit": commit, "date": date}
 
 
 def instruction_for(goal: str, rng: random.Random) -> str:
@@ -368,12 +401,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="write each node's output to <dir>/<node>.log")
     parser.add_argument("--out", default="", help="write <out>.json, <out>.md and <out>.png")
-    parser.add_argument("--video", default="", help="record the first episode: .mp4 or .gif")
+    parser.add_argument("--video", default=None, help="record the first episode: .mp4 or "
+                        ".gif (default with --out: <out>.mp4; 'none': no video)")
     args = parser.parse_args(argv)
     if args.episodes < 1:
         parser.error("--episodes must be >= 1")
     if not args.oracle_speed > 0:
         parser.error("--oracle-speed must be > 0")
+    if args.video is None:
+        args.video = str(Path(args.out).with_suffix(".mp4")) if args.out else ""
+    elif args.video == "none":
+        args.video = ""
+    record = run_record()  # at the start: the load before the stack, the start date
     runner = None
     if not args.no_stack:
         from kestrel_bringup.run_stack import StackRunner
@@ -433,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(traces, {**vars(args), "wall_s": round(time.monotonic() - t_start, 1)})
     summary["schema"] = "kestrel_eval/1"
     summary["command"] = command
+    summary.update(record)
     summary["sim_speed"] = speed
     if args.oracle_plan:
         summary["plan_source"] = ORACLE_NOTE

@@ -133,6 +133,12 @@ def markdown(summary: dict, command: str = "") -> str:
     lines = ["# Closed-loop evaluation", ""]
     if command:
         lines += [f"Command: `{command}`", ""]
+    m = summary.get("machine")
+    if m:
+        lines += [f"- machine: {m.get('class', '?')}, {m.get('cpu_model', '?')}, "
+                  f"{m.get('cpus', '?')} CPUs, load {m.get('loadavg_1m', '?')} at the start",
+                  f"- commit: `{summary.get('commit', '?')}`, date: {summary.get('date', '?')}",
+                  ""]
     if summary.get("plan_source"):
         lines += [f"**Plans: {summary['plan_source']}.**", ""]
     lines += [
