@@ -12,13 +12,11 @@ the same validation in an on-set-parameters callback.
 
 from __future__ import annotations
 
-import os
-import select
 import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import lifecycle_msgs.msg
 import rclpy
@@ -32,6 +30,8 @@ from rclpy.executors import (Executor, ExternalShutdownException, MultiThreadedE
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
 from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy)
+from rclpy.signals import SignalHandlerOptions
+from rclpy.task import Future
 
 from kestrel_common.clock_check import ClockCheck
 from kestrel_common.conversions import diagnostic_status
@@ -39,6 +39,8 @@ from kestrel_common.counters import Counters
 from kestrel_common.heap import freeze_heap, thaw_heap, tune_malloc
 from kestrel_common.params import (ParamError, ParamSpec, check_known_names, check_unique_names,
                                    validate_value, with_base_specs)
+from kestrel_common.process_stop import (CLEANUP_GRACE_S, SignalWatch, StopSignals,  # noqa: F401
+                                         exit_process)
 
 # Sensor streams (camera, LiDAR, joint states): best effort, keep only the newest sample.
 # A late frame is worthless; queues must never grow under overload.
@@ -303,6 +305,20 @@ class KestrelLifecycleNode(LifecycleNode):
         self.stop_workers()
         return TransitionCallbackReturn.SUCCESS
 
+    def destroy_node(self) -> None:
+        """rclpy's destroy_node, then what it leaves: waitables (action servers and clients)
+        and the lifecycle state machine (its services and transition publisher). Each holds
+        the node's handle, and the last holder keeps the DDS participant up (until the
+        garbage collector or the interpreter's exit gets to it)."""
+        super().destroy_node()
+        for waitable in list(self.waitables):
+            destroy = getattr(waitable, "destroy", None)
+            if destroy is not None:
+                destroy()
+        machine = getattr(self, "_state_machine", None)  # rclpy keeps it private
+        if machine is not None:
+            machine.destroy_when_not_in_use()
+
 
 def make_executor(node: KestrelLifecycleNode, num_threads: int = 4) -> Executor:
     """The node's executor: its read-only `executor` parameter when it declares one, else
@@ -326,88 +342,41 @@ def _differs(new: Any, old: Any) -> bool:
         return True
 
 
-# How long the orderly stop (stop workers, executor, node, context) may take after the first
-# SIGINT/SIGTERM before a further SIGTERM ends the process without finishing it.
-CLEANUP_GRACE_S = 2.0
-
-
-class StopSignals:
-    """run_node's SIGINT/SIGTERM handler: the first signal raises KeyboardInterrupt (leave
-    spin()), every later one only sets `stop`.
-
-    Why: Ctrl-C (or `timeout -s INT`) reaches every process of the group and `ros2 launch`
-    forwards another SIGINT, then SIGTERM, often within a millisecond. With the default
-    handler, a repeat that arrived after the first KeyboardInterrupt but before the shutdown
-    ignored signals raised a second KeyboardInterrupt inside the cleanup: the node died with
-    exit code -2 and left its Fast DDS shared-memory segment in /dev/shm (seen once in ~12
-    stops of the stack under `ros2 launch`). Installed before rclpy.init, so rclpy's own
-    handlers (context shutdown, executor wake-up) run first and chain to this one."""
-
-    def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.raised = False
-        self.armed = False  # before arm(): a signal only sets `stop` (nothing to unwind yet)
-        self.first_at: float | None = None  # time.monotonic() of the first signal
-        self.shutdown_at: float | None = None  # of disarm(): the orderly stop began
-        self.term_at: float | None = None  # of a SIGTERM that was not the first signal
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        now = time.monotonic()
-        if signum == signal.SIGTERM and (self.first_at is not None
-                                         or self.shutdown_at is not None):
-            self.term_at = self.term_at or now
-        self.first_at = self.first_at or now
-        self.stop.set()
-        if self.armed and not self.raised:
-            self.raised = True
-            raise KeyboardInterrupt
-
-    def arm(self) -> None:
-        """Inside run_node's try: from now on the first signal raises. One that came before
-        (during rclpy.init or the node's construction) raises here, once."""
-        self.armed = True
-        if self.stop.is_set() and not self.raised:
-            self.raised = True
-            raise KeyboardInterrupt
-
-    def disarm(self) -> None:
-        """Shutdown has begun: later signals must not interrupt it (a later SIGTERM may end
-        the process instead: force_exit_due)."""
-        self.raised = True
-        self.shutdown_at = self.shutdown_at or time.monotonic()
-
-    def stop_began(self) -> float | None:
-        """When the stop began: the first signal, or disarm() when none came."""
-        times = [t for t in (self.first_at, self.shutdown_at) if t is not None]
-        return min(times) if times else None
-
-    def force_exit_due(self, now: float) -> bool:
-        """A SIGTERM after the first signal ends the process once the orderly stop has had
-        CLEANUP_GRACE_S: at once for `ros2 launch`'s escalation (sent 5 s after its SIGINT),
-        only after the grace for one that came in the same burst as the Ctrl-C."""
-        began = self.stop_began()
-        return (self.term_at is not None and began is not None
-                and now >= max(self.term_at, began + CLEANUP_GRACE_S))
-
-
-exit_watchdog: _ForceExitWatchdog | None = None  # run_node's, once its stop began
+exit_watchdog: SignalWatch | None = None  # serve_node's, from before spin() to the exit
 
 
 def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None,
-             num_threads: int = 4) -> int:
-    """main() for a Kestrel node: init, autostart (configure + activate), spin a
-    MultiThreadedExecutor until SIGINT/SIGTERM, then stop workers and shut down in order.
+             num_threads: int = 4) -> NoReturn:
+    """main() for a Kestrel node process: serve_node, then end the process with its exit code
+    (process_stop.exit_process: atexit handlers run, the interpreter's finalisation does not).
+    Never returns."""
+    code = serve_node(node_cls, args, num_threads)
+    exit_process(code, exit_watchdog.name if exit_watchdog is not None else node_cls.__name__)
+
+
+def serve_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None,
+               num_threads: int = 4) -> int:
+    """run_node without the process exit: init, autostart (configure + activate), spin the
+    executor until SIGINT/SIGTERM, then stop in order while the context is still valid:
+    workers, executor, node (its DDS entities, the participant), context.
 
     Returns 0, or 2 when autostart configure/activate failed (the reason is logged)."""
     malloc = tune_malloc()  # before the first message: received buffers reuse heap pages
     signals = StopSignals()  # raises only once armed, inside the try below
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before rclpy.init: its handlers chain to these
+    for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signals)
-    rclpy.init(args=args)
+    # No rclpy handlers: they would shut the context down at the signal, under callbacks and
+    # worker threads that still publish (process_stop's docstring). The first signal completes
+    # `stopped` instead (SignalWatch), which ends the spin; the context is shut down last.
+    rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
     node = node_cls()
     node.get_logger().info(malloc)
     executor = make_executor(node, num_threads)
     executor.add_node(node)
+    name = node.get_name()  # (not after destroy_node)
+    stopped: Future = Future()
+    global exit_watchdog
+    exit_watchdog = SignalWatch(signals, name, on_first=lambda: stopped.set_result(True))
     code = 0
     try:
         signals.arm()  # a signal since the handlers went in raises here, inside the try
@@ -422,83 +391,61 @@ def run_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = None
                 if node._state_machine.current_state[0] != State.PRIMARY_STATE_ACTIVE:
                     node.get_logger().fatal("autostart: activate failed")
                     code = 2
-        if code == 0:
-            executor.spin()
+        signals.cooperate()  # from here on a signal ends the spin through `stopped`
+        if code == 0 and not signals.stop.is_set():
+            executor.spin_until_future_complete(stopped)
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     except RuntimeError as exc:  # rclpy's RCLError is one
-        # SIGINT: rclpy's handler shuts the context down; an executor between its shutdown
-        # check and building its next wait set raises "the given context is not valid" instead
-        # of ExternalShutdownException (seen in CI on a loaded machine). That is the same
+        # The context shut down by someone else (rclpy.shutdown() in-process): an executor
+        # between its shutdown check and building its next wait set raises "the given
+        # context is not valid" instead of ExternalShutdownException. That is the same
         # orderly stop; anything raised while the context is still valid is not.
         if rclpy.ok():
             raise
         # (stderr: rclpy's logging may already be finalised with the context)
-        print(f"[{node.get_name()}] executor stopped at shutdown: {exc!r}", file=sys.stderr)
+        print(f"[{name}] executor stopped at shutdown: {exc!r}", file=sys.stderr)
     finally:
         signals.disarm()  # from here on, signals only set signals.stop (see StopSignals)
-        for sig in (signal.SIGINT, signal.SIGTERM):  # ours again (rclpy's chain ends here)
-            signal.signal(sig, signals)
-        name = node.get_name()  # (not after destroy_node)
-        global exit_watchdog
-        exit_watchdog = _ForceExitWatchdog(signals, name)  # lives to the exit
+        steps = _StopSteps()
         try:
             node.stop_workers()
         except Exception as exc:  # noqa: BLE001 - the rest of the shutdown must still run
             node.get_logger().error(f"stop_workers failed at exit: {exc!r}")
             code = code or 1
+        steps.done("workers")
         executor.shutdown(timeout_sec=2.0)
+        steps.done("executor")
         node.destroy_node()
+        steps.done("node")
         rclpy.try_shutdown()
-        # after the executor's threads are gone: the objects frozen at configure (DDS entities
-        # among them) must be finalised normally at interpreter exit
+        steps.done("context")
+        # after the executor's threads are gone: what configure froze is collectable again
+        # (a process that goes on: tests; run_node's exit does not collect)
         thaw_heap()
-        # what is left is the interpreter's exit, which resets Python handlers to the default
-        # late on. A late Ctrl-C has nothing more to stop; a SIGTERM of the Ctrl-C's burst
-        # (within the grace) is ignored, a later one ends the process (the watchdog, then the
-        # default action).
+        # A late Ctrl-C has nothing more to stop; a SIGTERM of the Ctrl-C's burst (within the
+        # grace) is ignored, a later one ends the process (the watchdog, then the default).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if time.monotonic() < (signals.stop_began() or 0.0) + CLEANUP_GRACE_S:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         began = signals.stop_began()
         if began is not None:  # (stderr: rclpy's logging is finalised with the context)
-            print(f"[{name}] stopped in {time.monotonic() - began:.3f} s",
+            print(f"[{name}] stopped in {time.monotonic() - began:.3f} s ({steps})",
                   file=sys.stderr)
     return code
 
 
-class _ForceExitWatchdog:
-    """From run_node's orderly stop to the process exit: ends the process (exit code
-    128 + SIGTERM) when StopSignals.force_exit_due. The signal reaches this thread through
-    the wakeup fd, which the C-level handler writes at once, so a main thread blocked in a C
-    call (a DDS entity being destroyed, a thread join) cannot hold the exit back."""
+class _StopSteps:
+    """How long each step of the orderly stop took, for its log line."""
 
-    def __init__(self, signals: StopSignals, name: str) -> None:
-        self._signals, self._name = signals, name
-        self._done = threading.Event()
-        self._read, write = os.pipe()
-        os.set_blocking(write, False)
-        self._write = write
-        self._old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        self._thread = threading.Thread(target=self._run, name="force_exit", daemon=True)
-        self._thread.start()
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+        self._took: list[tuple[str, float]] = []
 
-    def _run(self) -> None:
-        while not self._done.is_set():
-            ready, _, _ = select.select([self._read], [], [], 0.02)
-            if ready:
-                for signum in os.read(self._read, 64):
-                    if signum == signal.SIGTERM:  # after disarm: never the first signal
-                        self._signals.term_at = self._signals.term_at or time.monotonic()
-            if not self._done.is_set() and self._signals.force_exit_due(time.monotonic()):
-                os.write(2, f"[{self._name}] SIGTERM: the orderly stop took longer than "
-                            f"{CLEANUP_GRACE_S} s, exiting without it\n".encode())
-                os._exit(128 + signal.SIGTERM)
+    def done(self, step: str) -> None:
+        now = time.monotonic()
+        self._took.append((step, now - self._last))
+        self._last = now
 
-    def close(self) -> None:
-        """Stop watching (a process that goes on after run_node returned: tests)."""
-        self._done.set()
-        self._thread.join(1.0)
-        signal.set_wakeup_fd(self._old_fd)
-        os.close(self._read)
-        os.close(self._write)
+    def __str__(self) -> str:
+        return ", ".join(f"{step} {s:.3f} s" for step, s in self._took)

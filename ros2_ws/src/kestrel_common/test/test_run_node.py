@@ -1,9 +1,11 @@
-"""run_node's exit path: an executor error caused by the SIGINT shutdown is the orderly stop (exit
-0), any other executor error still propagates. Stand-in node and executor: no DDS needed.
+"""run_node's stop path (serve_node, the part that returns): a signal ends the spin through the
+SignalWatch; an executor error caused by a shutdown of the context is the orderly stop (exit
+0), any other executor error still propagates; exit_process ends a process with its code
+after the atexit handlers. Stand-in node and executor: no DDS needed.
 
-Seen in CI: rclpy's SIGINT handler shut the context down while the executor was between its
-shutdown check and building its next wait set, so spin() raised RCLError "the given context
-is not valid" and the control node exited 1 (tests/test_control_multi_robot_dds.py)."""
+Seen in CI (when rclpy's SIGINT handler still shut the context down): the executor was
+between its shutdown check and building its next wait set, so spin raised RCLError "the
+given context is not valid" and the control node exited 1."""
 
 from __future__ import annotations
 
@@ -45,12 +47,12 @@ class _Executor:
     def add_node(self, node) -> None:  # noqa: ANN001
         pass
 
-    def spin(self) -> None:
+    def spin_until_future_complete(self, future) -> None:  # noqa: ANN001
         import rclpy
         from rclpy._rclpy_pybind11 import RCLError
 
         if _Executor.shutdown_first:
-            rclpy.shutdown()  # what rclpy's SIGINT handler does
+            rclpy.shutdown()  # someone else shut the context down
         raise RCLError("failed to initialize wait set: the given context is not valid, either "
                        "rcl_init() was not called or rcl_shutdown() was called.")
 
@@ -80,7 +82,7 @@ def _close_watchdog(base_node) -> None:  # noqa: ANN001
 
 def test_executor_error_after_shutdown_is_the_orderly_stop(stand_ins, capsys) -> None:
     _Executor.shutdown_first = True
-    assert stand_ins.run_node(_Node, []) == 0
+    assert stand_ins.serve_node(_Node, []) == 0
     assert _Node.stopped  # the rest of the shutdown ran
     assert "executor stopped at shutdown" in capsys.readouterr().err
 
@@ -90,7 +92,7 @@ def test_executor_error_while_running_still_raises(stand_ins) -> None:
 
     _Executor.shutdown_first = False
     with pytest.raises(RCLError, match="context is not valid"):
-        stand_ins.run_node(_Node, [])
+        stand_ins.serve_node(_Node, [])
     assert _Node.stopped
 
 
@@ -120,18 +122,23 @@ def test_stop_signals_raise_once_then_only_set_stop() -> None:
 
 
 class _SignalledExecutor(_Executor):
-    """spin() is stopped by a real SIGINT, and more arrive while it unwinds."""
+    """The spin is ended by a real SIGINT (the SignalWatch completes the future it spins
+    until, from its own thread), and more arrive while it unwinds."""
 
     seen_handler = None
+    ended_by_future = False
 
-    def spin(self) -> None:
+    def spin_until_future_complete(self, future) -> None:  # noqa: ANN001
         import os
         import time
 
         _SignalledExecutor.seen_handler = signal.getsignal(signal.SIGINT)
         try:
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5.0)  # the handler's KeyboardInterrupt ends this
+            deadline = time.monotonic() + 5.0
+            while not future.done() and time.monotonic() < deadline:
+                time.sleep(0.01)  # (what the executor's wait does; no exception comes)
+            _SignalledExecutor.ended_by_future = future.done()
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):
                 os.kill(os.getpid(), sig)  # repeats during the unwinding
@@ -146,12 +153,13 @@ def test_repeated_real_signals_leave_the_cleanup_complete(monkeypatch) -> None:
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     _Node.stopped = False
     try:
-        assert base_node.run_node(_Node, []) == 0
+        assert base_node.serve_node(_Node, []) == 0
     finally:
         _close_watchdog(base_node)
         for sig, handler in saved.items():
             signal.signal(sig, handler)
     assert isinstance(_SignalledExecutor.seen_handler, base_node.StopSignals)
+    assert _SignalledExecutor.ended_by_future
     assert _Node.stopped
 
 
