@@ -42,6 +42,12 @@ from rosgraph_msgs.msg import Clock
 
 from kestrel_bringup import bag_qos
 from kestrel_bringup.bag import BagError, BagReader, BagWriter, normalize_type, reindex
+from kestrel_common.process_stop import exit_process
+
+
+# play, after SIGINT/SIGTERM: how long the readers may take in all to acknowledge the
+# reliable topics' last messages, s
+STOP_ACK_S = 0.5
 
 
 def message_class(type_name: str) -> Any:
@@ -139,7 +145,7 @@ class Recorder(Node):
             self.done.set()
 
 
-def _record(args: argparse.Namespace) -> int:
+def _record(args: argparse.Namespace, stop: threading.Event) -> int:
     if not args.topics and not args.all:
         print("record: name topics or pass --all", file=sys.stderr)
         return 2
@@ -149,7 +155,7 @@ def _record(args: argparse.Namespace) -> int:
     executor.add_node(node)
     end = time.monotonic() + args.duration if args.duration > 0 else float("inf")
     try:
-        while rclpy.ok() and not node.done.is_set() and time.monotonic() < end:
+        while not stop.is_set() and not node.done.is_set() and time.monotonic() < end:
             executor.spin_once(timeout_sec=0.1)
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
@@ -163,7 +169,7 @@ def _record(args: argparse.Namespace) -> int:
     return 0
 
 
-def _play(args: argparse.Namespace) -> int:
+def _play(args: argparse.Namespace, stop: threading.Event) -> int:
     reader = BagReader(args.bag)
     remap = dict(r.split(":=", 1) for r in args.remap)
     wanted = set(args.topics) if args.topics else None
@@ -185,12 +191,9 @@ def _play(args: argparse.Namespace) -> int:
     clock_pub = node.create_publisher(Clock, "/clock", 10) if own_clock else None
     if args.wait_subscribers > 0:
         deadline = time.monotonic() + args.wait_subscribers
-        while time.monotonic() < deadline and any(
+        while time.monotonic() < deadline and not stop.is_set() and any(
                 p.get_subscription_count() == 0 for p in pubs.values()):
             time.sleep(0.02)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # rclpy's own handlers are off for play
-        signal.signal(sig, lambda *_: stop.set())
     clock_msg = Clock()
     count = 0
     try:
@@ -217,9 +220,13 @@ def _play(args: argparse.Namespace) -> int:
             if not args.loop:
                 break
     finally:
-        # reliable topics: let the readers acknowledge the tail before the writers go (bounded)
+        # reliable topics: let the readers acknowledge the tail before the writers go
+        # (bounded: each topic at the bag's end; all of them together after a stop signal,
+        # whose process must be gone within STOP_ACK_S plus the exit)
+        end = time.monotonic() + STOP_ACK_S
         for p in pubs.values():
-            p.wait_for_all_acked(Duration(seconds=2.0))
+            left = 2.0 if not stop.is_set() else max(0.0, end - time.monotonic())
+            p.wait_for_all_acked(Duration(seconds=left))
         print(f"played {count} messages from {args.bag}", flush=True)
         node.destroy_node()
     return 0
@@ -292,19 +299,26 @@ def main(argv: list[str] | None = None) -> int:
         except BagError as exc:
             print(f"{args.cmd}: {exc}", file=sys.stderr)
             return 1
-    # play owns SIGINT/SIGTERM (it never spins); record relies on rclpy's (spin_once returns).
-    # only the --ros-args part goes to rcl (it would read our `from:=to` remaps as its own)
+    # SIGINT/SIGTERM end record and play through `stop` (their loops check it at least every
+    # 0.1 s); rclpy's handlers would shut the context down under the recorder's callbacks and
+    # before the bag is finalised. Only the --ros-args part goes to rcl (it would read our
+    # `from:=to` remaps as its own).
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     ros_argv = argv[:1] + (argv[argv.index("--ros-args"):] if "--ros-args" in argv else [])
-    rclpy.init(args=ros_argv, signal_handler_options=(
-        SignalHandlerOptions.NO if args.cmd == "play" else SignalHandlerOptions.ALL))
+    rclpy.init(args=ros_argv, signal_handler_options=SignalHandlerOptions.NO)
     try:
-        return _record(args) if args.cmd == "record" else _play(args)
+        code = _record(args, stop) if args.cmd == "record" else _play(args, stop)
     except BagError as exc:
         print(f"{args.cmd}: {exc}", file=sys.stderr)
-        return 1
+        code = 1
     finally:
         if rclpy.ok():
             rclpy.try_shutdown()
+    # the bag is finalised, the node and the context are gone: what is left is the
+    # interpreter's finalisation, which nothing here needs (process_stop)
+    exit_process(code, f"bag {args.cmd}")
 
 
 if __name__ == "__main__":

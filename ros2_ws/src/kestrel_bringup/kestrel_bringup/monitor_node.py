@@ -1,11 +1,22 @@
 """A monitor node for the demo and stack tests: counts every stack topic, collects latencies
 from the nodes' own messages, sends PlanTask goals, and reads the sim's applied-command counter
 from /diagnostics. Results accumulate in a StackReport (stack_report.py).
+
+On its own, beside a running stack (prints the report when it ends):
+
+    python -m kestrel_bringup.monitor_node [--instruction "put the red cube in the bin"]
+        [--plan-interval 3] [--duration 30]
+
+It ends on SIGINT/SIGTERM or after --duration; without --instruction it sends no goals.
 """
 
 from __future__ import annotations
 
+import argparse
+import signal
+import sys
 import time
+from typing import NoReturn
 
 from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticArray
@@ -97,7 +108,7 @@ class StackMonitor(Node):
     # ---- planner goals -------------------------------------------------------------------------
     def _maybe_send_goal(self) -> None:
         now = time.monotonic()
-        if self._goal_pending or now < self._next_goal:
+        if not self.instruction or self._goal_pending or now < self._next_goal:
             return
         if self.report.count("/perception/result") == 0 or not self._action.server_is_ready():
             return
@@ -136,3 +147,51 @@ class StackMonitor(Node):
     def _done(self) -> None:
         self._goal_pending = False
         self._next_goal = time.monotonic() + self.plan_interval
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Watch the stack until SIGINT/SIGTERM or --duration, print the report, exit 0."""
+    import rclpy
+    from rclpy.executors import MultiThreadedExecutor
+    from rclpy.signals import SignalHandlerOptions
+    from rclpy.task import Future
+
+    from kestrel_common.process_stop import SignalWatch, StopSignals, exit_process
+
+    argv = list(sys.argv if argv is None else argv)
+    ours = argv[1:argv.index("--ros-args")] if "--ros-args" in argv else argv[1:]
+    ap = argparse.ArgumentParser(prog="kestrel_bringup.monitor_node",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--instruction", default="", help="PlanTask goal to send (default: none)")
+    ap.add_argument("--plan-interval", type=float, default=3.0,
+                    help="s between a goal's result and the next goal")
+    ap.add_argument("--duration", type=float, default=0.0, help="s; 0 = until SIGINT")
+    args = ap.parse_args(ours)
+    # as the nodes' run_node: rclpy's handlers off (the context stays valid to the end), the
+    # first signal completes `stopped`, which ends the spin (kestrel_common.process_stop)
+    signals = StopSignals()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signals)
+    ros_argv = argv[:1] + (argv[argv.index("--ros-args"):] if "--ros-args" in argv else [])
+    rclpy.init(args=ros_argv, signal_handler_options=SignalHandlerOptions.NO)
+    report = StackReport()
+    monitor = StackMonitor(report, args.instruction, args.plan_interval)
+    executor = MultiThreadedExecutor(num_threads=2)
+    executor.add_node(monitor)
+    stopped: Future = Future()
+    SignalWatch(signals, "monitor", on_first=lambda: stopped.set_result(True))
+    print(f"[monitor] watching {len(TOPICS)} topics and /diagnostics", flush=True)
+    t0 = time.monotonic()
+    if not signals.stop.is_set():
+        executor.spin_until_future_complete(
+            stopped, timeout_sec=args.duration if args.duration > 0 else None)
+    signals.disarm()
+    executor.shutdown(timeout_sec=2.0)
+    monitor.close()
+    rclpy.try_shutdown()
+    print(report.table(time.monotonic() - t0), flush=True)
+    exit_process(0, "monitor")
+
+
+if __name__ == "__main__":
+    main()
