@@ -67,7 +67,7 @@ SHUTDOWN_S = 2.0  # the contract: one signal -> the process is gone
 # on a loaded 2-CPU machine, where a stop shares the CPUs with everything else: it holds
 # there only if the stop itself does next to no work (no collection of the heap, no static
 # destructors). Unlike the wall time, this budget does not depend on the machine's load.
-STOP_CPU_S = 0.2
+STOP_CPU_S = 0.3
 WALL_S = 20.0  # the bounded wait behind it (what a failure then reports)
 # output that says a stop was not orderly ("context is invalid": rcl's words for a publisher,
 # node or wait set used after the context was shut down)

@@ -108,6 +108,9 @@ class KestrelLifecycleNode(LifecycleNode):
         self._status_fn: Callable[[], tuple[int, str, dict]] | None = None
         self._drop_logged: dict[str, float] = {}
         self.clock_check: ClockCheck | None = None   # made at the first check_stamp()
+        # run_node's stop at the process exit is under way (set before stop_workers): a worker
+        # busy in a long call may be left to the exit instead of joined (see stop_workers)
+        self.exiting = False
         self._drop_log_lock = threading.Lock()
         self.add_on_set_parameters_callback(self._on_set_parameters)
         # Freeze the heap after every successful configure and thaw it before cleanup/shutdown
@@ -289,7 +292,11 @@ class KestrelLifecycleNode(LifecycleNode):
 
     # ---- lifecycle defaults ---------------------------------------------------------------
     def stop_workers(self) -> None:
-        """Stop threads started by the node. Idempotent. Override."""
+        """Stop threads started by the node. Idempotent. Override.
+
+        With `exiting` (the process ends after this stop) a daemon thread busy in a long call
+        it cannot leave (a render, a scan) need not be joined to its end: once stopped it
+        must publish nothing, and the process exit ends it."""
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Stop the node's work and its /diagnostics timer (override to add more)."""
@@ -408,6 +415,7 @@ def serve_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = No
     finally:
         signals.disarm()  # from here on, signals only set signals.stop (see StopSignals)
         steps = _StopSteps()
+        node.exiting = True
         try:
             node.stop_workers()
         except Exception as exc:  # noqa: BLE001 - the rest of the shutdown must still run

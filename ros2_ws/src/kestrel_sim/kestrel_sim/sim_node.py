@@ -47,6 +47,9 @@ from kestrel_sim.core import (GRIPPER_JOINT, JOINT_NAMES, CameraSensor, LidarSen
 # /clock: reliable keep-last-1 matches both best-effort (rclpy TimeSource) and reliable readers.
 CLOCK_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE)
 MAX_LAG_S = 0.05  # physics further behind than this re-anchors (sim runs slower than asked)
+# At the process exit: how long stop_workers waits for a thread busy in a render or a LiDAR
+# scan (which it cannot leave) before leaving it to the exit, s
+EXIT_JOIN_S = 0.25
 
 SPECS = [
     ParamSpec("physics_rate_hz", 1000.0, "Physics steps per sim second (timestep = 1/rate).",
@@ -235,8 +238,10 @@ class SimNode(KestrelLifecycleNode):
         self._stop.set()
         self._tick.set()
         for t in self._threads:
-            t.join(timeout=5.0)
-            if t.is_alive():
+            # at the process exit a render or scan in flight is not waited for: once stopped
+            # the thread publishes nothing (_publish_camera/_lidar) and the exit ends it
+            t.join(timeout=EXIT_JOIN_S if self.exiting else 5.0)
+            if t.is_alive() and not self.exiting:
                 self.get_logger().error(f"thread '{t.name}' did not stop within 5 s")
         self._threads = []
 
@@ -355,7 +360,7 @@ class SimNode(KestrelLifecycleNode):
                         trigger = snap[0]
                     if cam:
                         self._publish_camera(*snap)
-                    if lidar:
+                    if lidar and not self._stop.is_set():
                         self._publish_lidar(*snap)
                 except Exception as exc:  # a render/scan failure must not kill the thread
                     if self._shutting_down():
@@ -373,6 +378,8 @@ class SimNode(KestrelLifecycleNode):
         t0 = time.perf_counter()
         frame = cam.render(source, stamp_ns)
         self._sensor_ms["render_ms"] = (time.perf_counter() - t0) * 1e3
+        if self._stop.is_set():  # stopped during the render: the node may be going away
+            return
         header = make_header(frame.stamp_ns, p["camera_frame"])
         info = make_camera_info(cam.intrinsics(), cam.width, cam.height, header)
         self._pubs["image"].publish(numpy_to_image(frame.rgb, "rgb8", header))
@@ -394,6 +401,8 @@ class SimNode(KestrelLifecycleNode):
         t0 = time.perf_counter()
         scan = self.lidar.scan(source, stamp_ns)
         self._sensor_ms["scan_ms"] = (time.perf_counter() - t0) * 1e3
+        if self._stop.is_set():  # stopped during the scan
+            return
         header = make_header(scan.stamp_ns, self.params["world_frame"])
         self._pubs["points"].publish(xyz_to_pointcloud2(scan.points, header))
         self._meters["lidar"].tick()
