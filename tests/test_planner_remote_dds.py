@@ -23,9 +23,10 @@ from kestrel_interfaces.action import PlanTask
 from kestrel_interfaces.msg import ControlTarget, TaskPlan
 from action_msgs.msg import GoalStatus
 from rclpy.action import ActionClient
-from test_planner_node_dds import Streamer, send, wait
+from test_planner_node_dds import CUBE, Streamer, send, wait
 
 from kestrel_common.base_node import COMMAND_QOS, LATCHED_QOS
+from kestrel_planner.params import SPECS
 from ros_harness import diagnostics_values
 
 pytestmark = pytest.mark.dds
@@ -127,7 +128,9 @@ def run_scenario(node, probe, client, stub: StubProcess) -> None:
         assert fb[-1].partial_text == "pick red_cube speed=0.2 height=0.05\nplace bin\nend"
         assert plans.wait_for() and plans.snapshot()[-1].steps == r.plan.steps
         tg = targets.wait_for()[-1]
-        assert np.allclose([tg.position.x, tg.position.y, tg.position.z], (0.4, 0.0, 0.07))
+        # the pick's first waypoint: over the cube at the transit clearance, then down
+        above = CUBE[2] + next(s.default for s in SPECS if s.name == "transit_clearance")
+        assert np.allclose([tg.position.x, tg.position.y, tg.position.z], (0.4, 0.0, above))
         assert tg.max_speed == pytest.approx(0.2) and tg.skill_name == "pick"
 
         # 2. Bad replies: REJECTED with the reason; nothing new reaches control.
