@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=d.device, help="torch device: cpu | cuda")
     ap.add_argument("--workers", type=int, default=d.workers,
                     help="batch-generating processes (0: in the training process)")
+    ap.add_argument("--init", default="", help="start from this state dict of --preset "
+                    "(fine-tuning on the current data) instead of a random init")
     ap.add_argument("--eval-samples", type=int, default=d.eval_samples,
                     help="held-out samples per evaluation (0 = no evaluation)")
     ap.add_argument("--evaluate-only", action="store_true",
@@ -64,11 +66,17 @@ def main(argv: list[str] | None = None) -> int:
         return _evaluate_only(args.out, args.eval_samples, argv)
     cfg = TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, lr=args.lr,
                       seed=args.seed, threads=args.threads, eval_samples=args.eval_samples,
-                      device=args.device, workers=args.workers,
+                      device=args.device, workers=args.workers, init=args.init,
                       warmup=min(d.warmup, max(1, args.steps // 10)))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
     metrics: dict = {}
+    # where fine-tuned weights started: the record of that training (read before --out may
+    # overwrite it)
+    init_json = Path(args.init).with_suffix(".json") if args.init else None
+    init_record = ({k: v for k, v in json.loads(init_json.read_text()).items()
+                    if k in ("command", "commit", "date", "machine", "train_seconds")}
+                   if init_json is not None and init_json.exists() else None)
     with Progress(*columns) as progress:
         task = progress.add_task("train", total=cfg.steps, info="")
 
@@ -99,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                  "every_50": [round(x, 4) for x in hist.loss[::50]]},
         "heldout": metrics,
     }
+    if args.init:
+        record["init"] = {"path": args.init, "record": init_record}
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     for name, m in metrics.items():
         print(f"{name}: grammatical {m['grammatical']:.3f}  exact {m['exact']:.3f}  refusals "

@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from kestrel_planner.core import PlanLimits, PlanValidator, SceneObject, parse_plan
@@ -105,3 +106,25 @@ def test_evaluate_only_fills_the_metrics_of_weights_trained_elsewhere(tmp_path: 
     assert set(record["heldout"]) == {"grammar_on", "grammar_off"}
     assert record["heldout"]["grammar_on"]["samples"] == 4
     assert "--evaluate-only" in record["evaluation"]["command"]
+
+
+def test_fine_tuning_starts_from_the_given_weights(tmp_path: Path) -> None:
+    """--init: training continues from a state dict (lr 0 leaves it as loaded); the record
+    names where it started; weights of another preset are refused."""
+    spec = importlib.util.spec_from_file_location("train_planner",
+                                                  ROOT / "scripts" / "train_planner.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    first = tmp_path / "first.pt"
+    assert mod.main(["--out", str(first), "--steps", "2", "--batch", "4",
+                     "--eval-samples", "0"]) == 0
+    tuned = tmp_path / "tuned.pt"
+    assert mod.main(["--out", str(tuned), "--init", str(first), "--steps", "1", "--batch", "4",
+                     "--lr", "0", "--eval-samples", "0"]) == 0
+    a, b = torch.load(first, weights_only=True), torch.load(tuned, weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    record = json.loads(tuned.with_suffix(".json").read_text())
+    assert record["init"]["path"] == str(first)
+    assert record["init"]["record"]["command"].endswith("--eval-samples 0")
+    with pytest.raises(RuntimeError):  # a draft's weights are not a small model's
+        train(TrainConfig(preset="draft", steps=1, batch=4, warmup=1, init=str(first)))

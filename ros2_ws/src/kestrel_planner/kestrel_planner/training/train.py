@@ -55,6 +55,7 @@ class TrainConfig:
     threads: int = 1
     device: str = "cpu"  # torch device of the model ('cuda' on the GPU machine)
     workers: int = 0  # processes generating batches (0: in the training process)
+    init: str = ""  # state dict of cfg.preset to start from (fine-tuning); "" = random init
 
 
 @dataclass
@@ -153,11 +154,15 @@ class _Batches(torch.utils.data.IterableDataset):
 
 def train(cfg: TrainConfig, on_step: Callable[[int, float], None] | None = None
           ) -> tuple[VisionLanguageModel, History]:
-    """Train a fresh model of cfg.preset; on_step(step, loss) after every step."""
+    """Train a model of cfg.preset (fresh, or from cfg.init); on_step(step, loss) after every
+    step."""
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     dev = torch.device(cfg.device)
-    model = VisionLanguageModel(get_config(cfg.preset)).to(dev).train()
+    model = VisionLanguageModel(get_config(cfg.preset))
+    if cfg.init:  # a missing or mismatched file fails here, naming it (load_state_dict: strict)
+        model.load_state_dict(torch.load(cfg.init, map_location="cpu", weights_only=True))
+    model = model.to(dev).train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     other = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
