@@ -39,22 +39,13 @@ import dataclasses
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticStatus
 from geometry_msgs.msg import PoseStamped
 from kestrel_common.base_node import COMMAND_QOS, SENSOR_QOS, KestrelLifecycleNode, run_node
-from kestrel_common.conversions import (
-    DISTORTION_ADVICE,
-    ConversionError,
-    camera_info_is_distorted,
-    camera_info_to_k,
-    make_header,
-    numpy_to_image,
-    stamp_to_ns,
-)
+from kestrel_common.conversions import make_header, numpy_to_image
 from kestrel_common.counters import StageTimer
 from kestrel_interfaces.msg import PerceptionResult
 from kestrel_models.perception import compiled as region_compiled
@@ -63,48 +54,33 @@ from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from rclpy.serialization import deserialize_message, serialize_message
 from sensor_msgs.msg import CameraInfo, Image, PointCloud2
 
-from kestrel_perception.core import (
-    STAGES,
-    CameraModel,
-    FrameSet,
-    InputError,
-    PerceptionCore,
-)
+from kestrel_perception.core import STAGES, CameraModel, FrameSet, InputError, PerceptionCore
 from kestrel_perception.core.draw import render_debug
+from kestrel_perception.core.health import COUNTERS, REASON_COUNTER, perception_status
 from kestrel_perception.core.input_rings import RingLayout
-from kestrel_perception.core.loss import InputLoss, message_sequence
-from kestrel_perception.core.health import perception_status
-from kestrel_perception.core.receivers import InputReceivers, ReceiverError
-from kestrel_perception.core.sync import FrameSynchronizer, Stamped, SyncedSet
+from kestrel_perception.core.loss import InputLoss
 from kestrel_perception.core.params import (
     RUNTIME_PARAMS,
     SPECS,
     core_config,
+    enabled_heads,
     missing_model_heads,
+    no_head_enabled,
     pose_to_matrix,
     resolve_receive,
     validate_perception_params,
 )
-from kestrel_perception.msg_inputs import InputDrop, cloud_xyz, image_rgb
+from kestrel_perception.core.receivers import InputReceivers, ReceiverError
+from kestrel_perception.core.sync import FrameSynchronizer, SyncedSet
+from kestrel_perception.perception_inputs import PerceptionInputs
 from kestrel_perception.result_msg import ResultBuilder, ResultPublisher, matches_rmw
 
-# counters shown on /diagnostics from the start (value 0)
-COUNTERS = ("processed", "dropped_bad_encoding", "dropped_bad_image", "dropped_size_mismatch",
-            "dropped_bad_camera_info", "dropped_bad_pose", "dropped_bad_cloud",
-            "dropped_too_many_points", "out_of_sync", "skipped_stale", "processing_error",
-            "nan_points", "truncated_points", "runtime_shape_fallbacks", "nms_slow_path",
-            "missing_cloud", "cloud_out_of_sync", "dropped_input_overwritten", "empty_cloud",
-            "unrectified_camera_info", "time_jumps_back")
-# core InputError reason code -> counter
-REASON_COUNTER = {"bad_image": "dropped_bad_image", "size_mismatch": "dropped_size_mismatch",
-                  "mixed_sizes": "dropped_size_mismatch", "bad_camera": "dropped_bad_camera_info",
-                  "bad_points": "dropped_bad_cloud", "too_many_points": "dropped_too_many_points",
-                  "no_images": "dropped_bad_image"}
 HISTORY = 8  # messages kept per input stream for stamp matching
 
 
-class PerceptionNode(KestrelLifecycleNode):
-    """Lifecycle shell: parameters -> PerceptionCore; topics <-> FrameSet/PerceptionOutput."""
+class PerceptionNode(PerceptionInputs, KestrelLifecycleNode):
+    """Lifecycle shell: parameters -> PerceptionCore; topics <-> FrameSet/PerceptionOutput.
+    The input callbacks are PerceptionInputs' (perception_inputs.py)."""
 
     runtime_params = frozenset(RUNTIME_PARAMS)
 
@@ -324,11 +300,7 @@ class PerceptionNode(KestrelLifecycleNode):
         new = {k: self.get_parameter(k).value for k in
                ("enable_detection", "enable_segmentation", "enable_depth")}
         new.update({p.name: p.value for p in params if p.name in new})
-        if not any(new.values()):
-            return SetParametersResult(successful=False, reason=(
-                "parameters 'enable_detection', 'enable_segmentation', 'enable_depth' are all "
-                "false: at least one head must stay enabled"))
-        why = self._no_model_head(new)
+        why = no_head_enabled(new) or self._no_model_head(new)
         if why:
             return SetParametersResult(successful=False, reason=why)
         return SetParametersResult(successful=True)
@@ -338,10 +310,7 @@ class PerceptionNode(KestrelLifecycleNode):
         return "" if self.core is None else missing_model_heads(enabled, self.core.heads)
 
     def _heads(self) -> frozenset[str]:
-        r = self._runtime
-        return frozenset(h for h, on in (("detection", r["enable_detection"]),
-                                         ("segmentation", r["enable_segmentation"]),
-                                         ("depth", r["enable_depth"])) if on)
+        return enabled_heads(self._runtime)
 
     def _refresh_runtime(self) -> None:
         """Apply thresholds / enabled heads changed with `ros2 param set` (same weights)."""
@@ -360,134 +329,7 @@ class PerceptionNode(KestrelLifecycleNode):
         self._runtime = now
         self.get_logger().info(f"runtime parameters applied: {now}")
 
-    # ---- input callbacks (cheap: convert, validate, store) -------------------------------------
-    def _on_image(self, cam: int, msg: Image, info: dict | None = None) -> None:
-        if not self._active or self.sync is None:
-            return
-        recv_s = time.monotonic()
-        stamp_ns = stamp_to_ns(msg.header.stamp)
-        # taken (received_camera_<i>), and those lost before it (lost_camera_<i>); before
-        # validation: a bad image is counted under its reason, not also as lost
-        self._gaps[cam].add(stamp_ns, *message_sequence(info))
-        try:
-            rgb = image_rgb(msg)  # [H,W,3] uint8 view on msg.data, RGB order
-        except InputDrop as exc:
-            self.drop(exc.counter, f"camera {cam}: {exc}")
-            return
-        self._take_image(cam, stamp_ns, recv_s, rgb, msg.header.frame_id, gap_seen=True)
-
-    def _take_image(self, cam: int, stamp_ns: int, recv_s: float, rgb: np.ndarray,
-                    frame_id: str, ticket: tuple | None = None, *,
-                    gap_seen: bool = False) -> None:
-        """One usable image (from a callback, or a receiver process: recv_s is its receipt
-        there, on the same monotonic clock). gap_seen: it was already counted as received
-        (core/loss.py); from a receiver process the ring version (ticket[2]) is its sequence
-        number, so messages replaced in the ring count as lost."""
-        sync = self.sync
-        if not self._active or sync is None:
-            return
-        if not gap_seen:
-            self._gaps[cam].add(stamp_ns, *_ring_sequence(ticket))
-
-        def store() -> None:
-            sync.add_image(cam, Stamped(stamp_ns, recv_s, (rgb, frame_id), ticket))
-            if self._inline and self.core is not None:  # copy to pinned memory on arrival:
-                self.core.staging.prestage_image(cam, rgb)  # the frame skips it (staging.py)
-
-        self._ready(store)
-
-    def _on_jump(self, from_ns: int, to_ns: int) -> None:
-        """The input stamps jumped back (core/sync.py): logged once per jump."""
-        self.get_logger().warning(
-            f"input stamps jumped back {(from_ns - to_ns) * 1e-9:.3f} s (from {from_ns} to "
-            f"{to_ns} ns: a bag loop or replay, a sim restart?): the synchroniser starts over "
-            f"(time_jumps_back {self.counters.get('time_jumps_back')})")
-
-    def _on_info(self, cam: int, msg: CameraInfo) -> None:
-        try:
-            k = camera_info_to_k(msg)
-        except ConversionError as exc:
-            self.drop("dropped_bad_camera_info", f"camera {cam}: {exc}")
-            return
-        if camera_info_is_distorted(msg):  # used with K alone: counted and warned about
-            n = self.counters.inc("unrectified_camera_info")
-            self.get_logger().warning(
-                f"camera {cam}: camera_info has distortion D = {list(msg.d)} (total {n}): "
-                f"{DISTORTION_ADVICE}", throttle_duration_sec=10.0)
-        self._take_info(cam, stamp_to_ns(msg.header.stamp), time.monotonic(), k,
-                        int(msg.width), int(msg.height))
-
-    def _take_info(self, cam: int, stamp_ns: int, recv_s: float, k: np.ndarray, width: int,
-                   height: int) -> None:
-        """One usable CameraInfo (from a callback, or a camera's receiver process)."""
-        if not self._active or self.sync is None:
-            return
-        self.sync.add_info(cam, Stamped(stamp_ns, recv_s, (k, width, height)))
-        self._ready()
-
-    def _on_pose(self, cam: int, msg: PoseStamped) -> None:
-        if not self._active:
-            return
-        frame = self.params["frame_id"]
-        p, q = msg.pose.position, msg.pose.orientation
-        try:
-            if msg.header.frame_id not in ("", frame):
-                raise ValueError(f"frame '{msg.header.frame_id}' is not frame_id '{frame}'")
-            self._poses[cam] = pose_to_matrix([p.x, p.y, p.z, q.x, q.y, q.z, q.w])
-        except ValueError as exc:
-            self.drop("dropped_bad_pose", f"camera {cam}: {exc}")
-
-    def _on_points(self, msg: PointCloud2, info: dict | None = None) -> None:
-        if not self._active or self.sync is None:
-            return
-        recv_s = time.monotonic()
-        stamp_ns = stamp_to_ns(msg.header.stamp)
-        # (as _on_image) received_lidar, lost_lidar; a bad cloud counts under its reason
-        self._gaps[-1].add(stamp_ns, *message_sequence(info))
-        try:
-            xyz = cloud_xyz(msg, self.params["lidar.max_points"], self.params["frame_id"])
-        except InputDrop as exc:
-            self.drop(exc.counter, str(exc))
-            return
-        self._take_points(stamp_ns, recv_s, xyz, gap_seen=True)
-
-    def _take_points(self, stamp_ns: int, recv_s: float, xyz: np.ndarray,
-                     ticket: tuple | None = None, *, gap_seen: bool = False) -> None:
-        sync = self.sync
-        if not self._active or sync is None:
-            return
-        if not gap_seen:  # (as _take_image)
-            self._gaps[-1].add(stamp_ns, *_ring_sequence(ticket))
-        if xyz.shape[0] == 0:  # counted and logged, then used: the set completes without
-            # waiting for a cloud that will not come, and runs on predicted depth alone
-            n = self.counters.inc("empty_cloud")
-            self.get_logger().warning(
-                f"a LiDAR cloud with 0 points (total {n}): that frame's detections get "
-                "predicted-depth positions only", throttle_duration_sec=1.0)
-
-        def store() -> None:  # the cloud often completes its set (core/sync.py)
-            sync.add_cloud(Stamped(stamp_ns, recv_s, xyz, ticket))
-            if self._inline and self.core is not None:  # as the images: pre-staged
-                self.core.staging.prestage_points(xyz)
-
-        self._ready(store)
-
     # ---- processing: in the completing callback, or in the worker thread ----------------------
-    def _ready(self, store: Callable[[], None] | None = None) -> None:
-        """A message arrived: `store()` it (synchroniser, prestaging), then process the newest
-        complete set now (callback mode) or wake the worker. In callback mode both run under
-        the processing lock: prestaging writes the staging buffers a frame reads, and the
-        receiver thread (receive: processes) is not serialised with the executor's callbacks."""
-        if not self._inline:
-            if store is not None:
-                store()
-            self._wake.set()
-            return
-        with self._proc_lock:
-            if store is not None:
-                store()
-            self._drain()
-
     def _drain(self) -> None:
         while self._active and not self._stop.is_set() and self.sync is not None:
             synced = self.sync.pop_newest_set()
@@ -590,11 +432,6 @@ class PerceptionNode(KestrelLifecycleNode):
             self.timer.summary((50.0, 99.0)), self.params.get("target_fps", 10.0))
         return {"ok": DiagnosticStatus.OK, "warn": DiagnosticStatus.WARN,
                 "error": DiagnosticStatus.ERROR}[level], message, values
-
-
-def _ring_sequence(ticket: tuple | None) -> tuple[int | None, bytes | None]:
-    """A receiver process's message: (ring version, the ring as its publisher), else none."""
-    return (int(ticket[2]), b"ring") if ticket is not None else (None, None)
 
 
 def main(args: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """The perception node's /diagnostics status from its parts (no ROS): counters of the core,
-the result publisher and the input receivers, per-stage latency percentiles, and the level.
+the result publisher and the input receivers, per-stage latency percentiles, and the level;
+and the names of the node's own counters.
 
 The node maps the level ("ok" / "warn" / "error") to DiagnosticStatus and publishes the values.
 """
@@ -9,6 +10,19 @@ from __future__ import annotations
 from typing import Any
 
 from kestrel_models.perception import compiled
+
+# counters shown on /diagnostics from the start (value 0)
+COUNTERS = ("processed", "dropped_bad_encoding", "dropped_bad_image", "dropped_size_mismatch",
+            "dropped_bad_camera_info", "dropped_bad_pose", "dropped_bad_cloud",
+            "dropped_too_many_points", "out_of_sync", "skipped_stale", "processing_error",
+            "nan_points", "truncated_points", "runtime_shape_fallbacks", "nms_slow_path",
+            "missing_cloud", "cloud_out_of_sync", "dropped_input_overwritten", "empty_cloud",
+            "unrectified_camera_info", "time_jumps_back")
+# core InputError reason code (types.REASON_CODES) -> the counter its frame is dropped under
+REASON_COUNTER = {"bad_image": "dropped_bad_image", "size_mismatch": "dropped_size_mismatch",
+                  "mixed_sizes": "dropped_size_mismatch", "bad_camera": "dropped_bad_camera_info",
+                  "bad_points": "dropped_bad_cloud", "too_many_points": "dropped_too_many_points",
+                  "no_images": "dropped_bad_image"}
 
 
 def perception_status(core: Any, results: Any, receivers: Any, counters: Any,

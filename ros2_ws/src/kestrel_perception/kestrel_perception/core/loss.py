@@ -195,3 +195,9 @@ def message_sequence(info: Any) -> tuple[int | None, bytes | None]:
     if not seq or not writer:
         return None, None
     return int(seq), bytes(writer)
+
+
+def ring_sequence(ticket: tuple | None) -> tuple[int | None, bytes | None]:
+    """(sequence number, publisher id) of a message from a receiver process: its ring version
+    (ticket[2]; input_rings.py) and the ring as its one publisher; (None, None) for no ticket."""
+    return (int(ticket[2]), b"ring") if ticket is not None else (None, None)

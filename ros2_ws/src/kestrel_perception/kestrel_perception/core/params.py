@@ -320,3 +320,19 @@ def missing_model_heads(enabled: dict, model_heads: frozenset[str] | set[str]) -
     names = ", ".join(f"'enable_{h}'" for h in sorted(model_heads))
     return (f"the enabled heads {sorted(on)} are none of the model's heads "
             f"{sorted(model_heads)}: set {names} to true")
+
+
+def no_head_enabled(enabled: dict) -> str:
+    """Why the `enable_*` values (parameter name -> bool) cannot all be false ('' if one is
+    true): a frame with no head would compute nothing."""
+    if any(enabled.values()):
+        return ""
+    return ("parameters 'enable_detection', 'enable_segmentation', 'enable_depth' are all "
+            "false: at least one head must stay enabled")
+
+
+def enabled_heads(values: dict[str, Any]) -> frozenset[str]:
+    """The heads a frame computes ('detection', 'segmentation', 'depth') from the node's
+    `enable_*` parameter values."""
+    return frozenset(h for h in ("detection", "segmentation", "depth")
+                     if values[f"enable_{h}"])
