@@ -1,6 +1,7 @@
-"""The planner node's parameters (ParamSpec table, no rclpy) and the remote backend's config
-built from them. Backend groups are dotted: `hf.*` (a local Hugging Face VLM), `remote.*` (an
-OpenAI-compatible server). The key of a remote server is never a parameter:
+"""The planner node's parameters (ParamSpec table, no rclpy) and what is built from them: the
+planner core's, the plan executor's and the remote backend's configs, and the configure log
+line that describes them. Backend groups are dotted: `hf.*` (a local Hugging Face VLM),
+`remote.*` (an OpenAI-compatible server). The key of a remote server is never a parameter:
 `remote.api_key_env` names the environment variable that holds it, and a value that is not a
 variable name (a key typed there by mistake) is refused without being shown."""
 
@@ -12,14 +13,16 @@ import re
 from ament_index_python.packages import PackageNotFoundError, get_package_share_directory
 
 from kestrel_common.params import ParamSpec
-from kestrel_planner.core import BACKENDS
+from kestrel_planner.core import BACKENDS, ExecutorConfig, PlannerConfig, PlanLimits
 from kestrel_planner.core.constrained_llg import GRAMMAR_ENGINES
 from kestrel_planner.core.prompting import OUTPUT_FORMATS
+from kestrel_models.planner import get_config
 from kestrel_models.planner.config import PRESETS
 from kestrel_models.planner.hf import DTYPES
 from kestrel_models.planner.remote import RemoteConfig
 
-__all__ = ["SPECS", "remote_config", "resolve_weights", "DEFAULT_WEIGHTS"]
+__all__ = ["SPECS", "remote_config", "resolve_weights", "planner_configs", "configured_text",
+           "DEFAULT_WEIGHTS"]
 
 # The planner weights trained on generated scenes (scripts/train_planner.py), for model_config
 # 'small'; resolved by the node ('package://' = the package's installed share directory).
@@ -179,3 +182,53 @@ def resolve_weights(path: str, name: str = "weights_path") -> str:
         raise ValueError(f"parameter '{name}' = {path!r}: package {package!r} not "
                          f"found: {exc}") from exc
     return os.path.join(share, rel)
+
+
+def planner_configs(p: dict) -> tuple[PlannerConfig, ExecutorConfig]:
+    """The planner core's and the plan executor's configs from the node parameters (the plan
+    limits are the core config's `limits`). ValueError naming the first parameter found bad."""
+    limits = PlanLimits(p["max_speed"], p["min_height"], p["max_height"],
+                        tuple(p["workspace_min"]), tuple(p["workspace_max"]), p["max_steps"])
+    cfg = get_config(p["model_config"])
+    if p["image_size"]:
+        cfg = cfg.with_overrides(image_size=p["image_size"])
+    need = cfg.num_image_tokens + p["max_new_tokens"] + 64
+    if p["backend"] in ("generate", "engine") and need > cfg.max_seq_len:
+        raise ValueError(f"parameter 'max_new_tokens' = {p['max_new_tokens']}: image "
+                         f"tokens + budget + prompt exceed max_seq_len {cfg.max_seq_len}")
+    remote = remote_config(p) if p["backend"] == "remote" else None
+    executor = ExecutorConfig(
+        p["position_tolerance"], p["step_timeout"], p["gripper_time"],
+        tuple(p["home_joint_positions"]), transit_clearance=p["transit_clearance"])
+    planner = PlannerConfig(
+        model=cfg, weights_path=resolve_weights(p["weights_path"]),
+        demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),
+        device=p["device"], seed=p["seed"], max_new_tokens=p["max_new_tokens"],
+        max_batch=p["max_batch"], temperature=p["temperature"], limits=limits,
+        backend=p["backend"], engine_compile=p["engine_compile"],
+        hf_model_path=p["hf.model_path"], hf_dtype=p["hf.dtype"],
+        hf_tokenizer=p["hf.tokenizer"], hf_grammar=p["hf.grammar"],
+        grammar_engine=p["grammar_engine"], remote=remote,
+        remote_send_image=p["remote.send_image"],
+        remote_response_format=p["remote.response_format"],
+        prefix_cache_entries=p["prefix_cache_entries"], speculative_k=p["speculative.k"],
+        draft_weights_path=resolve_weights(p["speculative.draft_weights_path"],
+                                           "speculative.draft_weights_path"),
+        draft_model=p["speculative.draft_model_config"],
+        draft_layers=p["speculative.draft_layers"])
+    return planner, executor
+
+
+def configured_text(p: dict, limits: PlanLimits) -> str:
+    """The configure log line: the backend, what decodes plans (its model, and the weights of
+    our VLM), max_batch, the speculative draft when speculative.k > 0, and the plan limits."""
+    weights = ("demo_plan weights" if p["demo_plan"]
+               else p["weights_path"] or "random weights")
+    model = {"hf": p["hf.model_path"], "remote": f"{p['remote.model']} at "
+             f"{p['remote.base_url']}", "plan_text": "no model: the instruction is the "
+             "plan"}.get(p["backend"], f"{p['model_config']} model ({weights})")
+    draft = (p["speculative.draft_weights_path"]
+             or f"the first {p['speculative.draft_layers']} layer(s)")
+    spec = f", speculative k {p['speculative.k']} (draft {draft})" if p["speculative.k"] else ""
+    return (f"configured: backend {p['backend']}, {model}, max_batch {p['max_batch']}{spec}, "
+            f"limits {limits}")

@@ -35,7 +35,6 @@ are refused while the node is not active.
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 import time
@@ -55,24 +54,24 @@ from sensor_msgs.msg import Image, JointState
 
 from kestrel_common.base_node import (COMMAND_QOS, LATCHED_QOS, SENSOR_QOS, KestrelLifecycleNode,
                                       run_node)
-from kestrel_common.conversions import (ConversionError, detection_arrays, image_to_numpy,
-                                         make_header, stamp_to_ns)
+from kestrel_common.conversions import ConversionError, image_to_numpy, make_header
 from kestrel_common.counters import LatencyWindow
-from kestrel_planner.core import (ExecutorConfig, PlanExecutor, PlanLimits,
-                                  PlannerConfig, PlannerCore, PlanRequest,
-                                  PlanResult, SceneObject, StepEvent)
-from kestrel_planner.core.scene import scene_from_detections
+from kestrel_planner.core import (PlanExecutor, PlanLimits, PlannerCore, PlanRequest, PlanResult,
+                                  SceneObject, StepEvent)
 from kestrel_planner.core.scene_time import SceneTime
 from kestrel_planner.batcher import Batcher, Job
-from kestrel_planner.params import SPECS, remote_config, resolve_weights
+from kestrel_planner.params import SPECS, configured_text, planner_configs
 from kestrel_planner.plan_msg import plan_to_msg
-from kestrel_models.planner import get_config
+from kestrel_planner.planner_inputs import PlannerInputs
 
 R = PlanTask.Result
 MAX_REASONS = 32  # reasons in one result; the rest are counted in a last line
 
 
-class PlannerNode(KestrelLifecycleNode):
+class PlannerNode(PlannerInputs, KestrelLifecycleNode):
+    """Lifecycle shell: parameters -> PlannerCore + PlanExecutor; goals, plans, targets and
+    step status. The input callbacks are PlannerInputs' (planner_inputs.py)."""
+
     def __init__(self, **kwargs: object) -> None:  # kwargs: rclpy Node's (context, overrides)
         super().__init__("planner", SPECS, **kwargs)
         self.core: PlannerCore | None = None
@@ -123,15 +122,7 @@ class PlannerNode(KestrelLifecycleNode):
         if p["gil_switch_interval_us"] > 0:  # process-wide: this process is the node
             sys.setswitchinterval(p["gil_switch_interval_us"] * 1e-6)
         self._create_entities()
-        model = {"hf": p["hf.model_path"], "remote": f"{p['remote.model']} at "
-                 f"{p['remote.base_url']}", "plan_text": "no model: the instruction is the "
-                 "plan"}.get(p["backend"], f"{p['model_config']} model "
-                                                   f"({self._weights_text(p)})")
-        draft = (p["speculative.draft_weights_path"]
-                 or f"the first {p['speculative.draft_layers']} layer(s)")
-        spec = f", speculative k {p['speculative.k']} (draft {draft})" if p["speculative.k"] else ""
-        self.get_logger().info(f"configured: backend {p['backend']}, {model}, max_batch "
-                               f"{p['max_batch']}{spec}, limits {limits}")
+        self.get_logger().info(configured_text(p, limits))
         note = getattr(self.core.backend, "note", "")  # hf: engine, or transformers and why
         if note:
             log = self.get_logger()
@@ -145,45 +136,13 @@ class PlannerNode(KestrelLifecycleNode):
         self.core, self.executor_core = None, None
         return TransitionCallbackReturn.FAILURE
 
-    @staticmethod
-    def _weights_text(p: dict) -> str:
-        if p["demo_plan"]:
-            return "demo_plan weights"
-        return p["weights_path"] or "random weights"
-
     def _build(self, p: dict) -> PlanLimits:
         """The executor and the planner core from the parameters (may raise anything)."""
         torch.set_num_threads(p["num_threads"])
-        limits = PlanLimits(p["max_speed"], p["min_height"], p["max_height"],
-                            tuple(p["workspace_min"]), tuple(p["workspace_max"]), p["max_steps"])
-        cfg = get_config(p["model_config"])
-        if p["image_size"]:
-            cfg = cfg.with_overrides(image_size=p["image_size"])
-        need = cfg.num_image_tokens + p["max_new_tokens"] + 64
-        if p["backend"] in ("generate", "engine") and need > cfg.max_seq_len:
-            raise ValueError(f"parameter 'max_new_tokens' = {p['max_new_tokens']}: image "
-                             f"tokens + budget + prompt exceed max_seq_len {cfg.max_seq_len}")
-        remote = remote_config(p) if p["backend"] == "remote" else None
-        self.executor_core = PlanExecutor(ExecutorConfig(
-            p["position_tolerance"], p["step_timeout"], p["gripper_time"],
-            tuple(p["home_joint_positions"]), transit_clearance=p["transit_clearance"]))
-        self.core = PlannerCore(PlannerConfig(
-            model=cfg, weights_path=resolve_weights(p["weights_path"]),
-            demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),
-            device=p["device"], seed=p["seed"], max_new_tokens=p["max_new_tokens"],
-            max_batch=p["max_batch"], temperature=p["temperature"], limits=limits,
-            backend=p["backend"], engine_compile=p["engine_compile"],
-            hf_model_path=p["hf.model_path"], hf_dtype=p["hf.dtype"],
-            hf_tokenizer=p["hf.tokenizer"], hf_grammar=p["hf.grammar"],
-            grammar_engine=p["grammar_engine"], remote=remote,
-            remote_send_image=p["remote.send_image"],
-            remote_response_format=p["remote.response_format"],
-            prefix_cache_entries=p["prefix_cache_entries"], speculative_k=p["speculative.k"],
-            draft_weights_path=resolve_weights(p["speculative.draft_weights_path"],
-                                               "speculative.draft_weights_path"),
-            draft_model=p["speculative.draft_model_config"],
-            draft_layers=p["speculative.draft_layers"]))
-        return limits
+        planner, executor = planner_configs(p)
+        self.executor_core = PlanExecutor(executor)
+        self.core = PlannerCore(planner)
+        return planner.limits
 
     def _create_entities(self) -> None:
         """Publishers, subscriptions and the action server, once (see the module doc)."""
@@ -249,59 +208,6 @@ class PlannerNode(KestrelLifecycleNode):
                 self._publish_events(events, hold=bool(events))
             except RCLError:
                 pass
-
-    # ---- inputs ----------------------------------------------------------------------------
-    def _on_image(self, msg: Image) -> None:
-        if self.core is None:  # not configured (cleaned up): inputs are not kept
-            return
-        try:
-            arr = image_to_numpy(msg)
-        except ConversionError as exc:
-            self.drop(f"image_{exc.reason}", str(exc))
-            return
-        with self._lock:
-            self._image = arr
-
-    def _on_scene(self, msg: PerceptionResult) -> None:
-        if self.core is None:  # not configured (cleaned up): inputs are not kept
-            return
-        self._scene_age.add((self.get_clock().now().nanoseconds
-                             - stamp_to_ns(msg.header.stamp)) * 1e-9)
-        self.counters.inc("perception_results")
-        try:
-            d = detection_arrays(msg)
-        except ConversionError as exc:
-            self.drop(exc.reason, str(exc))
-            return
-        objects, skipped = scene_from_detections(list(msg.class_names), d["class_index"],
-                                                 d["score"], d["position_source"],
-                                                 d["position"])
-        for reason, n in skipped.items():
-            if n:
-                self.drop(reason, f"{n} detection(s) in the perception result")
-        now = self._clock_now()
-        with self._lock:
-            why = self._scene_time.take(stamp_to_ns(msg.header.stamp), now)
-            if not why:
-                self._scene, self._frame_id = objects, msg.header.frame_id
-        if why:
-            self.drop("perception_stamp_ahead", why)
-
-    def _on_joints(self, msg: JointState) -> None:
-        if self.core is None:  # not configured (cleaned up): inputs are not kept
-            return
-        with self._lock:
-            self._joints = (list(msg.position), time.monotonic())
-
-    def _on_ee(self, msg: PointStamped) -> None:
-        if self.core is None:  # not configured (cleaned up): inputs are not kept
-            return
-        p = msg.point
-        if not all(math.isfinite(v) for v in (p.x, p.y, p.z)):
-            self.drop("ee_nonfinite", f"ee position {p}")
-            return
-        with self._lock:
-            self._ee = ((p.x, p.y, p.z), time.monotonic())
 
     # ---- goals -----------------------------------------------------------------------------
     def _on_goal(self, goal: PlanTask.Goal) -> GoalResponse:
