@@ -40,9 +40,10 @@ from kestrel_common.base_node import (COMMAND_QOS, LATCHED_QOS, SENSOR_QOS,
                                       KestrelLifecycleNode, run_node)
 from kestrel_common.conversions import (make_camera_info, make_header, ns_to_stamp,
                                         numpy_to_image, xyz_to_pointcloud2)
-from kestrel_common.params import ParamError, ParamSpec
 from kestrel_sim.core import (GRIPPER_JOINT, JOINT_NAMES, CameraSensor, LidarSensor,
                               SimWorld, SimWorldConfig)
+from kestrel_sim.params import SPECS, validate_sim_params
+from kestrel_sim.rates import Periodic, RateMeter
 
 # /clock: reliable keep-last-1 matches both best-effort (rclpy TimeSource) and reliable readers.
 CLOCK_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE)
@@ -50,82 +51,6 @@ MAX_LAG_S = 0.05  # physics further behind than this re-anchors (sim runs slower
 # At the process exit: how long stop_workers waits for a thread busy in a render or a LiDAR
 # scan (which it cannot leave) before leaving it to the exit, s
 EXIT_JOIN_S = 0.25
-
-SPECS = [
-    ParamSpec("physics_rate_hz", 1000.0, "Physics steps per sim second (timestep = 1/rate).",
-              min=100.0, max=10000.0, read_only=True),
-    ParamSpec("real_time_factor", 1.0, "Sim seconds per wall second (live).",
-              min=0.05, max=20.0),
-    ParamSpec("physics_batch_s", 0.004, "Wall period of one physics batch, s.",
-              min=0.001, max=0.05, read_only=True),
-    ParamSpec("camera_rate_hz", 5.0, "Camera frames per sim second (0 = off).",
-              min=0.0, max=60.0, read_only=True),
-    ParamSpec("camera_width", 320, "Image width, px.", min=16, max=1920, read_only=True),
-    ParamSpec("camera_height", 256, "Image height, px.", min=16, max=1080, read_only=True),
-    ParamSpec("publish_depth", False, "Also publish ~/output/depth (32FC1, m).",
-              read_only=True),
-    ParamSpec("lidar_rate_hz", 5.0, "LiDAR scans per sim second (0 = off).",
-              min=0.0, max=50.0, read_only=True),
-    ParamSpec("lidar_n_vertical", 32, "LiDAR rings.", min=1, max=256, read_only=True),
-    ParamSpec("lidar_n_horizontal", 360, "LiDAR azimuth steps.", min=1, max=4096,
-              read_only=True),
-    ParamSpec("lidar_max_range", 5.0, "LiDAR range, m.", min=0.1, max=100.0, read_only=True),
-    ParamSpec("joint_state_rate_hz", 250.0, "Joint states per sim second.",
-              min=1.0, max=10000.0, read_only=True),
-    ParamSpec("clock_rate_hz", 250.0, "/clock messages per sim second.",
-              min=1.0, max=10000.0, read_only=True),
-    ParamSpec("ground_truth_rate_hz", 10.0, "Ground truth per sim second (0 = off).",
-              min=0.0, max=1000.0, read_only=True),
-    ParamSpec("seed", 0, "Initial layout: 0 = default, else random object placement.",
-              min=0, max=2**31 - 1, read_only=True),
-    ParamSpec("world_file", "", "MJCF file; '' = the packaged tabletop.xml.", read_only=True),
-    ParamSpec("robot_file", "", "URDF of the arm attached at the world's robot_mount site; '' = "
-              "kestrel_description's kestrel_arm.urdf.", read_only=True),
-    ParamSpec("episode.min_objects", 3, "Episodes (seed != 0): at least this many of the task "
-              "objects are on the table (uniform up to all of them), the others parked.",
-              min=1, max=64, read_only=True),
-    ParamSpec("episode.max_distractors", 0, "Episodes (seed != 0): distractors (objects of no "
-              "perception class) on the table, uniform in [0, this].", min=0, max=64,
-              read_only=True),
-    ParamSpec("world_frame", "world", "Frame of points, poses and ground truth.",
-              read_only=True),
-    ParamSpec("camera_frame", "camera_optical_frame", "Camera optical frame id.",
-              read_only=True),
-]
-
-
-class RateMeter:
-    """Events per wall second over the last report interval (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._n = 0
-        self._t = time.monotonic()
-
-    def tick(self, n: int = 1) -> None:
-        with self._lock:
-            self._n += n
-
-    def rate(self) -> float:
-        with self._lock:
-            now = time.monotonic()
-            r = self._n / max(now - self._t, 1e-6)
-            self._n, self._t = 0, now
-        return r
-
-
-class Periodic:
-    """Due-ness in sim time: due(now) is true at most once per period (no burst catch-up)."""
-
-    def __init__(self, rate_hz: float) -> None:
-        self.period_ns = int(1e9 / rate_hz) if rate_hz > 0 else 0
-        self.next_ns = 0
-
-    def due(self, now_ns: int) -> bool:
-        if self.period_ns == 0 or now_ns < self.next_ns:
-            return False
-        self.next_ns = max(self.next_ns + self.period_ns, now_ns - self.period_ns // 2)
-        return True
 
 
 class SimNode(KestrelLifecycleNode):
@@ -157,10 +82,7 @@ class SimNode(KestrelLifecycleNode):
 
     # ---- lifecycle -------------------------------------------------------------------------
     def validate_extra(self, values: dict[str, Any]) -> None:
-        for name in ("clock_rate_hz", "joint_state_rate_hz", "ground_truth_rate_hz"):
-            if values[name] > values["physics_rate_hz"]:
-                raise ParamError(name, values[name], "must be <= physics_rate_hz "
-                                 f"({values['physics_rate_hz']})")
+        validate_sim_params(values)
 
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         p = self.load_params()
