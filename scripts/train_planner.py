@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     # overwrite it)
     init_json = Path(args.init).with_suffix(".json") if args.init else None
     init_record = ({k: v for k, v in json.loads(init_json.read_text()).items()
-                    if k in ("command", "commit", "date", "machine", "train_seconds")}
+                    if k in ("command", "commit", "date", "machine", "train_seconds", "init")}
                    if init_json is not None and init_json.exists() else None)
     with Progress(*columns) as progress:
         task = progress.add_task("train", total=cfg.steps, info="")

@@ -58,8 +58,15 @@ _VERBS = ("throw", "break", "eat", "smash", "wash", "fold", "lick", "bite", "bur
           "bend", "twist", "squeeze", "polish", "juggle", "hide", "bury", "shake", "spin",
           "crush", "tear", "sell", "hit", "punch", "hammer", "drill", "weld", "tape", "wrap",
           "count", "sniff", "cook", "freeze", "heat", "inflate", "scratch", "stomp", "slap",
-          "kiss", "tickle", "shoot", "peel", "chop", "dissolve", "explode", "pour", "sew")
-UNSUPPORTED_TRAIN: tuple[str, ...] = tuple(f"{v} {{o}}" for v in _VERBS) + (
+          "kiss", "tickle", "shoot", "peel", "chop", "dissolve", "explode", "pour", "sew",
+          "smell", "paint", "cut", "crack", "rip", "dent", "scrub", "boil", "fry", "toss",
+          "stab", "saw", "grind", "sand", "carve", "stretch", "squash", "flatten", "pop",
+          "drown", "splash", "rub", "hug", "feed", "wave", "nail", "pierce", "roast", "bake")
+# what may follow a refused verb: the refusal does not hang on the sentence ending there
+_TAILS = ("", " into pieces", " on the floor", " with a hammer", " against the wall",
+          " for fun", " in half", " at me")
+UNSUPPORTED_TRAIN: tuple[str, ...] = tuple(
+    f"{v} {{o}}{t}" for i, v in enumerate(_VERBS) for t in (_TAILS[0], _TAILS[1 + i % 7])) + (
     "paint {o} blue", "cut {o} in half", "throw {o} in {d}", "glue {o} to {d}",
     "roll {o} off the table", "sing a song", "fly to the moon", "pick up the table",
     "lift the robot", "paint the table", "tell me a joke", "make some coffee",
@@ -94,9 +101,11 @@ TEMPLATES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
               "return to home", "head home", "go to the home pose"),
              ("go back home", "return to the home position")),
     "open_gripper": (("open the gripper", "open your hand", "release the gripper",
-                      "open the fingers", "release"),
+                      "open the fingers", "release", "open the robot hand", "open your gripper",
+                      "open up your fingers", "let go", "open the claw"),
                      ("open the hand",)),
-    "close_gripper": (("close the gripper", "close your hand", "close the fingers"),
+    "close_gripper": (("close the gripper", "close your hand", "close the fingers",
+                       "close the robot hand", "close your gripper", "close the claw"),
                       ("close the hand",)),
     "place_home": (("put {o} in {d} and then go home", "drop {o} into {d} then return home",
                     "place {o} in {d} and go home", "store {o} in {d} and return home",
