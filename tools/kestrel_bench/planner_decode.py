@@ -15,6 +15,7 @@ planner task, scripts/train_planner.py --preset <target> / --preset draft), --go
 goals of the training generator (rendered scene, object line, instruction), one at a time,
 greedy under the plan grammar (llguidance), the node's prompt and budget (64 new tokens):
   spec_engine               DecodeEngine (the node's backend engine), the reference
+  spec_generate             the generate backend's decode loop (kestrel_models.planner.generate)
   spec_draft_k<k>           SpeculativeDecoder, the trained draft, k = --k
   spec_layers<n>_k<k>       SpeculativeDecoder, the target's first --draft-layers layers
 Rows: latency = plan decode time per goal (ms); throughput = generated tokens / decode time;
@@ -122,7 +123,9 @@ def bench_spec_trained(target_path: str, target_preset: str, draft_path: str,
     samples = _goals(goals + 2, target.cfg.image_size)  # the first 2: warm-up
     prompts = [tok.encode(plain_prompt(s.instruction, s.objects), add_bos=True)
                for s, _ in samples]
-    decoders: dict[str, Any] = {"spec_engine": DecodeEngine(target, 1, max_len, tok.eos_id)}
+    decoders: dict[str, Any] = {
+        "spec_engine": DecodeEngine(target, 1, max_len, tok.eos_id),
+        "spec_generate": _GenerateLoop(target, tok.eos_id, tok.pad_id, max_len)}
     decoders[f"spec_draft_k{k}"] = SpeculativeDecoder(target, draft, k, 1, max_len, tok.eos_id)
     if 1 <= draft_layers < target.cfg.n_layers:
         decoders[f"spec_layers{draft_layers}_k{k}"] = SpeculativeDecoder(
@@ -161,6 +164,24 @@ def bench_spec_trained(target_path: str, target_preset: str, draft_path: str,
     return rows
 
 
+class _GenerateLoop:
+    """The planner's `generate` backend decode loop (kestrel_models.planner.generate) behind
+    the engine's generate() call shape: the baseline of a node on that backend."""
+
+    def __init__(self, model: Any, eos_id: int, pad_id: int, max_len: int) -> None:
+        self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
+        model.setup_cache(1, max_len)  # as the backend does at configure (one goal at a time)
+
+    def generate(self, prompts: list[list[int]], max_new: int, images: list[torch.Tensor],
+                 logits_processor: list[Any]) -> Any:
+        from kestrel_models.planner import generate as generate_tokens
+
+        image = torch.stack(images)
+        mask = torch.ones(len(images), dtype=torch.bool)
+        return generate_tokens(self.model, prompts, self.eos_id, self.pad_id, max_new,
+                               image=image, image_mask=mask, logits_processor=logits_processor)
+
+
 def to_record(record: Any, rows: dict[str, dict]) -> None:
     """Prefix and trained-speculative rows (own metrics) into the record, with their ratios."""
     for name, r in rows.items():
@@ -181,7 +202,10 @@ def to_record(record: Any, rows: dict[str, dict]) -> None:
         if "ttft_ms" in off and "ttft_ms" in on:
             record.ratio(f"prefix_{name}_ttft_off_vs_on",
                          stats.ratio(off["ttft_ms"]["p50"], on["ttft_ms"]["p50"]))
-    base = rows.get("spec_engine", {}).get("plan_ms", {}).get("p50")
-    for name, r in rows.items():
-        if name.startswith("spec_") and name != "spec_engine" and "plan_ms" in r:
-            record.ratio(f"{name}_vs_engine_plan_time", stats.ratio(base, r["plan_ms"]["p50"]))
+    for ref in ("engine", "generate"):  # the two backends' decode loops without a draft
+        base = rows.get(f"spec_{ref}", {}).get("plan_ms", {}).get("p50")
+        for name, r in rows.items():
+            if name.startswith("spec_") and name not in ("spec_engine", "spec_generate") \
+                    and "plan_ms" in r and base:
+                record.ratio(f"{name}_vs_{ref}_plan_time",
+                             stats.ratio(base, r["plan_ms"]["p50"]))
