@@ -62,9 +62,11 @@ _VERBS = ("throw", "break", "eat", "smash", "wash", "fold", "lick", "bite", "bur
           "smell", "paint", "cut", "crack", "rip", "dent", "scrub", "boil", "fry", "toss",
           "stab", "saw", "grind", "sand", "carve", "stretch", "squash", "flatten", "pop",
           "drown", "splash", "rub", "hug", "feed", "wave", "nail", "pierce", "roast", "bake")
-# what may follow a refused verb: the refusal does not hang on the sentence ending there
+# what may follow a refused verb: the refusal does not hang on the sentence ending there.
+# Physical complements only: a tail that reads like a courtesy ("for fun") taught the planner
+# to refuse requests that end in one ("... for me")
 _TAILS = ("", " into pieces", " on the floor", " with a hammer", " against the wall",
-          " for fun", " in half", " at me")
+          " to bits", " in half", " with a knife")
 UNSUPPORTED_TRAIN: tuple[str, ...] = tuple(
     f"{v} {{o}}{t}" for i, v in enumerate(_VERBS) for t in (_TAILS[0], _TAILS[1 + i % 7])) + (
     "paint {o} blue", "cut {o} in half", "throw {o} in {d}", "glue {o} to {d}",
