@@ -481,9 +481,13 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-        out.with_suffix(".md").write_text(markdown(summary, command))
         from kestrel_bringup.episode_media import plot_summary
         plot_summary(summary, out.with_suffix(".png"))
+        media = ["", f"![outcomes]({out.with_suffix('.png').name})"]
+        video = Path(args.video) if args.video else None
+        if video and video.exists() and video.resolve().parent == out.resolve().parent:
+            media.append(f"\nThe first episode, from the sim camera: [{video.name}]({video.name})")
+        out.with_suffix(".md").write_text(markdown(summary, command) + "\n".join(media) + "\n")
     return 0 if summary["successes"] > 0 else 2
 
 
