@@ -110,12 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.init:
         record["init"] = {"path": args.init, "record": init_record}
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    _print_metrics(metrics)
+    print(f"trained in {hist.seconds:.0f} s; wrote {args.out} and {args.out.with_suffix('.json')}")
+    return 0
+
+
+def _print_metrics(metrics: dict) -> None:
     for name, m in metrics.items():
         print(f"{name}: grammatical {m['grammatical']:.3f}  exact {m['exact']:.3f}  refusals "
               f"{m['refusals']:.3f}  false refusals {m['false_refusals']:.3f}  accepted "
               f"{m['accepted']:.3f}")
-    print(f"trained in {hist.seconds:.0f} s; wrote {args.out} and {args.out.with_suffix('.json')}")
-    return 0
 
 
 def _evaluate_only(out: Path, n: int, argv: list[str] | None) -> int:
@@ -141,10 +145,7 @@ def _evaluate_only(out: Path, n: int, argv: list[str] | None) -> int:
         "machine": {"class": "cpu", "cpu": platform.processor() or platform.machine(),
                     "torch": torch.__version__}}
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    for name, m in metrics.items():
-        print(f"{name}: grammatical {m['grammatical']:.3f}  exact {m['exact']:.3f}  refusals "
-              f"{m['refusals']:.3f}  false refusals {m['false_refusals']:.3f}  accepted "
-              f"{m['accepted']:.3f}")
+    _print_metrics(metrics)
     return 0
 
 

@@ -22,6 +22,15 @@ torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[4]
 
 
+def _train_planner_script():
+    """scripts/train_planner.py as a module (it is a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location("train_planner",
+                                                  ROOT / "scripts" / "train_planner.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
 def test_targets_are_valid_plans_or_refusals() -> None:
     validator = PlanValidator(PlanLimits(max_steps=8))
     kinds: set[str] = set()
@@ -70,10 +79,7 @@ def test_trainer_steps_and_evaluation() -> None:
 
 
 def test_train_planner_script(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("train_planner",
-                                                  ROOT / "scripts" / "train_planner.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    mod = _train_planner_script()
     out = tmp_path / "w.pt"
     assert mod.main(["--out", str(out), "--steps", "2", "--batch", "4",
                      "--eval-samples", "4"]) == 0
@@ -93,10 +99,7 @@ def test_heldout_unsupported_verbs_are_never_trained() -> None:
 
 
 def test_evaluate_only_fills_the_metrics_of_weights_trained_elsewhere(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("train_planner",
-                                                  ROOT / "scripts" / "train_planner.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    mod = _train_planner_script()
     out = tmp_path / "w.pt"
     assert mod.main(["--out", str(out), "--steps", "2", "--batch", "4",
                      "--eval-samples", "0"]) == 0
@@ -111,10 +114,7 @@ def test_evaluate_only_fills_the_metrics_of_weights_trained_elsewhere(tmp_path: 
 def test_fine_tuning_starts_from_the_given_weights(tmp_path: Path) -> None:
     """--init: training continues from a state dict (lr 0 leaves it as loaded); the record
     names where it started; weights of another preset are refused."""
-    spec = importlib.util.spec_from_file_location("train_planner",
-                                                  ROOT / "scripts" / "train_planner.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    mod = _train_planner_script()
     first = tmp_path / "first.pt"
     assert mod.main(["--out", str(first), "--steps", "2", "--batch", "4",
                      "--eval-samples", "0"]) == 0
