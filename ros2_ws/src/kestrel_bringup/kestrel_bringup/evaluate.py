@@ -154,8 +154,11 @@ class Evaluator:
         self.spin.start()
 
     def close(self) -> None:
+        from kestrel_common.base_node import destroy_waitables
+
         self.executor.shutdown()
         self.node.destroy_node()
+        destroy_waitables(self.node)  # the PlanTask client: else it keeps the participant up
         if self.owns_context:
             self.rclpy.try_shutdown()
 

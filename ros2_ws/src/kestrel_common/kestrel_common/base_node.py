@@ -28,6 +28,7 @@ from rclpy.clock import Clock, ClockType
 from rclpy.executors import (Executor, ExternalShutdownException, MultiThreadedExecutor,
                              SingleThreadedExecutor)
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy)
 from rclpy.signals import SignalHandlerOptions
@@ -318,13 +319,21 @@ class KestrelLifecycleNode(LifecycleNode):
         the node's handle, and the last holder keeps the DDS participant up (until the
         garbage collector or the interpreter's exit gets to it)."""
         super().destroy_node()
-        for waitable in list(self.waitables):
-            destroy = getattr(waitable, "destroy", None)
-            if destroy is not None:
-                destroy()
+        destroy_waitables(self)
         machine = getattr(self, "_state_machine", None)  # rclpy keeps it private
         if machine is not None:
             machine.destroy_when_not_in_use()
+
+
+def destroy_waitables(node: Node) -> None:
+    """Destroy what rclpy's destroy_node leaves of any node: its waitables (action servers and
+    clients). Each holds the node's handle, and the last holder keeps the DDS participant up
+    until the garbage collector or the interpreter's exit gets to it. Call after
+    destroy_node."""
+    for waitable in list(node.waitables):
+        destroy = getattr(waitable, "destroy", None)
+        if destroy is not None:
+            destroy()
 
 
 def make_executor(node: KestrelLifecycleNode, num_threads: int = 4) -> Executor:

@@ -105,3 +105,32 @@ def test_destroy_node_takes_the_participant_down(ours: bool) -> None:
             assert not segments() - before
     finally:
         rclpy.try_shutdown(context=context)
+
+
+def test_destroy_waitables_takes_a_plain_nodes_participant_down() -> None:
+    """A plain rclpy node with an action client (the evaluator's shape): destroy_node leaves
+    the client holding the node, and with it the participant; destroy_waitables ends both."""
+    import rclpy
+    from kestrel_interfaces.action import PlanTask
+    from rclpy.action import ActionClient
+
+    from kestrel_common.base_node import destroy_waitables
+
+    def segments() -> set[str]:
+        with open("/proc/self/maps") as maps:
+            return {line.split()[-1] for line in maps if "/dev/shm/fastdds_" in line}
+
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    try:
+        before = segments()
+        node = rclpy.create_node("waitables_test", context=context)
+        client = ActionClient(node, PlanTask, "/planner/plan_task")
+        assert segments() - before  # the participant is up
+        node.destroy_node()
+        assert segments() - before  # the client still holds it
+        destroy_waitables(node)
+        assert not segments() - before
+        del client
+    finally:
+        rclpy.try_shutdown(context=context)
