@@ -66,6 +66,9 @@ class SimNode(KestrelLifecycleNode):
         self._srv = None
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
+        # held while the sensor thread publishes; stop_workers takes it once after setting
+        # _stop, so no publish is in flight when a sensor thread is left to the process exit
+        self._publish_lock = threading.Lock()
         self._tick = threading.Event()  # set by physics after every batch
         self._active = False
         self._meters = {k: RateMeter() for k in ("physics", "clock", "joint_states", "camera",
@@ -159,6 +162,8 @@ class SimNode(KestrelLifecycleNode):
         self._active = False
         self._stop.set()
         self._tick.set()
+        with self._publish_lock:  # a publish in flight ends; none starts after this
+            pass
         for t in self._threads:
             # at the process exit a render or scan in flight is not waited for: once stopped
             # the thread publishes nothing (_publish_camera/_lidar) and the exit ends it
@@ -296,12 +301,15 @@ class SimNode(KestrelLifecycleNode):
                 self.camera.close()  # the GL context belongs to this thread
 
     def _publish_camera(self, source=None, stamp_ns: int = 0) -> None:  # noqa: ANN001
-        p, cam = self.params, self.camera
         t0 = time.perf_counter()
-        frame = cam.render(source, stamp_ns)
+        frame = self.camera.render(source, stamp_ns)
         self._sensor_ms["render_ms"] = (time.perf_counter() - t0) * 1e3
-        if self._stop.is_set():  # stopped during the render: the node may be going away
-            return
+        with self._publish_lock:
+            if not self._stop.is_set():  # (stopped during the render: the node may be going)
+                self._publish_frame(frame)
+
+    def _publish_frame(self, frame) -> None:  # noqa: ANN001 - a CameraSensor frame
+        p, cam = self.params, self.camera
         header = make_header(frame.stamp_ns, p["camera_frame"])
         info = make_camera_info(cam.intrinsics(), cam.width, cam.height, header)
         self._pubs["image"].publish(numpy_to_image(frame.rgb, "rgb8", header))
@@ -323,10 +331,11 @@ class SimNode(KestrelLifecycleNode):
         t0 = time.perf_counter()
         scan = self.lidar.scan(source, stamp_ns)
         self._sensor_ms["scan_ms"] = (time.perf_counter() - t0) * 1e3
-        if self._stop.is_set():  # stopped during the scan
-            return
-        header = make_header(scan.stamp_ns, self.params["world_frame"])
-        self._pubs["points"].publish(xyz_to_pointcloud2(scan.points, header))
+        with self._publish_lock:
+            if self._stop.is_set():  # stopped during the scan
+                return
+            header = make_header(scan.stamp_ns, self.params["world_frame"])
+            self._pubs["points"].publish(xyz_to_pointcloud2(scan.points, header))
         self._meters["lidar"].tick()
 
     # ---- inputs ----------------------------------------------------------------------------
