@@ -27,10 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from ros_harness import DomainLease  # noqa: E402
+from kestrel_common.domain_lease import DomainLease
 
 
 def main() -> int:

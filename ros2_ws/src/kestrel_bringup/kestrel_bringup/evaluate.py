@@ -2,6 +2,8 @@
 
     python -m kestrel_bringup.evaluate --episodes 50 --seed 0 --out docs/benchmarks/closed_loop_cpu
     python -m kestrel_bringup.evaluate --no-stack ...   # against a stack / simulator already up
+    python -m kestrel_bringup.evaluate --device cuda --workers 5 \
+        --out docs/benchmarks/closed_loop_h100   # a 16-core GPU machine: 5 stacks at once
 
 The nodes run as separate processes over DDS on sim time (kestrel_bringup.run_stack's
 StackRunner, the stack's table and YAML; `--controller` sets the control node's controller).
@@ -18,6 +20,9 @@ action, so it runs against any simulator that publishes the contract:
 goal ('pick <goal>; place bin') instead of the instruction. That measures everything but the
 planner's model (perception's scene, validation, execution, control, the robot) and the
 output says so in its first lines.
+`--device cuda`: the GPU variants (evaluation.gpu_params: perception and the planner's decode
+engine on the GPU). `--workers N`: N stacks at once, each on its own ROS domain and share of the
+seeds, one merged table (evaluate_workers).
 Output: the summary of kestrel_bringup.evaluation (success rate with a Wilson 95 % interval,
 failures by stage, time to success, deadline misses, the sim-time speed: sim seconds per wall
 second over the run) as <out>.json and <out>.md, the outcomes
@@ -37,58 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kestrel_bringup.evaluation import EpisodeTrace, markdown, sim_speed, summarize
-
-COLOURS = {"red_cube": ("red", "cube"), "green_cube": ("green", "cube"),
-           "blue_cylinder": ("blue", "cylinder")}
-TEMPLATES = ("put the {c} {s} in the bin", "place the {c} {s} into the bin",
-             "pick up the {c} {s} and drop it in the bin")
-BIN_HALF = 0.1  # m, half the bin's footprint (tabletop.xml)
-ORACLE_NOTE = ("oracle plan: the planner node ran backend plan_text and was sent the correct "
-               "plan for the goal, not the instruction; the planner's model is NOT measured")
-
-
-def oracle_plan(goal: str, speed: float) -> str:
-    """The correct plan for 'put <goal> in the bin', in the plan text form ';'-separated."""
-    return f"pick {goal} speed={speed:g}; place bin speed={speed:g}; end"
-
-
-def run_record() -> dict[str, Any]:
-    """machine (cpu model, cpus, load), commit (of the working directory's repository, '+dirty'
-    with uncommitted changes) and date (UTC) of a run, for its result file."""
-    import datetime
-    import os
-    import platform
-    import subprocess
-
-    machine: dict[str, Any] = {"class": "cpu", "cpus": os.cpu_count(),
-                               "python": platform.python_version(),
-                               "loadavg_1m": round(os.getloadavg()[0], 2)}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                machine["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    commit = "unknown"
-    try:
-        git = ["git", "-C", os.getcwd()]
-        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        commit = (head + ("+dirty" if dirty else "")) or commit
-    except (OSError, subprocess.SubprocessError):
-        pass
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {"machine": machine, "commit": commit, "date": date}
-
-
-def instruction_for(goal: str, rng: random.Random) -> str:
-    colour, shape = COLOURS.get(goal, (goal.split("_")[0], goal.split("_")[-1]))
-    return rng.choice(TEMPLATES).format(c=colour, s=shape)
-
+from kestrel_bringup.evaluation import (BIN_HALF, COLOURS, ORACLE_NOTE, TEMPLATES,  # noqa: F401
+                                        EpisodeTrace, gpu_params, instruction_for, markdown,
+                                        oracle_plan,
+                                        run_record, sim_speed, summarize)
 
 class Evaluator:
     """The ROS side: clients and subscriptions on the contract's names (one rclpy node)."""
@@ -156,7 +113,9 @@ class Evaluator:
     def close(self) -> None:
         from kestrel_common.base_node import destroy_waitables
 
-        self.executor.shutdown()
+        self.executor.shutdown(timeout_sec=5.0)
+        # the spin thread out of its wait set before the node and the context go
+        self.spin.join(timeout=5.0)
         self.node.destroy_node()
         destroy_waitables(self.node)  # the PlanTask client: else it keeps the participant up
         if self.owns_context:
@@ -244,8 +203,18 @@ class Evaluator:
         return None
 
     def wait_ready(self, timeout_s: float) -> bool:
-        return bool(self.reset.wait_for_service(timeout_sec=timeout_s)
-                    and self.plan.wait_for_server(timeout_sec=timeout_s))
+        """The sim's reset service and the planner's action (False: not within timeout_s), then
+        the first perception result, within what is left (a GPU runtime compiles at configure:
+        an episode before it would be refused for want of a scene; without one, say so)."""
+        deadline = time.monotonic() + timeout_s
+        if not (self.reset.wait_for_service(timeout_sec=timeout_s)
+                and self.plan.wait_for_server(timeout_sec=max(0.1, deadline -
+                                                              time.monotonic()))):
+            return False
+        if self._wait(lambda: self.results > 0, max(0.1, deadline - time.monotonic())) is None:
+            print("[evaluate] no perception result yet: the episodes start anyway",
+                  file=sys.stderr)
+        return True
 
     def control_transition(self, transition: str) -> bool:
         """'deactivate' | 'activate' the control node (lifecycle); False when it is not there
@@ -382,46 +351,17 @@ class Evaluator:
         return trace
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--episodes", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the episode seeds")
-    parser.add_argument("--seeds", default="", help="comma-separated episode seeds to run "
-                        "instead (e.g. the failed ones of a run: its table lists them)")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="sim s an episode may take after its plan")
-    parser.add_argument("--plan-timeout", type=float, default=120.0, help="wall s per plan")
-    parser.add_argument("--controller", default="ik", choices=("ik", "policy"))
-    parser.add_argument("--oracle-plan", action="store_true",
-                        help="the planner runs backend plan_text and is sent the correct plan "
-                        "('pick <goal>; place bin') instead of the instruction: measures "
-                        "perception, validation, execution, control and the robot, NOT the "
-                        "planner's model (reported as such)")
-    parser.add_argument("--oracle-speed", type=float, default=0.3,
-                        help="m/s, the oracle plan's speed")
-    parser.add_argument("--no-stack", action="store_true",
-                        help="do not start the stack: evaluate the one already running")
-    parser.add_argument("--log-dir", type=Path, default=None,
-                        help="write each node's output to <dir>/<node>.log")
-    parser.add_argument("--out", default="", help="write <out>.json, <out>.md and <out>.png")
-    parser.add_argument("--video", default=None, help="record the first episode: .mp4 or "
-                        ".gif (default with --out: <out>.mp4; 'none': no video)")
-    args = parser.parse_args(argv)
-    if args.episodes < 1:
-        parser.error("--episodes must be >= 1")
-    if not args.oracle_speed > 0:
-        parser.error("--oracle-speed must be > 0")
-    if args.video is None:
-        args.video = str(Path(args.out).with_suffix(".mp4")) if args.out else ""
-    elif args.video == "none":
-        args.video = ""
-    record = run_record()  # at the start: the load before the stack, the start date
+def run_here(args: argparse.Namespace, seeds: list[int]) -> tuple[list[EpisodeTrace],
+                                                                   dict | None, int]:
+    """The episodes of `seeds` through one stack (started here unless --no-stack); returns the
+    traces, the sim-time speed and 0 (1: the stack's services never came up)."""
     runner = None
     if not args.no_stack:
         from kestrel_bringup.run_stack import StackRunner
-        extra = {"control": {"controller": args.controller}}
+        extra = gpu_params(args.device, args.controller)
+        extra.setdefault("control", {})["controller"] = args.controller
         if args.oracle_plan:
-            extra["planner"] = {"backend": "plan_text"}
+            extra.setdefault("planner", {})["backend"] = "plan_text"
         if args.log_dir:
             args.log_dir.mkdir(parents=True, exist_ok=True)
         runner = StackRunner(extra_params=extra, echo=False, log_dir=args.log_dir)
@@ -429,15 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     ev = None
     speed = None
     traces: list[EpisodeTrace] = []
-    t_start = time.monotonic()
     try:
         ev = Evaluator(args.plan_timeout)
-        if not ev.wait_ready(120.0):
+        if not ev.wait_ready(300.0):
             print("[evaluate] /sim/reset or /planner/plan_task not available",
                   file=sys.stderr)
-            return 1
-        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else \
-            [args.seed * 100_003 + i + 1 for i in range(args.episodes)]  # never 0 (default)
+            return traces, None, 1
         for i, seed in enumerate(seeds):
             # each episode's goal and wording from its own seed: any episode re-runs alone
             rng = random.Random(seed)
@@ -470,6 +407,67 @@ def main(argv: list[str] | None = None) -> int:
             ev.close()
         if runner is not None:
             runner.stop()
+    return traces, speed, 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--episodes", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the episode seeds")
+    parser.add_argument("--seeds", default="", help="comma-separated episode seeds to run "
+                        "instead (e.g. the failed ones of a run: its table lists them)")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="sim s an episode may take after its plan")
+    parser.add_argument("--plan-timeout", type=float, default=120.0, help="wall s per plan")
+    parser.add_argument("--controller", default="ik", choices=("ik", "policy"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: the GPU variants of the models (gpu_params)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="stacks at once, each on its own ROS domain and share of the "
+                        "seeds (evaluate_workers); about 2 cores per stack")
+    parser.add_argument("--oracle-plan", action="store_true",
+                        help="the planner runs backend plan_text and is sent the correct plan "
+                        "('pick <goal>; place bin') instead of the instruction: measures "
+                        "perception, validation, execution, control and the robot, NOT the "
+                        "planner's model (reported as such)")
+    parser.add_argument("--oracle-speed", type=float, default=0.3,
+                        help="m/s, the oracle plan's speed")
+    parser.add_argument("--no-stack", action="store_true",
+                        help="do not start the stack: evaluate the one already running")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="write each node's output to <dir>/<node>.log")
+    parser.add_argument("--out", default="", help="write <out>.json, <out>.md and <out>.png")
+    parser.add_argument("--video", default=None, help="record the first episode: .mp4 or "
+                        ".gif (default with --out: <out>.mp4; 'none': no video)")
+    args = parser.parse_args(argv)
+    if args.episodes < 1:
+        parser.error("--episodes must be >= 1")
+    if not args.oracle_speed > 0:
+        parser.error("--oracle-speed must be > 0")
+    if args.workers < 1:
+        parser.error("--workers must be >= 1")
+    if args.workers > 1 and args.no_stack:
+        parser.error("--workers > 1 starts its own stacks: not with --no-stack")
+    if args.video is None:
+        args.video = str(Path(args.out).with_suffix(".mp4")) if args.out else ""
+    elif args.video == "none":
+        args.video = ""
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else \
+            [args.seed * 100_003 + i + 1 for i in range(args.episodes)]  # never 0 (default)
+    except ValueError:
+        parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    record = run_record(args.device)  # at the start: the load before the stack, the start date
+    t_start = time.monotonic()
+    if args.workers > 1:
+        from kestrel_bringup.evaluate_workers import run_workers
+        traces, speed, errors = run_workers(args, seeds, args.video, args.log_dir)
+        for line in errors:
+            print(f"[evaluate] {line}", file=sys.stderr)
+    else:
+        traces, speed, code = run_here(args, seeds)
+        if code:
+            return code
     command = "python -m kestrel_bringup.evaluate " + " ".join(sys.argv[1:] if argv is None
                                                                  else argv)
     summary = summarize(traces, {**vars(args), "wall_s": round(time.monotonic() - t_start, 1)})

@@ -1,7 +1,8 @@
-"""Closed-loop evaluation bookkeeping (no rclpy): one trace per episode, the failure stage it
-ends in, and the table over episodes (success rate with a Wilson 95 % interval, failures by
-stage, time to success, control deadline misses). kestrel_bringup.evaluate feeds it from the
-simulator contract's topics (sim_contract.yaml); tests feed it directly.
+"""Closed-loop evaluation bookkeeping (no rclpy): the episodes' instructions, one trace per
+episode, the failure stage it ends in, and the table over episodes (success rate with a Wilson
+95 % interval, failures by stage, time to success, control deadline misses), the run's record.
+kestrel_bringup.evaluate feeds it from the simulator contract's topics (sim_contract.yaml);
+tests feed it directly.
 
 Failure attribution, first that applies:
   plan_rejected    the planner refused the instruction or its plan failed validation, or no
@@ -16,11 +17,32 @@ Failure attribution, first that applies:
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 STAGES = ("success", "perception_miss", "plan_rejected", "reach_timeout", "grasp_slip",
           "place_miss", "timeout")
+
+
+COLOURS = {"red_cube": ("red", "cube"), "green_cube": ("green", "cube"),
+           "blue_cylinder": ("blue", "cylinder")}
+TEMPLATES = ("put the {c} {s} in the bin", "place the {c} {s} into the bin",
+             "pick up the {c} {s} and drop it in the bin")
+BIN_HALF = 0.1  # m, half the bin's footprint (tabletop.xml)
+ORACLE_NOTE = ("oracle plan: the planner node ran backend plan_text and was sent the correct "
+               "plan for the goal, not the instruction; the planner's model is NOT measured")
+
+
+def oracle_plan(goal: str, speed: float) -> str:
+    """The correct plan for 'put <goal> in the bin', in the plan text form ';'-separated."""
+    return f"pick {goal} speed={speed:g}; place bin speed={speed:g}; end"
+
+
+def instruction_for(goal: str, rng: random.Random) -> str:
+    colour, shape = COLOURS.get(goal, (goal.split("_")[0], goal.split("_")[-1]))
+    return rng.choice(TEMPLATES).format(c=colour, s=shape)
 
 
 @dataclass
@@ -135,7 +157,8 @@ def markdown(summary: dict, command: str = "") -> str:
         lines += [f"Command: `{command}`", ""]
     m = summary.get("machine")
     if m:
-        lines += [f"- machine: {m.get('class', '?')}, {m.get('cpu_model', '?')}, "
+        gpu = f"{m['gpu']}, " if m.get("gpu") else ""
+        lines += [f"- machine: {m.get('class', '?')}, {gpu}{m.get('cpu_model', '?')}, "
                   f"{m.get('cpus', '?')} CPUs, load {m.get('loadavg_1m', '?')} at the start",
                   f"- commit: `{summary.get('commit', '?')}`, date: {summary.get('date', '?')}",
                   ""]
@@ -159,7 +182,8 @@ def markdown(summary: dict, command: str = "") -> str:
                   f"max {dm['max']:.0f}."]
     speed = summary.get("sim_speed")
     if speed:
-        lines += [f"Sim-time speed: {speed['real_time_factor']:.2f} sim s per wall s "
+        per = f" per stack, {speed['stacks']} stacks at once" if speed.get("stacks", 1) > 1 else ""
+        lines += [f"Sim-time speed: {speed['real_time_factor']:.2f} sim s per wall s{per} "
                   f"({speed['sim_s']:.0f} sim s in {speed['wall_s']:.0f} wall s)."]
     failed = [e for e in summary.get("per_episode", []) if e["stage"] != "success"]
     if failed:
@@ -171,3 +195,69 @@ def markdown(summary: dict, command: str = "") -> str:
                             for k, v in (e.get("position_error_m") or {}).items()) or "-"
             lines.append(f"| seed {e['seed']} | {e['goal']} | {e['stage']} | {steps} | {err} |")
     return "\n".join(lines) + "\n"
+
+
+def gpu_params(device: str, controller: str) -> dict[str, dict[str, str]]:
+    """Node parameters of the GPU variants (--device cuda): perception's model on the GPU (its
+    runtime's `auto` options then pick the GPU's measured best), the planner on our decode
+    engine on the GPU (CUDA-graph decode) without speculative decoding and without the
+    frame + scene prefix cache (both measured slower than the plain engine on the GPU:
+    docs/benchmarks/planner_h100.md, spec_trained and prefix_cache), and the learned
+    controller's policy in a CUDA graph. The IK controller has no model: it runs as on the
+    CPU."""
+    if device == "cpu":
+        return {}
+    params = {"perception": {"runtime.device": device},
+              "planner": {"backend": "engine", "device": device, "speculative.k": "0",
+                          "prefix_cache_entries": "0"}}
+    if controller == "policy":
+        params["control"] = {"policy.backend": "cuda_graph"}
+    return params
+
+
+def gpu_class(name: str) -> str:
+    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100' (the result files' suffix)."""
+    for word in name.replace("-", " ").split():
+        w = word.lower()
+        if len(w) > 1 and w[0].isalpha() and w[1:].isdigit():
+            return w
+    return "gpu"
+
+
+def run_record(device: str = "cpu") -> dict[str, Any]:
+    """machine (cpu model, cpus, load; with device cuda the GPU and its class), commit (of the
+    working directory's repository, '+dirty' with uncommitted changes; KESTREL_COMMIT where
+    there is no repository, e.g. a copy on a remote machine) and date (UTC) of a run."""
+    import datetime
+    import os
+    import platform
+    import subprocess
+
+    machine: dict[str, Any] = {"class": "cpu", "cpus": os.cpu_count(),
+                               "python": platform.python_version(),
+                               "loadavg_1m": round(os.getloadavg()[0], 2)}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                machine["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            machine["gpu"] = torch.cuda.get_device_name(0)
+            machine["class"] = gpu_class(machine["gpu"])
+    commit = os.environ.get("KESTREL_COMMIT", "") or "unknown"
+    try:
+        git = ["git", "-C", os.getcwd()]
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = (head + ("+dirty" if dirty else "")) if head else commit
+    except (OSError, subprocess.SubprocessError):
+        pass
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"machine": machine, "commit": commit, "date": date}
