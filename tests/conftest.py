@@ -55,7 +55,7 @@ def dds_guard(ros_domain: int) -> Iterator[None]:
     appeared during the test may be left orphaned in /dev/shm."""
     before = dds_shm_files()
     yield
-    new = dds_shm_files() - before  # segments and ports (the memory), not the *_el locks
+    new = dds_shm_files() - before  # participants' segments (dds_shm_files says why only those)
     orphans = orphaned_shm_files(new)
     # a participant being destroyed closes a file before it unlinks it: wait for the unlink
     deadline = time.monotonic() + 3.0

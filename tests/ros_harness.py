@@ -8,9 +8,7 @@ stopped with SIGINT -> SIGTERM -> SIGKILL; the harness checks nothing of the gro
 
 from __future__ import annotations
 
-import fcntl
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -21,33 +19,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import yaml
+from kestrel_common.domain_lease import DomainLease  # noqa: F401 (re-exported)
 
 REPO = Path(__file__).resolve().parents[1]
-LOCK_DIR = Path("/tmp/kestrel_ros_domains")
-
-
-class DomainLease:
-    """An exclusive ROS_DOMAIN_ID for this process (flock on /tmp/kestrel_ros_domains/<id>)."""
-
-    def __init__(self, low: int = 1, high: int = 100) -> None:
-        LOCK_DIR.mkdir(parents=True, exist_ok=True)
-        ids = list(range(low, high + 1))
-        random.shuffle(ids)
-        for domain in ids:
-            fd = os.open(LOCK_DIR / f"{domain}.lock", os.O_CREAT | os.O_RDWR, 0o666)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self.domain_id = domain
-            self._fd = fd
-            return
-        raise RuntimeError("no free ROS_DOMAIN_ID in 1..100")
-
-    def release(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
 
 
 def ros_env(domain_id: int, run_dir: Path) -> dict[str, str]:
@@ -198,6 +172,7 @@ class Probe:
         self.node = rclpy.create_node(name, context=self.context)
         self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
         self.executor.add_node(self.node)
+        self._action_clients: list[Any] = []
         self._thread = threading.Thread(target=self._spin, daemon=True)
         self._thread.start()
 
@@ -207,6 +182,17 @@ class Probe:
             self.executor.spin()
         except (ExternalShutdownException, Exception):  # shutdown races end the spin
             pass
+
+    def action_client(self, action_type: Any, name: str) -> Any:
+        """An ActionClient on the probe's node, destroyed by close() once the spin has stopped
+        (destroyed while the executor spins, it leaves an unretrieved "cannot use Destroyable"
+        exception in an executor task; left to the garbage collector, the participant's files
+        stay in /dev/shm)."""
+        from rclpy.action import ActionClient
+
+        client = ActionClient(self.node, action_type, name)
+        self._action_clients.append(client)
+        return client
 
     def subscribe(self, msg_type: Any, topic: str, qos: Any = 10) -> Collector:
         col = Collector(topic)
@@ -243,6 +229,8 @@ class Probe:
         # an unretrieved "cannot use Destroyable" exception in an executor task.
         self.executor.shutdown(timeout_sec=2.0)
         self._thread.join(timeout=5.0)
+        for client in self._action_clients:  # before the node: each holds its handle
+            client.destroy()
         self.node.destroy_node()
         self._rclpy.try_shutdown(context=self.context)
 
@@ -251,16 +239,25 @@ SHM_DIR = Path("/dev/shm")
 SHM_PREFIXES = ("fastrtps_", "fastdds_")
 
 
-def dds_shm_files() -> set[str]:
-    """Fast DDS shared-memory segments and port files in /dev/shm. Not the named semaphores
+def dds_shm_files(ports: bool = False) -> set[str]:
+    """Fast DDS shared-memory segments in /dev/shm (`ports`: port files too): each
+    participant's own segment (the memory its samples live in), which a process that ends
+    without destroying its participant leaves behind. Not the named semaphores
     `sem.fastdds_port<N>_mutex`: Fast DDS keeps one per port on purpose and reuses it. Not the
-    `*_el` files either: empty lock files, which Fast DDS reclaims when the next participant
-    starts, and which a participant of the pytest process can leave behind until that process
-    exits (~1 in 10 stack tests: 2 segment locks + 2 port locks; reproduced every time by a
-    node created and destroyed in the probe's context)."""
+    `*_el` files: empty lock files, which Fast DDS reclaims when the next participant starts,
+    and which a participant of the pytest process can leave behind until that process exits
+    (~1 in 10 stack tests; reproduced every time by a node created and destroyed in the
+    probe's context). Not the port files `fastdds_port<N>` (one per locator port, a few kB)
+    unless asked: a sender that opens a port creates it when it is missing
+    (SharedMemGlobal::open_port), so a peer still sending while the port's owner exits can
+    recreate the file its owner just removed (1 in ~16 whole-stack signal stops, every process
+    exiting 0 with its segment removed); the next participant on that port number opens that
+    file (or replaces it when its health check fails), so they never accumulate past the
+    ports in use."""
     try:
         return {p.name for p in SHM_DIR.iterdir()
-                if p.name.startswith(SHM_PREFIXES) and not p.name.endswith("_el")}
+                if p.name.startswith(SHM_PREFIXES) and not p.name.endswith("_el")
+                and (ports or "_port" not in p.name)}
     except OSError:
         return set()
 

@@ -11,7 +11,6 @@ from kestrel_interfaces.action import PlanTask
 from kestrel_interfaces.msg import ControlTarget
 from lifecycle_msgs.msg import Transition
 from lifecycle_msgs.srv import ChangeState
-from rclpy.action import ActionClient
 from test_planner_node_dds import PARAMS, Streamer, send, wait
 
 from kestrel_common.base_node import COMMAND_QOS
@@ -25,13 +24,9 @@ CYCLES = 10
 def test_planner_lifecycle_cycles(launch_node, probe):
     node = launch_node("kestrel_planner.planner_node", "planner",
                        params=PARAMS | {"max_new_tokens": 160})
-    client = ActionClient(probe.node, PlanTask, "/planner/plan_task")
+    client = probe.action_client(PlanTask, "/planner/plan_task")
     cli = probe.node.create_client(ChangeState, "/planner/change_state")
-    try:
-        run_cycles(node, probe, client, cli)
-    finally:
-        client.destroy()  # before the probe's node: else Fast DDS leaves files in /dev/shm
-        probe.node.destroy_client(cli)
+    run_cycles(node, probe, client, cli)
 
 
 def run_cycles(node, probe, client, cli) -> None:

@@ -20,7 +20,6 @@ from geometry_msgs.msg import PointStamped
 from kestrel_interfaces.action import PlanTask
 from kestrel_interfaces.msg import ControlTarget, PerceptionResult, StepStatus, TaskPlan
 from action_msgs.msg import GoalStatus
-from rclpy.action import ActionClient
 from sensor_msgs.msg import Image
 
 from kestrel_common.base_node import COMMAND_QOS, LATCHED_QOS, SENSOR_QOS
@@ -114,11 +113,8 @@ def diag_value(diag, key: str) -> str | None:
 
 def test_planner_node_over_dds(launch_node, probe):
     node = launch_node("kestrel_planner.planner_node", "planner", params=PARAMS)
-    client = ActionClient(probe.node, PlanTask, "/planner/plan_task")
-    try:
-        run_scenario(node, probe, client)
-    finally:
-        client.destroy()  # before the probe's node: else Fast DDS leaves files in /dev/shm
+    client = probe.action_client(PlanTask, "/planner/plan_task")
+    run_scenario(node, probe, client)
 
 
 def run_scenario(node, probe, client) -> None:

@@ -22,7 +22,6 @@ from diagnostic_msgs.msg import DiagnosticArray
 from kestrel_interfaces.action import PlanTask
 from kestrel_interfaces.msg import ControlTarget, TaskPlan
 from action_msgs.msg import GoalStatus
-from rclpy.action import ActionClient
 from test_planner_node_dds import CUBE, Streamer, send, wait
 
 from kestrel_common.base_node import COMMAND_QOS, LATCHED_QOS
@@ -94,11 +93,8 @@ def test_planner_node_remote_backend(launch_node, probe, env, stub):
         "remote.api_key_env": KEY_ENV, "remote.timeout_s": 10.0, "remote.max_retries": 1,
         "max_steps": 4, "max_speed": 0.5, "max_height": 0.4, "diagnostics_period": 0.2,
         "step_timeout": 30.0, "goal_timeout": 20.0})
-    client = ActionClient(probe.node, PlanTask, "/planner/plan_task")
-    try:
-        run_scenario(node, probe, client, stub)
-    finally:
-        client.destroy()  # before the probe's node: else Fast DDS leaves files in /dev/shm
+    client = probe.action_client(PlanTask, "/planner/plan_task")
+    run_scenario(node, probe, client, stub)
 
 
 def run_scenario(node, probe, client, stub: StubProcess) -> None:

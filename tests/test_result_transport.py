@@ -22,7 +22,6 @@ from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import PointStamped
 from kestrel_interfaces.action import PlanTask
 from kestrel_interfaces.msg import PerceptionResult
-from rclpy.action import ActionClient
 from sensor_msgs.msg import Image, JointState
 
 from kestrel_common.base_node import COMMAND_QOS, SENSOR_QOS
@@ -163,20 +162,17 @@ def test_planner_receives_full_results_at_10hz(launch_node, probe):
     diag = probe.subscribe(DiagnosticArray, "/diagnostics")
     res_pub = probe.publisher(PerceptionResult, "/planner/input/perception", COMMAND_QOS)
     img_pub = probe.publisher(Image, "/planner/input/image", SENSOR_QOS)
-    client = ActionClient(probe.node, PlanTask, "/planner/plan_task")
+    client = probe.action_client(PlanTask, "/planner/plan_task")
     states = StateStream(probe)
     goals = GoalLoop(client)
-    try:
-        assert probe.wait_for_subscribers(res_pub, timeout=60.0), node.output()[-2000:]
-        assert probe.wait_for_subscribers(img_pub, timeout=10.0)
-        assert probe.wait_for_subscribers(states.joints, timeout=10.0)
-        assert diag.wait_for(lambda _m: bool(planner_values(diag)), timeout=30.0), \
-            node.output()[-2000:]  # the node is active (publishes its diagnostics)
-        assert client.wait_for_server(timeout_sec=10.0)
-        with states:
-            got, values = stream(diag, res_pub, img_pub, goals)
-    finally:
-        client.destroy()  # before the probe's node: else Fast DDS leaves files in /dev/shm
+    assert probe.wait_for_subscribers(res_pub, timeout=60.0), node.output()[-2000:]
+    assert probe.wait_for_subscribers(img_pub, timeout=10.0)
+    assert probe.wait_for_subscribers(states.joints, timeout=10.0)
+    assert diag.wait_for(lambda _m: bool(planner_values(diag)), timeout=30.0), \
+        node.output()[-2000:]  # the node is active (publishes its diagnostics)
+    assert client.wait_for_server(timeout_sec=10.0)
+    with states:
+        got, values = stream(diag, res_pub, img_pub, goals)
     age = {k: float(values.get(f"perception_age_{k}_s", "nan")) * 1e3
            for k in ("p50", "p99", "max")}
     print(f"planner received {got} of {N_RESULTS} results; {goals.served} goals served, "

@@ -101,11 +101,11 @@ def _active(node, probe, diag, timeout: float = 120.0) -> None:
 def forced_exit_shm(dds_guard):
     """A forced exit leaves the node's Fast DDS shared memory behind, as SIGKILL does: removed
     once the probe (which maps the node's ports) is closed, before dds_guard checks."""
-    before = dds_shm_files()
+    before = dds_shm_files(ports=True)
     yield
     deadline = time.monotonic() + 2.0  # the last mappings go as the probe's participant does
     while time.monotonic() < deadline:
-        new = dds_shm_files() - before
+        new = dds_shm_files(ports=True) - before
         if not new:
             break
         for name in orphaned_shm_files(new):
