@@ -42,7 +42,7 @@ from rosgraph_msgs.msg import Clock
 
 from kestrel_bringup import bag_qos
 from kestrel_bringup.bag import BagError, BagReader, BagWriter, normalize_type, reindex
-from kestrel_common.process_stop import exit_process
+from kestrel_common.process_stop import SignalFlag, exit_process
 
 
 # play, after SIGINT/SIGTERM: how long the readers may take in all to acknowledge the
@@ -145,7 +145,7 @@ class Recorder(Node):
             self.done.set()
 
 
-def _record(args: argparse.Namespace, stop: threading.Event) -> int:
+def _record(args: argparse.Namespace, stop: SignalFlag) -> int:
     if not args.topics and not args.all:
         print("record: name topics or pass --all", file=sys.stderr)
         return 2
@@ -169,7 +169,7 @@ def _record(args: argparse.Namespace, stop: threading.Event) -> int:
     return 0
 
 
-def _play(args: argparse.Namespace, stop: threading.Event) -> int:
+def _play(args: argparse.Namespace, stop: SignalFlag) -> int:
     reader = BagReader(args.bag)
     remap = dict(r.split(":=", 1) for r in args.remap)
     wanted = set(args.topics) if args.topics else None
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     # 0.1 s); rclpy's handlers would shut the context down under the recorder's callbacks and
     # before the bag is finalised. Only the --ros-args part goes to rcl (it would read our
     # `from:=to` remaps as its own).
-    stop = threading.Event()
+    stop = SignalFlag()  # set by signal handlers: no lock (process_stop.SignalFlag)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     ros_argv = argv[:1] + (argv[argv.index("--ros-args"):] if "--ros-args" in argv else [])

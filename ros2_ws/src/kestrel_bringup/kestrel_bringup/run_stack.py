@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO
 
 from kestrel_bringup.stack import NODE_NAMES, STACK, NodeEntry, dds_environment, entry, ros_args
+from kestrel_common.process_stop import SignalFlag
 
 
 class StackProcess:
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     runner = StackRunner(names, log_dir=args.log_dir, respawn=policy)
-    stop = threading.Event()
+    stop = SignalFlag()  # set by signal handlers: no lock (process_stop.SignalFlag)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     runner.start()

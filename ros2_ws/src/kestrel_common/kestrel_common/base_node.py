@@ -423,20 +423,21 @@ def serve_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = No
         print(f"[{name}] executor stopped at shutdown: {exc!r}", file=sys.stderr)
     finally:
         signals.disarm()  # from here on, signals only set signals.stop (see StopSignals)
-        steps = _StopSteps()
+        steps = _StopSteps(exit_watchdog)
         node.exiting = True
+        steps.begin("workers")
         try:
             node.stop_workers()
         except Exception as exc:  # noqa: BLE001 - the rest of the shutdown must still run
             node.get_logger().error(f"stop_workers failed at exit: {exc!r}")
             code = code or 1
-        steps.done("workers")
+        steps.done("workers", "executor")
         executor.shutdown(timeout_sec=2.0)
-        steps.done("executor")
+        steps.done("executor", "node")
         node.destroy_node()
-        steps.done("node")
+        steps.done("node", "context")
         rclpy.try_shutdown()
-        steps.done("context")
+        steps.done("context", "exit")
         # after the executor's threads are gone: what configure froze is collectable again
         # (a process that goes on: tests; run_node's exit does not collect)
         thaw_heap()
@@ -453,16 +454,24 @@ def serve_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = No
 
 
 class _StopSteps:
-    """How long each step of the orderly stop took, for its log line."""
+    """How long each step of the orderly stop took, for its log line; the step under way goes
+    to the SignalWatch (named if a later SIGTERM has to end the stop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: SignalWatch | None = None) -> None:
+        self._watch = watch
         self._last = time.monotonic()
         self._took: list[tuple[str, float]] = []
 
-    def done(self, step: str) -> None:
+    def begin(self, step: str) -> None:
+        if self._watch is not None:
+            self._watch.step = step
+
+    def done(self, step: str, following: str = "") -> None:
         now = time.monotonic()
         self._took.append((step, now - self._last))
         self._last = now
+        if following:
+            self.begin(following)
 
     def __str__(self) -> str:
         return ", ".join(f"{step} {s:.3f} s" for step, s in self._took)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import faulthandler
 import os
 import select
 import signal
@@ -42,6 +43,36 @@ CLEANUP_GRACE_S = 2.0
 THREAD_JOIN_S = 0.5
 
 
+class SignalFlag:
+    """A stop flag for signal handlers to set: `set`, `is_set`, `wait` like threading.Event,
+    without its lock. Python runs a handler in the main thread between two bytecodes, so a
+    signal that lands while that thread is inside Event.set (or Event.wait's bookkeeping) holds
+    the Event's lock runs a handler whose Event.set waits for that same lock: the process hangs
+    (seen once in ~20 bursts of 60 SIGINT/SIGTERM 0.2 ms apart; faulthandler showed the handler
+    nested in itself). Assigning a bool takes no lock; `wait` polls."""
+
+    POLL_S = 0.02
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once set; False after `timeout` s (None: no limit) if not."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._set:
+            left = self.POLL_S if deadline is None else deadline - time.monotonic()
+            if left <= 0.0:
+                return False
+            time.sleep(min(self.POLL_S, left))  # polling the flag, bounded by the deadline
+        return True
+
+
 class StopSignals:
     """run_node's SIGINT/SIGTERM handler. Every signal sets `stop`; while armed (autostart),
     the first one also raises KeyboardInterrupt, once.
@@ -54,7 +85,7 @@ class StopSignals:
     stops of the stack under `ros2 launch`)."""
 
     def __init__(self) -> None:
-        self.stop = threading.Event()
+        self.stop = SignalFlag()  # (not threading.Event: see SignalFlag)
         self.raised = False
         # arm() .. cooperate(): the first signal raises (before: nothing to unwind yet; after:
         # spin ends through SignalWatch)
@@ -114,12 +145,14 @@ class SignalWatch:
       until; its done callback wakes the executor's wait).
     - A later SIGTERM: ends the process (exit code 128 + SIGTERM) once
       StopSignals.force_exit_due, even while the main thread is blocked in a C call (a DDS
-      entity being destroyed, a thread join).
+      entity being destroyed, a thread join), naming the step of the stop that overran and
+      dumping every thread's stack (faulthandler) to stderr first.
     Made in the main thread (set_wakeup_fd); lives to the process exit."""
 
     def __init__(self, signals: StopSignals, name: str,
                  on_first: Callable[[], None] | None = None) -> None:
         self._signals, self.name, self._on_first = signals, name, on_first
+        self.step = "spin"  # the step of the stop under way (run_node sets it), for the log
         self._seen = False
         self._done = threading.Event()
         self._read, write = os.pipe()
@@ -137,7 +170,9 @@ class SignalWatch:
                     self._on_signal(signum)
             if not self._done.is_set() and self._signals.force_exit_due(time.monotonic()):
                 os.write(2, f"[{self.name}] SIGTERM: the orderly stop took longer than "
-                            f"{CLEANUP_GRACE_S} s, exiting without it\n".encode())
+                            f"{CLEANUP_GRACE_S} s (at step '{self.step}'), exiting without "
+                            "it; where each thread was:\n".encode())
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 os._exit(128 + signal.SIGTERM)
 
     def _on_signal(self, signum: int) -> None:

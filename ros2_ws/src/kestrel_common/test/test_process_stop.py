@@ -134,3 +134,32 @@ def test_destroy_waitables_takes_a_plain_nodes_participant_down() -> None:
         del client
     finally:
         rclpy.try_shutdown(context=context)
+
+
+def test_a_signal_handler_can_set_the_stop_flag_during_a_set_in_progress() -> None:
+    """A signal that lands while the main thread is inside the stop flag's set() runs a handler
+    that sets it again: with threading.Event (its lock held by the interrupted set) that hung
+    a node's stop, or recursed until RecursionError. SIGALRM every 20 us for 1 s against a loop
+    of set / is_set / wait must end, with every handler run."""
+    script = textwrap.dedent("""
+        import signal, time
+        from kestrel_common.process_stop import SignalFlag, StopSignals
+        assert isinstance(StopSignals().stop, SignalFlag)
+        flag, n = SignalFlag(), [0]
+        def handler(signum, frame):
+            n[0] += 1
+            flag.set()
+        signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 2e-5, 2e-5)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            flag.set(); flag.is_set(); flag.wait(0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        assert not SignalFlag().wait(0.05) and flag.wait(None)
+        print("handlers", n[0])
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([COMMON, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=30, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert int(done.stdout.split()[-1]) > 100

@@ -42,6 +42,7 @@ from kestrel_common.conversions import (
     stamp_to_ns,
 )
 from kestrel_common.heap import tune_malloc
+from kestrel_common.process_stop import SignalFlag
 from kestrel_common.shm import ShmSegment, unlink_segment
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.signals import SignalHandlerOptions
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu >= 0:
         pin_threads(0, {args.cpu})
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    stop = threading.Event()
+    stop = SignalFlag()  # set by a signal handler: no lock (process_stop.SignalFlag)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if os.getppid() != args.parent_pid:  # the node is already gone: remove its segment
         unlink_segment(args.shm)
