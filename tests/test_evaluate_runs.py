@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 import pytest
 
-from kestrel_bringup import evaluate, evaluate_workers as ew
+from kestrel_bringup import evaluate, evaluate_runs as ew
 from kestrel_bringup.evaluation import EpisodeTrace, gpu_class, gpu_params, summarize
 
 
@@ -22,12 +22,12 @@ def _args(*argv: str):
         seen["args"], seen["seeds"] = args, seeds
         return [], None, 1
 
-    real = evaluate.run_here
-    evaluate.run_here = fake_here
+    real = ew.run_here
+    ew.run_here = fake_here
     try:
         assert evaluate.main(list(argv)) == 1
     finally:
-        evaluate.run_here = real
+        ew.run_here = real
     return seen["args"], seen["seeds"]
 
 
@@ -99,3 +99,54 @@ def test_gpu_class_names_the_result_file() -> None:
     assert gpu_class("NVIDIA H100 80GB HBM3") == "h100"
     assert gpu_class("NVIDIA A100-SXM4-40GB") == "a100"
     assert gpu_class("NVIDIA GeForce RTX 4090") == "gpu"
+
+
+FAKE_WORKER = '''
+import json, signal, sys, time
+from kestrel_bringup.evaluation import EpisodeTrace, summarize
+out = sys.argv[sys.argv.index("--out") + 1]
+seed = int(sys.argv[sys.argv.index("--seeds") + 1].split(",")[0])
+def stop(*_):  # an evaluation interrupted after its first episode writes that one
+    t = EpisodeTrace(seed=seed, goal="red_cube", instruction="put the red cube in the bin",
+                     plan_status="accepted", success_s=9.0)
+    with open(out + ".json", "w") as f:
+        json.dump(summarize([t]), f)
+    sys.exit(0)
+signal.signal(signal.SIGINT, stop)
+print("ready", flush=True)
+time.sleep(60)
+'''
+
+DRIVER = '''
+import sys
+from kestrel_bringup import evaluate, evaluate_runs
+real = evaluate_runs.worker_argv
+evaluate_runs.worker_argv = lambda *a: [sys.executable, sys.argv[1], *real(*a)[3:]]
+sys.exit(evaluate.main(["--episodes", "4", "--workers", "2", "--out", sys.argv[2]]))
+'''
+
+
+def test_a_terminated_parallel_run_keeps_the_episodes_that_ended(tmp_path) -> None:
+    """SIGTERM (`timeout`) to an evaluation of N stacks: each worker is interrupted, writes the
+    episodes that ended, and the merged table says how many of how many ran."""
+    import os
+    import signal
+    import subprocess
+
+    fake, driver = tmp_path / "fake_worker.py", tmp_path / "driver.py"
+    fake.write_text(FAKE_WORKER)
+    driver.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(driver), str(fake), str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ready = 0
+    for line in proc.stdout:  # bounded: the fake workers exit on their own after 60 s
+        ready += line.strip().endswith("ready")
+        if ready == 2:
+            break
+    os.kill(proc.pid, signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, output
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert (summary["episodes"], summary["episodes_planned"]) == (2, 4)
+    assert sorted(e["seed"] for e in summary["per_episode"]) == [1, 2]
+    assert "Interrupted: 2 of 4 episodes ran." in (tmp_path / "out.md").read_text()

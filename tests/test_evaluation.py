@@ -161,3 +161,11 @@ def test_the_result_file_names_machine_commit_and_date() -> None:
     s.update(rec)
     md = markdown(s, "python -m kestrel_bringup.evaluate --episodes 1")
     assert f"- commit: `{rec['commit']}`, date: {rec['date']}" in md
+
+
+def test_the_record_takes_the_commit_it_is_given(monkeypatch) -> None:
+    """A copy on a remote machine may carry a .git that is not its own: KESTREL_COMMIT wins."""
+    from kestrel_bringup.evaluation import run_record
+
+    monkeypatch.setenv("KESTREL_COMMIT", "abc1234")
+    assert run_record()["commit"] == "abc1234"

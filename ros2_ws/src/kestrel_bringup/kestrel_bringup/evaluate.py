@@ -22,7 +22,7 @@ planner's model (perception's scene, validation, execution, control, the robot) 
 output says so in its first lines.
 `--device cuda`: the GPU variants (evaluation.gpu_params: perception and the planner's decode
 engine on the GPU). `--workers N`: N stacks at once, each on its own ROS domain and share of the
-seeds, one merged table (evaluate_workers).
+seeds, one merged table (evaluate_runs).
 Output: the summary of kestrel_bringup.evaluation (success rate with a Wilson 95 % interval,
 failures by stage, time to success, deadline misses, the sim-time speed: sim seconds per wall
 second over the run) as <out>.json and <out>.md, the outcomes
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import threading
 import time
@@ -351,63 +352,8 @@ class Evaluator:
         return trace
 
 
-def run_here(args: argparse.Namespace, seeds: list[int]) -> tuple[list[EpisodeTrace],
-                                                                   dict | None, int]:
-    """The episodes of `seeds` through one stack (started here unless --no-stack); returns the
-    traces, the sim-time speed and 0 (1: the stack's services never came up)."""
-    runner = None
-    if not args.no_stack:
-        from kestrel_bringup.run_stack import StackRunner
-        extra = gpu_params(args.device, args.controller)
-        extra.setdefault("control", {})["controller"] = args.controller
-        if args.oracle_plan:
-            extra.setdefault("planner", {})["backend"] = "plan_text"
-        if args.log_dir:
-            args.log_dir.mkdir(parents=True, exist_ok=True)
-        runner = StackRunner(extra_params=extra, echo=False, log_dir=args.log_dir)
-        runner.start()
-    ev = None
-    speed = None
-    traces: list[EpisodeTrace] = []
-    try:
-        ev = Evaluator(args.plan_timeout)
-        if not ev.wait_ready(300.0):
-            print("[evaluate] /sim/reset or /planner/plan_task not available",
-                  file=sys.stderr)
-            return traces, None, 1
-        for i, seed in enumerate(seeds):
-            # each episode's goal and wording from its own seed: any episode re-runs alone
-            rng = random.Random(seed)
-            ev.recording = bool(args.video) and not traces
-            trace = ev.episode(seed, rng, args.timeout,
-                               args.oracle_speed if args.oracle_plan else 0.0)
-            if ev.recording:
-                ev.recording = False
-                with ev.lock:
-                    frames, ev.frames = ev.frames, []
-                if frames:
-                    from kestrel_bringup.episode_media import write_video
-                    print(f"[evaluate] video: {write_video(frames, args.video)} "
-                          f"({len(frames)} frames)", flush=True)
-            if trace is None:
-                print(f"[evaluate] episode {i + 1} (seed {seed}) could not start",
-                      file=sys.stderr)
-                continue
-            traces.append(trace)
-            print(f"[evaluate] episode {i + 1}/{len(seeds)} seed {seed} '{trace.instruction}'"
-                  f": {trace.stage}"
-                  + (f" ({'; '.join(trace.plan_reasons)})" if trace.plan_reasons else ""),
-                  flush=True)
-            if trace.stage != "success":
-                print(f"[evaluate]   position error (m) {trace.position_error_m}; steps: "
-                      f"{' | '.join(trace.steps) or 'none ended'}", flush=True)
-    finally:
-        if ev is not None:
-            speed = ev.sim_speed()
-            ev.close()
-        if runner is not None:
-            runner.stop()
-    return traces, speed, 0
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="cuda: the GPU variants of the models (gpu_params)")
     parser.add_argument("--workers", type=int, default=1,
                         help="stacks at once, each on its own ROS domain and share of the "
-                        "seeds (evaluate_workers); about 2 cores per stack")
+                        "seeds (evaluate_runs); about 2 cores per stack")
     parser.add_argument("--oracle-plan", action="store_true",
                         help="the planner runs backend plan_text and is sent the correct plan "
                         "('pick <goal>; place bin') instead of the instruction: measures "
@@ -459,19 +405,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     record = run_record(args.device)  # at the start: the load before the stack, the start date
     t_start = time.monotonic()
-    if args.workers > 1:
-        from kestrel_bringup.evaluate_workers import run_workers
-        traces, speed, errors = run_workers(args, seeds, args.video, args.log_dir)
-        for line in errors:
-            print(f"[evaluate] {line}", file=sys.stderr)
-    else:
-        traces, speed, code = run_here(args, seeds)
-        if code:
-            return code
+    # SIGTERM (`timeout`, `kill`) as SIGINT: the stacks stop in order and the episodes that
+    # ended are written
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        from kestrel_bringup import evaluate_runs
+        if args.workers > 1:
+            traces, speed, errors = evaluate_runs.run_workers(args, seeds, args.video,
+                                                              args.log_dir)
+            for line in errors:
+                print(f"[evaluate] {line}", file=sys.stderr)
+        else:
+            traces, speed, code = evaluate_runs.run_here(args, seeds)
+            if code:
+                return code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     command = "python -m kestrel_bringup.evaluate " + " ".join(sys.argv[1:] if argv is None
                                                                  else argv)
     summary = summarize(traces, {**vars(args), "wall_s": round(time.monotonic() - t_start, 1)})
     summary["schema"] = "kestrel_eval/1"
+    summary["episodes_planned"] = len(seeds)
     summary["command"] = command
     summary.update(record)
     summary["sim_speed"] = speed

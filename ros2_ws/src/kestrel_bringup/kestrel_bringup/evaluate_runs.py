@@ -1,4 +1,7 @@
-"""One evaluation as N stacks at once (`kestrel_bringup.evaluate --workers N`), no rclpy.
+"""How an evaluation's episodes run: through one stack (`run_here`; the Evaluator of
+kestrel_bringup.evaluate speaks ROS), or as N stacks at once (`run_workers`,
+`kestrel_bringup.evaluate --workers N`: no rclpy in this process). Either way an interrupted run
+(SIGINT; SIGTERM in evaluate.main) stops its stacks in order and keeps the episodes that ended.
 
 Each worker is `python -m kestrel_bringup.evaluate` on its own share of the episode seeds
 (round robin, so the first seed and its video stay with worker 0), with its own stack on its
@@ -11,16 +14,19 @@ report states the sim-time speed per stack).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
 
-from kestrel_bringup.evaluation import EpisodeTrace
+from kestrel_bringup.evaluation import EpisodeTrace, gpu_params
 
 # the evaluate options a worker is passed as given (the rest are the parent's own)
 PASSED = ("timeout", "plan_timeout", "controller", "oracle_plan", "oracle_speed", "device")
@@ -101,7 +107,13 @@ def run_workers(args: object, seeds: list[int], video: str,
             pump.start()
             procs.append(proc)
             pumps.append(pump)
-        codes = [p.wait() for p in procs]  # each worker bounds its own episodes and stack
+        try:
+            codes = [p.wait() for p in procs]  # each worker bounds its episodes and stack
+        except KeyboardInterrupt:  # each worker stops its stack and writes what ended
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+            codes = [_wait(p, 60.0) for p in procs]
         for pump in pumps:
             pump.join(timeout=5.0)
         traces, speeds, errors = [], [], []
@@ -119,13 +131,84 @@ def run_workers(args: object, seeds: list[int], video: str,
         traces.sort(key=lambda t: order.get(t.seed, len(order)))
         return traces, merged_speed(speeds), errors
     finally:
-        for proc in procs:
-            if proc.poll() is None:  # interrupted: the workers stop their stacks on SIGINT
-                proc.send_signal(2)
-        for proc in procs:
-            try:
-                proc.wait(timeout=30.0)
-            except subprocess.TimeoutExpired:
+        for proc in procs:  # (only after an error here: the workers ended above)
+            if proc.poll() is None:
                 proc.kill()
+                proc.wait()
         for lease in leases:
             lease.release()
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """Its exit code; killed after timeout_s (None)."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
+
+
+def run_here(args: argparse.Namespace, seeds: list[int]) -> tuple[list[EpisodeTrace],
+                                                                   dict | None, int]:
+    """The episodes of `seeds` through one stack (started here unless --no-stack); returns the
+    traces, the sim-time speed and 0 (1: the stack's services never came up)."""
+    from kestrel_bringup.evaluate import Evaluator
+
+    runner = None
+    if not args.no_stack:
+        from kestrel_bringup.run_stack import StackRunner
+        extra = gpu_params(args.device, args.controller)
+        extra.setdefault("control", {})["controller"] = args.controller
+        if args.oracle_plan:
+            extra.setdefault("planner", {})["backend"] = "plan_text"
+        if args.log_dir:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
+        runner = StackRunner(extra_params=extra, echo=False, log_dir=args.log_dir)
+        runner.start()
+    ev = None
+    speed = None
+    traces: list[EpisodeTrace] = []
+    try:
+        ev = Evaluator(args.plan_timeout)
+        if not ev.wait_ready(300.0):
+            print("[evaluate] /sim/reset or /planner/plan_task not available",
+                  file=sys.stderr)
+            return traces, None, 1
+        try:
+            for i, seed in enumerate(seeds):
+                # each episode's goal and wording from its own seed: any episode re-runs alone
+                rng = random.Random(seed)
+                ev.recording = bool(args.video) and not traces
+                trace = ev.episode(seed, rng, args.timeout,
+                                   args.oracle_speed if args.oracle_plan else 0.0)
+                if ev.recording:
+                    ev.recording = False
+                    with ev.lock:
+                        frames, ev.frames = ev.frames, []
+                    if frames:
+                        from kestrel_bringup.episode_media import write_video
+                        print(f"[evaluate] video: {write_video(frames, args.video)} "
+                              f"({len(frames)} frames)", flush=True)
+                if trace is None:
+                    print(f"[evaluate] episode {i + 1} (seed {seed}) could not start",
+                          file=sys.stderr)
+                    continue
+                traces.append(trace)
+                print(f"[evaluate] episode {i + 1}/{len(seeds)} seed {seed} '{trace.instruction}'"
+                      f": {trace.stage}"
+                      + (f" ({'; '.join(trace.plan_reasons)})" if trace.plan_reasons else ""),
+                      flush=True)
+                if trace.stage != "success":
+                    print(f"[evaluate]   position error (m) {trace.position_error_m}; steps: "
+                          f"{' | '.join(trace.steps) or 'none ended'}", flush=True)
+        except KeyboardInterrupt:  # SIGINT, or SIGTERM (main): the ended episodes count
+            print(f"[evaluate] interrupted after {len(traces)} of {len(seeds)} episodes",
+                  file=sys.stderr, flush=True)
+    finally:
+        if ev is not None:
+            speed = ev.sim_speed()
+            ev.close()
+        if runner is not None:
+            runner.stop()
+    return traces, speed, 0

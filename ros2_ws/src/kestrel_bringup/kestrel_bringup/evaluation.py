@@ -162,6 +162,9 @@ def markdown(summary: dict, command: str = "") -> str:
                   f"{m.get('cpus', '?')} CPUs, load {m.get('loadavg_1m', '?')} at the start",
                   f"- commit: `{summary.get('commit', '?')}`, date: {summary.get('date', '?')}",
                   ""]
+    planned = summary.get("episodes_planned", summary["episodes"])
+    if planned > summary["episodes"]:
+        lines += [f"**Interrupted: {summary['episodes']} of {planned} episodes ran.**", ""]
     if summary.get("plan_source"):
         lines += [f"**Plans: {summary['plan_source']}.**", ""]
     lines += [
@@ -225,9 +228,9 @@ def gpu_class(name: str) -> str:
 
 
 def run_record(device: str = "cpu") -> dict[str, Any]:
-    """machine (cpu model, cpus, load; with device cuda the GPU and its class), commit (of the
-    working directory's repository, '+dirty' with uncommitted changes; KESTREL_COMMIT where
-    there is no repository, e.g. a copy on a remote machine) and date (UTC) of a run."""
+    """machine (cpu model, cpus, load; with device cuda the GPU and its class), commit
+    (KESTREL_COMMIT when set: a copy on a remote machine; else the working directory's
+    repository, '+dirty' with uncommitted changes) and date (UTC) of a run."""
     import datetime
     import os
     import platform
@@ -249,15 +252,17 @@ def run_record(device: str = "cpu") -> dict[str, Any]:
         if torch.cuda.is_available():
             machine["gpu"] = torch.cuda.get_device_name(0)
             machine["class"] = gpu_class(machine["gpu"])
-    commit = os.environ.get("KESTREL_COMMIT", "") or "unknown"
-    try:
-        git = ["git", "-C", os.getcwd()]
-        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        commit = (head + ("+dirty" if dirty else "")) if head else commit
-    except (OSError, subprocess.SubprocessError):
-        pass
+    commit = os.environ.get("KESTREL_COMMIT", "")  # a copy whose .git may not be its own
+    if not commit:
+        try:
+            git = ["git", "-C", os.getcwd()]
+            head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                  text=True, timeout=10).stdout.strip()
+            dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            commit = head + ("+dirty" if dirty else "") if head else ""
+        except (OSError, subprocess.SubprocessError):
+            pass
+    commit = commit or "unknown"
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return {"machine": machine, "commit": commit, "date": date}
