@@ -52,9 +52,11 @@ except ImportError:  # CPU CI: the ops' torch path still works
     HAVE_TRITON = False
 
 __all__ = ["HAVE_TRITON", "decode_attention", "decode_attention_fused", "silu_gemv",
-           "rms_w13_silu", "mlp_triton", "attention_ref", "fused_ref", "ATTN_BLOCK_L", "GEMV_CFG"]
+           "rms_w13_silu", "mlp_triton", "attention_ref", "fused_ref", "ATTN_BLOCK_L",
+           "attn_block_l", "GEMV_CFG"]
 
 ATTN_BLOCK_L = 128  # keys per loop iteration of the one-pass attention kernel (chunk = 0)
+ATTN_BLOCK_BYTES = 32 * 1024  # at most this per K (or V) block in shared memory: see attn_block_l
 # GEMV launch shapes: (BLOCK_N, BLOCK_K, n_split) for w_down, (BLOCK_N, BLOCK_K) for w13.
 GEMV_CFG = {"down": (32, 128, 16), "w13": (8, 128)}
 _OP = (torch.library.triton_op if HAVE_TRITON and hasattr(torch.library, "triton_op")
@@ -315,6 +317,18 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, chunk: int,
     return _attention_triton(q, k, v, pos, chunk, window)
 
 
+def attn_block_l(elem_bytes: int, hd: int, chunk: int = 0) -> int:
+    """Keys per loop iteration of the attention kernels: ATTN_BLOCK_L (at most `chunk` when
+    split), halved while one K (or V) block of that many keys would exceed ATTN_BLOCK_BYTES. The
+    kernel keeps a K and a V block per pipeline stage in shared memory: fp32 at head dim 128
+    asked 272 KiB at 128 keys, over the 227 KiB a Hopper block may have (Triton
+    OutOfResources); bf16 at head dim 128 and fp32 at 64 keep 128 keys."""
+    blk = ATTN_BLOCK_L if chunk <= 0 else min(ATTN_BLOCK_L, chunk)
+    while blk > 16 and blk * hd * elem_bytes > ATTN_BLOCK_BYTES:
+        blk //= 2
+    return blk
+
+
 def _attention_triton(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, chunk: int,
                       window: int = 0) -> Tensor:
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -329,9 +343,10 @@ def _attention_triton(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, chunk: int,
         _wrap(_attn_kernel)[(b, hkv, 1)](
             q, k, v, pos, out, out, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), window, G=g,
-            G_PAD=gp, HD=hd, BLOCK_L=ATTN_BLOCK_L, CHUNK=0, N_SPLIT=1, IEEE=ieee)
+            G_PAD=gp, HD=hd, BLOCK_L=attn_block_l(k.element_size(), hd), CHUNK=0, N_SPLIT=1,
+            IEEE=ieee)
         return out
-    blk = min(ATTN_BLOCK_L, chunk)
+    blk = attn_block_l(k.element_size(), hd, chunk)
     ml = torch.empty((2, b, hkv, n_split, gp), dtype=torch.float32, device=q.device)
     part = torch.empty((b, hkv, n_split, gp, hd), dtype=torch.float32, device=q.device)
     _wrap(_attn_kernel)[(b, hkv, n_split)](
@@ -368,13 +383,13 @@ def _fused_triton(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, po
     if n_split == 1:
         _wrap(_fused_attn_kernel)[(b, hkv, 1)](
             qkv, cis, k_cache, v_cache, pos, out, out, out, *strides, out.stride(0), window,
-            BLOCK_L=ATTN_BLOCK_L, CHUNK=0, **meta)
+            BLOCK_L=attn_block_l(k_cache.element_size(), hd), CHUNK=0, **meta)
         return out
     ml = torch.empty((2, b, hkv, n_split, gp), dtype=torch.float32, device=qkv.device)
     part = torch.empty((b, hkv, n_split, gp, hd), dtype=torch.float32, device=qkv.device)
     _wrap(_fused_attn_kernel)[(b, hkv, n_split)](
         qkv, cis, k_cache, v_cache, pos, part, ml[0], ml[1], *strides, 0, window,
-        BLOCK_L=min(ATTN_BLOCK_L, chunk), CHUNK=chunk, **meta)
+        BLOCK_L=attn_block_l(k_cache.element_size(), hd, chunk), CHUNK=chunk, **meta)
     _wrap(_attn_combine)[(b, hkv)](ml[0], ml[1], part, out, out.stride(0), G=g, G_PAD=gp,
                                    HD=hd, N_SPLIT=n_split)
     return out
