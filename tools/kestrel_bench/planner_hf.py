@@ -22,6 +22,7 @@ engine row; ratios engine_vs_hf_tok_s_<shape>, engine_vs_hf_ttft_<shape>, and fo
 
   python -m kestrel_bench planner-hf --quick
   python -m kestrel_bench planner-hf --compile      # GPU: bf16, both shapes
+  python -m kestrel_bench planner-hf --compile --budget-s 300   # under a time limit
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cdt", action="store_true", help="inductor coordinate-descent tuning")
     ap.add_argument("--only", nargs="*", default=None,
                     help="row kinds to run: hf, engine, hf_c, engine_c")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="wall s for the sections: one that starts later is recorded as "
+                         "skipped, so a run under a time limit still writes its record "
+                         "(0 = none)")
     rec_mod.add_common_arguments(ap)
 
 
@@ -166,8 +171,19 @@ def run(args: argparse.Namespace) -> int:
     record = rec_mod.Record("planner-hf", config, getattr(args, "argv", None), args.commit)
     rows: dict[str, dict] = {}
 
+    t_start = time.perf_counter()
+
+    def over_budget() -> str:
+        spent = time.perf_counter() - t_start
+        return (f"budget: {spent:.0f} s spent >= --budget-s {args.budget_s:.0f}"
+                if args.budget_s and spent >= args.budget_s else "")
+
     def section(name: str, kind: str, fn, *fargs: Any) -> None:  # noqa: ANN001
         if args.only and kind not in args.only:
+            return
+        if over_budget():
+            rows[name] = {"skipped": over_budget()}
+            print(f"[planner-hf] {name}: {rows[name]['skipped']}", flush=True)
             return
         t0 = time.perf_counter()
         try:
@@ -192,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
         big = not shape.endswith("tiny")
         n = args.concurrent
         names = [f"{shape}_hf", f"{shape}_hf_c{n}", f"{shape}_engine", f"{shape}_engine_c{n}"]
+        if over_budget():  # not even the model is built
+            rows.update({k: {"skipped": over_budget()} for k in names})
+            continue
         try:
             ctx = hs.Context(hs.build(cfg, dev, dtype), cfg, dev, dtype, prompt, image, args,
                              bw, _Tokens(big) if shape.startswith("smolvlm") else None)

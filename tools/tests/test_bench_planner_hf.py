@@ -33,3 +33,14 @@ def test_planner_hf_quick(tmp_path: Path) -> None:
                 f"engine_vs_hf_tok_s_{tag}_c4"} <= set(rec["ratios"])
     assert row(rec, "qwen2.5-vl-tiny_hf")["role"] == "baseline"
     assert row(rec, "qwen2.5-vl-tiny_engine")["role"] == "optimized"
+
+
+@pytest.mark.slow
+def test_planner_hf_budget_still_writes_the_record(tmp_path: Path) -> None:
+    """A run past --budget-s records the sections it did not start as skipped and writes its
+    record (a GPU run cut at a time limit left none)."""
+    rec = run_bench(tmp_path / "planner_hf_cpu", "planner-hf", "--quick", "--shapes",
+                    "qwen2.5-vl-tiny", "smolvlm-tiny", "--budget-s", "0.001", timeout=600)
+    for shape in ("qwen2.5-vl-tiny", "smolvlm-tiny"):
+        for kind in ("hf", "hf_c4", "engine", "engine_c4"):
+            assert "budget" in row(rec, f"{shape}_{kind}").get("skipped", ""), shape
