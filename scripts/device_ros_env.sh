@@ -27,6 +27,12 @@ elif ! ls "$_kroot/.whl" | cmp -s - "$KV/.kestrel_whl"; then
     || _kfail "venv setup failed"
 fi
 export AMENT_PREFIX_PATH="$KV"
+# MuJoCo and Pinocchio from scripts/device_sim_env.sh (the sim and control nodes), when there
+_ksim="${KSIM:-/tmp/ksim}"
+if [[ -d "$_ksim" ]]; then
+  echo "import site; site.addsitedir('$_ksim')" \
+    > "$("$KV/bin/python" -c "import sysconfig;print(sysconfig.get_paths()['purelib'])")/zz_ksim.pth"
+fi
 # Fix 2 of ROS2_ON_PIP: the wheels' cmake files name the manylinux build image's Python paths.
 _kpyinc="$("$KV/bin/python" -c "import sysconfig;print(sysconfig.get_paths()['include'])")"
 _knpinc="$("$KV/bin/python" -c "import numpy;print(numpy.get_include())")"
@@ -70,5 +76,5 @@ export KPY="$KV/bin/python" KESTREL_ROOT="$_kroot"
 # 1.8 MB PerceptionResult went over UDP fragments on the H200: 13 / 34 ms publish -> callback,
 # best effort lost 62 of 100; docs/benchmarks/transport_h200.md)
 export FASTDDS_DEFAULT_PROFILES_FILE="${FASTDDS_DEFAULT_PROFILES_FILE:-$_kroot/ros2_ws/src/kestrel_bringup/config/fastdds_large_data.xml}"
-unset _kroot _klog _kpyinc _knpinc _kp _kn _kpp _kpyver
+unset _kroot _klog _kpyinc _knpinc _kp _kn _kpp _kpyver _ksim
 unset -f _kfail
