@@ -115,8 +115,14 @@ class Evaluator:
         from kestrel_common.base_node import destroy_waitables
 
         self.executor.shutdown(timeout_sec=5.0)
-        # the spin thread out of its wait set before the node and the context go
-        self.spin.join(timeout=5.0)
+        # the spin thread out of its wait set before the node and the context go: entities
+        # destroyed under a spin that is still taking fail its tasks ("exception was never
+        # retrieved: cannot use Destroyable", seen once under a CPU-starved GPU machine)
+        self.spin.join(timeout=30.0)
+        if self.spin.is_alive():
+            print("[evaluate] the executor did not stop within 30 s: the node is left to the "
+                  "process exit", file=sys.stderr)
+            return
         self.node.destroy_node()
         destroy_waitables(self.node)  # the PlanTask client: else it keeps the participant up
         if self.owns_context:
