@@ -4,8 +4,8 @@
 # wheels for Python 3.12; Pinocchio for Python 3.12 (the control node's kinematics) as one
 # trimmed tarball; and the EGL loader packages (libegl1 & co) for MuJoCo's GPU rendering.
 # Why a tarball: Pinocchio's wheels (pin, coal, eigenpy and their cmeel-* libraries) are ~81 MB,
-# more than one copy to such a machine may carry next to the ROS wheels; without the C++
-# headers, static libraries and the Boost libraries nothing links it is ~19 MB.
+# over half of it C++ headers, static libraries and Boost libraries nothing links; without them
+# it is ~19 MB, small enough to copy along with the ROS wheels in one go.
 # Run here (PyPI and Debian reachable) after scripts/setup.sh. On the GPU machine:
 #   bash scripts/device_sim_env.sh        # with .whl_sim and .gl copied along
 #   source scripts/device_ros_env.sh      # with .whl copied along: puts $KSIM on its path
