@@ -155,8 +155,9 @@ def test_joint_target_approached_at_most_at_its_max_speed(launch_node, probe, tm
     # starts at the joint positions ...
     arm = [(stamp_ns(m), np.asarray(m.position)[:N]) for m in cmds.snapshot()]
     after = [(t, q) for t, q in arm if t > t0 and np.any(q != 0.0)]
-    # about 2 s of commands at 250 Hz; a loaded 2-CPU machine delivers fewer to the probe
-    assert len(after) > 50
+    # about 2 s of commands at 250 Hz: enough of them to see the ramp (the probe on a loaded
+    # 2-CPU machine has received as few as 48: the count is not what this test measures)
+    assert len(after) >= 20
     for t, q in after:
         # ... and moves at most `speed` rad/s per joint since the request, plus one ramp step
         assert np.all(np.abs(q - Q) <= speed * (t - t0) * 1e-9 + speed / 50.0 + 1e-6), \
