@@ -11,7 +11,7 @@ from dataclasses import asdict
 import pytest
 
 from kestrel_bringup import evaluate, evaluate_runs as ew
-from kestrel_bringup.evaluation import EpisodeTrace, gpu_class, gpu_params, summarize
+from kestrel_bringup.evaluation import EpisodeTrace, gpu_params, summarize
 
 
 def _args(*argv: str):
@@ -95,10 +95,13 @@ def test_bad_options_fail_naming_the_option(bad, capsys) -> None:
 
 
 def test_gpu_class_names_the_result_file() -> None:
+    """The evaluation names a GPU as the benchmark records do (kestrel_common.run_info)."""
+    from kestrel_common.run_info import gpu_class
+
     assert gpu_class("NVIDIA H200") == "h200"
     assert gpu_class("NVIDIA H100 80GB HBM3") == "h100"
     assert gpu_class("NVIDIA A100-SXM4-40GB") == "a100"
-    assert gpu_class("NVIDIA GeForce RTX 4090") == "gpu"
+    assert gpu_class("NVIDIA GeForce RTX 4090") == "rtx4090"
 
 
 FAKE_WORKER = '''

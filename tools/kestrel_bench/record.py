@@ -21,43 +21,23 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+from kestrel_bench.repo import ensure_paths
+
 SCHEMA = "kestrel_bench/1"
 ROOT = Path(__file__).resolve().parents[2]  # the repository (tools/kestrel_bench/record.py)
+ensure_paths("kestrel_common")
+from kestrel_common.run_info import cpu_model, gpu_class  # noqa: E402,F401 (gpu_class: API)
+from kestrel_common.run_info import git_commit as _git_commit  # noqa: E402
 ROLES = ("baseline", "optimized", "variant")
 DEFAULT_DIR = "docs/benchmarks"
 
 
 def git_commit(explicit: str = "") -> str:
-    if explicit:
-        return explicit
-    env = os.environ.get("KESTREL_COMMIT", "")
-    if env:
-        return env
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("+dirty" if dirty.strip() else "") if head else "unknown"
-
-
-def gpu_class(name: str) -> str:
-    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA A100-SXM4-40GB' ->
-    'a100', 'NVIDIA GeForce RTX 4090' -> 'rtx4090', 'NVIDIA L4' -> 'l4'; else a slug."""
-    n = name.upper().replace("NVIDIA", "").replace("GEFORCE", "")
-    m = re.search(r"\bRTX\s*(A?\d{3,4})", n)
-    if m:
-        return "rtx" + m.group(1).lower()
-    m = re.search(r"\b([A-Z]{1,2}\d{1,4})\b", n.replace("-", " "))
-    if m:
-        return m.group(1).lower()
-    return re.sub(r"[^a-z0-9]+", "", name.lower())[:16] or "gpu"
+    """The commit of this repository (run_info.git_commit: explicit, $KESTREL_COMMIT, git)."""
+    return _git_commit(ROOT, explicit)
 
 
 def _torch_info() -> dict:
@@ -85,13 +65,8 @@ def machine_info(use_torch: bool = True, **extra: object) -> dict:
         info["loadavg_1m"] = round(os.getloadavg()[0], 2)  # other work on the machine
     except OSError:
         pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    if cpu_model():
+        info["cpu_model"] = cpu_model()
     if use_torch:
         info.update(_torch_info())
     info["class"] = gpu_class(info["gpu"]) if info.get("gpu") else "cpu"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 STAGES = ("success", "perception_miss", "plan_rejected", "reach_timeout", "grasp_slip",
@@ -218,51 +217,26 @@ def gpu_params(device: str, controller: str) -> dict[str, dict[str, str]]:
     return params
 
 
-def gpu_class(name: str) -> str:
-    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100' (the result files' suffix)."""
-    for word in name.replace("-", " ").split():
-        w = word.lower()
-        if len(w) > 1 and w[0].isalpha() and w[1:].isdigit():
-            return w
-    return "gpu"
-
-
 def run_record(device: str = "cpu") -> dict[str, Any]:
     """machine (cpu model, cpus, load; with device cuda the GPU and its class), commit
-    (KESTREL_COMMIT when set: a copy on a remote machine; else the working directory's
-    repository, '+dirty' with uncommitted changes) and date (UTC) of a run."""
+    (kestrel_common.run_info.git_commit of the working directory: KESTREL_COMMIT when set)
+    and date (UTC) of a run."""
     import datetime
     import os
     import platform
-    import subprocess
+
+    from kestrel_common.run_info import cpu_model, git_commit, gpu_class
 
     machine: dict[str, Any] = {"class": "cpu", "cpus": os.cpu_count(),
                                "python": platform.python_version(),
                                "loadavg_1m": round(os.getloadavg()[0], 2)}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                machine["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    if cpu_model():
+        machine["cpu_model"] = cpu_model()
     if device.startswith("cuda"):
         import torch
 
         if torch.cuda.is_available():
             machine["gpu"] = torch.cuda.get_device_name(0)
             machine["class"] = gpu_class(machine["gpu"])
-    commit = os.environ.get("KESTREL_COMMIT", "")  # a copy whose .git may not be its own
-    if not commit:
-        try:
-            git = ["git", "-C", os.getcwd()]
-            head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True, timeout=10).stdout.strip()
-            dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
-            commit = head + ("+dirty" if dirty else "") if head else ""
-        except (OSError, subprocess.SubprocessError):
-            pass
-    commit = commit or "unknown"
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {"machine": machine, "commit": commit, "date": date}
+    return {"machine": machine, "commit": git_commit(os.getcwd()), "date": date}
