@@ -20,6 +20,12 @@ import pytest
 COMMON = str(Path(__file__).resolve().parents[1])
 
 
+def _fastdds_segments() -> set[str]:
+    """The Fast DDS shared-memory files this process has mapped (its participants')."""
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-1] for line in maps if "/dev/shm/fastdds_" in line}
+
+
 def test_signal_watch_acts_on_the_first_signal_and_notes_a_later_sigterm() -> None:
     from kestrel_common.process_stop import SignalWatch, StopSignals
 
@@ -79,30 +85,26 @@ def test_destroy_node_takes_the_participant_down(ours: bool) -> None:
 
     from kestrel_common.base_node import KestrelLifecycleNode
 
-    def segments() -> set[str]:
-        with open("/proc/self/maps") as maps:
-            return {line.split()[-1] for line in maps if "/dev/shm/fastdds_" in line}
-
     context = rclpy.Context()
     rclpy.init(context=context)
     try:
-        before = segments()
+        before = _fastdds_segments()
         if ours:
             node = KestrelLifecycleNode("stop_test", [], context=context)
         else:
             node = LifecycleNode("stop_test", context=context)
         server = ActionServer(node, PlanTask, "~/plan", lambda handle: PlanTask.Result())
         node.trigger_configure()
-        assert segments() - before  # the participant is up
+        assert _fastdds_segments() - before  # the participant is up
         node.destroy_node()
-        left = segments() - before
+        left = _fastdds_segments() - before
         if ours:
             assert not left, left
         else:  # what the override is for (rclpy may fix it: then this case can go)
             assert left
             server.destroy()
             node._state_machine.destroy_when_not_in_use()
-            assert not segments() - before
+            assert not _fastdds_segments() - before
     finally:
         rclpy.try_shutdown(context=context)
 
@@ -116,21 +118,17 @@ def test_destroy_waitables_takes_a_plain_nodes_participant_down() -> None:
 
     from kestrel_common.base_node import destroy_waitables
 
-    def segments() -> set[str]:
-        with open("/proc/self/maps") as maps:
-            return {line.split()[-1] for line in maps if "/dev/shm/fastdds_" in line}
-
     context = rclpy.Context()
     rclpy.init(context=context)
     try:
-        before = segments()
+        before = _fastdds_segments()
         node = rclpy.create_node("waitables_test", context=context)
         client = ActionClient(node, PlanTask, "/planner/plan_task")
-        assert segments() - before  # the participant is up
+        assert _fastdds_segments() - before  # the participant is up
         node.destroy_node()
-        assert segments() - before  # the client still holds it
+        assert _fastdds_segments() - before  # the client still holds it
         destroy_waitables(node)
-        assert not segments() - before
+        assert not _fastdds_segments() - before
         del client
     finally:
         rclpy.try_shutdown(context=context)
