@@ -431,13 +431,13 @@ def serve_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = No
         except Exception as exc:  # noqa: BLE001 - the rest of the shutdown must still run
             node.get_logger().error(f"stop_workers failed at exit: {exc!r}")
             code = code or 1
-        steps.done("workers", "executor")
+        steps.begin("executor")
         executor.shutdown(timeout_sec=2.0)
-        steps.done("executor", "node")
+        steps.begin("node")
         node.destroy_node()
-        steps.done("node", "context")
+        steps.begin("context")
         rclpy.try_shutdown()
-        steps.done("context", "exit")
+        steps.begin("exit")
         # after the executor's threads are gone: what configure froze is collectable again
         # (a process that goes on: tests; run_node's exit does not collect)
         thaw_heap()
@@ -459,19 +459,18 @@ class _StopSteps:
 
     def __init__(self, watch: SignalWatch | None = None) -> None:
         self._watch = watch
+        self._current = ""
         self._last = time.monotonic()
         self._took: list[tuple[str, float]] = []
 
     def begin(self, step: str) -> None:
+        """`step` is under way from now; the one before it ended."""
+        now = time.monotonic()
+        if self._current:
+            self._took.append((self._current, now - self._last))
+        self._current, self._last = step, now
         if self._watch is not None:
             self._watch.step = step
-
-    def done(self, step: str, following: str = "") -> None:
-        now = time.monotonic()
-        self._took.append((step, now - self._last))
-        self._last = now
-        if following:
-            self.begin(following)
 
     def __str__(self) -> str:
         return ", ".join(f"{step} {s:.3f} s" for step, s in self._took)
