@@ -181,9 +181,10 @@ def run(args: argparse.Namespace) -> int:
     def section(name: str, kind: str, fn, *fargs: Any) -> None:  # noqa: ANN001
         if args.only and kind not in args.only:
             return
-        if over_budget():
-            rows[name] = {"skipped": over_budget()}
-            print(f"[planner-hf] {name}: {rows[name]['skipped']}", flush=True)
+        skipped = over_budget()
+        if skipped:
+            rows[name] = {"skipped": skipped}
+            print(f"[planner-hf] {name}: {skipped}", flush=True)
             return
         t0 = time.perf_counter()
         try:
@@ -208,8 +209,9 @@ def run(args: argparse.Namespace) -> int:
         big = not shape.endswith("tiny")
         n = args.concurrent
         names = [f"{shape}_hf", f"{shape}_hf_c{n}", f"{shape}_engine", f"{shape}_engine_c{n}"]
-        if over_budget():  # not even the model is built
-            rows.update({k: {"skipped": over_budget()} for k in names})
+        skipped = over_budget()
+        if skipped:  # not even the model is built
+            rows.update({k: {"skipped": skipped} for k in names})
             continue
         try:
             ctx = hs.Context(hs.build(cfg, dev, dtype), cfg, dev, dtype, prompt, image, args,

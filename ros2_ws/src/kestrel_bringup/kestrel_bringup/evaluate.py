@@ -43,10 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kestrel_bringup.evaluation import (BIN_HALF, COLOURS, ORACLE_NOTE, TEMPLATES,  # noqa: F401
-                                        EpisodeTrace, gpu_params, instruction_for, markdown,
-                                        oracle_plan,
-                                        run_record, sim_speed, summarize)
+from kestrel_bringup.evaluation import (BIN_HALF, ORACLE_NOTE, EpisodeTrace, instruction_for,
+                                        markdown, oracle_plan, run_record, sim_speed, summarize)
 
 class Evaluator:
     """The ROS side: clients and subscriptions on the contract's names (one rclpy node)."""

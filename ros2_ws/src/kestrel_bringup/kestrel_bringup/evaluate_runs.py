@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,6 +138,7 @@ def run_workers(args: object, seeds: list[int], video: str,
                 proc.wait()
         for lease in leases:
             lease.release()
+        shutil.rmtree(tmp, ignore_errors=True)  # the workers' own result files
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> int | None:
