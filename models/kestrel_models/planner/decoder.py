@@ -153,6 +153,10 @@ class PackedDecoder:
         """images [n, 3, H, W] uint8 (one shape) -> the image block's embeddings [n, N, D]."""
         raise ValueError("this model takes no image")
 
+    def prepare_image(self, shape: tuple[int, ...]) -> None:
+        """Set up what embed_image needs for images of `shape` (device tensors made once per
+        shape); the engine calls it before a prefill that may be captured as a CUDA graph."""
+
     def image_positions(self, shape: tuple[int, ...]) -> Tensor | None:
         """M-RoPE (t, h, w) positions [N, 3] long of the block's tokens, relative to its first
         position (the text after the block continues at max + 1); None: sequential."""

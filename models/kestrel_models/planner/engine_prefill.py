@@ -133,6 +133,8 @@ class PrefillMixin:
         if self.kv._use_off:  # M-RoPE: 3-D positions of the chunk, offsets after the image
             rel = self.dec.image_positions(img_shape) if img_shape is not None else None
             rope, deltas = rope_positions(ats, n_img, rel, pre + n_img + t, off - pre, off)
+        if img_shape is not None:
+            self.dec.prepare_image(img_shape)  # outside the capture: no host copies in it
         if self.prefill_graph and key in self._pin:
             img_b, tok_b, last_b, idx_b, rope_b = self._pin[key]
         else:

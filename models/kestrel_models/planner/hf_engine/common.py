@@ -194,6 +194,7 @@ class HFDecoder(PackedDecoder):
 
     graphable_prefill = False  # vision towers run eagerly, once per request, in prefill
     family = ""
+    vision_note = ""  # how the vision tower runs, where a family has a choice
 
     def __init__(self, hf: nn.Module, path: str | Path | None, packed: dict) -> None:
         super().__init__(**packed)
@@ -243,4 +244,5 @@ class HFDecoder(PackedDecoder):
                                  ("M-RoPE", self.mrope_section is not None)) if on]
         return (f"{self.family} ({self.architecture}): decoder {cfg.n_layers} layers, dim "
                 f"{cfg.dim}, {cfg.n_heads}/{cfg.n_kv_heads} heads"
-                + (f", {', '.join(extra)}" if extra else ""))
+                + (f", {', '.join(extra)}" if extra else "")
+                + (f"; {self.vision_note}" if self.vision_note else ""))

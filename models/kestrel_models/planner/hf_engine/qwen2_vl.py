@@ -10,11 +10,15 @@ Block: N = (h / 28) * (w / 28) image_pad tokens (image_token_id; the chat templa
 positions (t, h, w) = start + (0, row, col) of the merged grid; the text after it continues at
 start + max(rows, cols), so every later position is shifted by max(rows, cols) - N (the row's
 rope offset in decode).
+Vision tower: qwen_vision.py's static-shape forward of the checkpoint's own modules (so the
+engine captures the whole prefill as a CUDA graph) where it matches transformers' forward on a
+check image at load; else transformers' eager forward (the reason is in describe()).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -23,11 +27,17 @@ import torch
 from torch import Tensor
 
 from kestrel_models.planner.hf_engine.common import HFDecoder, features_of, normalize
+from kestrel_models.planner.hf_engine.qwen_vision import QwenVision
 
 __all__ = ["Qwen2VLDecoder", "MODEL_TYPES", "smart_resize"]
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 1280
+# ||static - transformers|| / ||transformers|| allowed at the load check, per vision dtype
+# (bf16/fp16: rounding of a differently batched attention over the tower's depth)
+CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-8}
+CHECK_TOL_LOW = 3e-2
+log = logging.getLogger(__name__)
 
 
 def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int
@@ -65,6 +75,39 @@ class Qwen2VLDecoder(HFDecoder):
         end = getattr(cfg, "vision_end_token_id", None)
         self.image_prompt_ids = ([start] if start is not None else []) + [self.image_marker] + (
             [end] if end is not None else [])
+        self._vision: QwenVision | None = None
+        self.vision_note = self._static_vision(vc)
+        self.graphable_prefill = self._vision is not None
+
+    def _static_vision(self, vc: Any) -> str:
+        """Use qwen_vision's static-shape tower when it matches transformers' on two check
+        grids (unequal windows, then equal ones); returns the note for describe()."""
+        visual = getattr(self.hf.model, "visual", None) or getattr(self.hf, "visual", None)
+        try:
+            vis = QwenVision(visual, vc)
+            m = self.merge
+            win = max(1, vis.window // m // self.patch) if vis.window else 2
+            g = torch.Generator().manual_seed(0)
+            for gh, gw in ((3 * m, 5 * m), (win * m, 2 * win * m)):
+                pv = torch.randn(gh * gw, 3 * self.tps * self.patch ** 2, generator=g)
+                pv = pv.to(self.device, self.vision_dtype)
+                thw = torch.tensor([[1, gh, gw]], device=self.device)
+                with torch.inference_mode():
+                    want = features_of(self.hf.model.get_image_features(
+                        pixel_values=pv, image_grid_thw=thw), 1).float()
+                    got = vis(pv, 1, gh, gw).float()
+                err = float((got - want).norm() / want.norm().clamp_min(1e-12))
+                tol = CHECK_TOL.get(self.vision_dtype, CHECK_TOL_LOW)
+                if got.shape != want.shape or not err <= tol:
+                    raise ValueError(f"differs from transformers' on a {gh}x{gw} patch grid "
+                                     f"(relative error {err:.2g} > {tol:g})")
+        except Exception as exc:  # noqa: BLE001 - any mismatch: transformers' tower instead
+            why = f"{type(exc).__name__}: {exc}"[:300]
+            log.warning("%s: vision tower runs eagerly in transformers (static-shape tower "
+                        "not used: %s)", self.family, why)
+            return f"vision tower: transformers' (eager; static-shape one not used: {why})"
+        self._vision = vis
+        return "vision tower: static shapes (prefill as a CUDA graph)"
 
     def _grid(self, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
         """[3, H, W] -> (resized h, w, merged rows, merged cols)."""
@@ -83,9 +126,9 @@ class Qwen2VLDecoder(HFDecoder):
         cols = torch.arange(gw).repeat(gh)
         return torch.stack([torch.zeros_like(rows), rows, cols], dim=1)  # [N, 3]
 
-    def pixel_inputs(self, images: Tensor) -> tuple[Tensor, Tensor]:
-        """uint8 [n, 3, H, W] -> (pixel_values [n * gh' * gw', 3 * tps * p * p], image_grid_thw
-        [n, 3]) as Qwen2VLImageProcessor lays them out (gh', gw': the unmerged patch grid)."""
+    def _patches(self, images: Tensor) -> tuple[Tensor, int, int]:
+        """uint8 [n, 3, H, W] -> (pixel_values [n * gh * gw, 3 * tps * p * p] as
+        Qwen2VLImageProcessor lays them out, gh, gw: the unmerged patch grid)."""
         n = images.shape[0]
         h, w, _, _ = self._grid(tuple(images.shape[1:]))
         x = normalize(images.to(self.device), (h, w), self.mean, self.std, torch.float32)
@@ -93,9 +136,19 @@ class Qwen2VLDecoder(HFDecoder):
         gh, gw = h // p, w // p
         x = x.reshape(n, 3, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
         x = x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, self.tps, -1, -1)
-        pv = x.reshape(n * gh * gw, 3 * self.tps * p * p).to(self.vision_dtype)
-        thw = torch.tensor([[1, gh, gw]] * n, dtype=torch.long, device=self.device)
+        return x.reshape(n * gh * gw, 3 * self.tps * p * p).to(self.vision_dtype), gh, gw
+
+    def pixel_inputs(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        """uint8 [n, 3, H, W] -> (pixel_values, image_grid_thw [n, 3]): transformers' inputs."""
+        pv, gh, gw = self._patches(images)
+        thw = torch.tensor([[1, gh, gw]] * images.shape[0], dtype=torch.long,
+                           device=self.device)
         return pv, thw
+
+    def prepare_image(self, shape: tuple[int, ...]) -> None:
+        if self._vision is not None:
+            h, w, _, _ = self._grid(shape)
+            self._vision.plan(h // self.patch, w // self.patch)
 
     def pixel_kwargs(self, images: Tensor) -> dict:
         pv, thw = self.pixel_inputs(images)
@@ -109,6 +162,9 @@ class Qwen2VLDecoder(HFDecoder):
         return kw
 
     def embed_image(self, images: Tensor) -> Tensor:
+        if self._vision is not None:
+            pv, gh, gw = self._patches(images)
+            return self._vision(pv, images.shape[0], gh, gw).to(self.dtype)
         pv, thw = self.pixel_inputs(images)
         out = self.hf.model.get_image_features(pixel_values=pv, image_grid_thw=thw)
         return features_of(out, images.shape[0]).to(self.dtype)
