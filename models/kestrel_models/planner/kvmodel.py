@@ -46,6 +46,8 @@ Decode-step kernel choices (only what `decode` runs; prefill is unchanged):
 - `mlp`: 'inductor' (torch code, inductor's GEMVs), 'triton_down' (SiLU*up fused
   into a split-K Triton w_down GEMV, kestrel::silu_gemv; inductor keeps RMSNorm + w13) or
   'triton' (also RMSNorm + w13 + SiLU*up as one Triton kernel, kestrel::rms_w13_silu).
+  Those GEMV kernels read the weights once per row, so they run only in steps of at most
+  MLP_KERNEL_ROWS rows; a larger batch bucket takes the torch MLP (one GEMM reads them once).
   The Triton ops have torch CPU paths, so every option runs (and is tested) on CPU too.
 - 'auto' (decode_attention and mlp, the defaults): AUTO_CUDA (the fastest Triton options
   measured on the H200, docs/benchmarks/planner_h200.md) when the model is on CUDA and triton
@@ -70,8 +72,8 @@ from kestrel_models.planner.triton_decode import decode_attention as triton_atte
 from kestrel_models.planner.triton_decode import decode_attention_fused, mlp_triton
 from kestrel_models.planner.vlm import VisionLanguageModel
 
-__all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "AUTO_CUDA", "cublas_linear",
-           "parse_gemv", "resolve_auto"]
+__all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "AUTO_CUDA", "MLP_KERNEL_ROWS",
+           "cublas_linear", "parse_gemv", "resolve_auto"]
 
 SDPA_MIN_CHUNK = 32  # chunks with S >= this use F.scaled_dot_product_attention
 LINEARS = ("qkv", "o", "w13", "w2", "lm_head")  # the decode step's linear layers
@@ -80,6 +82,7 @@ MLP = ("auto", "inductor", "triton_down", "triton")
 # What 'auto' picks on CUDA with triton (best measured, docs/benchmarks/planner_h200.md).
 AUTO_CUDA = {"decode_attention": "triton_fused", "mlp": "triton_down"}
 ATTN_SPLIT_CHUNK = 64  # keys per program of decode_attention='triton_split'
+MLP_KERNEL_ROWS = 1  # most rows of a decode step that mlp='triton_down' | 'triton' runs
 
 
 @torch.library.custom_op("kestrel::linear", mutates_args=())
@@ -416,7 +419,8 @@ class KVModel:
             idx, valid = local_global_index(pos, pol.n_global, pol.window)
             idx = idx[:, None].expand(b, cfg.n_kv_heads, -1)
             valid = valid[:, None].expand(b, cfg.n_kv_heads, -1)
-        post_kw = self._post_kw
+        post_kw = (self._post_kw if b <= MLP_KERNEL_ROWS else
+                   {k: f for k, f in self._post_kw.items() if k != "mlp"})
         fused = self._fused and mask_add is not None
         lin_qkv = self._pre_kw.get("lin_qkv", F.linear)
         for i, w in enumerate(self.layers):
