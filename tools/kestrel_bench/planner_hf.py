@@ -23,6 +23,7 @@ engine row; ratios engine_vs_hf_tok_s_<shape>, engine_vs_hf_ttft_<shape>, and fo
   python -m kestrel_bench planner-hf --quick
   python -m kestrel_bench planner-hf --compile      # GPU: bf16, both shapes
   python -m kestrel_bench planner-hf --compile --budget-s 300   # under a time limit
+  python -m kestrel_bench planner-hf --compile --shapes smolvlm-256m --merge   # one more shape
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import argparse
 import statistics
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from kestrel_bench import record as rec_mod
@@ -62,6 +64,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="wall s for the sections: one that starts later is recorded as "
                          "skipped, so a run under a time limit still writes its record "
                          "(0 = none)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows and ratios of the shapes this run does not measure "
+                         "from the record already at the output path (each kept row names "
+                         "its run): one record for shapes measured in separate runs")
     rec_mod.add_common_arguments(ap)
 
 
@@ -149,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
     from kestrel_bench import planner_hf_sections as hs
 
     if args.quick:
-        args.shapes, args.device, args.new_tokens, args.reps = list(QUICK), "cpu", 16, 1
+        if args.shapes == list(SHAPES):  # the default: the tiny ones instead
+            args.shapes = list(QUICK)
+        args.device, args.new_tokens, args.reps = "cpu", 16, 1
         args.image_hw, args.prompt_tokens, args.concurrent = 56, 16, 4
         args.compile = False
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -234,7 +242,41 @@ def run(args: argparse.Namespace) -> int:
             section(names[3], "engine_c", hs.bench_engine, ctx, n)
         ctx.release()
     hs.to_record(record, rows, args.shapes, args.concurrent)
+    if args.merge:
+        merge_other_shapes(record, args)
     record.note("floor_ms: bytes of weights one decode step reads / device-to-device copy "
                 f"bandwidth ({bw / 1e9:.0f} GB/s, bytes read + written per second)")
     rec_mod.finish(record, args)
     return 0
+
+
+def _shape_of(name: str) -> str:
+    return next((s for s in SHAPES + QUICK if name.startswith(f"{s}_")), "")
+
+
+def merge_other_shapes(record: rec_mod.Record, args: argparse.Namespace) -> None:
+    """--merge: the rows and ratios of shapes not measured now, from the record at the output
+    path (each row gets `run`: that record's commit, date and command); roles re-assigned so
+    that the baseline is the hf row of the first shape in SHAPES order."""
+    stem = rec_mod.out_stem(getattr(args, "out", None), "planner-hf", record.machine_class)
+    path = Path(f"{stem.with_suffix('') if stem.suffix == '.json' else stem}.json")
+    if not path.is_file():
+        return
+    old = rec_mod.load(path)
+    run = {k: old.get(k) for k in ("commit", "date", "command")}
+    kept = [dict(r, run=r.get("run") or run) for r in old.get("results", [])
+            if _shape_of(r.get("name", "")) not in ("", *args.shapes)]
+    record["results"].extend(kept)
+    shapes = {_shape_of(r["name"]) for r in kept} - {""}
+    tags = [s.replace(".", "_").replace("-", "_") for s in shapes]
+    for k, v in old.get("ratios", {}).items():
+        if k not in record["ratios"] and any(t in k for t in tags):
+            record["ratios"][k] = v
+    order = [s for s in (*SHAPES, *QUICK) if s in shapes | set(args.shapes)]
+    base = next((f"{s}_hf" for s in order if record.result(f"{s}_hf")), "")
+    for r in record["results"]:
+        r["role"] = ("baseline" if r["name"] == base else
+                     "optimized" if base and r["name"] == base[:-3] + "_engine" else "variant")
+    record["config"]["shapes"] = order
+    for s in sorted(shapes):
+        record.note(f"rows of {s}: from the run at commit {run['commit']} on {run['date']}")

@@ -151,7 +151,8 @@ def bench_engine(ctx: Context, n: int) -> dict:
     out = dict(streams=n, tpot_ms=tpot, tok_s=1e3 / tpot["p50"],
                ttft_ms=statistics.median(ttfts), ttft_p99_ms=float(np.percentile(ttfts, 99)),
                warmup_s=warm, peak_mb=memory.peak_mb(dev.type == "cuda"),
-               cuda_graph=eng.cuda_graph,
+               cuda_graph=eng.cuda_graph, prefill_graph=eng.prefill_graph,
+               decoder=ctx.dec.describe(),
                compiled_step=bool(a.compile and dev.type == "cuda"),
                image_tokens=ctx.n_img, floor_ms=ctx.floor_ms,
                floor_fraction=ctx.floor_ms / tpot["p50"])
@@ -173,7 +174,8 @@ def to_record(record: Any, rows: dict[str, dict], shapes: list[str], n: int) -> 
         metrics = {k: r[k] for k in ("ttft_ms", "ttft_p99_ms", "agg_tok_s", "streams",
                                      "floor_ms", "floor_fraction", "warmup_s", "image_tokens",
                                      "section_s") if r.get(k) is not None}
-        cfg = {k: r[k] for k in ("cache", "cache_note", "cuda_graph", "compiled_step")
+        cfg = {k: r[k] for k in ("cache", "cache_note", "cuda_graph", "prefill_graph",
+                                 "compiled_step", "decoder")
                if k in r}
         record.add(name, role, latency_ms=r["tpot_ms"], throughput=r["tok_s"], unit="tok/s",
                    peak_memory_mb=r.get("peak_mb"), metrics=metrics,

@@ -44,3 +44,23 @@ def test_planner_hf_budget_still_writes_the_record(tmp_path: Path) -> None:
     for shape in ("qwen2.5-vl-tiny", "smolvlm-tiny"):
         for kind in ("hf", "hf_c4", "engine", "engine_c4"):
             assert "budget" in row(rec, f"{shape}_{kind}").get("skipped", ""), shape
+
+
+@pytest.mark.slow
+def test_planner_hf_merge_keeps_the_other_shapes_rows(tmp_path: Path) -> None:
+    """Shapes measured in separate runs (a per-command time limit) end in one record: --merge
+    keeps the rows and ratios of the shapes it does not measure, each naming its run."""
+    stem = tmp_path / "planner_hf_cpu"
+    first = run_bench(stem, "planner-hf", "--quick", "--shapes", "qwen2.5-vl-tiny",
+                      "--only", "hf", "engine", timeout=600)
+    rec = run_bench(stem, "planner-hf", "--quick", "--shapes", "smolvlm-tiny", "--only", "hf",
+                    "engine", "--merge", timeout=600)
+    assert rec["config"]["shapes"] == ["qwen2.5-vl-tiny", "smolvlm-tiny"]
+    for kind in ("hf", "engine"):
+        kept = row(rec, f"qwen2.5-vl-tiny_{kind}")
+        assert kept["run"]["date"] == first["date"] and "throughput" in kept
+        assert "run" not in row(rec, f"smolvlm-tiny_{kind}")
+    assert row(rec, "qwen2.5-vl-tiny_hf")["role"] == "baseline"
+    assert row(rec, "qwen2.5-vl-tiny_engine")["role"] == "optimized"
+    assert {"engine_vs_hf_tok_s_qwen2_5_vl_tiny", "engine_vs_hf_tok_s_smolvlm_tiny"} <= set(
+        rec["ratios"])
