@@ -77,3 +77,18 @@ def test_a_tower_that_differs_falls_back_to_transformers(monkeypatch: pytest.Mon
     pv, thw = dec.pixel_inputs(img)
     want = _reference(hf, pv, 1, int(thw[0, 1]), int(thw[0, 2]))
     torch.testing.assert_close(dec.embed_image(img), want)
+
+
+@pytest.mark.parametrize("family", ("idefics3", "smolvlm"))
+def test_idefics3_static_tower_equals_transformers(family: str) -> None:
+    """Idefics3 / SmolVLM: the static-shape tower (full image: positions 0..P-1, no mask)
+    gives transformers' features; the decoder's prefill is graphable."""
+    from tiny_hf_vlm import tokenizer
+    hf = build(family)
+    dec = from_model(hf, None, "cpu", tokenizer(family), consume=False)
+    assert dec.graphable_prefill and "static shapes" in dec.describe()
+    img = torch.randint(0, 256, (2, 3, 40, 48), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        torch.testing.assert_close(dec._features_static(img), dec._features_hf(img),
+                                   rtol=1e-4, atol=1e-4)

@@ -23,7 +23,8 @@ from kestrel_models.planner.decoder import DecoderShape, PackedDecoder, pack_lay
 from kestrel_models.planner.prefill_layout import split_prompt
 
 __all__ = ["PARAM", "HFLoadError", "Unsupported", "HFDecoder", "read_config", "load_hf_model",
-           "pack_text_model", "text_problem", "normalize", "features_of", "preprocessor"]
+           "pack_text_model", "text_problem", "normalize", "features_of", "preprocessor",
+           "check_close"]
 
 PARAM = "hf.model_path"
 TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
@@ -175,6 +176,26 @@ def normalize(images: Tensor, size: tuple[int, int], mean: Tensor, std: Tensor,
     if tuple(x.shape[-2:]) != tuple(size):
         x = F.interpolate(x, size=size, mode="bilinear", align_corners=False, antialias=True)
     return ((x - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)).to(dtype)
+
+
+# ||static - transformers|| / ||transformers|| allowed when a static-shape vision tower is
+# checked against transformers' at load, per dtype (bf16/fp16: rounding of a differently
+# batched computation over the tower's depth)
+CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-8}
+CHECK_TOL_LOW = 3e-2
+
+
+def check_close(got: Tensor, want: Tensor, dtype: torch.dtype, what: str) -> None:
+    """ValueError unless got matches want within CHECK_TOL of dtype (relative norm)."""
+    if got.shape != want.shape:
+        raise ValueError(f"{what}: shape {tuple(got.shape)} != transformers' "
+                         f"{tuple(want.shape)}")
+    got, want = got.float(), want.float()
+    err = float((got - want).norm() / want.norm().clamp_min(1e-12))
+    tol = CHECK_TOL.get(dtype, CHECK_TOL_LOW)
+    if not err <= tol:
+        raise ValueError(f"{what}: differs from transformers' (relative error {err:.2g} > "
+                         f"{tol:g})")
 
 
 def features_of(out: Any, n: int) -> Tensor:

@@ -8,10 +8,16 @@ with a full pixel_attention_mask. Block, as the processor writes a single image:
     <fake_token_around_image> <global-img> <image> x N <fake_token_around_image>
 N = (S / patch)^2 / scale_factor^2. The two framing tokens' ids come from the directory's
 tokenizer (the config has only image_token_id).
+Vision tower: for a full square image transformers' per-image position bucketing and mask
+checks (host syncs) reduce to positions 0..N-1 and no mask, so the checkpoint's patch
+embedding, encoder, post-layernorm and connector run here with static shapes (the engine
+captures the prefill as a CUDA graph), where that matches transformers' own forward on check
+images at load; else transformers' eager forward (the reason is in describe()).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kestrel_models.planner.hf_engine.common import (PARAM, HFDecoder, HFLoadError,
-                                                     features_of, normalize)
+                                                     check_close, features_of, normalize)
 
 __all__ = ["Idefics3Decoder", "MODEL_TYPES", "FAKE", "GLOBAL"]
 
 MODEL_TYPES = ("idefics3", "smolvlm")
 FAKE, GLOBAL = "<fake_token_around_image>", "<global-img>"
+log = logging.getLogger(__name__)
 
 
 def special_id(tokenizer: Any, token: str, path: str) -> int:
@@ -64,6 +71,35 @@ class Idefics3Decoder(HFDecoder):
         block = [fake, glob, *([self.image_marker] * self.n_feat), fake]
         self.block = torch.tensor(block, dtype=torch.long, device=self.device)
         self.image_prompt_ids = [self.image_marker]
+        self._static = False
+        self.vision_note = self._static_vision()
+        self.graphable_prefill = self._static
+
+    def _static_vision(self) -> str:
+        """Use the static-shape tower when it matches transformers' on two check images;
+        returns the note for describe()."""
+        try:
+            m = self.hf.model
+            for obj, name in ((m, "vision_model"), (m, "connector")):
+                if not hasattr(obj, name):
+                    raise ValueError(f"the model has no {name}")
+            vm = m.vision_model
+            for name in ("embeddings", "encoder", "post_layernorm"):
+                if not hasattr(vm, name):
+                    raise ValueError(f"the vision model has no {name}")
+            g = torch.Generator().manual_seed(0)
+            img = torch.randint(0, 256, (2, 3, self.size, self.size), dtype=torch.uint8,
+                                generator=g).to(self.device)
+            with torch.inference_mode():
+                check_close(self._features_static(img), self._features_hf(img),
+                            self.vision_dtype, "two check images")
+        except Exception as exc:  # noqa: BLE001 - any mismatch: transformers' tower instead
+            why = f"{type(exc).__name__}: {exc}"[:300]
+            log.warning("%s: vision tower runs eagerly in transformers (static-shape tower "
+                        "not used: %s)", self.family, why)
+            return f"vision tower: transformers' (eager; static-shape one not used: {why})"
+        self._static = True
+        return "vision tower: static shapes (prefill as a CUDA graph)"
 
     def image_tokens(self, shape: tuple[int, ...]) -> int:
         return self.n_feat + 3
@@ -78,13 +114,30 @@ class Idefics3Decoder(HFDecoder):
                 "pixel_attention_mask": torch.ones(n, 1, s, s, dtype=torch.bool,
                                                    device=x.device)}
 
-    def embed_image(self, images: Tensor) -> Tensor:
+    def _features_hf(self, images: Tensor) -> Tensor:
         n, s = images.shape[0], self.size
         x = normalize(images.to(self.device), (s, s), self.mean, self.std, self.vision_dtype)
         mask = torch.ones(n, 1, s, s, dtype=torch.bool, device=self.device)
         out = self.hf.model.get_image_features(pixel_values=x[:, None],
                                                pixel_attention_mask=mask)
-        feats = features_of(out, n).to(self.dtype)  # [n, N, D]
+        return features_of(out, n)
+
+    def _features_static(self, images: Tensor) -> Tensor:
+        """uint8 [n, 3, H, W] -> connector features [n, N, D]: the full-image case of
+        transformers' forward (positions 0..P-1, no attention mask), static shapes."""
+        s, m = self.size, self.hf.model
+        vm = m.vision_model
+        x = normalize(images.to(self.device), (s, s), self.mean, self.std, self.vision_dtype)
+        h = vm.embeddings.patch_embedding(x).flatten(2).transpose(1, 2)  # [n, P, C]
+        h = h + vm.embeddings.position_embedding.weight[None, :h.shape[1]]
+        out = vm.encoder(inputs_embeds=h, attention_mask=None)
+        h = vm.post_layernorm(out[0] if isinstance(out, tuple) else out.last_hidden_state)
+        return m.connector(h)
+
+    def embed_image(self, images: Tensor) -> Tensor:
+        n = images.shape[0]
+        feats = (self._features_static(images) if self._static
+                 else self._features_hf(images)).to(self.dtype)  # [n, N, D]
         frame = F.embedding(self.block, self.embed)  # [N + 3, D]
         return torch.cat([frame[None, :2].expand(n, -1, -1), feats,
                           frame[None, -1:].expand(n, -1, -1)], dim=1)

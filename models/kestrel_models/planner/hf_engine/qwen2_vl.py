@@ -26,17 +26,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kestrel_models.planner.hf_engine.common import HFDecoder, features_of, normalize
+from kestrel_models.planner.hf_engine.common import (HFDecoder, check_close, features_of,
+                                                     normalize)
 from kestrel_models.planner.hf_engine.qwen_vision import QwenVision
 
 __all__ = ["Qwen2VLDecoder", "MODEL_TYPES", "smart_resize"]
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 1280
-# ||static - transformers|| / ||transformers|| allowed at the load check, per vision dtype
-# (bf16/fp16: rounding of a differently batched attention over the tower's depth)
-CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-8}
-CHECK_TOL_LOW = 3e-2
 log = logging.getLogger(__name__)
 
 
@@ -94,13 +91,9 @@ class Qwen2VLDecoder(HFDecoder):
                 thw = torch.tensor([[1, gh, gw]], device=self.device)
                 with torch.inference_mode():
                     want = features_of(self.hf.model.get_image_features(
-                        pixel_values=pv, image_grid_thw=thw), 1).float()
-                    got = vis(pv, 1, gh, gw).float()
-                err = float((got - want).norm() / want.norm().clamp_min(1e-12))
-                tol = CHECK_TOL.get(self.vision_dtype, CHECK_TOL_LOW)
-                if got.shape != want.shape or not err <= tol:
-                    raise ValueError(f"differs from transformers' on a {gh}x{gw} patch grid "
-                                     f"(relative error {err:.2g} > {tol:g})")
+                        pixel_values=pv, image_grid_thw=thw), 1)
+                    got = vis(pv, 1, gh, gw)
+                check_close(got, want, self.vision_dtype, f"a {gh}x{gw} patch grid")
         except Exception as exc:  # noqa: BLE001 - any mismatch: transformers' tower instead
             why = f"{type(exc).__name__}: {exc}"[:300]
             log.warning("%s: vision tower runs eagerly in transformers (static-shape tower "
