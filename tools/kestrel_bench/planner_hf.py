@@ -14,6 +14,7 @@ greedy tokens, no <eos>. Rows per shape (each isolated: a failure is a row, the 
   <shape>_engine      our engine: CUDA-graph decode (+ --compile: the compiled step)
   <shape>_hf_c<N>, <shape>_engine_c<N>   N (--concurrent, 16) requests at once (transformers:
                       one batched generate()): aggregate tok/s, TTFT p50/p99
+  <shape>_engine_x<M> (--multi M > 1) one stream, M decode steps per graph replay
 TTFT includes the vision tower (submit -> first token on the host). metrics.floor_ms: the
 weight-bandwidth floor of one decode step = bytes of weights a step reads / measured
 device-to-device copy bandwidth (bytes read + written per second); floor_fraction = floor /
@@ -58,8 +59,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--compile", action="store_true",
                     help="engine: the whole decode step compiled (inductor) in the CUDA graph")
     ap.add_argument("--cdt", action="store_true", help="inductor coordinate-descent tuning")
+    ap.add_argument("--multi", type=int, default=1,
+                    help="N > 1: also <shape>_engine_x<N>, one stream with N decode steps per "
+                         "graph replay (no host decision in between: no grammar)")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="row kinds to run: hf, engine, hf_c, engine_c")
+                    help="row kinds to run: hf, engine, hf_c, engine_c, engine_x")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="wall s for the sections: one that starts later is recorded as "
                          "skipped, so a run under a time limit still writes its record "
@@ -170,8 +174,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         tf_version = None
     bw = copy_bandwidth(dev, (1 << 30) if dev.type == "cuda" else (64 << 20))
-    config = {"quick": args.quick, "shapes": args.shapes, "dtype": str(dtype).split(".")[-1],
-              "device": dev.type, "image_hw": args.image_hw,
+    config = {"quick": args.quick, "shapes": args.shapes, "multi": args.multi,
+              "dtype": str(dtype).split(".")[-1], "device": dev.type, "image_hw": args.image_hw,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "concurrent": args.concurrent, "reps": args.reps, "compile": args.compile,
               "cdt": args.cdt, "transformers": tf_version,
@@ -240,6 +244,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             section(names[2], "engine", hs.bench_engine, ctx, 1)
             section(names[3], "engine_c", hs.bench_engine, ctx, n)
+            if args.multi > 1:
+                ctx.eng.set_steps_per_replay(args.multi)
+                section(f"{shape}_engine_x{args.multi}", "engine_x", hs.bench_engine, ctx, 1)
+                ctx.eng.set_steps_per_replay(1)
         ctx.release()
     hs.to_record(record, rows, args.shapes, args.concurrent)
     if args.merge:

@@ -152,6 +152,7 @@ def bench_engine(ctx: Context, n: int) -> dict:
                ttft_ms=statistics.median(ttfts), ttft_p99_ms=float(np.percentile(ttfts, 99)),
                warmup_s=warm, peak_mb=memory.peak_mb(dev.type == "cuda"),
                cuda_graph=eng.cuda_graph, prefill_graph=eng.prefill_graph,
+               steps_per_replay=eng.steps_per_replay,
                decoder=ctx.dec.describe(),
                compiled_step=bool(a.compile and dev.type == "cuda"),
                image_tokens=ctx.n_img, floor_ms=ctx.floor_ms,
@@ -175,7 +176,7 @@ def to_record(record: Any, rows: dict[str, dict], shapes: list[str], n: int) -> 
                                      "floor_ms", "floor_fraction", "warmup_s", "image_tokens",
                                      "section_s") if r.get(k) is not None}
         cfg = {k: r[k] for k in ("cache", "cache_note", "cuda_graph", "prefill_graph",
-                                 "compiled_step", "decoder")
+                                 "steps_per_replay", "compiled_step", "decoder")
                if k in r}
         record.add(name, role, latency_ms=r["tpot_ms"], throughput=r["tok_s"], unit="tok/s",
                    peak_memory_mb=r.get("peak_mb"), metrics=metrics,
@@ -189,3 +190,9 @@ def to_record(record: Any, rows: dict[str, dict], shapes: list[str], n: int) -> 
                     else "tok_s"
                 record.ratio(f"engine_vs_hf_tok_s_{tag}", e[speed] / h[speed])
                 record.ratio(f"engine_vs_hf_ttft_{tag}", h["ttft_ms"] / e["ttft_ms"])
+        h = rows.get(f"{shape}_hf", {})
+        for name, r in rows.items():
+            if name.startswith(f"{shape}_engine_x") and "tok_s" in r and "tok_s" in h:
+                tag = name[len(shape) + 1:] + "_vs_hf_tok_s_" + shape.replace(
+                    ".", "_").replace("-", "_")
+                record.ratio(tag, r["tok_s"] / h["tok_s"])

@@ -54,7 +54,11 @@ def test_planner_hf_merge_keeps_the_other_shapes_rows(tmp_path: Path) -> None:
     first = run_bench(stem, "planner-hf", "--quick", "--shapes", "qwen2.5-vl-tiny",
                       "--only", "hf", "engine", timeout=600)
     rec = run_bench(stem, "planner-hf", "--quick", "--shapes", "smolvlm-tiny", "--only", "hf",
-                    "engine", "--merge", timeout=600)
+                    "engine", "engine_x", "--multi", "4", "--merge", timeout=600)
+    multi = row(rec, "smolvlm-tiny_engine_x4")
+    assert multi["config"]["steps_per_replay"] == 4 and multi["throughput"]["value"] > 0
+    assert row(rec, "smolvlm-tiny_engine")["config"]["steps_per_replay"] == 1
+    assert rec["ratios"]["engine_x4_vs_hf_tok_s_smolvlm_tiny"] > 0
     assert rec["config"]["shapes"] == ["qwen2.5-vl-tiny", "smolvlm-tiny"]
     for kind in ("hf", "engine"):
         kept = row(rec, f"qwen2.5-vl-tiny_{kind}")
