@@ -287,4 +287,5 @@ def merge_other_shapes(record: rec_mod.Record, args: argparse.Namespace) -> None
                      "optimized" if base and r["name"] == base[:-3] + "_engine" else "variant")
     record["config"]["shapes"] = order
     for s in sorted(shapes):
-        record.note(f"rows of {s}: from the run at commit {run['commit']} on {run['date']}")
+        r = next(r["run"] for r in kept if _shape_of(r["name"]) == s)
+        record.note(f"rows of {s}: from the run at commit {r['commit']} on {r['date']}")

@@ -66,5 +66,10 @@ def test_planner_hf_merge_keeps_the_other_shapes_rows(tmp_path: Path) -> None:
         assert "run" not in row(rec, f"smolvlm-tiny_{kind}")
     assert row(rec, "qwen2.5-vl-tiny_hf")["role"] == "baseline"
     assert row(rec, "qwen2.5-vl-tiny_engine")["role"] == "optimized"
+    # a second merge keeps the rows' own run, not the record they passed through
+    again = run_bench(stem, "planner-hf", "--quick", "--shapes", "smolvlm-tiny", "--only", "hf",
+                      "--merge", timeout=600)
+    assert row(again, "qwen2.5-vl-tiny_hf")["run"]["date"] == first["date"]
+    assert f"on {first['date']}" in " ".join(again["notes"])
     assert {"engine_vs_hf_tok_s_qwen2_5_vl_tiny", "engine_vs_hf_tok_s_smolvlm_tiny"} <= set(
         rec["ratios"])
