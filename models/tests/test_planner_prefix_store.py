@@ -113,8 +113,9 @@ def test_prefix_tokens_must_leave_a_prompt_token(model: VisionLanguageModel) -> 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_reused_prefix_with_cuda_graphs() -> None:
-    """On CUDA (graphed batched prefill and decode step) a reused prefix (its eager prefill
-    of the rest) decodes what the engine without the store decodes."""
+    """On CUDA (graphed batched prefill and decode step) a reused prefix (the rest of the
+    prompt prefilled by its own captured graph) decodes what the engine without the store
+    decodes."""
     torch.manual_seed(0)
     m = VisionLanguageModel(get_config("tiny")).cuda().eval()
     with torch.no_grad():
@@ -130,3 +131,4 @@ def test_reused_prefix_with_cuda_graphs() -> None:
         got, _ = _run(kept, SCENE + task, img, "frame-1")
         assert got == ref
     assert kept.store.hits == 5
+    assert any(k[0] == "kept" for k in kept._pgraphs)  # the hits replayed a graph

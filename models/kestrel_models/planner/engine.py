@@ -18,7 +18,8 @@ and its KV copied into each new slot (positions [0, P)), so only image + prompt 
 With `prefix_entries=N` the engine also keeps the KV of the last N request prefixes (system
 prefix + image + the first `prefix_tokens` prompt tokens, keyed by the request's `image_key`
 and those tokens; prefix_store.py): a request whose prefix is kept copies it into its slot and
-prefills only the rest of its prompt (on its own, eagerly: a group of one).
+prefills only the rest of its prompt (on its own, a group of one; padded to a bucket and, on
+CUDA, captured as a graph per (slot, bucket, kv bucket) like the batched prefill).
 
 Decode: one step feeds every active slot's last token at its own position. The step (embed,
 all layers, lm_head, on-device sampling, position update) reads/writes only static buffers,

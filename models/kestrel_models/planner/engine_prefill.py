@@ -73,19 +73,47 @@ class PrefillMixin:
     @torch.inference_mode()
     def _prefill_reused(self, slot: int, r: EngineRequest, e: PrefixEntry) -> None:
         """Slot <- the kept prefix's KV (positions [0, e.length)); prefill the prompt after
-        it (one row, eager)."""
+        it as one row, right-padded to a power-of-two bucket (the pad positions lie past the
+        row's position: masked, later overwritten) with the keys in a power-of-two kv bucket,
+        so that with `prefill_graph` it is a CUDA graph per (slot, bucket, kv bucket)."""
         kv, dev = self.kv, self.device
         kv.reset_slots(slice(slot, slot + 1))
         kv.copy_prefix(e.k, e.v, slot)
         if kv._use_off:  # the rest's rope positions follow the kept image's
             kv.rope_off[slot] = self._delta(None if r.image is None else tuple(r.image.shape))
         rest = r.prompt[r.prefix_tokens:]
-        x = kv.embed_tokens(torch.tensor([rest], dtype=torch.long, device=dev))
-        pos = torch.full((1,), e.length, dtype=torch.long, device=dev)
-        end = e.length + len(rest)
-        logits = kv.forward(x, pos, slice(slot, slot + 1), end, last_only=True)[:, 0]
+        n = len(rest)
+        t = _pow2_at_least(n, 16, 1 << 30)
+        if e.length + t > self.max_len:
+            t = n
+        kv_len = _pow2_at_least(e.length + t, 128, self.max_len)
+        key = ("kept", slot, t, kv_len)
+        if self.prefill_graph and key in self._pin:
+            tok_b, pos_b, last_b = self._pin[key]
+        else:
+            tok_b = torch.zeros(1, t, dtype=torch.long, device=dev)
+            pos_b = torch.zeros(1, dtype=torch.long, device=dev)
+            last_b = torch.zeros(1, dtype=torch.long, device=dev)
+            if self.prefill_graph:
+                self._pin[key] = (tok_b, pos_b, last_b)
+        tok_b.copy_(torch.tensor([rest + [0] * (t - n)]), non_blocking=True)
+        pos_b.fill_(e.length)
+        last_b.fill_(n - 1)
+        rows = slice(slot, slot + 1)
+
+        def body() -> Tensor:
+            x = kv.embed_tokens(tok_b)
+            return kv.forward(x, pos_b, rows, kv_len, last_index=last_b)[:, 0]
+
+        if self.prefill_graph:
+            if key not in self._pgraphs:
+                self._pgraphs[key] = capture(body, self._ppool)
+            g, logits = self._pgraphs[key]
+            g.replay()
+        else:
+            logits = body()
         r.prefix_hit = True
-        self._start([(slot, r)], logits, [end])
+        self._start([(slot, r)], logits, [e.length + n])
 
     def _prefill_body(self, s0: int, n: int, img: Tensor | None, tok: Tensor, last: Tensor,
                       idx: Tensor, rope: Tensor | None) -> Tensor:
