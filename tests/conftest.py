@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ros_harness import (DomainLease, NodeProcess, Probe, dds_shm_files,  # noqa: E402
-                         orphaned_shm_files, ros_env, spawn_node)
+                         orphaned_shm_files, ros_env, shm_owners, spawn_node)
 
 
 def _ros_available() -> str | None:
@@ -49,24 +49,38 @@ def env(ros_domain: int, run_dir: Path) -> dict[str, str]:
     return ros_env(ros_domain, run_dir)
 
 
+class ShmWatch:
+    """dds_guard's value: `snapshot()` (launch_node calls it before stopping its processes)
+    notes which process maps each new Fast DDS file, so that an orphan names its owner."""
+
+    def __init__(self) -> None:
+        self.before = dds_shm_files()
+        self.owners: dict[str, str] = {}
+
+    def snapshot(self) -> None:
+        self.owners.update(shm_owners(dds_shm_files() - self.before))
+
+
 @pytest.fixture
-def dds_guard(ros_domain: int) -> Iterator[None]:
+def dds_guard(ros_domain: int) -> Iterator[ShmWatch]:
     """After the test's processes and probe are gone, no Fast DDS shared-memory file that
     appeared during the test may be left orphaned in /dev/shm."""
-    before = dds_shm_files()
-    yield
-    new = dds_shm_files() - before  # participants' segments (dds_shm_files says why only those)
+    watch = ShmWatch()
+    yield watch
+    new = dds_shm_files() - watch.before  # participants' segments (dds_shm_files: why only those)
     orphans = orphaned_shm_files(new)
     # a participant being destroyed closes a file before it unlinks it: wait for the unlink
     deadline = time.monotonic() + 3.0
     while orphans and time.monotonic() < deadline:
         time.sleep(0.05)  # polling the condition below, bounded by the deadline
         orphans = orphaned_shm_files(orphans)
-    assert not orphans, f"orphaned Fast DDS files left in /dev/shm: {sorted(orphans)}"
+    assert not orphans, "orphaned Fast DDS files left in /dev/shm: " + ", ".join(
+        f"{name} (mapped by {watch.owners.get(name, 'no process seen')})"
+        for name in sorted(orphans))
 
 
 @pytest.fixture
-def probe(ros_domain: int, dds_guard: None) -> Iterator[Probe]:
+def probe(ros_domain: int, dds_guard: ShmWatch) -> Iterator[Probe]:
     p = Probe(ros_domain)
     try:
         yield p
@@ -75,10 +89,11 @@ def probe(ros_domain: int, dds_guard: None) -> Iterator[Probe]:
 
 
 @pytest.fixture
-def launch_node(env: dict[str, str], run_dir: Path, dds_guard: None) -> Iterator:
+def launch_node(env: dict[str, str], run_dir: Path, dds_guard: ShmWatch) -> Iterator:
     """launch_node(module, node_name, params=None, remaps=None) -> NodeProcess.
 
-    On teardown every process is stopped (bounded) and its process group must be gone.
+    On teardown every process is stopped (bounded) and its process group must be gone; a
+    process that stopped with an error prints its output (what an orphaned file came from).
     """
     procs: list[NodeProcess] = []
 
@@ -89,7 +104,9 @@ def launch_node(env: dict[str, str], run_dir: Path, dds_guard: None) -> Iterator
         return p
 
     yield _launch
+    dds_guard.snapshot()
     for p in procs:
-        p.stop()
+        if p.stop() != 0:
+            print(f"--- {p.name} stopped with an error; its output:\n{p.output()[-4000:]}")
     for p in procs:
         assert p.group_gone(), f"stray processes left by {p.name}"

@@ -287,6 +287,23 @@ def orphaned_shm_files(candidates: set[str]) -> set[str]:
     return {name for name in candidates if name not in in_use and (SHM_DIR / name).exists()}
 
 
+def shm_owners(names: set[str]) -> dict[str, str]:
+    """name -> the processes that map it now ("pid: command line", joined by '; ')."""
+    owners: dict[str, list[str]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            maps = (proc / "maps").read_text()
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+        except OSError:
+            continue
+        for name in names:
+            if name in maps:
+                owners.setdefault(name, []).append(f"{proc.name}: {cmd.strip()}")
+    return {name: "; ".join(who) for name, who in owners.items()}
+
+
 def diagnostics_values(msgs: list, node_name: str) -> dict[str, str]:
     """Latest key/values of `node_name`'s status from collected DiagnosticArray messages."""
     for arr in reversed(msgs):

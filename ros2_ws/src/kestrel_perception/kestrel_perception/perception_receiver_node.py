@@ -179,9 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         while not stop.is_set():
             executor.spin_once(timeout_sec=0.1)
     finally:
-        executor.shutdown(timeout_sec=1.0)
-        node.destroy_node()
-        rclpy.try_shutdown()
+        try:  # whatever fails here, the context still shuts down: it removes the DDS files
+            executor.shutdown(timeout_sec=1.0)
+            node.destroy_node()
+        finally:
+            rclpy.try_shutdown()
         if os.getppid() != args.parent_pid:  # the node died without its cleanup
             seg.unlink()
         del ring, receiver

@@ -240,3 +240,19 @@ def test_receive_auto_picks_processes_only_with_cuda_and_enough_cpus() -> None:
     assert resolve_receive("auto", "cuda", 1, cpus=4) == "processes"
     for explicit in ("executor", "processes"):
         assert resolve_receive(explicit, "cpu", 6, cpus=2) == explicit
+
+
+def test_close_kills_a_receiver_that_does_not_exit_and_says_so(caplog) -> None:  # noqa: ANN001
+    """A receiver that outlives its stdin closing is killed after the timeout, and the node's
+    log names it (a killed receiver leaves its DDS participant's files behind)."""
+    import subprocess
+    import sys
+    rx = InputReceivers(LAYOUT, ["/a", "/b", "/c"], lambda *a: None, lambda *a: None,
+                        frame_id="world", node_name="t", pool=3)
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             stdin=subprocess.PIPE)
+    rx.procs.append(stuck)
+    with caplog.at_level("WARNING"):
+        rx.close(timeout_s=0.5)
+    assert stuck.poll() is not None
+    assert f"input receiver for /a (pid {stuck.pid}) did not exit" in caplog.text

@@ -20,6 +20,7 @@ segment; it also runs at interpreter exit.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import secrets
 import select
@@ -36,6 +37,7 @@ from kestrel_common.shm import ShmSegment
 from kestrel_perception.core.input_rings import RingLayout
 
 RECEIVER_MODULE = "kestrel_perception.perception_receiver_node"
+log = logging.getLogger(__name__)
 
 
 class ReceiverError(RuntimeError):
@@ -190,10 +192,12 @@ class InputReceivers:
             except OSError:
                 pass
         deadline = time.monotonic() + timeout_s
-        for p in self.procs:
+        for topic, p in zip(self.topics, self.procs, strict=False):
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired:  # said: a killed receiver leaves DDS files
+                log.warning("input receiver for %s (pid %d) did not exit within %g s of its "
+                            "stdin closing: killed", topic, p.pid, timeout_s)
                 p.kill()
                 p.wait(timeout_s)
         if self._efd >= 0:
