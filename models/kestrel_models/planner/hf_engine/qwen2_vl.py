@@ -11,8 +11,8 @@ positions (t, h, w) = start + (0, row, col) of the merged grid; the text after i
 start + max(rows, cols), so every later position is shifted by max(rows, cols) - N (the row's
 rope offset in decode).
 Vision tower: qwen_vision.py's static-shape forward of the checkpoint's own modules (so the
-engine captures the whole prefill as a CUDA graph) where it matches transformers' forward on a
-check image at load; else transformers' eager forward (the reason is in describe()).
+engine captures the whole prefill as a CUDA graph) where it matches transformers' forward on two
+check grids at load; else transformers' eager forward (the reason is in describe()).
 """
 
 from __future__ import annotations
