@@ -8,7 +8,7 @@ prefill graph state (_pin, _pgraphs, _ppool) and _start (first token of each row
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import Tensor
@@ -105,15 +105,20 @@ class PrefillMixin:
             x = kv.embed_tokens(tok_b)
             return kv.forward(x, pos_b, rows, kv_len, last_index=last_b)[:, 0]
 
-        if self.prefill_graph:
-            if key not in self._pgraphs:
-                self._pgraphs[key] = capture(body, self._ppool)
-            g, logits = self._pgraphs[key]
-            g.replay()
-        else:
-            logits = body()
+        logits = self._run_prefill(key, body)
         r.prefix_hit = True
         self._start([(slot, r)], logits, [e.length + n])
+
+    def _run_prefill(self, key: Hashable, body: Callable[[], Tensor]) -> Tensor:
+        """body() -> logits: with `prefill_graph` its CUDA graph for `key` (captured on first
+        use; body reads only the static buffers pinned for that key) replayed, else run."""
+        if not self.prefill_graph:
+            return body()
+        if key not in self._pgraphs:
+            self._pgraphs[key] = capture(body, self._ppool)
+        g, logits = self._pgraphs[key]
+        g.replay()
+        return logits
 
     def _prefill_body(self, s0: int, n: int, img: Tensor | None, tok: Tensor, last: Tensor,
                       idx: Tensor, rope: Tensor | None) -> Tensor:
@@ -190,13 +195,7 @@ class PrefillMixin:
         def body() -> Tensor:
             return self._prefill_body(s0, n, img_arg, tok_b, last_b, idx_b, rope_b)
 
-        if self.prefill_graph:
-            if key not in self._pgraphs:
-                self._pgraphs[key] = capture(body, self._ppool)
-            g, logits = self._pgraphs[key]
-            g.replay()
-        else:
-            logits = body()
+        logits = self._run_prefill(key, body)
         for i, (slot, r) in enumerate(grp):  # keep the prefixes asked for (positions < L
             pkey = self._prefix_key(r)  # depend on them only); a marker in it took 1 token
             if pkey is not None:
