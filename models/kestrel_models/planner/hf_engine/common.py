@@ -12,8 +12,10 @@ sequence length ('dynamic', 'longrope').
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,8 @@ __all__ = ["PARAM", "HFLoadError", "Unsupported", "HFDecoder", "read_config", "l
            "check_close"]
 
 PARAM = "hf.model_path"
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "mrope")
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -231,6 +235,24 @@ class HFDecoder(PackedDecoder):
 
     default_mean: tuple[float, ...] = CLIP_MEAN
     default_std: tuple[float, ...] = CLIP_STD
+
+    def static_vision(self, build: Callable[[], T]) -> T | None:
+        """build(): the family's static-shape vision tower, checked against transformers'
+        (raises when it cannot be used). Its result, with the prefill graphable; or None (any
+        exception: transformers' eager tower, logged) -- vision_note says which and why."""
+        try:
+            tower = build()
+        except Exception as exc:  # noqa: BLE001 - any mismatch: transformers' tower instead
+            why = f"{type(exc).__name__}: {exc}"[:300]
+            log.warning("%s: vision tower runs eagerly in transformers (static-shape tower "
+                        "not used: %s)", self.family, why)
+            self.vision_note = ("vision tower: transformers' (eager; static-shape one not "
+                                f"used: {why})")
+            self.graphable_prefill = False
+            return None
+        self.vision_note = "vision tower: static shapes (prefill as a CUDA graph)"
+        self.graphable_prefill = True
+        return tower
 
     @property
     def vision_dtype(self) -> torch.dtype:

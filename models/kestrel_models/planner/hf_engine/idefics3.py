@@ -17,7 +17,6 @@ images at load; else transformers' eager forward (the reason is in describe()).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,6 @@ __all__ = ["Idefics3Decoder", "MODEL_TYPES", "FAKE", "GLOBAL"]
 
 MODEL_TYPES = ("idefics3", "smolvlm")
 FAKE, GLOBAL = "<fake_token_around_image>", "<global-img>"
-log = logging.getLogger(__name__)
 
 
 def special_id(tokenizer: Any, token: str, path: str) -> int:
@@ -71,35 +69,26 @@ class Idefics3Decoder(HFDecoder):
         block = [fake, glob, *([self.image_marker] * self.n_feat), fake]
         self.block = torch.tensor(block, dtype=torch.long, device=self.device)
         self.image_prompt_ids = [self.image_marker]
-        self._static = False
-        self.vision_note = self._static_vision()
-        self.graphable_prefill = self._static
+        self._static = self.static_vision(self._check_static) is not None
 
-    def _static_vision(self) -> str:
-        """Use the static-shape tower when it matches transformers' on two check images;
-        returns the note for describe()."""
-        try:
-            m = self.hf.model
-            for obj, name in ((m, "vision_model"), (m, "connector")):
-                if not hasattr(obj, name):
-                    raise ValueError(f"the model has no {name}")
-            vm = m.vision_model
-            for name in ("embeddings", "encoder", "post_layernorm"):
-                if not hasattr(vm, name):
-                    raise ValueError(f"the vision model has no {name}")
-            g = torch.Generator().manual_seed(0)
-            img = torch.randint(0, 256, (2, 3, self.size, self.size), dtype=torch.uint8,
-                                generator=g).to(self.device)
-            with torch.inference_mode():
-                check_close(self._features_static(img), self._features_hf(img),
-                            self.vision_dtype, "two check images")
-        except Exception as exc:  # noqa: BLE001 - any mismatch: transformers' tower instead
-            why = f"{type(exc).__name__}: {exc}"[:300]
-            log.warning("%s: vision tower runs eagerly in transformers (static-shape tower "
-                        "not used: %s)", self.family, why)
-            return f"vision tower: transformers' (eager; static-shape one not used: {why})"
-        self._static = True
-        return "vision tower: static shapes (prefill as a CUDA graph)"
+    def _check_static(self) -> bool:
+        """The static-shape tower's modules exist and it matches transformers' tower on two
+        check images (ValueError otherwise)."""
+        m = self.hf.model
+        for obj, name in ((m, "vision_model"), (m, "connector")):
+            if not hasattr(obj, name):
+                raise ValueError(f"the model has no {name}")
+        vm = m.vision_model
+        for name in ("embeddings", "encoder", "post_layernorm"):
+            if not hasattr(vm, name):
+                raise ValueError(f"the vision model has no {name}")
+        g = torch.Generator().manual_seed(0)
+        img = torch.randint(0, 256, (2, 3, self.size, self.size), dtype=torch.uint8,
+                            generator=g).to(self.device)
+        with torch.inference_mode():
+            check_close(self._features_static(img), self._features_hf(img),
+                        self.vision_dtype, "two check images")
+        return True
 
     def image_tokens(self, shape: tuple[int, ...]) -> int:
         return self.n_feat + 3
@@ -115,12 +104,8 @@ class Idefics3Decoder(HFDecoder):
                                                    device=x.device)}
 
     def _features_hf(self, images: Tensor) -> Tensor:
-        n, s = images.shape[0], self.size
-        x = normalize(images.to(self.device), (s, s), self.mean, self.std, self.vision_dtype)
-        mask = torch.ones(n, 1, s, s, dtype=torch.bool, device=self.device)
-        out = self.hf.model.get_image_features(pixel_values=x[:, None],
-                                               pixel_attention_mask=mask)
-        return features_of(out, n)
+        out = self.hf.model.get_image_features(**self.pixel_kwargs(images.to(self.device)))
+        return features_of(out, images.shape[0])
 
     def _features_static(self, images: Tensor) -> Tensor:
         """uint8 [n, 3, H, W] -> connector features [n, N, D]: the full-image case of

@@ -18,7 +18,6 @@ check grids at load; else transformers' eager forward (the reason is in describe
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,6 @@ __all__ = ["Qwen2VLDecoder", "MODEL_TYPES", "smart_resize"]
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 1280
-log = logging.getLogger(__name__)
 
 
 def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int
@@ -72,35 +70,26 @@ class Qwen2VLDecoder(HFDecoder):
         end = getattr(cfg, "vision_end_token_id", None)
         self.image_prompt_ids = ([start] if start is not None else []) + [self.image_marker] + (
             [end] if end is not None else [])
-        self._vision: QwenVision | None = None
-        self.vision_note = self._static_vision(vc)
-        self.graphable_prefill = self._vision is not None
+        self._vision = self.static_vision(lambda: self._checked_tower(vc))
 
-    def _static_vision(self, vc: Any) -> str:
-        """Use qwen_vision's static-shape tower when it matches transformers' on two check
-        grids (unequal windows, then equal ones); returns the note for describe()."""
+    def _checked_tower(self, vc: Any) -> QwenVision:
+        """qwen_vision's static-shape tower, after it matched transformers' on two check grids
+        (unequal windows, then equal ones); ValueError otherwise."""
         visual = getattr(self.hf.model, "visual", None) or getattr(self.hf, "visual", None)
-        try:
-            vis = QwenVision(visual, vc)
-            m = self.merge
-            win = max(1, vis.window // m // self.patch) if vis.window else 2
-            g = torch.Generator().manual_seed(0)
-            for gh, gw in ((3 * m, 5 * m), (win * m, 2 * win * m)):
-                pv = torch.randn(gh * gw, 3 * self.tps * self.patch ** 2, generator=g)
-                pv = pv.to(self.device, self.vision_dtype)
-                thw = torch.tensor([[1, gh, gw]], device=self.device)
-                with torch.inference_mode():
-                    want = features_of(self.hf.model.get_image_features(
-                        pixel_values=pv, image_grid_thw=thw), 1)
-                    got = vis(pv, 1, gh, gw)
-                check_close(got, want, self.vision_dtype, f"a {gh}x{gw} patch grid")
-        except Exception as exc:  # noqa: BLE001 - any mismatch: transformers' tower instead
-            why = f"{type(exc).__name__}: {exc}"[:300]
-            log.warning("%s: vision tower runs eagerly in transformers (static-shape tower "
-                        "not used: %s)", self.family, why)
-            return f"vision tower: transformers' (eager; static-shape one not used: {why})"
-        self._vision = vis
-        return "vision tower: static shapes (prefill as a CUDA graph)"
+        vis = QwenVision(visual, vc)
+        m = self.merge
+        win = max(1, vis.window // m // self.patch) if vis.window else 2
+        g = torch.Generator().manual_seed(0)
+        for gh, gw in ((3 * m, 5 * m), (win * m, 2 * win * m)):
+            pv = torch.randn(gh * gw, 3 * self.tps * self.patch ** 2, generator=g)
+            pv = pv.to(self.device, self.vision_dtype)
+            thw = torch.tensor([[1, gh, gw]], device=self.device)
+            with torch.inference_mode():
+                want = features_of(self.hf.model.get_image_features(
+                    pixel_values=pv, image_grid_thw=thw), 1)
+                got = vis(pv, 1, gh, gw)
+            check_close(got, want, self.vision_dtype, f"a {gh}x{gw} patch grid")
+        return vis
 
     def _grid(self, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
         """[3, H, W] -> (resized h, w, merged rows, merged cols)."""
