@@ -285,6 +285,8 @@ class KVModel:
         self._pre_kw = {"lin_qkv": lin("qkv")} if "qkv" in cub else {}
         self._post_kw: dict[str, Callable] = {f"lin_{n}": lin(n) for n in ("o", "w13", "w2")
                                               if n in cub}
+        # steps of more than MLP_KERNEL_ROWS rows: the same without the MLP kernel
+        self._post_kw_rows = dict(self._post_kw)
         if mlp != "inductor":
             self._post_kw["mlp"] = partial(mlp_triton, fuse_w13=mlp == "triton")
         self._lin_head = lin("lm_head")
@@ -419,8 +421,7 @@ class KVModel:
             idx, valid = local_global_index(pos, pol.n_global, pol.window)
             idx = idx[:, None].expand(b, cfg.n_kv_heads, -1)
             valid = valid[:, None].expand(b, cfg.n_kv_heads, -1)
-        post_kw = (self._post_kw if b <= MLP_KERNEL_ROWS else
-                   {k: f for k, f in self._post_kw.items() if k != "mlp"})
+        post_kw = self._post_kw if b <= MLP_KERNEL_ROWS else self._post_kw_rows
         fused = self._fused and mask_add is not None
         lin_qkv = self._pre_kw.get("lin_qkv", F.linear)
         for i, w in enumerate(self.layers):
