@@ -33,7 +33,6 @@ import argparse
 import statistics
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 from kestrel_bench import record as rec_mod
@@ -266,8 +265,8 @@ def merge_other_shapes(record: rec_mod.Record, args: argparse.Namespace) -> None
     """--merge: the rows and ratios of shapes not measured now, from the record at the output
     path (each row gets `run`: that record's commit, date and command); roles re-assigned so
     that the baseline is the hf row of the first shape in SHAPES order."""
-    stem = rec_mod.out_stem(getattr(args, "out", None), "planner-hf", record.machine_class)
-    path = Path(f"{stem.with_suffix('') if stem.suffix == '.json' else stem}.json")
+    path, _ = rec_mod.paths(rec_mod.out_stem(getattr(args, "out", None), "planner-hf",
+                                             record.machine_class))
     if not path.is_file():
         return
     old = rec_mod.load(path)

@@ -178,15 +178,20 @@ def out_stem(out: str | None, benchmark: str, machine_class: str) -> Path:
     return ROOT / DEFAULT_DIR / f"{benchmark.replace('-', '_')}_{machine_class}"
 
 
+def paths(path_stem: str | Path) -> tuple[Path, Path]:
+    """STEM.json and STEM.md of a stem (a .json or .md suffix on it is dropped)."""
+    stem = Path(path_stem)
+    if stem.suffix in (".json", ".md"):
+        stem = stem.with_suffix("")
+    return Path(f"{stem}.json"), Path(f"{stem}.md")
+
+
 def write(record: dict, path_stem: str | Path) -> tuple[Path, Path]:
     """STEM.json (the record) and STEM.md (render.markdown), overwriting; returns both."""
     from kestrel_bench.render import markdown
 
-    stem = Path(path_stem)
-    if stem.suffix in (".json", ".md"):
-        stem = stem.with_suffix("")
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    js, md = Path(f"{stem}.json"), Path(f"{stem}.md")
+    js, md = paths(path_stem)
+    js.parent.mkdir(parents=True, exist_ok=True)
     js.write_text(json.dumps(record, indent=1, default=_jsonable) + "\n")
     md.write_text(markdown(record))
     return js, md
