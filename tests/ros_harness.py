@@ -262,46 +262,42 @@ def dds_shm_files(ports: bool = False) -> set[str]:
         return set()
 
 
-def orphaned_shm_files(candidates: set[str]) -> set[str]:
-    """The candidates that no live process has mapped or open (left by a dead process)."""
-    if not candidates:
-        return set()
-    in_use: set[str] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            maps = (proc / "maps").read_text()
-        except OSError:
-            continue
-        for name in candidates:
-            if name in maps:
-                in_use.add(name)
-        try:
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("/dev/shm/"):
-                    in_use.add(target[len("/dev/shm/"):])
-        except OSError:
-            continue
-    return {name for name in candidates if name not in in_use and (SHM_DIR / name).exists()}
-
-
 def shm_owners(names: set[str]) -> dict[str, str]:
-    """name -> the processes that map it now ("pid: command line", joined by '; ')."""
+    """name -> the live processes that have it mapped or open ("pid: command line", joined by
+    '; '); names no process uses are absent."""
     owners: dict[str, list[str]] = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             maps = (proc / "maps").read_text()
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
         except OSError:
             continue
-        for name in names:
-            if name in maps:
-                owners.setdefault(name, []).append(f"{proc.name}: {cmd.strip()}")
+        used = {name for name in names if name in maps}
+        try:
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/") and target[len("/dev/shm/"):] in names:
+                    used.add(target[len("/dev/shm/"):])
+        except OSError:
+            pass
+        if not used:
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160].strip()
+        except OSError:
+            cmd = "?"
+        for name in used:
+            owners.setdefault(name, []).append(f"{proc.name}: {cmd}")
     return {name: "; ".join(who) for name, who in owners.items()}
+
+
+def orphaned_shm_files(candidates: set[str]) -> set[str]:
+    """The candidates that no live process has mapped or open (left by a dead process)."""
+    if not candidates:
+        return set()
+    in_use = shm_owners(candidates)
+    return {name for name in candidates if name not in in_use and (SHM_DIR / name).exists()}
 
 
 def diagnostics_values(msgs: list, node_name: str) -> dict[str, str]:
