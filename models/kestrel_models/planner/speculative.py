@@ -26,6 +26,14 @@ distributions, so the output is distributed as masked sampling from the target (
 target's constrained greedy text). Such rounds run eagerly (k + 1 draft passes, each with a
 host round trip, and one target pass); a row's draft stops at <eos> or at a position where
 nothing is allowed (the row stops 'no_allowed_token' there if the target gets that far).
+With `cuda_graph` each of those passes is a CUDA graph of its own, per (batch, kv bucket): one
+draft step over static token and position buffers, one verification over a static
+[batch, k+1] chunk; the host round trips stay, the per-op launches go.
+
+Prefill (both models): contiguous rows with the same image shape as one right-padded batch
+(the pad positions lie past each row's position: masked, later overwritten), prompts in
+power-of-two buckets, so that with `cuda_graph` it is a CUDA graph per (model, first row,
+rows, image shape, bucket).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kestrel_models.planner.engine_request import _pow2_at_least
 from kestrel_models.planner.graphs import capture
 from kestrel_models.planner.kvmodel import KVModel
 from kestrel_models.planner.vlm import VisionLanguageModel
@@ -141,21 +150,94 @@ class SpeculativeDecoder:
         self.running = torch.zeros(max_batch, dtype=torch.bool, device=dev)
         self.n_acc, self.nxt = torch.zeros(max_batch, **z), torch.zeros(max_batch, **z)
         self.xbuf = torch.zeros(max_batch, k, **z)
+        # Static inputs of the host rounds' passes: draft token and position, verified chunk
+        # [last, x_1..x_k] and its first position.
+        self.h_cur, self.h_dpos, self.h_tpos = (torch.zeros(max_batch, **z) for _ in range(3))
+        self.h_seq = torch.zeros(max_batch, k + 1, **z)
+        self._pin: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # prefill inputs per key
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self._pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
 
+    def _run(self, key: tuple, body: Callable[[], Tensor]) -> Tensor:
+        """body() -> output: with `cuda_graph` its CUDA graph for `key` (captured on first
+        use; body reads only static buffers) replayed, else run. The output is static: read
+        it before the next pass."""
+        if not self.cuda_graph:
+            return body()
+        if key not in self._graphs:
+            self._graphs[key] = capture(body, self._pool)
+        g, out = self._graphs[key]
+        g.replay()
+        return out
+
+    def draft_pass(self, b: int, ld: int) -> Tensor:
+        """The draft's step for rows [0, b): token h_cur at position h_dpos -> logits
+        [b, V] float (static)."""
+        def body() -> Tensor:
+            x = self.d.embed_tokens(self.h_cur[:b, None])
+            return self.d.forward(x, self.h_dpos[:b], slice(0, b), ld)[:, 0]
+
+        return self._run(("draft", b, ld), body)
+
+    def verify_pass(self, b: int, lt: int) -> Tensor:
+        """The target over h_seq [b, k+1] at positions h_tpos.. -> logits [b, k+1, V] float
+        (static)."""
+        def body() -> Tensor:
+            x = self.t.embed_tokens(self.h_seq[:b])
+            return self.t.forward(x, self.h_tpos[:b], slice(0, b), lt)
+
+        return self._run(("verify", b, lt), body)
+
     def _prefill(self, kv: KVModel, prompts: Sequence[Sequence[int]],
                  images: Sequence[Tensor | None]) -> tuple[Tensor, Tensor]:
-        """-> (last-position logits [B, V], positions [B]) after a per-row prefill."""
-        out, pos = [], []
-        for i, (p, img) in enumerate(zip(prompts, images, strict=True)):
-            parts = [] if img is None else [kv.embed_image(img[None])]
-            parts.append(kv.embed_tokens(torch.tensor([list(p)], device=self.device)))
-            x = torch.cat(parts, dim=1)
-            zero = torch.zeros(1, dtype=torch.long, device=self.device)
-            out.append(kv.forward(x, zero, slice(i, i + 1), x.shape[1], last_only=True)[0, -1])
-            pos.append(x.shape[1])
-        return torch.stack(out), torch.tensor(pos, device=self.device)
+        """-> (last-position logits [B, V] float, positions [B]) after the prefill (module
+        doc: contiguous same-image-shape rows as one padded batch)."""
+        shapes = [None if im is None else tuple(im.shape) for im in images]
+        out, pos, s0 = [], [], 0
+        while s0 < len(prompts):
+            n = 1
+            while s0 + n < len(prompts) and shapes[s0 + n] == shapes[s0]:
+                n += 1
+            lg, ps = self._prefill_rows(kv, s0, prompts[s0:s0 + n], images[s0:s0 + n],
+                                        shapes[s0])
+            out.append(lg.clone())  # the graph's output is overwritten by the next pass
+            pos += ps
+            s0 += n
+        return torch.cat(out), torch.tensor(pos, device=self.device)
+
+    def _prefill_rows(self, kv: KVModel, s0: int, prompts: Sequence[Sequence[int]],
+                      images: Sequence[Tensor | None], shape: tuple[int, ...] | None
+                      ) -> tuple[Tensor, list[int]]:
+        """Rows [s0, s0+n), one image shape (or none): [image block][prompt, right-padded]."""
+        n, dev = len(prompts), self.device
+        n_img = 0 if shape is None else kv.dec.image_tokens(shape)
+        lens = [len(p) for p in prompts]
+        t = _pow2_at_least(max(lens), 16, 1 << 30)
+        if n_img + t > self.max_len:
+            t = max(lens)
+        kv_len = _pow2_at_least(n_img + t, 128, self.max_len)
+        key = ("prefill", "t" if kv is self.t else "d", s0, n, shape, t, kv_len)
+        if key not in self._pin:
+            img_b = (torch.zeros((n, *shape), dtype=images[0].dtype, device=dev)
+                     if shape is not None else torch.zeros(0, device=dev))
+            self._pin[key] = (img_b, torch.zeros(n, t, dtype=torch.long, device=dev),
+                              torch.zeros(n, dtype=torch.long, device=dev))
+        img_b, tok_b, last_b = self._pin[key]
+        for i, im in enumerate(images):
+            if im is not None:
+                img_b[i].copy_(im, non_blocking=True)
+        tok_b.copy_(torch.tensor([list(p) + [0] * (t - len(p)) for p in prompts]),
+                    non_blocking=True)
+        last_b.copy_(torch.tensor([n_img + m - 1 for m in lens]), non_blocking=True)
+
+        def body() -> Tensor:
+            x = kv.embed_tokens(tok_b)
+            if shape is not None:
+                x = torch.cat([kv.embed_image(img_b).to(x.dtype), x], dim=1)
+            zero = torch.zeros(n, dtype=torch.long, device=dev)
+            return kv.forward(x, zero, slice(s0, s0 + n), kv_len, last_index=last_b)[:, 0]
+
+        return self._run(key, body), [n_img + m for m in lens]
 
     @staticmethod
     def _bucket(n: int, hi: int) -> int:
@@ -240,7 +322,7 @@ class SpeculativeDecoder:
             ld = self._bucket(max(dp) + k + 1, self.max_len)
             lt = self._bucket(max(tp) + k + 1, self.max_len)
             if self.cuda_graph:
-                key = (b, ld, lt, float(temperature))
+                key = ("round", b, ld, lt, float(temperature))
                 if key not in self._graphs:
                     state = [self.last, self.tpos, self.dpos]
                     self._graphs[key] = capture(

@@ -120,7 +120,7 @@ class HostRounds:
                ) -> tuple[list[int], list[int], list[list[int]], list[int], list[int | None]]:
         """One draft-and-verify round -> (n_accepted, next token, drafts, real, dead) per row:
         real = meaningful draft positions, dead = the position where nothing is allowed."""
-        sp, k, v, dev = self.spec, self.spec.k, self.vocab, self.spec.device
+        sp, k, v = self.spec, self.spec.k, self.vocab
         ld = sp._bucket(max(dp) + k + 1, sp.max_len)
         lt = sp._bucket(max(tp) + k + 1, sp.max_len)
         drafts: list[list[int]] = [[] for _ in range(b)]
@@ -128,13 +128,15 @@ class HostRounds:
         masks: list[list[Tensor | None]] = [[None] * (k + 1) for _ in range(b)]
         drafting = [not reasons[r] for r in range(b)]
         dead: list[int | None] = [None] * b
-        dpos = torch.tensor(dp, dtype=torch.long, device=dev)
-        cur = torch.tensor(last, dtype=torch.long, device=dev)
+        sp.h_dpos[:b].copy_(torch.tensor(dp), non_blocking=True)
+        sp.h_cur[:b].copy_(torch.tensor(last), non_blocking=True)
         for i in range(k + 1):
-            lg = sp.d.forward(sp.d.embed_tokens(cur[:, None]), dpos + i, slice(0, b), ld)[:, 0]
+            if i:
+                sp.h_dpos[:b].add_(1)
+            lg = sp.draft_pass(b, ld)
             if i == k:  # this pass only writes x_k into the draft cache
                 break
-            lgh = lg.float().cpu()
+            lgh = lg.cpu()
             nxt = []
             for r in range(b):
                 tok = None
@@ -151,7 +153,7 @@ class HostRounds:
                     qs[r, i, 0] = 1.0
                 drafts[r].append(tok)
                 nxt.append(tok)
-            cur = torch.tensor(nxt, dtype=torch.long, device=dev)
+            sp.h_cur[:b].copy_(torch.tensor(nxt), non_blocking=True)
         real = [dead[r] if dead[r] is not None else
                 (drafts[r].index(sp.eos_id) + 1 if sp.eos_id in drafts[r] else k)
                 for r in range(b)]
@@ -163,10 +165,10 @@ class HostRounds:
                     masks[r][k] = allowed
                 else:
                     dead[r] = k
-        seq = torch.tensor([[last[r]] + drafts[r] for r in range(b)], dtype=torch.long,
-                           device=dev)
-        tpos = torch.tensor(tp, dtype=torch.long, device=dev)
-        p_logits = sp.t.forward(sp.t.embed_tokens(seq), tpos, slice(0, b), lt).float().cpu()
+        sp.h_seq[:b].copy_(torch.tensor([[last[r]] + drafts[r] for r in range(b)]),
+                           non_blocking=True)
+        sp.h_tpos[:b].copy_(torch.tensor(tp), non_blocking=True)
+        p_logits = sp.verify_pass(b, lt).cpu()
         for r in range(b):
             for i, m in enumerate(masks[r]):
                 if m is not None:
