@@ -4,7 +4,8 @@ draft tokens, agreement).
 
 prefix_cache (random weights of --config, runs with --quick on the CPU), TTFT of one request
 (submit -> first token on the host), the engine's defaults (on CUDA: graphed batched prefill;
-a reused prefix's rest is prefilled eagerly), the requests one after another:
+a reused prefix's rest padded to a bucket, a graph per (slot, bucket, kv bucket)), the
+requests one after another:
   prefix_system_off / _on   a 48-token system prefix before the image (chat layouts):
                             DecodeEngine(system_prefix, prefix_cache=False / True)
   prefix_scene_off / _on    the node's layout [image][scene tokens][task tokens]: the same

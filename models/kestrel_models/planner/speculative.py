@@ -31,9 +31,9 @@ draft step over static token and position buffers, one verification over a stati
 [batch, k+1] chunk; the host round trips stay, the per-op launches go.
 
 Prefill (both models): contiguous rows with the same image shape as one right-padded batch
-(the pad positions lie past each row's position: masked, later overwritten), prompts in
-power-of-two buckets, so that with `cuda_graph` it is a CUDA graph per (model, first row,
-rows, image shape, bucket).
+(the pad positions lie past each row's position: masked, later overwritten); with
+`cuda_graph` prompts are padded to power-of-two buckets and each (model, first row, rows,
+image shape, bucket) is a CUDA graph, without it they are padded to the longest only.
 """
 
 from __future__ import annotations
@@ -213,9 +213,10 @@ class SpeculativeDecoder:
         n_img = 0 if shape is None else kv.dec.image_tokens(shape)
         lens = [len(p) for p in prompts]
         t = _pow2_at_least(max(lens), 16, 1 << 30)
-        if n_img + t > self.max_len:
+        if n_img + t > self.max_len or not self.cuda_graph:  # eager: no padding to pay for
             t = max(lens)
-        kv_len = _pow2_at_least(n_img + t, 128, self.max_len)
+        kv_len = (_pow2_at_least(n_img + t, 128, self.max_len) if self.cuda_graph
+                  else n_img + t)
         key = ("prefill", "t" if kv is self.t else "d", s0, n, shape, t, kv_len)
         if key not in self._pin:
             img_b = (torch.zeros((n, *shape), dtype=images[0].dtype, device=dev)
