@@ -31,5 +31,8 @@ if [[ "$FAST" == 0 ]]; then
     python -m kestrel_bench gate "$gate_dir/gate.json" --baseline docs/benchmarks/gate_cpu.json \
       --only 'ratios.*' --tolerance ratios=0.4
 fi
+# the whole suite lists its slowest tests: what to look at when it nears its time budget
+DURATIONS=()
+[[ "$FAST" == 0 ]] && DURATIONS=(--durations=25)
 echo "[test] pytest ${MARKERS[*]}"
-python -m pytest -q "${MARKERS[@]}" "$@"
+python -m pytest -q "${MARKERS[@]}" "${DURATIONS[@]}" "$@"
