@@ -110,6 +110,26 @@ def test_prefix_tokens_must_leave_a_prompt_token(model: VisionLanguageModel) -> 
         eng.submit([1, 2, 3], 4, None, prefix_tokens=3)
 
 
+def test_reused_prefix_through_the_prefill_graph_path(model, cpu_graphs) -> None:  # noqa: ANN001
+    """The graphed prefill path on the CPU (cpu_graphs: replays recompute): a hit's rest and
+    a miss's batch read only inputs refreshed before each replay, so the tokens stay those
+    of the engine without the store, and the hits replay graphs of their own."""
+    import kestrel_models.planner.engine_prefill as prefill_mod
+
+    cpu_graphs(prefill_mod)
+    img = _image(1)
+    plain = DecodeEngine(model, 2, 256, EOS)
+    kept = DecodeEngine(model, 2, 256, EOS, prefix_entries=2)
+    kept.prefill_graph = True  # the CUDA code path, on cpu_graphs
+    for task in TASKS * 2:
+        ref, _ = _run(plain, SCENE + task, img, "frame-1")
+        got, _ = _run(kept, SCENE + task, img, "frame-1")
+        assert got == ref
+    assert kept.store.hits == 5
+    assert {k[0] for k in kept._pgraphs if isinstance(k[0], str)} == {"kept"}
+    assert len(kept._pgraphs) > 2  # a miss's batch too, and hits of two buckets
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_reused_prefix_with_cuda_graphs() -> None:

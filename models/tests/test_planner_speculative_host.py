@@ -183,28 +183,8 @@ def test_greedy_under_a_processor_on_cuda(models) -> None:  # noqa: ANN001
             m.cpu()
 
 
-class _Replay:
-    """A CUDA graph's stand-in on the CPU: replay() runs the captured function again and
-    writes into the output of the first call, as a replay refreshes a graph's static output."""
 
-    def __init__(self, fn, out) -> None:  # noqa: ANN001
-        self.fn, self.out = fn, out
-
-    def replay(self) -> None:
-        new = self.fn()  # a tensor, or None (the rounds write their own buffers)
-        if self.out is not None:
-            self.out.copy_(new)
-
-
-def _fake_capture(fn, pool, state=()):  # noqa: ANN001, ANN202
-    saved = [t.clone() for t in state]
-    out = fn()  # the warm-up runs it; the state it changed is put back, as capture() does
-    for t, s in zip(state, saved, strict=True):
-        t.copy_(s)
-    return _Replay(fn, out), out
-
-
-def test_graphed_passes_read_only_their_static_inputs(models, monkeypatch) -> None:  # noqa: ANN001
+def test_graphed_passes_read_only_their_static_inputs(models, cpu_graphs) -> None:  # noqa: ANN001
     """The graph path on the CPU, with replays that recompute into the first output: every
     input a pass reads must be refreshed in its static buffer before the replay. A stale one
     changes the tokens (the target's side) or what a draft equal to the target gets accepted
@@ -212,7 +192,7 @@ def test_graphed_passes_read_only_their_static_inputs(models, monkeypatch) -> No
     decisions."""
     import kestrel_models.planner.speculative as spec_mod
 
-    monkeypatch.setattr(spec_mod, "capture", _fake_capture)
+    cpu_graphs(spec_mod)
     target, draft = models
     prompts, imgs = _inputs(3)
     procs = [Letters(), Letters(dead=7), None]
@@ -220,7 +200,7 @@ def test_graphed_passes_read_only_their_static_inputs(models, monkeypatch) -> No
     free = _engine(target, prompts, imgs, None)
     spec = SpeculativeDecoder(target, draft, k=3, max_batch=3, max_len=256, eos_id=EOS)
     same = SpeculativeDecoder(target, target, k=3, max_batch=3, max_len=256, eos_id=EOS)
-    spec.cuda_graph = same.cuda_graph = True  # the CUDA code path, _fake_capture's graphs
+    spec.cuda_graph = same.cuda_graph = True  # the CUDA code path, on cpu_graphs
     for _ in range(2):  # captured on the first call, replayed on both
         res = spec.generate(prompts, 20, images=imgs, logits_processor=procs)
         assert res.tokens == ref.tokens and res.stop_reasons == ref.stop_reasons
