@@ -20,13 +20,16 @@ class _Replay:
     """A CUDA graph's stand-in on the CPU: replay() runs the captured function again and
     writes into the output of the first call, as a replay refreshes a graph's static output."""
 
-    def __init__(self, fn: Callable, out: torch.Tensor | None) -> None:
+    def __init__(self, fn: Callable, out: object) -> None:
         self.fn, self.out = fn, out
 
     def replay(self) -> None:
-        new = self.fn()  # a tensor, or None (a function that writes its own buffers)
-        if self.out is not None:
+        new = self.fn()  # a tensor, a tuple of them, or None (it writes its own buffers)
+        if isinstance(self.out, torch.Tensor):
             self.out.copy_(new)
+        elif isinstance(self.out, tuple):
+            for o, n in zip(self.out, new, strict=True):
+                o.copy_(n)
 
 
 def _capture(fn: Callable, pool: object, state: tuple = ()) -> tuple[_Replay, object]:

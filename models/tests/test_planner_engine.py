@@ -158,6 +158,42 @@ def test_config_errors(model: VisionLanguageModel) -> None:
         eng.submit(list(range(40)), 40)
 
 
+@pytest.mark.parametrize("steps", [1, 4])
+def test_graph_path_equals_eager(model: VisionLanguageModel, cpu_graphs, steps: int) -> None:  # noqa: ANN001
+    """The decode and prefill graph paths on the CPU (cpu_graphs: replays recompute): the
+    tokens are the eager engine's, with steps_per_replay 1 and 4, a logits processor on one
+    row, requests joining mid-run and a slot reused, so every static input a step reads is
+    refreshed before its replay and a capture leaves the positions as they were."""
+    import kestrel_models.planner.engine as engine_mod
+    import kestrel_models.planner.engine_prefill as prefill_mod
+
+    cpu_graphs(engine_mod)
+    cpu_graphs(prefill_mod)
+
+    def abc(prefix: list[int], logits: torch.Tensor) -> torch.Tensor:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[[ord(c) for c in "abc"]] = True
+        return logits.masked_fill(~keep, float("-inf"))
+
+    def run(eng: DecodeEngine) -> list[list[int]]:
+        p = _prompts(5)
+        reqs = [eng.submit(p[0], 20, _imgs(1)[0]), eng.submit(p[1], 6, logits_processor=abc)]
+        for _ in range(3):
+            eng.step()
+        reqs.append(eng.submit(p[2], 12))
+        eng.run()
+        reqs.append(eng.submit(p[1], 9, _imgs(1, seed=2)[0]))  # a freed slot again
+        eng.run()
+        return [r.tokens for r in reqs]
+
+    ref = run(DecodeEngine(model, 4, 256, EOS, steps_per_replay=steps))
+    eng = DecodeEngine(model, 4, 256, EOS, steps_per_replay=steps)
+    eng.cuda_graph = eng.prefill_graph = True  # the CUDA code paths, on cpu_graphs
+    assert run(eng) == ref
+    assert eng._graphs and eng._pgraphs
+    assert steps == 1 or any(key[2] == steps for key in eng._graphs)  # multi-step replays
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_engine_equals_eager() -> None:
