@@ -265,3 +265,39 @@ def test_kept_prefix_with_the_image_inside(family: str, dirs: dict[str, Path]) -
     r = eng.submit([1, 20, 21, m, 22], 4, img, image_key="frame", prefix_tokens=2)
     eng.run()
     assert not r.prefix_hit and len(eng.store) == 1
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "smolvlm"])
+def test_graph_paths_equal_eager(family: str, dirs: dict[str, Path], cpu_graphs) -> None:  # noqa: ANN001
+    """The CUDA-graph code paths on the CPU (cpu_graphs: replays recompute): static vision
+    tower, M-RoPE positions and offsets, a kept prefix's rest and the decode step read only
+    static inputs refreshed before each replay, so the tokens are the eager engine's."""
+    import kestrel_models.planner.engine as engine_mod
+    import kestrel_models.planner.engine_prefill as prefill_mod
+
+    cpu_graphs(engine_mod)
+    cpu_graphs(prefill_mod)
+    torch.set_num_threads(1)
+    dec = load(dirs[family])
+    assert dec.graphable_prefill, dec.describe()
+    m = IMAGE_TOKEN[family]
+    frame = {5: _image(5, family), 6: _image(6, family)}  # image key -> image
+    reqs = [([1, 20, m, 21, 22, 23], 5), ([1, 30, 31], None), ([1, 20, m, 21, 22, 40, 41], 5),
+            ([1, 20, m, 24], 6)]
+
+    def run(eng: DecodeEngine) -> list[list[int]]:
+        out = []
+        for p, key in reqs:  # one at a time: the third reuses the first's kept prefix
+            img = None if key is None else frame[key]
+            r = eng.submit(p, 16, img, image_key=key,
+                           prefix_tokens=5 if img is not None and len(p) > 5 else 0)
+            eng.run()
+            out.append(r.tokens)
+        both = eng.generate([reqs[0][0], reqs[3][0]], 12, images=[frame[5], frame[6]])
+        return out + both.tokens
+
+    want = run(DecodeEngine(dec, 2, 256, eos_id=-1, prefix_entries=2))
+    eng = DecodeEngine(dec, 2, 256, eos_id=-1, prefix_entries=2)
+    eng.cuda_graph = eng.prefill_graph = True  # the CUDA code paths, on cpu_graphs
+    assert run(eng) == want
+    assert eng.store.hits >= 1 and any(k[0] == "kept" for k in eng._pgraphs)
