@@ -9,6 +9,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from cpu_graphs import cpu_capture
 
 
 @pytest.fixture(autouse=True)
@@ -16,37 +17,11 @@ def _one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
-class _Replay:
-    """A CUDA graph's stand-in on the CPU: replay() runs the captured function again and
-    writes into the output of the first call, as a replay refreshes a graph's static output."""
-
-    def __init__(self, fn: Callable, out: object) -> None:
-        self.fn, self.out = fn, out
-
-    def replay(self) -> None:
-        new = self.fn()  # a tensor, a tuple of them, or None (it writes its own buffers)
-        if isinstance(self.out, torch.Tensor):
-            self.out.copy_(new)
-        elif isinstance(self.out, tuple):
-            for o, n in zip(self.out, new, strict=True):
-                o.copy_(n)
-
-
-def _capture(fn: Callable, pool: object, state: tuple = ()) -> tuple[_Replay, object]:
-    """graphs.capture's contract: the warm-up runs fn, the state it changed is put back."""
-    saved = [t.clone() for t in state]
-    out = fn()
-    for t, s in zip(state, saved, strict=True):
-        t.copy_(s)
-    return _Replay(fn, out), out
-
 
 @pytest.fixture
 def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> Callable[[ModuleType], None]:
-    """cpu_graphs(module): that module's `capture` (graphs.capture) makes _Replay graphs, so a
-    decoder switched to its CUDA-graph path runs it on the CPU. Replays recompute, so this
-    checks that every input a graph reads is refreshed in its static buffer before a replay,
-    not what a real capture freezes."""
+    """cpu_graphs(module): that module's `capture` (graphs.capture) becomes tests/cpu_graphs.py's
+    cpu_capture, so a decoder switched to its CUDA-graph path runs it on the CPU."""
     def patch(module: ModuleType) -> None:
-        monkeypatch.setattr(module, "capture", _capture)
+        monkeypatch.setattr(module, "capture", cpu_capture)
     return patch

@@ -188,6 +188,22 @@ class SpeculativeDecoder:
 
         return self._run(("verify", b, lt), body)
 
+    @torch.inference_mode()
+    def warmup(self, batch_sizes: Sequence[int], kv_lens: Sequence[int]) -> None:
+        """Capture the host rounds' draft and verification graphs for these batch sizes and
+        kv lengths' buckets (no-op without cuda_graph). They write scratch KV entries into
+        rows [0, b) at the first positions, which a request's prefill overwrites before any
+        read."""
+        if not self.cuda_graph:
+            return
+        for buf in (self.h_cur, self.h_dpos, self.h_seq, self.h_tpos):
+            buf.zero_()
+        for b in batch_sizes:
+            for n in kv_lens:
+                kv = self._bucket(n, self.max_len)
+                self.draft_pass(b, kv)
+                self.verify_pass(b, kv)
+
     def _prefill(self, kv: KVModel, prompts: Sequence[Sequence[int]],
                  images: Sequence[Tensor | None]) -> tuple[Tensor, Tensor]:
         """-> (last-position logits [B, V] float, positions [B]) after the prefill (module

@@ -123,6 +123,9 @@ class PlannerNode(PlannerInputs, KestrelLifecycleNode):
             sys.setswitchinterval(p["gil_switch_interval_us"] * 1e-6)
         self._create_entities()
         self.get_logger().info(configured_text(p, limits))
+        if self.core.graphs_at_configure:
+            self.get_logger().info(f"{self.core.graphs_at_configure} CUDA graphs captured at "
+                                   "configure (prefill and decode buckets)")
         note = getattr(self.core.backend, "note", "")  # hf: engine, or transformers and why
         if note:
             log = self.get_logger()

@@ -142,3 +142,36 @@ def test_trainer_trains_the_draft_of_the_small_model(tmp_path: Path) -> None:
                  draft_model="draft").plan_batch(reqs)
     assert [r.text for r in spec] == [r.text for r in plain]
     assert all(r.drafted > 0 for r in spec)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_configure_captures_the_graphs_goals_replay(monkeypatch: pytest.MonkeyPatch,
+                                                    speculative: bool) -> None:
+    """warm_graphs (PlannerCore's warm-up on CUDA) captures the prefill per batch size and
+    prompt bucket and the decode step (or the speculative passes) per batch and kv bucket:
+    goals of several scene sizes, alone and in batches, then replay graphs only. The CUDA
+    code paths run on the CPU with tests/cpu_graphs.py's stand-in."""
+    import kestrel_models.planner.engine as engine_mod
+    import kestrel_models.planner.engine_prefill as prefill_mod
+    import kestrel_models.planner.speculative as spec_mod
+    from cpu_graphs import cpu_capture
+
+    for mod in (engine_mod, prefill_mod, spec_mod):
+        monkeypatch.setattr(mod, "capture", cpu_capture)
+    kw = {"speculative_k": 3, "draft_layers": 1} if speculative else {}
+    core = _core(backend="engine", max_batch=3, **kw)
+    backend = core.backend
+    assert backend.warm_graphs() == 0  # no CUDA graphs (the CPU): nothing to capture
+    dec = backend.spec if speculative else backend.engine
+    dec.cuda_graph = True
+    if not speculative:
+        dec.prefill_graph = True
+    captured = backend.warm_graphs()
+    assert captured > 0 and captured == backend.graph_count()
+    many = SCENE + [SceneObject(f"block_{i}", "red_cube", (0.4, 0.1 * i, 0.02))
+                    for i in range(9)]
+    for n in (1, 3, 2):
+        for scene in (SCENE, many):
+            reqs = [PlanRequest(t, IMAGE, scene, max_steps=2) for t in TASKS[:n]]
+            assert all(r.report.accepted for r in core.plan_batch(reqs))
+    assert backend.graph_count() == captured  # every goal replayed a graph captured before

@@ -154,6 +154,39 @@ class LocalVLMBackend:
     def close(self) -> None:
         pass
 
+    # ---- CUDA graphs -----------------------------------------------------------------------
+    def warm_graphs(self) -> int:
+        """Capture now (at configure) the graphs that goals replay, so that no goal pays for
+        a capture: the prefill of 1..max_batch goals with an image at each prompt bucket
+        (powers of two from 16 up to the prompt room; a longer prompt is prefilled at its own
+        length, captured when it comes), then the decode step (engine) or the speculative
+        passes per batch and kv bucket. Returns the graphs captured (0 without CUDA graphs:
+        on the CPU)."""
+        dec = self.spec if self.spec is not None else self.engine
+        if dec is None or not dec.cuda_graph:
+            return 0
+        before = self.graph_count()
+        cfg, s = self.config, self.model_config
+        room = s.max_seq_len - self._n_img - cfg.max_new_tokens - self._reserve
+        image = torch.zeros(3, s.image_size, s.image_size, dtype=torch.uint8,
+                            device=cfg.device)
+        length = 16
+        while length <= room:
+            prompt = self.tokenizer.encode("x" * (length - 1), add_bos=True)
+            for n in range(1, cfg.max_batch + 1):  # one token: the prefill alone
+                dec.generate([prompt] * n, 1, images=[image] * n)
+            length *= 2
+        kv_lens = [128 << i for i in range(16) if 128 << i < s.max_seq_len] + [s.max_seq_len]
+        dec.warmup(range(1, cfg.max_batch + 1), kv_lens)
+        return self.graph_count() - before
+
+    def graph_count(self) -> int:
+        """CUDA graphs captured so far (prefill, decode step, speculative passes)."""
+        if self.spec is not None:
+            return len(self.spec._graphs)
+        return 0 if self.engine is None else len(self.engine._graphs) + len(
+            self.engine._pgraphs)
+
     # ---- prompt ----------------------------------------------------------------------------
     def build_prompt(self, instruction: str, names: Sequence[str]) -> list[int]:
         ids = self.tokenizer.encode(plain_prompt(instruction, names), add_bos=True)

@@ -198,8 +198,11 @@ class PlannerCore:
         # The local backends' model and tokenizer (None for hf/remote).
         self.model = getattr(self.backend, "model", None)
         self.tokenizer = getattr(self.backend, "tokenizer", None)
+        self.graphs_at_configure = 0  # CUDA graphs captured before the first goal
         if config.warmup and self.backend.warmup:
             self.plan("warm up", np.zeros((32, 32, 3), np.uint8), [])
+            warm = getattr(self.backend, "warm_graphs", None)
+            self.graphs_at_configure = warm() if warm is not None else 0
 
     def close(self) -> None:
         self.backend.close()
