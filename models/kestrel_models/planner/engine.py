@@ -301,14 +301,16 @@ class DecodeEngine(PrefillMixin):
         return n
 
     @torch.inference_mode()
-    def warmup(self, batch_sizes: Sequence[int], kv_lens: Sequence[int]) -> None:
-        """Capture the (greedy, one-step) decode graphs for these buckets (no-op on CPU)."""
+    def warmup(self, batch_sizes: Sequence[int], kv_lens: Sequence[int],
+               sampled: bool = False) -> None:
+        """Capture the one-step decode graphs for these buckets, greedy or (sampled) with
+        temperature sampling on device (no-op without cuda_graph)."""
         if not self.cuda_graph:
             return
         for b in batch_sizes:
             for n in kv_lens:
                 self._graph(_pow2_at_least(b, 1, self.max_batch),
-                            _pow2_at_least(n, 128, self.max_len), 1, False)
+                            _pow2_at_least(n, 128, self.max_len), 1, sampled)
 
     @torch.inference_mode()
     def step(self) -> list[EngineRequest]:

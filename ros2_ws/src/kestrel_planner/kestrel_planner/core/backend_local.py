@@ -177,7 +177,10 @@ class LocalVLMBackend:
                 dec.generate([prompt] * n, 1, images=[image] * n)
             length *= 2
         kv_lens = [128 << i for i in range(16) if 128 << i < s.max_seq_len] + [s.max_seq_len]
-        dec.warmup(range(1, cfg.max_batch + 1), kv_lens)
+        if self.spec is not None:
+            self.spec.warmup(range(1, cfg.max_batch + 1), kv_lens)
+        else:  # the step samples on device where the temperature is > 0
+            self.engine.warmup(range(1, cfg.max_batch + 1), kv_lens, cfg.temperature > 0)
         return self.graph_count() - before
 
     def graph_count(self) -> int:
