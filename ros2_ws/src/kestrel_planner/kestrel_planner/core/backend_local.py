@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalVLMBackend", "SYSTEM_PROMPT", "plain_prompt", "scene_prompt"]
 
+# The longest prompt bucket captured at configure: a scene line of a few dozen objects and the
+# task; a model whose context allows far longer prompts does not prefill them all at configure.
+WARM_PROMPT_TOKENS = 512
+
 # The chat backends' rules (prompting.py) are for general models. Models trained on the Kestrel
 # layout learn the skills from their training pairs, so their prompt carries only the scene and
 # the task: every prompt byte is a token that the small models attend over.
@@ -158,16 +162,17 @@ class LocalVLMBackend:
     def warm_graphs(self) -> int:
         """Capture now (at configure) the graphs that goals replay, so that no goal pays for
         a capture: the prefill of 1..max_batch goals with an image at each prompt bucket
-        (powers of two from 16 up to the prompt room; a longer prompt is prefilled at its own
-        length, captured when it comes), then the decode step (engine) or the speculative
-        passes per batch and kv bucket. Returns the graphs captured (0 without CUDA graphs:
-        on the CPU)."""
+        (powers of two from 16 up to the prompt room, at most WARM_PROMPT_TOKENS: a longer
+        prompt's graph is captured when it comes), then the decode step (engine) or the
+        speculative passes per batch and kv bucket up to what those prompts and the plan
+        budget reach. Returns the graphs captured (0 without CUDA graphs: on the CPU)."""
         dec = self.spec if self.spec is not None else self.engine
         if dec is None or not dec.cuda_graph:
             return 0
         before = self.graph_count()
         cfg, s = self.config, self.model_config
-        room = s.max_seq_len - self._n_img - cfg.max_new_tokens - self._reserve
+        room = min(s.max_seq_len - self._n_img - cfg.max_new_tokens - self._reserve,
+                   WARM_PROMPT_TOKENS)
         image = torch.zeros(3, s.image_size, s.image_size, dtype=torch.uint8,
                             device=cfg.device)
         length = 16
@@ -176,7 +181,10 @@ class LocalVLMBackend:
             for n in range(1, cfg.max_batch + 1):  # one token: the prefill alone
                 dec.generate([prompt] * n, 1, images=[image] * n)
             length *= 2
-        kv_lens = [128 << i for i in range(16) if 128 << i < s.max_seq_len] + [s.max_seq_len]
+        # the positions those prompts reach: image + prompt + the plan budget
+        longest = min(self._n_img + length + cfg.max_new_tokens + self._reserve,
+                      s.max_seq_len)
+        kv_lens = [128 << i for i in range(16) if 128 << i < longest] + [longest]
         if self.spec is not None:
             self.spec.warmup(range(1, cfg.max_batch + 1), kv_lens)
         else:  # the step samples on device where the temperature is > 0
