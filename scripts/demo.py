@@ -121,6 +121,9 @@ def main() -> int:
             ev.close()
         codes = runner.stop()
         executor.shutdown(timeout_sec=2.0)
+        # the spin thread out of its wait set before the monitor's entities go (else a take
+        # under destruction fails its task: "exception was never retrieved")
+        spin.join(timeout=10.0)
         monitor.close()
         rclpy.try_shutdown()
         lease.release()
