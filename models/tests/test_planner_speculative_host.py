@@ -85,20 +85,27 @@ def test_greedy_under_a_processor_is_the_targets_text(models) -> None:  # noqa: 
     assert res.rounds < sum(len(t) for t in res.tokens) / 3  # several tokens per round
 
 
-def test_rows_with_and_without_an_image_in_one_batch(models) -> None:  # noqa: ANN001
+def test_rows_with_and_without_an_image_in_one_batch(models, cpu_graphs) -> None:  # noqa: ANN001
     """Prefill groups contiguous rows by image shape; a batch mixing rows with and without an
-    image decodes each row as the engine does, and a second call reuses the prefill inputs."""
+    image decodes each row as the engine does, eagerly and on the graph path (cpu_graphs),
+    where a second call replays the prefill graphs."""
+    import kestrel_models.planner.speculative as spec_mod
+
+    cpu_graphs(spec_mod)
     target, draft = models
     prompts, imgs = _inputs(3)
     imgs[1] = None
     procs = [Letters(), Letters(), None]
     ref = _engine(target, prompts, imgs, procs)
-    spec = SpeculativeDecoder(target, draft, k=3, max_batch=3, max_len=256, eos_id=EOS)
-    for _ in range(2):
-        res = spec.generate(prompts, 20, images=imgs, logits_processor=procs)
-        assert res.tokens == ref.tokens and res.stop_reasons == ref.stop_reasons
-    # three runs (image, none, image) per model, each one padded batch kept for the next call
-    assert sorted((k[1], k[2], k[3]) for k in spec._pin) == [
+    for graphed in (False, True):
+        spec = SpeculativeDecoder(target, draft, k=3, max_batch=3, max_len=256, eos_id=EOS)
+        spec.cuda_graph = graphed
+        for _ in range(2):
+            res = spec.generate(prompts, 20, images=imgs, logits_processor=procs)
+            assert res.tokens == ref.tokens and res.stop_reasons == ref.stop_reasons
+        assert bool(spec._pin) == graphed  # eager: no inputs kept per prompt length
+    # three runs (image, none, image) per model, each one padded batch, graphed once
+    assert sorted((k[1], k[2], k[3]) for k in spec._graphs if k[0] == "prefill") == [
         ("d", 0, 1), ("d", 1, 1), ("d", 2, 1), ("t", 0, 1), ("t", 1, 1), ("t", 2, 1)]
 
 

@@ -234,12 +234,15 @@ class SpeculativeDecoder:
         kv_len = (_pow2_at_least(n_img + t, 128, self.max_len) if self.cuda_graph
                   else n_img + t)
         key = ("prefill", "t" if kv is self.t else "d", s0, n, shape, t, kv_len)
-        if key not in self._pin:
+        if key in self._pin:
+            img_b, tok_b, last_b = self._pin[key]
+        else:
             img_b = (torch.zeros((n, *shape), dtype=images[0].dtype, device=dev)
                      if shape is not None else torch.zeros(0, device=dev))
-            self._pin[key] = (img_b, torch.zeros(n, t, dtype=torch.long, device=dev),
-                              torch.zeros(n, dtype=torch.long, device=dev))
-        img_b, tok_b, last_b = self._pin[key]
+            tok_b = torch.zeros(n, t, dtype=torch.long, device=dev)
+            last_b = torch.zeros(n, dtype=torch.long, device=dev)
+            if self.cuda_graph:  # a graph reads these: kept (eager: as many lengths as goals)
+                self._pin[key] = (img_b, tok_b, last_b)
         for i, im in enumerate(images):
             if im is not None:
                 img_b[i].copy_(im, non_blocking=True)
