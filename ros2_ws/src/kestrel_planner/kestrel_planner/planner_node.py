@@ -125,7 +125,8 @@ class PlannerNode(PlannerInputs, KestrelLifecycleNode):
         self.get_logger().info(configured_text(p, limits))
         if self.core.graphs_at_configure:
             self.get_logger().info(f"{self.core.graphs_at_configure} CUDA graphs captured at "
-                                   "configure (prefill and decode buckets)")
+                                   f"configure in {self.core.graphs_capture_s:.1f} s (prefill "
+                                   "and decode buckets; engine_compile compiles each)")
         note = getattr(self.core.backend, "note", "")  # hf: engine, or transformers and why
         if note:
             log = self.get_logger()

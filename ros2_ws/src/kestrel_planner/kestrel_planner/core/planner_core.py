@@ -199,10 +199,14 @@ class PlannerCore:
         self.model = getattr(self.backend, "model", None)
         self.tokenizer = getattr(self.backend, "tokenizer", None)
         self.graphs_at_configure = 0  # CUDA graphs captured before the first goal
+        self.graphs_capture_s = 0.0  # and the time that took (compiles included)
         if config.warmup and self.backend.warmup:
             self.plan("warm up", np.zeros((32, 32, 3), np.uint8), [])
             warm = getattr(self.backend, "warm_graphs", None)
-            self.graphs_at_configure = warm() if warm is not None else 0
+            if warm is not None:
+                t0 = time.monotonic()
+                self.graphs_at_configure = warm()
+                self.graphs_capture_s = time.monotonic() - t0
 
     def close(self) -> None:
         self.backend.close()
