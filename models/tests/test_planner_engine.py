@@ -165,10 +165,10 @@ def test_graph_path_equals_eager(model: VisionLanguageModel, cpu_graphs, steps: 
     row, requests joining mid-run and a slot reused, so every static input a step reads is
     refreshed before its replay and a capture leaves the positions as they were."""
     import kestrel_models.planner.engine as engine_mod
-    import kestrel_models.planner.engine_prefill as prefill_mod
+    import kestrel_models.planner.graphs as graphs_mod
 
     cpu_graphs(engine_mod)
-    cpu_graphs(prefill_mod)
+    cpu_graphs(graphs_mod)
 
     def abc(prefix: list[int], logits: torch.Tensor) -> torch.Tensor:
         keep = torch.zeros_like(logits, dtype=torch.bool)

@@ -273,10 +273,10 @@ def test_graph_paths_equal_eager(family: str, dirs: dict[str, Path], cpu_graphs)
     tower, M-RoPE positions and offsets, a kept prefix's rest and the decode step read only
     static inputs refreshed before each replay, so the tokens are the eager engine's."""
     import kestrel_models.planner.engine as engine_mod
-    import kestrel_models.planner.engine_prefill as prefill_mod
+    import kestrel_models.planner.graphs as graphs_mod
 
     cpu_graphs(engine_mod)
-    cpu_graphs(prefill_mod)
+    cpu_graphs(graphs_mod)
     torch.set_num_threads(1)
     dec = load(dirs[family])
     assert dec.graphable_prefill, dec.describe()

@@ -114,9 +114,9 @@ def test_reused_prefix_through_the_prefill_graph_path(model, cpu_graphs) -> None
     """The graphed prefill path on the CPU (cpu_graphs: replays recompute): a hit's rest and
     a miss's batch read only inputs refreshed before each replay, so the tokens stay those
     of the engine without the store, and the hits replay graphs of their own."""
-    import kestrel_models.planner.engine_prefill as prefill_mod
+    import kestrel_models.planner.graphs as graphs_mod
 
-    cpu_graphs(prefill_mod)
+    cpu_graphs(graphs_mod)
     img = _image(1)
     plain = DecodeEngine(model, 2, 256, EOS)
     kept = DecodeEngine(model, 2, 256, EOS, prefix_entries=2)

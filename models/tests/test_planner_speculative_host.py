@@ -89,9 +89,9 @@ def test_rows_with_and_without_an_image_in_one_batch(models, cpu_graphs) -> None
     """Prefill groups contiguous rows by image shape; a batch mixing rows with and without an
     image decodes each row as the engine does, eagerly and on the graph path (cpu_graphs),
     where a second call replays the prefill graphs."""
-    import kestrel_models.planner.speculative as spec_mod
+    import kestrel_models.planner.graphs as graphs_mod
 
-    cpu_graphs(spec_mod)
+    cpu_graphs(graphs_mod)
     target, draft = models
     prompts, imgs = _inputs(3)
     imgs[1] = None
@@ -197,9 +197,9 @@ def test_graphed_passes_read_only_their_static_inputs(models, cpu_graphs) -> Non
     changes the tokens (the target's side) or what a draft equal to the target gets accepted
     (the draft's side: verification keeps the tokens right), with and without host
     decisions."""
-    import kestrel_models.planner.speculative as spec_mod
+    import kestrel_models.planner.graphs as graphs_mod
 
-    cpu_graphs(spec_mod)
+    cpu_graphs(graphs_mod)
     target, draft = models
     prompts, imgs = _inputs(3)
     procs = [Letters(), Letters(dead=7), None]

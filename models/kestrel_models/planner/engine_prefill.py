@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from kestrel_models.planner.engine_request import EngineRequest, _pow2_at_least
-from kestrel_models.planner.graphs import capture
+from kestrel_models.planner.graphs import replay
 from kestrel_models.planner.prefill_layout import layout, rope_positions, split_prompt
 from kestrel_models.planner.prefix_store import PrefixEntry
 
@@ -114,11 +114,7 @@ class PrefillMixin:
         use; body reads only the static buffers pinned for that key) replayed, else run."""
         if not self.prefill_graph:
             return body()
-        if key not in self._pgraphs:
-            self._pgraphs[key] = capture(body, self._ppool)
-        g, logits = self._pgraphs[key]
-        g.replay()
-        return logits
+        return replay(self._pgraphs, key, body, self._ppool)
 
     def _prefill_body(self, s0: int, n: int, img: Tensor | None, tok: Tensor, last: Tensor,
                       idx: Tensor, rope: Tensor | None) -> Tensor:

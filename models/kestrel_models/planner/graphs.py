@@ -7,6 +7,8 @@ torch.cuda.CUDAGraph sharing the memory pool `pool`, and restores the tensors in
 capturing has no visible effect beyond scratch writes. Returns (graph, fn's output): the
 output tensors are static, refreshed by every replay. Replays of graphs that share a pool
 must not overlap, and an output must be read before another graph of the pool replays.
+`replay(graphs, key, fn, pool, state)`: the graph kept in `graphs` under `key` (captured from
+fn on first use) replayed; returns its static output.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["capture"]
+__all__ = ["capture", "replay"]
 
 
 def capture(fn: Callable[[], Any], pool: Any, state: Sequence[Tensor] = ()
@@ -40,3 +42,12 @@ def capture(fn: Callable[[], Any], pool: Any, state: Sequence[Tensor] = ()
         out = fn()
     restore()
     return g, out
+
+
+def replay(graphs: dict[Any, tuple[torch.cuda.CUDAGraph, Any]], key: Any,
+           fn: Callable[[], Any], pool: Any, state: Sequence[Tensor] = ()) -> Any:
+    if key not in graphs:
+        graphs[key] = capture(fn, pool, state)
+    g, out = graphs[key]
+    g.replay()
+    return out

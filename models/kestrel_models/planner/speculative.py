@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from kestrel_models.planner.engine_request import _pow2_at_least
-from kestrel_models.planner.graphs import capture
+from kestrel_models.planner.graphs import replay
 from kestrel_models.planner.kvmodel import KVModel
 from kestrel_models.planner.vlm import VisionLanguageModel
 
@@ -164,11 +164,7 @@ class SpeculativeDecoder:
         it before the next pass."""
         if not self.cuda_graph:
             return body()
-        if key not in self._graphs:
-            self._graphs[key] = capture(body, self._pool)
-        g, out = self._graphs[key]
-        g.replay()
-        return out
+        return replay(self._graphs, key, body, self._pool)
 
     def draft_pass(self, b: int, ld: int) -> Tensor:
         """The draft's step for rows [0, b): token h_cur at position h_dpos -> logits
@@ -342,13 +338,9 @@ class SpeculativeDecoder:
             ld = self._bucket(max(dp) + k + 1, self.max_len)
             lt = self._bucket(max(tp) + k + 1, self.max_len)
             if self.cuda_graph:
-                key = ("round", b, ld, lt, float(temperature))
-                if key not in self._graphs:
-                    state = [self.last, self.tpos, self.dpos]
-                    self._graphs[key] = capture(
-                        lambda ld=ld, lt=lt: self._round(b, ld, lt, temperature, None),
-                        self._pool, state)
-                self._graphs[key][0].replay()
+                replay(self._graphs, ("round", b, ld, lt, float(temperature)),
+                       lambda ld=ld, lt=lt: self._round(b, ld, lt, temperature, None),
+                       self._pool, [self.last, self.tpos, self.dpos])
             else:
                 self._round(b, ld, lt, temperature, generator)
             na, xs, nx = (self.n_acc[:b].tolist(), self.xbuf[:b].tolist(),

@@ -154,11 +154,10 @@ def test_configure_captures_the_graphs_goals_replay(monkeypatch: pytest.MonkeyPa
     goals of several scene sizes, alone and in batches, then replay graphs only. The CUDA
     code paths run on the CPU with tests/cpu_graphs.py's stand-in."""
     import kestrel_models.planner.engine as engine_mod
-    import kestrel_models.planner.engine_prefill as prefill_mod
-    import kestrel_models.planner.speculative as spec_mod
+    import kestrel_models.planner.graphs as graphs_mod
     from cpu_graphs import cpu_capture
 
-    for mod in (engine_mod, prefill_mod, spec_mod):
+    for mod in (engine_mod, graphs_mod):
         monkeypatch.setattr(mod, "capture", cpu_capture)
     kw = {"speculative_k": 3, "draft_layers": 1} if speculative else {}
     core = _core(backend="engine", max_batch=3, temperature=temperature, **kw)
