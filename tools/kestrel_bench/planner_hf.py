@@ -265,6 +265,8 @@ def merge_other_shapes(record: rec_mod.Record, args: argparse.Namespace) -> None
     """--merge: the rows and ratios of shapes not measured now, from the record at the output
     path (each row gets `run`: that record's commit, date and command); roles re-assigned so
     that the baseline is the hf row of the first shape in SHAPES order."""
+    from kestrel_bench.planner_hf_sections import ratio_tag
+
     path, _ = rec_mod.paths(rec_mod.out_stem(getattr(args, "out", None), "planner-hf",
                                              record.machine_class))
     if not path.is_file():
@@ -275,7 +277,7 @@ def merge_other_shapes(record: rec_mod.Record, args: argparse.Namespace) -> None
             if _shape_of(r.get("name", "")) not in ("", *args.shapes)]
     record["results"].extend(kept)
     shapes = {_shape_of(r["name"]) for r in kept} - {""}
-    tags = [s.replace(".", "_").replace("-", "_") for s in shapes]
+    tags = [ratio_tag(s) for s in shapes]
     for k, v in old.get("ratios", {}).items():
         if k not in record["ratios"] and any(t in k for t in tags):
             record["ratios"][k] = v

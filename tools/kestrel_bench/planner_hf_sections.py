@@ -162,6 +162,11 @@ def bench_engine(ctx: Context, n: int) -> dict:
     return out
 
 
+def ratio_tag(shape: str) -> str:
+    """A shape's name as it ends the record's ratio names ('qwen2.5-vl-3b' -> qwen2_5_vl_3b)."""
+    return shape.replace(".", "_").replace("-", "_")
+
+
 def to_record(record: Any, rows: dict[str, dict], shapes: list[str], n: int) -> None:
     """Rows -> the record: the first shape's hf row is the baseline, its engine row the
     optimized one; ratios engine_vs_hf_* per shape."""
@@ -184,7 +189,7 @@ def to_record(record: Any, rows: dict[str, dict], shapes: list[str], n: int) -> 
     for shape in shapes:
         for suffix, key in (("", ""), (f"_c{n}", f"_c{n}")):
             h, e = rows.get(f"{shape}_hf{suffix}", {}), rows.get(f"{shape}_engine{suffix}", {})
-            tag = f"{shape}{key}".replace(".", "_").replace("-", "_")
+            tag = ratio_tag(f"{shape}{key}")
             if "tok_s" in h and "tok_s" in e:
                 speed = "agg_tok_s" if suffix and "agg_tok_s" in h and "agg_tok_s" in e \
                     else "tok_s"
@@ -193,6 +198,5 @@ def to_record(record: Any, rows: dict[str, dict], shapes: list[str], n: int) -> 
         h = rows.get(f"{shape}_hf", {})
         for name, r in rows.items():
             if name.startswith(f"{shape}_engine_x") and "tok_s" in r and "tok_s" in h:
-                tag = name[len(shape) + 1:] + "_vs_hf_tok_s_" + shape.replace(
-                    ".", "_").replace("-", "_")
-                record.ratio(tag, r["tok_s"] / h["tok_s"])
+                record.ratio(f"{name[len(shape) + 1:]}_vs_hf_tok_s_{ratio_tag(shape)}",
+                             r["tok_s"] / h["tok_s"])
