@@ -9,8 +9,8 @@ batch in the batch dimension, equal windows as more batch rows (a block-diagonal
 windows differ in size). Every layer is still the checkpoint's own module (patch_embed, each
 block's norm1 / attn.qkv / attn.proj / norm2 / mlp, the merger): no weight is copied.
 
-`QwenVision.check(reference)` compares it with transformers' own forward on a synthetic image:
-the decoder (qwen2_vl.py) uses it only where they agree, so a transformers release that
+The decoder (qwen2_vl.py, `_checked_tower`) compares it with transformers' own forward on two
+synthetic patch grids at load and uses it only where they agree, so a transformers release that
 changes the tower's semantics falls back to the eager path instead of computing garbage.
 """
 
