@@ -97,6 +97,11 @@ SPECS = [
     ParamSpec("hf.grammar", True, "backend hf: constrain decoding to the plan grammar (with "
               "grammar_engine automaton: needs single-character tokens); false = prompt + "
               "parser + validator only.", read_only=True),
+    ParamSpec("hf.warmup_image_size", [0, 0], "backend hf on the engine with CUDA: camera "
+              "frame size [width, height], px, whose CUDA graphs (prefill per batch size and "
+              "prompt bucket, decode step per batch and kv bucket; with engine_compile their "
+              "compiles) configure captures; [0, 0] = none: the first goal of each frame "
+              "size captures its own.", length=2, min=0, max=8192, read_only=True),
     ParamSpec("grammar_engine", "llguidance", "Plan-grammar engine of backends generate, engine "
               "and hf: llguidance (maintained grammar library: Lark grammar, token masks for "
               "any tokenizer incl. BPE) or automaton (the hand-written character automaton, "
@@ -208,6 +213,7 @@ def planner_configs(p: dict) -> tuple[PlannerConfig, ExecutorConfig]:
         backend=p["backend"], engine_compile=p["engine_compile"],
         hf_model_path=p["hf.model_path"], hf_dtype=p["hf.dtype"],
         hf_tokenizer=p["hf.tokenizer"], hf_grammar=p["hf.grammar"],
+        hf_warmup_image_size=tuple(p["hf.warmup_image_size"]),
         grammar_engine=p["grammar_engine"], remote=remote,
         remote_send_image=p["remote.send_image"],
         remote_response_format=p["remote.response_format"],

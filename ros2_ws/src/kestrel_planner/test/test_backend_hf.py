@@ -119,3 +119,70 @@ def test_free_decoding_and_validator_gate(llava_dir: Path, monkeypatch) -> None:
     assert r.plan is not None and not r.report.accepted
     assert any("speed 10.0 m/s exceeds max_speed 0.5" in x for x in r.report.reasons)
     assert any("'volcano' is not in the scene" in x for x in r.report.reasons)
+
+
+def test_configure_captures_the_frame_sizes_graphs(tmp_path: Path, monkeypatch) -> None:
+    """hf.warmup_image_size: warm_graphs (PlannerCore's warm-up on CUDA) captures the prefill
+    per batch size and prompt bucket and the decode step per batch and kv bucket for frames of
+    that size. Goals on such frames, with scenes of several sizes, alone and in a batch, then
+    replay graphs only and plan as the eager engine does; a frame of another size captures
+    its own. The CUDA code paths run on the CPU with tests/cpu_graphs.py's stand-in."""
+    import kestrel_models.planner.engine as engine_mod
+    import kestrel_models.planner.graphs as graphs_mod
+    from cpu_graphs import cpu_capture
+    from kestrel_planner.core import PlanRequest
+    from tiny_hf_vlm import save_tiny
+
+    for mod in (engine_mod, graphs_mod):
+        monkeypatch.setattr(mod, "capture", cpu_capture)
+    path = save_tiny("qwen2_vl", tmp_path, max_position_embeddings=4096)
+    frame = np.random.default_rng(1).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    plain = hf_core(path, max_batch=2)
+    core = hf_core(path, max_batch=2, hf_warmup_image_size=(84, 56))
+    backend = core.backend
+    assert backend.warm_graphs() == 0  # no CUDA graphs (the CPU): nothing to capture
+    eng = backend.vlm.engine
+    eng.cuda_graph = eng.prefill_graph = True
+    captured = backend.warm_graphs()
+    assert captured > 0 and captured == backend.graph_count()
+    many = SCENE + [SceneObject(f"block_{i}", "red_cube", (0.4, 0.1 * i, 0.02))
+                    for i in range(9)]
+    tasks = ["put the red cube in the bin", "go home"]
+    for n in (1, 2):
+        for scene in (SCENE, many):
+            reqs = [PlanRequest(t, frame, scene, max_steps=2) for t in tasks[:n]]
+            got, want = core.plan_batch(reqs), plain.plan_batch(reqs)
+            assert [r.text for r in got] == [r.text for r in want]
+    assert backend.graph_count() == captured  # every goal replayed a graph captured before
+    core.plan(tasks[0], np.ascontiguousarray(frame[:, :56]), SCENE, 2)
+    assert backend.graph_count() > captured
+
+
+@pytest.mark.parametrize("size", [(0, 48), (-1, 48), (64, 48, 3)])
+def test_warmup_image_size_is_checked(llava_dir: Path, size: tuple) -> None:
+    with pytest.raises(ValueError, match="hf.warmup_image_size"):
+        PlannerConfig(backend="hf", hf_model_path=str(llava_dir), hf_warmup_image_size=size)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_configure_capture_on_cuda(tmp_path: Path) -> None:
+    """CUDA: with hf.warmup_image_size, configure captures real CUDA graphs, and goals on
+    frames of that size plan as a planner that captures at its first goal, capturing none."""
+    from kestrel_planner.core import PlanRequest
+    from tiny_hf_vlm import save_tiny
+
+    path = save_tiny("qwen2_vl", tmp_path, max_position_embeddings=4096)
+    frame = np.random.default_rng(1).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    lazy = hf_core(path, max_batch=2, device="cuda")
+    core = PlannerCore(PlannerConfig(backend="hf", hf_model_path=str(path), limits=LIMITS,
+                                     max_new_tokens=48, max_batch=2, device="cuda",
+                                     hf_warmup_image_size=(84, 56)))
+    assert core.graphs_at_configure > 0
+    captured = core.backend.graph_count()
+    for n in (1, 2, 1):
+        reqs = [PlanRequest(t, frame, SCENE, max_steps=2)
+                for t in ["put the red cube in the bin", "go home"][:n]]
+        assert [r.text for r in core.plan_batch(reqs)] == [r.text for r in
+                                                           lazy.plan_batch(reqs)]
+    assert core.backend.graph_count() == captured

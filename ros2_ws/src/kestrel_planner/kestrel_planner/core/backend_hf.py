@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kestrel_models.planner import ByteTokenizer
@@ -36,7 +37,7 @@ from kestrel_models.planner.hf import parse_dtype
 from kestrel_models.planner.hf_engine.runner import open_hf
 from kestrel_models.planner.tokenizer import HFTokenizer
 from kestrel_planner.core.backend import DecodeJob, DecodeOutput, PlannerInputError
-from kestrel_planner.core.backend_local import plain_prompt
+from kestrel_planner.core.backend_local import WARM_PROMPT_TOKENS, plain_prompt
 from kestrel_planner.core.constrained import PlanGrammar, PlanLogitsProcessor
 from kestrel_planner.core.constrained_llg import LLGuidancePlanProcessor, lltokenizer
 from kestrel_planner.core.plan import PlanParseError
@@ -106,6 +107,47 @@ class HFPlanBackend:
 
     def close(self) -> None:
         pass
+
+    # ---- CUDA graphs -----------------------------------------------------------------------
+    def warm_graphs(self) -> int:
+        """Capture now (at configure) the graphs that goals on frames of hf_warmup_image_size
+        replay, so that no such goal pays for a capture (or, with engine_compile, a compile):
+        the prefill of 1..max_batch goals at each prompt bucket from the shortest plan prompt's
+        (the system prompt and the chat template set it) up to the bucket after it, at least
+        WARM_PROMPT_TOKENS, within the model's positions; then the decode step per batch and
+        kv bucket up to what those prompts and the plan budget reach. Returns the graphs
+        captured: 0 on transformers, without CUDA graphs (the CPU) or without a size."""
+        eng = getattr(self.vlm, "engine", None)
+        w, h = self.config.hf_warmup_image_size
+        if eng is None or not eng.cuda_graph or w <= 0:
+            return 0
+        before = self.graph_count()
+        cfg = self.config
+        frame = np.zeros((h, w, 3), np.uint8)
+        base = self.prompt_ids(DecodeJob("go", [], 1, frame))
+        marker = self.vlm.image_marker
+        n_text = len(base) - int(marker is not None and marker in base)
+        n_img = self.vlm.image_tokens((3, h, w))
+        room = self.vlm.max_positions - n_img - cfg.max_new_tokens
+        length = 1 << max(4, (n_text - 1).bit_length())  # the engine's prompt bucket
+        top = min(room, max(WARM_PROMPT_TOKENS, 2 * length))
+        image = torch.zeros(3, h, w, dtype=torch.uint8)
+        reached = n_img + n_text
+        while length <= top:
+            prompt = base + [base[-1]] * (length - n_text)  # filler: only the shape counts
+            for n in range(1, cfg.max_batch + 1):  # one token: the prefill alone
+                self.vlm.generate([prompt] * n, self.tokenizer.eos_id, 1, images=[image] * n)
+            reached = n_img + length
+            length *= 2
+        longest = min(reached + cfg.max_new_tokens, self.vlm.max_positions)
+        kv_lens = [128 << i for i in range(16) if 128 << i < longest] + [longest]
+        eng.warmup(range(1, cfg.max_batch + 1), kv_lens, cfg.temperature > 0)
+        return self.graph_count() - before
+
+    def graph_count(self) -> int:
+        """CUDA graphs the engine captured so far (prefill and decode step; 0: transformers)."""
+        eng = getattr(self.vlm, "engine", None)
+        return 0 if eng is None else len(eng._graphs) + len(eng._pgraphs)
 
     def _image_chat(self, user: str) -> list[int]:
         """The chat prompt with the image where the model's template puts it: a user turn of

@@ -61,6 +61,9 @@ class PlannerConfig:
     hf_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     hf_tokenizer: str = "auto"  # auto (the directory's) | byte (Kestrel's byte tokenizer)
     hf_grammar: bool = True  # constrain decoding to the plan grammar (engine: grammar_engine)
+    # frame size (width, height) px whose CUDA graphs configure captures (HFPlanBackend.
+    # warm_graphs); (0, 0) = none: the first goal of each frame size captures its own
+    hf_warmup_image_size: tuple[int, int] = (0, 0)
     # plan-grammar engine of the local backends: 'llguidance' (token masks for any tokenizer,
     # BPE too) | 'automaton' (constrained.py: single-character tokens only)
     grammar_engine: str = "llguidance"
@@ -126,6 +129,10 @@ class PlannerConfig:
         if self.hf_tokenizer not in HF_TOKENIZERS:
             raise ValueError(f"parameter 'hf.tokenizer' = {self.hf_tokenizer!r}: must be one of "
                              f"{list(HF_TOKENIZERS)}")
+        size = tuple(self.hf_warmup_image_size)
+        if len(size) != 2 or min(size) < 0 or (min(size) == 0) != (max(size) == 0):
+            raise ValueError(f"parameter 'hf.warmup_image_size' = {list(size)}: must be "
+                             "[width, height] px, both > 0, or [0, 0] for none")
 
 
 @dataclass
