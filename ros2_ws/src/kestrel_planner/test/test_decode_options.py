@@ -27,8 +27,8 @@ TASKS = ["put the red cube in the bin", "go home", "move to the bin"]
 
 
 def _core(**kw: object) -> PlannerCore:
-    return PlannerCore(PlannerConfig(demo_plan=DEMO, limits=LIMITS, warmup=False,
-                                     max_new_tokens=96, **kw))
+    return PlannerCore(PlannerConfig(**{"demo_plan": DEMO, "limits": LIMITS, "warmup": False,
+                                        "max_new_tokens": 96, **kw}))
 
 
 def _draft_file(tmp_path: Path, preset: str = "tiny", seed: int = 5) -> str:
@@ -176,3 +176,28 @@ def test_configure_captures_the_graphs_goals_replay(monkeypatch: pytest.MonkeyPa
             reqs = [PlanRequest(t, IMAGE, scene, max_steps=2) for t in TASKS[:n]]
             assert len(core.plan_batch(reqs)) == n
     assert backend.graph_count() == captured  # every goal replayed a graph captured before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kw", [{}, {"temperature": 0.7}, {"speculative_k": 3, "draft_layers": 1},
+                                {"prefix_cache_entries": 4}])
+def test_configure_capture_on_cuda(kw: dict) -> None:
+    """CUDA: the graphs captured at configure (real CUDA graphs) give the CPU's plans; every
+    goal replays a graph captured then (kept-prefix hits capture their own: not counted)."""
+    cpu = _core(backend="engine", max_batch=3, **kw)
+    gpu = _core(backend="engine", max_batch=3, device="cuda", **{**kw, "warmup": True})
+    backend = gpu.backend
+    assert gpu.graphs_at_configure > 0
+    captured = backend.graph_count()
+    many = SCENE + [SceneObject(f"block_{i}", "red_cube", (0.4, 0.1 * i, 0.02))
+                    for i in range(9)]
+    for n in (1, 3, 2, 3):
+        for scene in (SCENE, many):
+            reqs = [PlanRequest(t, IMAGE, scene, max_steps=2) for t in TASKS[:n]]
+            got, want = gpu.plan_batch(reqs), cpu.plan_batch(reqs)
+            if not kw.get("temperature"):  # sampling draws from other generators
+                assert [r.text for r in got] == [r.text for r in want]
+            assert all(r.report.accepted for r in got)
+    if not kw.get("prefix_cache_entries"):
+        assert backend.graph_count() == captured
