@@ -282,15 +282,18 @@ def test_graph_paths_equal_eager(family: str, dirs: dict[str, Path], cpu_graphs)
     assert dec.graphable_prefill, dec.describe()
     m = IMAGE_TOKEN[family]
     frame = {5: _image(5, family), 6: _image(6, family)}  # image key -> image
-    reqs = [([1, 20, m, 21, 22, 23], 5), ([1, 30, 31], None), ([1, 20, m, 21, 22, 40, 41], 5),
-            ([1, 20, m, 24], 6)]
+    # (prompt, image key, prefix tokens kept): the third reuses the first's kept prefix, the
+    # last the one before it, a prefix one token longer: the same kept-rest graph, replayed
+    # from another position
+    reqs = [([1, 20, m, 21, 22, 23], 5, 5), ([1, 30, 31], None, 0),
+            ([1, 20, m, 21, 22, 40, 41], 5, 5), ([1, 20, m, 24], 6, 0),
+            ([1, 20, m, 25, 26, 27, 28], 6, 6), ([1, 20, m, 25, 26, 27, 50, 51], 6, 6)]
 
     def run(eng: DecodeEngine) -> list[list[int]]:
         out = []
-        for p, key in reqs:  # one at a time: the third reuses the first's kept prefix
+        for p, key, keep in reqs:  # one at a time
             img = None if key is None else frame[key]
-            r = eng.submit(p, 16, img, image_key=key,
-                           prefix_tokens=5 if img is not None and len(p) > 5 else 0)
+            r = eng.submit(p, 16, img, image_key=key, prefix_tokens=keep)
             eng.run()
             out.append(r.tokens)
         both = eng.generate([reqs[0][0], reqs[3][0]], 12, images=[frame[5], frame[6]])
@@ -300,4 +303,4 @@ def test_graph_paths_equal_eager(family: str, dirs: dict[str, Path], cpu_graphs)
     eng = DecodeEngine(dec, 2, 256, eos_id=-1, prefix_entries=2)
     eng.cuda_graph = eng.prefill_graph = True  # the CUDA code paths, on cpu_graphs
     assert run(eng) == want
-    assert eng.store.hits >= 1 and any(k[0] == "kept" for k in eng._pgraphs)
+    assert eng.store.hits >= 2 and any(k[0] == "kept" for k in eng._pgraphs)

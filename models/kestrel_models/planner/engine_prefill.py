@@ -8,7 +8,7 @@ prefill graph state (_pin, _pgraphs, _ppool) and _start (first token of each row
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -76,7 +76,7 @@ class PrefillMixin:
         it as one row, right-padded to a power-of-two bucket (the pad positions lie past the
         row's position: masked, later overwritten) with the keys in a power-of-two kv bucket,
         so that with `prefill_graph` it is a CUDA graph per (slot, bucket, kv bucket)."""
-        kv, dev = self.kv, self.device
+        kv = self.kv
         kv.reset_slots(slice(slot, slot + 1))
         kv.copy_prefix(e.k, e.v, slot)
         if kv._use_off:  # the rest's rope positions follow the kept image's
@@ -87,6 +87,17 @@ class PrefillMixin:
         if e.length + t > self.max_len:
             t = n
         kv_len = _pow2_at_least(e.length + t, 128, self.max_len)
+        logits = self._kept_rest(slot, t, kv_len, rest, e.length)
+        r.prefix_hit = True
+        self._start([(slot, r)], logits, [e.length + n])
+
+    def _kept_rest(self, slot: int, t: int, kv_len: int, rest: list[int],
+                   start: int) -> Tensor:
+        """The prefill of `rest` (at most t tokens) at positions start.. of slot's row, over
+        the keys of the kv_len bucket, right-padded to t: [1, V] logits of its last token.
+        With `prefill_graph` a CUDA graph per ("kept", slot, t, kv_len) whose static inputs
+        (tokens, start, last index) are refreshed before each replay."""
+        dev, kv = self.device, self.kv
         key = ("kept", slot, t, kv_len)
         if self.prefill_graph and key in self._pin:
             tok_b, pos_b, last_b = self._pin[key]
@@ -96,8 +107,9 @@ class PrefillMixin:
             last_b = torch.zeros(1, dtype=torch.long, device=dev)
             if self.prefill_graph:
                 self._pin[key] = (tok_b, pos_b, last_b)
+        n = len(rest)
         tok_b.copy_(torch.tensor([rest + [0] * (t - n)]), non_blocking=True)
-        pos_b.fill_(e.length)
+        pos_b.fill_(start)
         last_b.fill_(n - 1)
         rows = slice(slot, slot + 1)
 
@@ -105,9 +117,25 @@ class PrefillMixin:
             x = kv.embed_tokens(tok_b)
             return kv.forward(x, pos_b, rows, kv_len, last_index=last_b)[:, 0]
 
-        logits = self._run_prefill(key, body)
-        r.prefix_hit = True
-        self._start([(slot, r)], logits, [e.length + n])
+        return self._run_prefill(key, body)
+
+    @torch.inference_mode()
+    def warmup_kept(self, buckets: Sequence[int], kv_lens: Sequence[int],
+                    min_prefix: int = 0) -> None:
+        """Capture the kept-prefix prefill graphs (`_kept_rest`) of every slot for these
+        prompt-rest buckets and the kv buckets that a kept prefix of at least min_prefix
+        positions and such a rest reach, so that a prefix hit replays a graph captured
+        before (no-op without `prefill_graph` or a prefix store). Needs every slot free: what
+        it writes to their KV is reset or overwritten by the next request."""
+        if not self.prefill_graph or self.store.capacity == 0:
+            return
+        if any(s is not None for s in self.slots):
+            raise RuntimeError("warmup_kept() needs every slot free")
+        for slot in range(self.max_batch):
+            for t in sorted({_pow2_at_least(b, 16, 1 << 30) for b in buckets}):
+                for kv_len in sorted({_pow2_at_least(n, 128, self.max_len) for n in kv_lens}):
+                    if t < kv_len and min_prefix + t <= kv_len:
+                        self._kept_rest(slot, t, kv_len, [0], kv_len - t)
 
     def _run_prefill(self, key: Hashable, body: Callable[[], Tensor]) -> Tensor:
         """body() -> logits: with `prefill_graph` its CUDA graph for `key` (captured on first

@@ -144,15 +144,16 @@ def test_trainer_trains_the_draft_of_the_small_model(tmp_path: Path) -> None:
     assert all(r.drafted > 0 for r in spec)
 
 
-@pytest.mark.parametrize(("speculative", "temperature"), [(False, 0.0), (False, 0.7),
-                                                          (True, 0.0)])
+@pytest.mark.parametrize(("speculative", "temperature", "kept"),
+                         [(False, 0.0, 0), (False, 0.7, 0), (True, 0.0, 0), (False, 0.0, 4)])
 def test_configure_captures_the_graphs_goals_replay(monkeypatch: pytest.MonkeyPatch,
-                                                    speculative: bool,
-                                                    temperature: float) -> None:
+                                                    speculative: bool, temperature: float,
+                                                    kept: int) -> None:
     """warm_graphs (PlannerCore's warm-up on CUDA) captures the prefill per batch size and
-    prompt bucket and the decode step (or the speculative passes) per batch and kv bucket:
-    goals of several scene sizes, alone and in batches, then replay graphs only. The CUDA
-    code paths run on the CPU with tests/cpu_graphs.py's stand-in."""
+    prompt bucket, the decode step (or the speculative passes) per batch and kv bucket and,
+    with a prefix store, the prefill after a kept scene per slot and bucket: goals of several
+    scene sizes, alone and in batches, prefix hits among them, then replay graphs only. The
+    CUDA code paths run on the CPU with tests/cpu_graphs.py's stand-in."""
     import kestrel_models.planner.engine as engine_mod
     import kestrel_models.planner.graphs as graphs_mod
     from cpu_graphs import cpu_capture
@@ -160,7 +161,9 @@ def test_configure_captures_the_graphs_goals_replay(monkeypatch: pytest.MonkeyPa
     for mod in (engine_mod, graphs_mod):
         monkeypatch.setattr(mod, "capture", cpu_capture)
     kw = {"speculative_k": 3, "draft_layers": 1} if speculative else {}
-    core = _core(backend="engine", max_batch=3, temperature=temperature, **kw)
+    core = _core(backend="engine", max_batch=3, temperature=temperature,
+                 prefix_cache_entries=kept, **kw)
+    plain = _core(backend="engine", max_batch=3)
     backend = core.backend
     assert backend.warm_graphs() == 0  # no CUDA graphs (the CPU): nothing to capture
     dec = backend.spec if speculative else backend.engine
@@ -171,10 +174,16 @@ def test_configure_captures_the_graphs_goals_replay(monkeypatch: pytest.MonkeyPa
     assert captured > 0 and captured == backend.graph_count()
     many = SCENE + [SceneObject(f"block_{i}", "red_cube", (0.4, 0.1 * i, 0.02))
                     for i in range(9)]
+    hits = 0
     for n in (1, 3, 2):
         for scene in (SCENE, many):
             reqs = [PlanRequest(t, IMAGE, scene, max_steps=2) for t in TASKS[:n]]
-            assert len(core.plan_batch(reqs)) == n
+            res = core.plan_batch(reqs)
+            assert len(res) == n
+            hits += sum(bool(r.prefix_hit) for r in res)
+            if not temperature:  # the plans of the eager engine without a prefix store
+                assert [r.text for r in res] == [r.text for r in plain.plan_batch(reqs)]
+    assert hits >= 6 if kept else hits == 0
     assert backend.graph_count() == captured  # every goal replayed a graph captured before
 
 
@@ -184,7 +193,7 @@ def test_configure_captures_the_graphs_goals_replay(monkeypatch: pytest.MonkeyPa
                                 {"prefix_cache_entries": 4}])
 def test_configure_capture_on_cuda(kw: dict) -> None:
     """CUDA: the graphs captured at configure (real CUDA graphs) give the CPU's plans; every
-    goal replays a graph captured then (kept-prefix hits capture their own: not counted)."""
+    goal, prefix hits included, replays a graph captured then."""
     cpu = _core(backend="engine", max_batch=3, **kw)
     gpu = _core(backend="engine", max_batch=3, device="cuda", **{**kw, "warmup": True})
     backend = gpu.backend
@@ -199,5 +208,4 @@ def test_configure_capture_on_cuda(kw: dict) -> None:
             if not kw.get("temperature"):  # sampling draws from other generators
                 assert [r.text for r in got] == [r.text for r in want]
             assert all(r.report.accepted for r in got)
-    if not kw.get("prefix_cache_entries"):
-        assert backend.graph_count() == captured
+    assert backend.graph_count() == captured

@@ -165,7 +165,9 @@ class LocalVLMBackend:
         (powers of two from 16 up to the prompt room, at most WARM_PROMPT_TOKENS: a longer
         prompt's graph is captured when it comes), then the decode step (engine) or the
         speculative passes per batch and kv bucket up to what those prompts and the plan
-        budget reach. Returns the graphs captured (0 without CUDA graphs: on the CPU)."""
+        budget reach; with a prefix store, the prefill of a task line after a kept scene per
+        slot, task-line bucket and kv bucket. Returns the graphs captured (0 without CUDA
+        graphs: on the CPU)."""
         dec = self.spec if self.spec is not None else self.engine
         if dec is None or not dec.cuda_graph:
             return 0
@@ -187,8 +189,15 @@ class LocalVLMBackend:
         kv_lens = [128 << i for i in range(16) if 128 << i < longest] + [longest]
         if self.spec is not None:
             self.spec.warmup(range(1, cfg.max_batch + 1), kv_lens)
-        else:  # the step samples on device where the temperature is > 0
-            self.engine.warmup(range(1, cfg.max_batch + 1), kv_lens, cfg.temperature > 0)
+            return self.graph_count() - before
+        # the step samples on device where the temperature is > 0
+        self.engine.warmup(range(1, cfg.max_batch + 1), kv_lens, cfg.temperature > 0)
+        if self.engine.store.capacity > 0:  # prefix hits: the task line after a kept scene
+            head = len(self.tokenizer.encode(scene_prompt([]), add_bos=True))
+            rest = len(self.tokenizer.encode(plain_prompt("x" * cfg.max_instruction_chars,
+                                                          []), add_bos=True)) - head
+            buckets = [16 << i for i in range(16) if 16 << i < rest] + [rest]
+            self.engine.warmup_kept(buckets, kv_lens, self._n_img + head)
         return self.graph_count() - before
 
     def graph_count(self) -> int:
