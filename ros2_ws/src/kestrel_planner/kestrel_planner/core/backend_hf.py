@@ -93,6 +93,10 @@ class HFPlanBackend:
                                       eos_id=self.tokenizer.eos_id, max_batch=config.max_batch,
                                       compile_step=config.engine_compile, tokenizer=hf_tok)
         self.fallback = self.vlm.kind != "engine"  # transformers: `note` says why
+        eng = getattr(self.vlm, "engine", None)
+        if eng is not None and eng.cuda_graph and not any(config.hf_warmup_image_size):
+            self.note += ("; hf.warmup_image_size is [0, 0]: the first goal of each frame "
+                          "size captures its CUDA graphs")
         if self.vlm.vocab_size and self.tokenizer.vocab_size > self.vlm.vocab_size:
             raise ValueError(f"parameter 'hf.tokenizer' = {config.hf_tokenizer!r}: its "
                              f"{self.tokenizer.vocab_size} tokens exceed the model's vocabulary "
