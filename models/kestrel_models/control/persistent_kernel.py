@@ -9,7 +9,7 @@ from __future__ import annotations
 from kestrel_models.control.triton_step import libdevice, tl, triton
 
 if triton is not None:
-    from kestrel_models.control.triton_step import _ln_elu
+    from kestrel_models.control.triton_step import _head_row, _ln_elu
 
     @triton.jit
     def _ld_acquire_sys(ptr):
@@ -218,23 +218,9 @@ if triton is not None:
                 # ---- program 0: head + post-processing -> host, then DONE ----
                 if pid == 0:
                     for b in tl.static_range(B):
-                        hn = tl.load(hnew_ptr + b * H + hs, mask=hmask, other=0.0,
-                                     cache_modifier=".cg")
-                        tl.store(h_ptr + b * H + hs, hn, mask=hmask)  # the state copy-back
-                        a = tl.sum(wpt * hn[None, :], 1) + bpt  # [A_P]
-                        tl.store(out_host_ptr + b * OUT_W + acts, a, mask=amask)
-                        if POST:
-                            # a - a is 0 for finite a, NaN for NaN/inf (no fast-math in Triton)
-                            bad = tl.sum(tl.where(amask & ((a - a) != 0.0), 1, 0), 0)
-                            pos = tl.load(obs_ptr + b * D + acts, mask=jmask, other=0.0)
-                            raw = pos + scale * libdevice.tanh(a)
-                            cmdv = tl.where(raw < lo, lo, tl.where(raw > hi, hi, raw))
-                            clamped = tl.sum(tl.where(jmask & (cmdv != raw), 1, 0), 0)
-                            tl.store(out_host_ptr + b * OUT_W + A + acts, cmdv, mask=jmask)
-                            tl.store(out_host_ptr + b * OUT_W + A + NJ,
-                                     tl.where(bad == 0, 1.0, 0.0))
-                            tl.store(out_host_ptr + b * OUT_W + A + NJ + 1,
-                                     tl.where(clamped > 0, 1.0, 0.0))
+                        _head_row(hnew_ptr, h_ptr, wpt, bpt, obs_ptr, lo, hi, out_host_ptr, b,
+                                  hs, hmask, acts, amask, jmask, H, A, NJ, D, OUT_W, scale,
+                                  POST, ".cg")
                     tl.debug_barrier()
                     _st_release_sys(ctrl_ptr + 16, seq)  # ctrl[DONE]
                 seq = tl.where(seq >= 2147483647, 1, seq + 1)

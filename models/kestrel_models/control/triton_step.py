@@ -144,6 +144,31 @@ if triton is not None:
             tl.store(hout_ptr + b * H + units, h2, mask=umask)
 
     @triton.jit
+    def _head_row(hnew_ptr, h_ptr, w, bias, obs_ptr, lo, hi, out_ptr, b, hs, hmask, acts,
+                  amask, jmask, H, A, NJ, D, OUT_W, scale, POST: tl.constexpr,
+                  CACHE: tl.constexpr):
+        """Row b of the head: h' = hnew[b] (loaded with cache modifier CACHE) is copied back
+        to h[b]; a = w h' + bias -> out[b, :A]; with POST out[b, A:A+NJ] = clamp(obs[b, :NJ] +
+        scale * tanh(a[:NJ]), lo, hi), out[b, A+NJ] = every action finite (1/0),
+        out[b, A+NJ+1] = some joint clamped (1/0). w [A_P, H_P], bias/lo/hi [A_P] in registers.
+        Shared by _head_post_kernel and the persistent kernel (persistent_kernel.py)."""
+        h = tl.load(hnew_ptr + b * H + hs, mask=hmask, other=0.0, cache_modifier=CACHE)
+        tl.store(h_ptr + b * H + hs, h, mask=hmask)  # the state copy-back
+        a = tl.sum(w * h[None, :], 1) + bias  # [A_P]
+        tl.store(out_ptr + b * OUT_W + acts, a, mask=amask)
+        if POST:
+            # a - a is 0 for finite a, NaN for NaN/inf (no fast-math in Triton)
+            bad = tl.sum(tl.where(amask & ((a - a) != 0.0), 1, 0), 0)
+            pos = tl.load(obs_ptr + b * D + acts, mask=jmask, other=0.0)
+            raw = pos + scale * libdevice.tanh(a)
+            # where-based clamp: NaN stays NaN, as torch.maximum/minimum propagate it
+            cmd = tl.where(raw < lo, lo, tl.where(raw > hi, hi, raw))
+            clamped = tl.sum(tl.where(jmask & (cmd != raw), 1, 0), 0)
+            tl.store(out_ptr + b * OUT_W + A + acts, cmd, mask=jmask)
+            tl.store(out_ptr + b * OUT_W + A + NJ, tl.where(bad == 0, 1.0, 0.0))
+            tl.store(out_ptr + b * OUT_W + A + NJ + 1, tl.where(clamped > 0, 1.0, 0.0))
+
+    @triton.jit
     def _head_post_kernel(hnew_ptr, h_ptr, w_ptr, bias_ptr, obs_ptr, lo_ptr, hi_ptr, out_ptr,
                           H, A, NJ, D, OUT_W, scale, B: tl.constexpr, H_P: tl.constexpr,
                           A_P: tl.constexpr, POST: tl.constexpr):
@@ -161,21 +186,8 @@ if triton is not None:
         lo = tl.load(lo_ptr + acts, mask=jmask, other=0.0)
         hi = tl.load(hi_ptr + acts, mask=jmask, other=0.0)
         for b in tl.static_range(B):
-            h = tl.load(hnew_ptr + b * H + hs, mask=hmask, other=0.0)
-            tl.store(h_ptr + b * H + hs, h, mask=hmask)  # the state copy-back
-            a = tl.sum(w * h[None, :], 1) + bias  # [A_P]
-            tl.store(out_ptr + b * OUT_W + acts, a, mask=amask)
-            if POST:
-                # a - a is 0 for finite a, NaN for NaN/inf (no fast-math in Triton)
-                bad = tl.sum(tl.where(amask & ((a - a) != 0.0), 1, 0), 0)
-                pos = tl.load(obs_ptr + b * D + acts, mask=jmask, other=0.0)
-                raw = pos + scale * libdevice.tanh(a)
-                # where-based clamp: NaN stays NaN, as torch.maximum/minimum propagate it
-                cmd = tl.where(raw < lo, lo, tl.where(raw > hi, hi, raw))
-                clamped = tl.sum(tl.where(jmask & (cmd != raw), 1, 0), 0)
-                tl.store(out_ptr + b * OUT_W + A + acts, cmd, mask=jmask)
-                tl.store(out_ptr + b * OUT_W + A + NJ, tl.where(bad == 0, 1.0, 0.0))
-                tl.store(out_ptr + b * OUT_W + A + NJ + 1, tl.where(clamped > 0, 1.0, 0.0))
+            _head_row(hnew_ptr, h_ptr, w, bias, obs_ptr, lo, hi, out_ptr, b, hs, hmask, acts,
+                      amask, jmask, H, A, NJ, D, OUT_W, scale, POST, "")
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
