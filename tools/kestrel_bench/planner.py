@@ -83,6 +83,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft-weights", default="", help="spec_trained: draft state dict")
     ap.add_argument("--draft-config", default="draft", help="spec_trained: draft preset")
     ap.add_argument("--goals", type=int, default=32, help="spec_trained: held-out goals")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows and ratios this run does not measure from the record "
+                         "at the output path (each row names its run)")
     rec_mod.add_common_arguments(ap)
 
 
@@ -240,6 +243,10 @@ def run(args: argparse.Namespace) -> int:
     pd.to_record(record, decode_rows)
     if tables:
         record["tables"] = tables
+    if args.merge:
+        path, _ = rec_mod.paths(rec_mod.out_stem(args.out, "planner", record.machine_class))
+        if path.is_file():
+            rec_mod.merge_unmeasured(record, rec_mod.load(path))
     rec_mod.finish(record, args)
     return 0
 

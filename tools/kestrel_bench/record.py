@@ -170,6 +170,42 @@ def validate(record: dict) -> list[str]:
     return errors
 
 
+def merge_unmeasured(record: dict, old: dict) -> list[str]:
+    """Append to `record` the rows of `old` (an earlier record of the same benchmark on the
+    same machine class) that it did not measure, and old's ratios it has no value for. Each
+    kept row gets `run`: old's commit, date and command (or the run the row already names).
+    Baseline and optimized stay a same-run pair: a run without a baseline row has no optimized
+    row either, and the kept rows keep those roles only when both are kept and the run holds
+    neither; otherwise they become 'variant'. A note per run names its rows. Returns the
+    names of the rows kept."""
+    have = {r["name"] for r in record["results"]}
+    if not any(r["role"] == "baseline" for r in record["results"]):
+        for r in record["results"]:
+            if r["role"] == "optimized":
+                r["role"] = "variant"
+    run = {k: old.get(k) for k in ("commit", "date", "command")}
+    kept = [dict(r, run=r.get("run") or run) for r in old.get("results", [])
+            if r.get("name") not in have]
+    pair = sorted(row["role"] for row in kept if row["role"] != "variant")
+    if pair != ["baseline", "optimized"] or any(r["role"] != "variant"
+                                                for r in record["results"]):
+        for row in kept:
+            row["role"] = "variant"
+    record["results"].extend(kept)
+    for k, v in old.get("ratios", {}).items():
+        record["ratios"].setdefault(k, v)
+    by_run: dict[tuple, list[str]] = {}
+    for row in kept:
+        by_run.setdefault((row["run"].get("commit"), row["run"].get("date")), []).append(
+            row["name"])
+    for (commit, date), names in by_run.items():
+        record["notes"].append(f"not measured by this command, kept from the run at commit "
+                               f"{commit} on {date}: rows {', '.join(names)}")
+    if kept:
+        record["notes"].append("ratios not measured by this command are the earlier runs'")
+    return [row["name"] for row in kept]
+
+
 def out_stem(out: str | None, benchmark: str, machine_class: str) -> Path:
     """--out as given, else docs/benchmarks/<benchmark>_<class> in the repository ('-' in the
     benchmark name becomes '_')."""

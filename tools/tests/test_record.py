@@ -129,3 +129,36 @@ def test_power_from_energy_counter(monkeypatch: pytest.MonkeyPatch) -> None:
     assert r["method"] == "energy_counter" and r["energy_j"] == pytest.approx(300.0)
     assert r["energy_j_per_item"] == pytest.approx(0.3) and r["item"] == "control step"
     assert 250 < r["avg_w"] < 301
+
+
+def test_merge_keeps_the_unmeasured_rows_with_their_run() -> None:
+    """A run of some sections keeps the others from the earlier record: each kept row names
+    its run (also through a second merge), baseline and optimized stay a same-run pair, the
+    new run's rows and ratios win."""
+    def rec(date: str, rows: list[tuple[str, str]], ratios: dict) -> record.Record:
+        r = record.Record("planner", {}, ["--x"], commit=f"c{date}", machine={"class": "h100"})
+        r["date"] = date
+        for name, role in rows:
+            r.add(name, role, throughput=1.0, unit="tok/s")
+        r["ratios"].update(ratios)
+        return r
+
+    old = rec("d1", [("hf", "baseline"), ("eng", "optimized"), ("spec", "variant"),
+                     ("prefix", "variant")], {"eng_vs_hf": 3.0, "spec_vs_eng": 0.1})
+    new = rec("d2", [("spec", "optimized"), ("prefix", "variant")], {"spec_vs_eng": 0.7})
+    assert record.merge_unmeasured(new, old) == ["hf", "eng"]
+    roles = {r["name"]: (r["role"], r.get("run", {}).get("date")) for r in new["results"]}
+    assert roles == {"spec": ("variant", None), "prefix": ("variant", None),
+                     "hf": ("baseline", "d1"), "eng": ("optimized", "d1")}
+    assert new["ratios"] == {"spec_vs_eng": 0.7, "eng_vs_hf": 3.0}
+    assert any("cd1 on d1: rows hf, eng" in n for n in new["notes"])
+    assert record.validate(new) == []
+    third = rec("d3", [("prefix", "variant")], {})
+    record.merge_unmeasured(third, new)
+    runs = {r["name"]: r.get("run", {}).get("date") for r in third["results"]}
+    assert runs == {"prefix": None, "spec": "d2", "hf": "d1", "eng": "d1"}
+    # the optimized row measured again without its baseline: no pair across runs
+    again = rec("d4", [("eng", "optimized")], {})
+    record.merge_unmeasured(again, old)
+    assert {r["name"]: r["role"] for r in again["results"]} == {
+        "eng": "variant", "hf": "variant", "spec": "variant", "prefix": "variant"}
