@@ -144,6 +144,7 @@ def test_trainer_trains_the_draft_of_the_small_model(tmp_path: Path) -> None:
     assert all(r.drafted > 0 for r in spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("speculative", "temperature", "kept"),
                          [(False, 0.0, 0), (False, 0.7, 0), (True, 0.0, 0), (False, 0.0, 4)])
 def test_configure_captures_the_graphs_goals_replay(monkeypatch: pytest.MonkeyPatch,
