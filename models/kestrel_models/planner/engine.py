@@ -300,6 +300,10 @@ class DecodeEngine(PrefillMixin):
                 return 1
         return n
 
+    def graph_count(self) -> int:
+        """CUDA graphs captured so far: decode steps and prefills."""
+        return len(self._graphs) + len(self._pgraphs)
+
     @torch.inference_mode()
     def warmup(self, batch_sizes: Sequence[int], kv_lens: Sequence[int],
                sampled: bool = False) -> None:

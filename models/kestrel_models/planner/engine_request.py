@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["EngineRequest", "LogitsProcessor", "greedy_pick", "sample_on_device",
+__all__ = ["EngineRequest", "pow2_ladder", "LogitsProcessor", "greedy_pick", "sample_on_device",
            "two_stage_argmax", "GREEDY"]
 
 GREEDY = ("argmax", "two_stage")  # DecodeEngine(greedy=...): the all-greedy step's pick
@@ -83,3 +83,13 @@ def _pow2_at_least(n: int, lo: int, hi: int) -> int:
     while b < n:
         b *= 2
     return min(b, hi)
+
+
+def pow2_ladder(first: int, last: int) -> list[int]:
+    """Lengths first, 2 first, 4 first, ... below last, then last: one per power-of-two
+    bucket up to last's (the lengths a warm-up captures graphs for)."""
+    out = []
+    while first < last:
+        out.append(first)
+        first *= 2
+    return out + [last]

@@ -184,6 +184,10 @@ class SpeculativeDecoder:
 
         return self._run(("verify", b, lt), body)
 
+    def graph_count(self) -> int:
+        """CUDA graphs captured so far: prefills, draft and verification passes, rounds."""
+        return len(self._graphs)
+
     @torch.inference_mode()
     def warmup(self, batch_sizes: Sequence[int], kv_lens: Sequence[int]) -> None:
         """Capture the host rounds' draft and verification graphs for these batch sizes and

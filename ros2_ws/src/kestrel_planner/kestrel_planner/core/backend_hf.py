@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from kestrel_models.planner import ByteTokenizer
+from kestrel_models.planner.engine_request import pow2_ladder
 from kestrel_models.planner.hf import parse_dtype
 from kestrel_models.planner.hf_engine.runner import open_hf
 from kestrel_models.planner.tokenizer import HFTokenizer
@@ -144,14 +145,14 @@ class HFPlanBackend:
             reached = n_img + length
             length *= 2
         longest = min(reached + cfg.max_new_tokens, self.vlm.max_positions)
-        kv_lens = [128 << i for i in range(16) if 128 << i < longest] + [longest]
-        eng.warmup(range(1, cfg.max_batch + 1), kv_lens, cfg.temperature > 0)
+        eng.warmup(range(1, cfg.max_batch + 1), pow2_ladder(128, longest),
+                   cfg.temperature > 0)
         return self.graph_count() - before
 
     def graph_count(self) -> int:
         """CUDA graphs the engine captured so far (prefill and decode step; 0: transformers)."""
         eng = getattr(self.vlm, "engine", None)
-        return 0 if eng is None else len(eng._graphs) + len(eng._pgraphs)
+        return 0 if eng is None else eng.graph_count()
 
     def _image_chat(self, user: str) -> list[int]:
         """The chat prompt with the image where the model's template puts it: a user turn of

@@ -28,6 +28,7 @@ from kestrel_models.planner import ByteTokenizer, StreamDecoder, VisionLanguageM
 from kestrel_models.planner import generate as generate_tokens
 from kestrel_models.planner import get_config
 from kestrel_models.planner.engine import DecodeEngine
+from kestrel_models.planner.engine_request import pow2_ladder
 from kestrel_models.planner.speculative import SpeculativeDecoder, truncated_draft
 from kestrel_models.planner.vlm import bigram_state_dict
 from kestrel_planner.core.backend import DecodeJob, DecodeOutput, PlannerInputError
@@ -186,7 +187,7 @@ class LocalVLMBackend:
         # the positions those prompts reach: image + prompt + the plan budget
         longest = min(self._n_img + length + cfg.max_new_tokens + self._reserve,
                       s.max_seq_len)
-        kv_lens = [128 << i for i in range(16) if 128 << i < longest] + [longest]
+        kv_lens = pow2_ladder(128, longest)
         if self.spec is not None:
             self.spec.warmup(range(1, cfg.max_batch + 1), kv_lens)
             return self.graph_count() - before
@@ -196,16 +197,13 @@ class LocalVLMBackend:
             head = len(self.tokenizer.encode(scene_prompt([]), add_bos=True))
             rest = len(self.tokenizer.encode(plain_prompt("x" * cfg.max_instruction_chars,
                                                           []), add_bos=True)) - head
-            buckets = [16 << i for i in range(16) if 16 << i < rest] + [rest]
-            self.engine.warmup_kept(buckets, kv_lens, self._n_img + head)
+            self.engine.warmup_kept(pow2_ladder(16, rest), kv_lens, self._n_img + head)
         return self.graph_count() - before
 
     def graph_count(self) -> int:
         """CUDA graphs captured so far (prefill, decode step, speculative passes)."""
-        if self.spec is not None:
-            return len(self.spec._graphs)
-        return 0 if self.engine is None else len(self.engine._graphs) + len(
-            self.engine._pgraphs)
+        dec = self.spec if self.spec is not None else self.engine
+        return 0 if dec is None else dec.graph_count()
 
     # ---- prompt ----------------------------------------------------------------------------
     def build_prompt(self, instruction: str, names: Sequence[str]) -> list[int]:
