@@ -17,7 +17,6 @@ def _one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
-
 @pytest.fixture
 def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> Callable[[ModuleType], None]:
     """cpu_graphs(module): that module's `capture` (graphs.capture) becomes tests/cpu_graphs.py's
