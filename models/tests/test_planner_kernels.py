@@ -100,6 +100,19 @@ def test_option_errors(model: VisionLanguageModel) -> None:
         DecodeEngine(model, 1, 64, EOS, greedy="topk")
 
 
+def test_greedy_auto_takes_two_stage_for_large_vocabularies(model: VisionLanguageModel
+                                                            ) -> None:
+    """greedy='auto': one argmax for a small vocabulary, the two-stage argmax (same ids)
+    from TWO_STAGE_MIN_VOCAB tokens up; the default stays 'argmax'."""
+    from kestrel_models.planner.config import VLMConfig
+    from kestrel_models.planner.engine_request import TWO_STAGE_MIN_VOCAB
+    assert DecodeEngine(model, 1, 64, EOS, greedy="auto").greedy == "argmax"
+    big = VisionLanguageModel(VLMConfig(vocab_size=TWO_STAGE_MIN_VOCAB, dim=32, n_heads=2,
+                                        n_kv_heads=1, n_layers=1, ffn_hidden=64))
+    assert DecodeEngine(big, 1, 64, EOS, greedy="auto").greedy == "two_stage"
+    assert DecodeEngine(big, 1, 64, EOS).greedy == "argmax"
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

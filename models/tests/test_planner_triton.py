@@ -26,6 +26,7 @@ EOS = 257
 TORCH = dict(decode_attention="grouped", mlp="inductor")  # the torch paths ('auto' on CPU)
 OPTIONS = [dict(decode_attention="triton"), dict(decode_attention="triton_split"),
            dict(mlp="triton_down"), dict(mlp="triton"), dict(decode_attention="triton_fused"),
+           dict(decode_attention="triton_fused_split", mlp="triton_down_residual"),
            dict(decode_attention="triton_fused", mlp="triton_down", steps_per_replay=4),
            dict(decode_attention="auto", mlp="auto"),
            dict(decode_attention="triton", mlp="triton", gemv="cublas:qkv,o,lm_head",
@@ -123,6 +124,10 @@ def test_ops_are_valid_custom_ops() -> None:
     torch.library.opcheck(td.decode_attention_fused, (qkv, cis, kc, vc, pos, 48, 0))
     x, w = torch.randn(2, 2 * 40), torch.randn(24, 40)
     torch.library.opcheck(td.silu_gemv, (x, w, 4, True))
+    torch.library.opcheck(td.decode_attention_fused_split,
+                          (qkv, cis, kc, vc, pos, td.attn_sem(3, 2, "cpu"), 48, 16, 0))
+    torch.library.opcheck(td.silu_gemv_add, (x, w, torch.randn(2, 24), torch.zeros(4, dtype=
+                                             torch.int32), 4, True))
     torch.library.opcheck(td.rms_w13_silu, (torch.randn(2, 24), torch.rand(24), 1e-5,
                                             torch.randn(80, 24)))
 
@@ -139,6 +144,11 @@ def test_gemv_ops_cpu_values() -> None:
     torch.testing.assert_close(part[0], F.linear(a[:, :kc], w[:, :kc]), rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(td.silu_gemv(a, w, 2, False).sum(0), F.linear(a, w),
                                rtol=1e-4, atol=1e-3)
+    res = torch.randn(3, n, generator=g)
+    sem = td.gemv_sem(3, n, "cpu")
+    torch.testing.assert_close(td.silu_gemv_add(x, w, res, sem, 4, True), res + F.linear(a, w),
+                               rtol=1e-4, atol=1e-3)
+    assert not sem.any()
     xn, nw, w13 = torch.randn(3, 40, generator=g), torch.rand(40, generator=g), torch.randn(
         2 * f, 40, generator=g)
     h = F.rms_norm(xn, (40,), nw, 1e-6)
@@ -166,7 +176,9 @@ def test_decode_step_traces_as_one_graph_with_the_triton_ops(model: VisionLangua
     pos = torch.tensor([9, 5])
     ref = KVModel(model, 2, 128)
     kvs = [KVModel(model, 2, 128, decode_attention="triton_split", mlp="triton"),
-           KVModel(model, 2, 128, decode_attention="triton_fused", mlp="triton_down")]
+           KVModel(model, 2, 128, decode_attention="triton_fused", mlp="triton_down"),
+           KVModel(model, 2, 128, decode_attention="triton_fused_split",
+                   mlp="triton_down_residual")]
     for m in (ref, *kvs):
         m.forward(m.embed_tokens(toks), torch.zeros(2, dtype=torch.long), slice(0, 2), 9)
     steps = [torch.compile(kv.decode, fullgraph=True, dynamic=False, backend="aot_eager")
@@ -279,10 +291,13 @@ def test_fused_attention_matches_reference_on_gpu(dtype: torch.dtype) -> None:
             want_v[i, :, p] = x[i, 0, h + hkv:]
         want = td.attention_ref(qk[:, :h].float(), want_k[:b, :, :L].float().nan_to_num(),
                                 want_v[:b, :, :L].float().nan_to_num(), pos)
-        for chunk in (0, 32, 128):
+        sem = td.attn_sem(mb, hkv, "cuda")
+        for chunk, one in ((0, None), (32, None), (128, None), (32, sem), (64, sem), (64, sem)):
             k2, v2 = kc.clone(), vc.clone()
-            got = td.decode_attention_fused(qkv, cis, k2, v2, pos, L, chunk)
+            got = (td.decode_attention_fused(qkv, cis, k2, v2, pos, L, chunk) if one is None
+                   else td.decode_attention_fused_split(qkv, cis, k2, v2, pos, one, L, chunk))
             assert got.dtype == dtype and got.shape == (b, h * hd)
+            assert not sem.any()  # every counter back to zero (reused by the next call)
             torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
             ktol = 1e-2 if dtype == torch.bfloat16 else 1e-6
             torch.testing.assert_close(k2, want_k, rtol=ktol, atol=ktol, equal_nan=True)
@@ -304,6 +319,15 @@ def test_triton_gemvs_match_reference_on_gpu() -> None:
         want = a @ w2.float().T
         got = td.silu_gemv(x, w2, td.GEMV_CFG["down"][2], True).sum(0)
         assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+        # one kernel: the last split of each block of outputs sums them and adds the residual
+        # (the same roundings as the two-kernel path: fp32 sum -> bf16, + res -> bf16)
+        res = torch.randn(m, d, generator=g).cuda().bfloat16()
+        sem = td.gemv_sem(m, d, "cuda")
+        two = res + td.silu_gemv(x, w2, td.GEMV_CFG["down"][2], True).sum(0).bfloat16()
+        for _ in range(3):  # the counters return to zero: calls repeat
+            one = td.silu_gemv_add(x, w2, res, sem, td.GEMV_CFG["down"][2], True)
+            assert one.dtype == torch.bfloat16 and not sem.any()
+            assert (one.float() - two.float()).abs().max() <= 1e-2 * two.float().abs().max()
         xn = torch.randn(m, d, generator=g).cuda().bfloat16()
         nw = torch.rand(d, generator=g).cuda().bfloat16()
         w13 = (torch.randn(2 * f, d, generator=g) / d ** 0.5).cuda().bfloat16()
@@ -327,7 +351,9 @@ def test_compiled_triton_engine_equals_eager_on_gpu() -> None:
     assert (auto.kv.decode_attention, auto.kv.mlp) == (AUTO_CUDA["decode_attention"],
                                                        AUTO_CUDA["mlp"])
     assert auto.generate(prompts, 24, images=imgs).tokens == eager.tokens
-    for kw in (dict(), dict(decode_attention="triton_split", mlp="triton")):
+    for kw in (dict(), dict(decode_attention="triton_split", mlp="triton"),
+               dict(decode_attention="triton_fused_split", mlp="triton_down_residual",
+                    greedy="auto")):
         eng = DecodeEngine(m, 4, 256, EOS, compile_step=True, steps_per_replay=4, **kw)
         got = eng.generate(prompts, 24, images=imgs)
         assert got.tokens == eager.tokens, kw

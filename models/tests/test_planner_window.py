@@ -89,6 +89,9 @@ def test_window_kernels_match_reference_on_gpu(dtype: torch.dtype) -> None:
         qkv = torch.cat([q.reshape(b, -1), k[bi, :, pos].reshape(b, -1),
                          v[bi, :, pos].reshape(b, -1)], dim=1)
         cis = torch.stack([torch.ones(b, hd // 2), torch.zeros(b, hd // 2)], -1).cuda()
-        for chunk in (0, 32):
-            got = td.decode_attention_fused(qkv, cis, kc.clone(), vc.clone(), pos, L, chunk, w)
+        sem = td.attn_sem(b, hkv, "cuda")
+        for chunk, one in ((0, None), (32, None), (32, sem)):
+            args = (qkv, cis, kc.clone(), vc.clone(), pos)
+            got = (td.decode_attention_fused(*args, L, chunk, w) if one is None
+                   else td.decode_attention_fused_split(*args, one, L, chunk, w))
             torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)

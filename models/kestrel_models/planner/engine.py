@@ -48,7 +48,8 @@ Decode-step kernel options: `gemv` ('inductor' | 'cublas' | 'cublas:<linears>'),
 `decode_attention` ('auto' | 'grouped' | 'sdpa' | 'triton' | 'triton_split' | 'triton_fused')
 and `mlp` ('auto' | 'inductor' | 'triton_down' | 'triton'), see kvmodel.py ('auto': Triton on
 CUDA when importable, else the torch paths); `greedy` ('argmax' | 'two_stage': block maxima
-then their argmax, the same ids) for all-greedy steps.
+then their argmax, the same ids | 'auto': two_stage for vocabularies of at least
+TWO_STAGE_MIN_VOCAB tokens) for all-greedy steps.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ from torch import Tensor
 
 from kestrel_models.planner.attention_policy import AttentionPolicy
 from kestrel_models.planner.decoder import PackedDecoder
-from kestrel_models.planner.engine_request import (GREEDY, EngineRequest, LogitsProcessor,
+from kestrel_models.planner.engine_request import (GREEDY, TWO_STAGE_MIN_VOCAB, EngineRequest,
+                                                   LogitsProcessor,
                                                    _pow2_at_least, greedy_pick,
                                                    sample_on_device, two_stage_argmax)
 from kestrel_models.planner.generate import GenerationResult, _pick
@@ -88,7 +90,6 @@ class DecodeEngine(PrefillMixin):
                  mlp: str = "auto", prefix_entries: int = 0) -> None:
         if greedy not in GREEDY:
             raise ValueError(f"parameter 'greedy' = {greedy!r}: must be one of {GREEDY}")
-        self._greedy = two_stage_argmax if greedy == "two_stage" else greedy_pick
         if steps_per_replay < 1:
             raise ValueError(f"parameter 'steps_per_replay' = {steps_per_replay}: must be >= 1")
         if compile and compile_step:
@@ -97,6 +98,11 @@ class DecodeEngine(PrefillMixin):
         self.model = model.eval() if isinstance(model, torch.nn.Module) else model
         self.kv = KVModel(model, max_batch, max_len, compile=compile, policy=attention,
                           gemv=gemv, decode_attention=decode_attention, mlp=mlp)
+        if greedy == "auto":
+            big = self.kv.cfg.vocab_size >= TWO_STAGE_MIN_VOCAB
+            greedy = "two_stage" if big else "argmax"
+        self.greedy = greedy
+        self._greedy = two_stage_argmax if greedy == "two_stage" else greedy_pick
         self.dec = self.kv.dec  # the packed decoder and its image side
         self.max_batch, self.max_len, self.eos_id = max_batch, max_len, eos_id
         dev = self.kv.device

@@ -9,9 +9,13 @@ import torch
 from torch import Tensor
 
 __all__ = ["EngineRequest", "pow2_ladder", "LogitsProcessor", "greedy_pick", "sample_on_device",
-           "two_stage_argmax", "GREEDY"]
+           "two_stage_argmax", "GREEDY", "TWO_STAGE_MIN_VOCAB"]
 
-GREEDY = ("argmax", "two_stage")  # DecodeEngine(greedy=...): the all-greedy step's pick
+# DecodeEngine(greedy=...): the all-greedy step's pick
+GREEDY = ("argmax", "two_stage", "auto")
+# greedy='auto': two_stage from this vocabulary size up (inductor reduces a whole row of the
+# argmax in one program), argmax below it
+TWO_STAGE_MIN_VOCAB = 32768
 
 LogitsProcessor = Callable[[list[int], Tensor], Tensor]
 

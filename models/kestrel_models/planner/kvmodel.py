@@ -41,11 +41,16 @@ Decode-step kernel choices (only what `decode` runs; prefill is unchanged):
   query heads together, online softmax over positions <= pos only) or 'triton_split' (the
   same split over chunks of ATTN_SPLIT_CHUNK keys + a combine kernel), 'triton_fused' (one
   kernel per layer from the raw qkv projection: RoPE of q/k, the k/v cache write at pos and
-  the attention, kestrel::decode_attention_fused) or 'auto' (the default). These apply to the
-  dense policy; the gathered policies keep their own attention.
+  the attention, kestrel::decode_attention_fused), 'triton_fused_split' (the same kernel split
+  over chunks of ATTN_SPLIT_CHUNK keys, still one kernel: the last chunk of a (row, kv head) to
+  finish combines them; more programs for models with few kv heads) or 'auto' (the default).
+  These apply to the dense policy; the gathered policies keep their own attention.
 - `mlp`: 'inductor' (torch code, inductor's GEMVs), 'triton_down' (SiLU*up fused
-  into a split-K Triton w_down GEMV, kestrel::silu_gemv; inductor keeps RMSNorm + w13) or
-  'triton' (also RMSNorm + w13 + SiLU*up as one Triton kernel, kestrel::rms_w13_silu).
+  into a split-K Triton w_down GEMV, kestrel::silu_gemv, then a reduction kernel adds up the
+  splits and the residual; inductor keeps RMSNorm + w13), 'triton_down_residual' (the same
+  GEMV whose last split per block of outputs adds up the splits and the residual itself,
+  kestrel::silu_gemv_add: no reduction kernel) or 'triton' (also RMSNorm + w13 + SiLU*up as
+  one Triton kernel, kestrel::rms_w13_silu; w_down as 'triton_down').
   Those GEMV kernels read the weights once per row, so they run only in steps of at most
   MLP_KERNEL_ROWS rows; a larger batch bucket takes the torch MLP (one GEMM reads them once).
   The Triton ops have torch CPU paths, so every option runs (and is tested) on CPU too.
@@ -69,7 +74,8 @@ from kestrel_models.planner.attention_policy import (AttentionPolicy, attend_gat
 from kestrel_models.planner import triton_decode
 from kestrel_models.planner.decoder import PackedDecoder, VLMDecoder
 from kestrel_models.planner.triton_decode import decode_attention as triton_attention
-from kestrel_models.planner.triton_decode import decode_attention_fused, mlp_triton
+from kestrel_models.planner.triton_decode import (decode_attention_fused,
+                                                  decode_attention_fused_split, mlp_triton)
 from kestrel_models.planner.vlm import VisionLanguageModel
 
 __all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "AUTO_CUDA", "MLP_KERNEL_ROWS",
@@ -77,12 +83,13 @@ __all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "AUTO_CUDA", "MLP_KE
 
 SDPA_MIN_CHUNK = 32  # chunks with S >= this use F.scaled_dot_product_attention
 LINEARS = ("qkv", "o", "w13", "w2", "lm_head")  # the decode step's linear layers
-DECODE_ATTENTION = ("auto", "grouped", "sdpa", "triton", "triton_split", "triton_fused")
-MLP = ("auto", "inductor", "triton_down", "triton")
+DECODE_ATTENTION = ("auto", "grouped", "sdpa", "triton", "triton_split", "triton_fused",
+                    "triton_fused_split")
+MLP = ("auto", "inductor", "triton_down", "triton_down_residual", "triton")
 # What 'auto' picks on CUDA with triton (best measured, docs/benchmarks/planner_h200.md).
 AUTO_CUDA = {"decode_attention": "triton_fused", "mlp": "triton_down"}
-ATTN_SPLIT_CHUNK = 64  # keys per program of decode_attention='triton_split'
-MLP_KERNEL_ROWS = 1  # most rows of a decode step that mlp='triton_down' | 'triton' runs
+ATTN_SPLIT_CHUNK = 64  # keys per program of decode_attention='triton_split' | 'triton_fused_split'
+MLP_KERNEL_ROWS = 1  # most rows of a decode step that the Triton MLP options run
 
 
 @torch.library.custom_op("kestrel::linear", mutates_args=())
@@ -275,8 +282,15 @@ class KVModel:
                        for _ in self.layers] if h2o else [])
         self._real_rope = compile
         self.gemv, self.decode_attention, self.mlp = gemv, decode_attention, mlp
-        self._attn_chunk = ATTN_SPLIT_CHUNK if decode_attention == "triton_split" else 0
-        self._fused = decode_attention == "triton_fused"
+        split = decode_attention in ("triton_split", "triton_fused_split")
+        self._attn_chunk = ATTN_SPLIT_CHUNK if split else 0
+        self._fused = decode_attention.startswith("triton_fused")
+        # arrival counters of the one-kernel splits (zero between calls; shared by the layers,
+        # whose kernels run one after another)
+        self._attn_sem = (triton_decode.attn_sem(max_batch, cfg.n_kv_heads, dev)
+                          if decode_attention == "triton_fused_split" else None)
+        self._gemv_sem = (triton_decode.gemv_sem(MLP_KERNEL_ROWS, cfg.dim, dev)
+                          if mlp == "triton_down_residual" else None)
 
         def lin(name: str) -> Callable:
             return cublas_linear if name in cub else F.linear
@@ -288,7 +302,8 @@ class KVModel:
         # steps of more than MLP_KERNEL_ROWS rows: the same without the MLP kernel
         self._post_kw_rows = dict(self._post_kw)
         if mlp != "inductor":
-            self._post_kw["mlp"] = partial(mlp_triton, fuse_w13=mlp == "triton")
+            self._post_kw["mlp"] = partial(mlp_triton, fuse_w13=mlp == "triton",
+                                           sem=self._gemv_sem)
         self._lin_head = lin("lm_head")
         self._pre: Callable = torch.compile(_pre, dynamic=False) if compile else _pre
         self._attn_post: Callable = (torch.compile(_attn_post, dynamic=False) if compile
@@ -424,6 +439,7 @@ class KVModel:
         post_kw = self._post_kw if b <= MLP_KERNEL_ROWS else self._post_kw_rows
         fused = self._fused and mask_add is not None
         lin_qkv = self._pre_kw.get("lin_qkv", F.linear)
+        cis0 = cis[:, 0]  # one tensor for every layer's fused op (inductor computes it once)
         for i, w in enumerate(self.layers):
             win = self.window[i]
             if fused:  # RoPE + k/v cache write + attention: one op (kernel) per layer
@@ -431,8 +447,13 @@ class KVModel:
                 qkv = lin_qkv(h, w["wqkv"])[:, 0]
                 if w["bqkv"] is not None:
                     qkv = qkv + w["bqkv"]
-                a = decode_attention_fused(qkv, cis[:, 0], self.k[i], self.v[i], pos, kv_len, 0,
-                                           win)  # [B, H * hd]
+                if self._attn_sem is not None:  # [B, H * hd]
+                    a = decode_attention_fused_split(qkv, cis0, self.k[i], self.v[i], pos,
+                                                     self._attn_sem, kv_len, self._attn_chunk,
+                                                     win)
+                else:
+                    a = decode_attention_fused(qkv, cis0, self.k[i], self.v[i], pos, kv_len,
+                                               self._attn_chunk, win)
                 x = _post(x, a[:, None], w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"],
                           w["w2"], **post_kw)
                 continue

@@ -20,6 +20,16 @@ kestrel::decode_attention_fused(qkv, cis, k_cache, v_cache, pos, kv_len, chunk, 
     window, as decode_attention) -> [B, H*hd].
     The kernel takes the new key from registers (the cache is read only below pos[b]: no
     read-after-write inside the kernel); kv_len only bounds the CPU path's key slice.
+kestrel::decode_attention_fused_split(qkv, cis, k_cache, v_cache, pos, sem, kv_len, chunk,
+                                     window) -> out
+    the same op with the keys split over programs (chunk > 0) in ONE kernel: each (row, kv
+    head, chunk) program stores its partial softmax state, then adds 1 to its (row, kv head)
+    counter in sem (attn_sem(): int32, zero; acq_rel at GPU scope, after a CTA barrier); the
+    program that arrives last combines the partials and sets the counter back to zero.
+kestrel::silu_gemv_add(x, w, res, sem, n_split, silu) -> y [M, N] in res's dtype
+    res + the sum over splits of silu_gemv's partials, in one kernel: the last split to
+    arrive at each (row, block of outputs) counter (gemv_sem()) adds them up with the
+    residual (the same roundings as `res + partial.sum(0).to(res.dtype)`).
 kestrel::silu_gemv(x, w, n_split, silu) -> partial [n_split, M, N] float32
     split-K GEMV: sum over dim 0 = a @ w.T with a = silu(x[:, :F]) * x[:, F:] (silu=True,
     x [M, 2F], w [N, F]: the SwiGLU product fused into w_down's prologue) or a = x (x [M, K]).
@@ -51,7 +61,9 @@ except ImportError:  # CPU CI: the ops' torch path still works
     triton = tl = None  # type: ignore[assignment]
     HAVE_TRITON = False
 
-__all__ = ["HAVE_TRITON", "decode_attention", "decode_attention_fused", "silu_gemv",
+__all__ = ["HAVE_TRITON", "decode_attention", "decode_attention_fused",
+           "decode_attention_fused_split", "silu_gemv",
+           "silu_gemv_add", "attn_sem", "gemv_sem",
            "rms_w13_silu", "mlp_triton", "attention_ref", "fused_ref", "ATTN_BLOCK_L",
            "attn_block_l", "GEMV_CFG"]
 
@@ -140,11 +152,12 @@ if HAVE_TRITON:
                sob, G, G_PAD, HD, BLOCK_L, N_SPLIT, IEEE)
 
     @triton.jit
-    def _fused_attn_kernel(x_ptr, cis_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, sxb, scb,
-                           skb, skh, skl, svb, svh, svl, sob, window, H: tl.constexpr,
-                           HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                           HD: tl.constexpr, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr,
-                           N_SPLIT: tl.constexpr, IEEE: tl.constexpr):
+    def _fused_attn_kernel(x_ptr, cis_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, y_ptr,
+                           sem_ptr, sxb, scb, skb, skh, skl, svb, svh, svl, sob, soy, window,
+                           H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                           G_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_L: tl.constexpr,
+                           CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                           SEM: tl.constexpr):
         b, hk, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         p = tl.load(pos_ptr + b).to(tl.int32)
         g = tl.arange(0, G_PAD)
@@ -181,30 +194,52 @@ if HAVE_TRITON:
             start = tl.maximum(start, p - window + 1)
         _flash(q, kb, vb, skl, svl, m_i, l_i, acc, start, end, o_ptr, m_ptr, l_ptr, b, hk, s,
                sob, G, G_PAD, HD, BLOCK_L, N_SPLIT, IEEE)
+        if SEM:  # the last split of (row, kv head) to finish combines all of them
+            if _last_arrival(sem_ptr + b * HKV + hk, N_SPLIT):
+                _combine(m_ptr, l_ptr, o_ptr, y_ptr, soy, b, hk, HKV, G, G_PAD, HD, N_SPLIT)
+                tl.atomic_xchg(sem_ptr + b * HKV + hk, 0)  # ready for the next call
 
     @triton.jit
-    def _attn_combine(m_ptr, l_ptr, a_ptr, o_ptr, sob, G: tl.constexpr, G_PAD: tl.constexpr,
-                      HD: tl.constexpr, N_SPLIT: tl.constexpr):
-        b, hk = tl.program_id(0), tl.program_id(1)
-        base = (b * tl.num_programs(1) + hk) * N_SPLIT
+    def _last_arrival(sem_ptr, n):
+        """True in the program that arrives n-th at the counter sem_ptr (each of n programs
+        calls this once after its stores). The CTA barrier orders all threads' stores before
+        the counter's acq_rel add at GPU scope, so the last program sees every partial (its
+        loads bypass L1: .cg)."""
+        tl.debug_barrier()
+        return tl.atomic_add(sem_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
+
+    @triton.jit
+    def _combine(m_ptr, l_ptr, a_ptr, o_ptr, sob, b, hk, n_kv, G: tl.constexpr,
+                 G_PAD: tl.constexpr, HD: tl.constexpr, N_SPLIT: tl.constexpr):
+        """Output rows of (row b, kv head hk) from the N_SPLIT partials (m, l, acc)."""
+        base = (b * n_kv + hk) * N_SPLIT
         sp = tl.arange(0, N_SPLIT)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, HD)
-        mi = tl.load(m_ptr + (base + sp)[:, None] * G_PAD + g[None, :])  # [N_SPLIT, G_PAD]
-        li = tl.load(l_ptr + (base + sp)[:, None] * G_PAD + g[None, :])
+        mi = tl.load(m_ptr + (base + sp)[:, None] * G_PAD + g[None, :],
+                     cache_modifier=".cg")  # [N_SPLIT, G_PAD]
+        li = tl.load(l_ptr + (base + sp)[:, None] * G_PAD + g[None, :], cache_modifier=".cg")
         mx = tl.max(mi, 0)  # the split holding pos is never empty: finite
         w = tl.exp(mi - mx[None, :])  # empty splits: exp(-inf) = 0
         den = tl.sum(w * li, 0)  # [G_PAD]
         ai = tl.load(a_ptr + ((base + sp)[:, None, None] * G_PAD + g[None, :, None]) * HD
-                     + d[None, None, :])  # [N_SPLIT, G_PAD, HD]
+                     + d[None, None, :], cache_modifier=".cg")  # [N_SPLIT, G_PAD, HD]
         out = tl.sum(ai * w[:, :, None], 0) / den[:, None]
         rows = hk * G + g
         tl.store(o_ptr + b * sob + rows[:, None] * HD + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, o_ptr, M, N, K, sxm, swn, KC: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr):
+    def _attn_combine(m_ptr, l_ptr, a_ptr, o_ptr, sob, G: tl.constexpr, G_PAD: tl.constexpr,
+                      HD: tl.constexpr, N_SPLIT: tl.constexpr):
+        b, hk = tl.program_id(0), tl.program_id(1)
+        _combine(m_ptr, l_ptr, a_ptr, o_ptr, sob, b, hk, tl.num_programs(1), G, G_PAD, HD,
+                 N_SPLIT)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, o_ptr, res_ptr, y_ptr, sem_ptr, M, N, K, sxm, swn, srm, sym,
+                     KC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SILU: tl.constexpr, SEM: tl.constexpr, N_SPLIT: tl.constexpr):
         pn, s, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -221,6 +256,16 @@ if HAVE_TRITON:
                          mask=(n < N)[:, None] & ok[None, :], other=0.0)
             acc += wt.to(tl.float32) * a[None, :]
         tl.store(o_ptr + (s * M + m) * N + n, tl.sum(acc, 1), mask=n < N)
+        if SEM:  # the last split of this block of outputs: y = res + sum of the splits
+            cnt = sem_ptr + m * tl.num_programs(0) + pn
+            if _last_arrival(cnt, N_SPLIT):
+                sp = tl.arange(0, N_SPLIT)
+                part = tl.load(o_ptr + (sp[:, None] * M + m) * N + n[None, :],
+                               mask=(n < N)[None, :], other=0.0, cache_modifier=".cg")
+                r = tl.load(res_ptr + m * srm + n, mask=n < N, other=0.0)
+                y = (r.to(tl.float32) + tl.sum(part, 0).to(r.dtype).to(tl.float32))
+                tl.store(y_ptr + m * sym + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
+                tl.atomic_xchg(cnt, 0)  # ready for the next call
 
     @triton.jit
     def _w13_kernel(x_ptr, nw_ptr, w_ptr, o_ptr, eps, F_: tl.constexpr, K: tl.constexpr,
@@ -366,8 +411,26 @@ def _decode_attention_fused(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: 
     return _fused_triton(qkv, cis, k_cache, v_cache, pos, kv_len, chunk, window)
 
 
+def _decode_attention_fused_split(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                  pos: Tensor, sem: Tensor, kv_len: int, chunk: int,
+                                  window: int = 0) -> Tensor:
+    if qkv.device.type != "cuda":
+        return fused_ref(qkv, cis, k_cache, v_cache, pos, kv_len, window)
+    _need_triton("decode_attention='triton_fused_split'")
+    if chunk <= 0:
+        raise ValueError(f"decode_attention_fused_split: chunk = {chunk} must be > 0")
+    return _fused_triton(qkv, cis, k_cache, v_cache, pos, kv_len, chunk, window, sem)
+
+
+def attn_sem(max_batch: int, n_kv_heads: int, device: torch.device | str) -> Tensor:
+    """The zeroed arrival counters of decode_attention_fused's one-kernel split (one per
+    (row, kv head); each call leaves them zero again)."""
+    return torch.zeros(max_batch * n_kv_heads, dtype=torch.int32, device=device)
+
+
 def _fused_triton(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-                  kv_len: int, chunk: int, window: int = 0) -> Tensor:
+                  kv_len: int, chunk: int, window: int = 0, sem: Tensor | None = None
+                  ) -> Tensor:
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     cis = cis.contiguous()
     b, hkv, hd = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
@@ -382,16 +445,20 @@ def _fused_triton(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, po
     meta = dict(H=h, HKV=hkv, G=g, G_PAD=gp, HD=hd, IEEE=ieee, N_SPLIT=n_split)
     if n_split == 1:
         _wrap(_fused_attn_kernel)[(b, hkv, 1)](
-            qkv, cis, k_cache, v_cache, pos, out, out, out, *strides, out.stride(0), window,
-            BLOCK_L=attn_block_l(k_cache.element_size(), hd), CHUNK=0, **meta)
+            qkv, cis, k_cache, v_cache, pos, out, out, out, out, pos, *strides, out.stride(0),
+            0, window, BLOCK_L=attn_block_l(k_cache.element_size(), hd), CHUNK=0, SEM=False,
+            **meta)
         return out
     ml = torch.empty((2, b, hkv, n_split, gp), dtype=torch.float32, device=qkv.device)
     part = torch.empty((b, hkv, n_split, gp, hd), dtype=torch.float32, device=qkv.device)
+    one = sem is not None  # one kernel: the last split to finish combines
     _wrap(_fused_attn_kernel)[(b, hkv, n_split)](
-        qkv, cis, k_cache, v_cache, pos, part, ml[0], ml[1], *strides, 0, window,
-        BLOCK_L=attn_block_l(k_cache.element_size(), hd, chunk), CHUNK=chunk, **meta)
-    _wrap(_attn_combine)[(b, hkv)](ml[0], ml[1], part, out, out.stride(0), G=g, G_PAD=gp,
-                                   HD=hd, N_SPLIT=n_split)
+        qkv, cis, k_cache, v_cache, pos, part, ml[0], ml[1], out, sem if one else pos,
+        *strides, 0, out.stride(0), window,
+        BLOCK_L=attn_block_l(k_cache.element_size(), hd, chunk), CHUNK=chunk, SEM=one, **meta)
+    if not one:
+        _wrap(_attn_combine)[(b, hkv)](ml[0], ml[1], part, out, out.stride(0), G=g, G_PAD=gp,
+                                       HD=hd, N_SPLIT=n_split)
     return out
 
 
@@ -408,9 +475,42 @@ def _silu_gemv_triton(x: Tensor, w: Tensor, n_split: int, silu: bool) -> Tensor:
     m, (n, k) = x.shape[0], w.shape
     out = torch.empty((n_split, m, n), dtype=torch.float32, device=x.device)
     _wrap(_gemv_kernel)[(triton.cdiv(n, bn), n_split, m)](
-        x, w, out, m, n, k, x.stride(0), w.stride(0), KC=_chunks(k, n_split, bk), BLOCK_N=bn,
-        BLOCK_K=bk, SILU=silu)
+        x, w, out, out, out, out, m, n, k, x.stride(0), w.stride(0), 0, 0,
+        KC=_chunks(k, n_split, bk), BLOCK_N=bn, BLOCK_K=bk, SILU=silu, SEM=False,
+        N_SPLIT=n_split)
     return out
+
+
+def gemv_sem(rows: int, n: int, device: torch.device | str) -> Tensor:
+    """The zeroed arrival counters of silu_gemv_add for up to `rows` rows and n outputs (one
+    per (row, block of outputs); each call leaves them zero again)."""
+    return torch.zeros(rows * -(-n // GEMV_CFG["down"][0]), dtype=torch.int32, device=device)
+
+
+def _silu_gemv_add(x: Tensor, w: Tensor, res: Tensor, sem: Tensor, n_split: int,
+                   silu: bool) -> Tensor:
+    if x.device.type != "cuda":
+        part = _silu_gemv_ref(x, w, n_split, silu, GEMV_CFG["down"][1])
+        return res + part.sum(0).to(res.dtype)
+    _need_triton("mlp='triton_down'")
+    return _silu_gemv_add_triton(x, w, res, sem, n_split, silu)
+
+
+def _silu_gemv_add_triton(x: Tensor, w: Tensor, res: Tensor, sem: Tensor, n_split: int,
+                          silu: bool) -> Tensor:
+    bn, bk, _ = GEMV_CFG["down"]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, (n, k) = x.shape[0], w.shape
+    if n_split & (n_split - 1) or sem.numel() < m * triton.cdiv(n, bn):
+        raise ValueError(f"silu_gemv_add: n_split {n_split} must be a power of 2 and sem "
+                         f"must hold {m * triton.cdiv(n, bn)} counters (has {sem.numel()})")
+    part = torch.empty((n_split, m, n), dtype=torch.float32, device=x.device)
+    y = torch.empty((m, n), dtype=res.dtype, device=x.device)
+    _wrap(_gemv_kernel)[(triton.cdiv(n, bn), n_split, m)](
+        x, w, part, res, y, sem, m, n, k, x.stride(0), w.stride(0), res.stride(0), y.stride(0),
+        KC=_chunks(k, n_split, bk), BLOCK_N=bn, BLOCK_K=bk, SILU=silu, SEM=True,
+        N_SPLIT=n_split)
+    return y
 
 
 def _rms_w13_silu(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor) -> Tensor:
@@ -446,30 +546,56 @@ decode_attention = _register("decode_attention", _decode_attention)
 if _OP is not None:  # the caches are written in place (functionalized; inductor reinplaces)
     decode_attention_fused = _OP("kestrel::decode_attention_fused", _decode_attention_fused,
                                  mutates_args=("k_cache", "v_cache"))
+    decode_attention_fused_split = _OP("kestrel::decode_attention_fused_split",
+                                       _decode_attention_fused_split,
+                                       mutates_args=("k_cache", "v_cache", "sem"))
 else:
     decode_attention_fused = torch.library.custom_op(
         "kestrel::decode_attention_fused", _decode_attention_fused,
         mutates_args=("k_cache", "v_cache"))
+    decode_attention_fused_split = torch.library.custom_op(
+        "kestrel::decode_attention_fused_split", _decode_attention_fused_split,
+        mutates_args=("k_cache", "v_cache", "sem"))
 
     @decode_attention_fused.register_fake
     def _fused_fake(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
                     kv_len: int, chunk: int, window: int = 0) -> Tensor:
         hd = k_cache.shape[3]
         return qkv.new_empty((qkv.shape[0], qkv.shape[1] - 2 * k_cache.shape[1] * hd))
+
+    @decode_attention_fused_split.register_fake
+    def _fused_split_fake(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor,
+                          pos: Tensor, sem: Tensor, kv_len: int, chunk: int, window: int = 0
+                          ) -> Tensor:
+        hd = k_cache.shape[3]
+        return qkv.new_empty((qkv.shape[0], qkv.shape[1] - 2 * k_cache.shape[1] * hd))
 silu_gemv = _register("silu_gemv", _silu_gemv)
+if _OP is not None:  # the counters return to zero; declared mutated all the same
+    silu_gemv_add = _OP("kestrel::silu_gemv_add", _silu_gemv_add, mutates_args=("sem",))
+else:
+    silu_gemv_add = torch.library.custom_op("kestrel::silu_gemv_add", _silu_gemv_add,
+                                            mutates_args=("sem",))
+
+    @silu_gemv_add.register_fake
+    def _gemv_add_fake(x: Tensor, w: Tensor, res: Tensor, sem: Tensor, n_split: int,
+                       silu: bool) -> Tensor:
+        return res.new_empty((x.shape[0], w.shape[0]))
 rms_w13_silu = _register("rms_w13_silu", _rms_w13_silu)
 
 
 def mlp_triton(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor, w2: Tensor,
-               fuse_w13: bool) -> Tensor:
+               fuse_w13: bool, sem: Tensor | None = None) -> Tensor:
     """The SwiGLU block with residual for one decode position: x [B, 1, D] -> [B, 1, D].
     fuse_w13: RMSNorm + w13 + SiLU*up in one Triton kernel, then the split-K w_down GEMV;
-    else RMSNorm + w13 as plain torch (inductor's GEMV) and SiLU*up fused into w_down."""
+    else RMSNorm + w13 as plain torch (inductor's GEMV) and SiLU*up fused into w_down.
+    sem (gemv_sem(B, D)): the w_down kernel also sums its splits and adds the residual (the
+    last split to finish each block of outputs does); without it a separate reduction does."""
     x2 = x[:, 0]
     n_split = GEMV_CFG["down"][2]
     if fuse_w13:
-        part = silu_gemv(rms_w13_silu(x2, norm_w, eps, w13), w2, n_split, False)
+        a, silu = rms_w13_silu(x2, norm_w, eps, w13), False
     else:
-        h = F.rms_norm(x2, (x2.shape[-1],), norm_w, eps)
-        part = silu_gemv(F.linear(h, w13), w2, n_split, True)
-    return x + part.sum(0).to(x.dtype)[:, None]
+        a, silu = F.linear(F.rms_norm(x2, (x2.shape[-1],), norm_w, eps), w13), True
+    if sem is not None:
+        return silu_gemv_add(a, w2, x2, sem, n_split, silu)[:, None]
+    return x + silu_gemv(a, w2, n_split, silu).sum(0).to(x.dtype)[:, None]
