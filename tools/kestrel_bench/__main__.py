@@ -21,6 +21,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "planner": ("planner", "planner decoding: our engine vs HF transformers, tok/s, TTFT"),
     "planner-hf": ("planner_hf", "HF VLM checkpoints (random weights, published shapes) on our "
                    "engine vs transformers: tok/s, TTFT, 16 streams, weight-bandwidth floor"),
+    "planner-steps": ("planner_steps", "the engine's decode step per kernel option at the "
+                      "planner-hf shapes: GPU time per step, weight-bandwidth floor"),
     "kernels": ("kernels", "GPU kernel micro-benchmarks: box medians, NMS rounds, decode "
                 "kernels"),
     "profile": ("profile", "classify each stage of a step as compute-, memory-, launch- or "
