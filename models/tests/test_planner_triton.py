@@ -1,4 +1,4 @@
-"""Triton decode ops (triton_decode.py) and the engine options that use them
+"""Triton decode ops (triton_decode.py, triton_mlp.py) and the engine options that use them
 (decode_attention='triton' | 'triton_split' | 'triton_fused' | 'auto', mlp='triton_down' |
 'triton' | 'auto').
 
@@ -16,7 +16,9 @@ import tiny_planner as tp
 import torch.nn.functional as F
 
 from kestrel_models.planner import VisionLanguageModel
+from kestrel_models.planner import triton_common as tc
 from kestrel_models.planner import triton_decode as td
+from kestrel_models.planner import triton_mlp as tm
 from kestrel_models.planner.engine import DecodeEngine
 from kestrel_models.planner.kvmodel import (AUTO_CUDA, KVModel, _attn_grouped, _rope_real,
                                             resolve_auto)
@@ -123,12 +125,12 @@ def test_ops_are_valid_custom_ops() -> None:
     qkv, cis, kc, vc, pos = _fused_case(2, 6, 2, 32, 48, torch.float32, "cpu", mb=3)
     torch.library.opcheck(td.decode_attention_fused, (qkv, cis, kc, vc, pos, 48, 0))
     x, w = torch.randn(2, 2 * 40), torch.randn(24, 40)
-    torch.library.opcheck(td.silu_gemv, (x, w, 4, True))
+    torch.library.opcheck(tm.silu_gemv, (x, w, 4, True))
     torch.library.opcheck(td.decode_attention_fused_split,
                           (qkv, cis, kc, vc, pos, td.attn_sem(3, 2, "cpu"), 48, 16, 0))
-    torch.library.opcheck(td.silu_gemv_add, (x, w, torch.randn(2, 24), torch.zeros(4, dtype=
+    torch.library.opcheck(tm.silu_gemv_add, (x, w, torch.randn(2, 24), torch.zeros(4, dtype=
                                              torch.int32), 4, True))
-    torch.library.opcheck(td.rms_w13_silu, (torch.randn(2, 24), torch.rand(24), 1e-5,
+    torch.library.opcheck(tm.rms_w13_silu, (torch.randn(2, 24), torch.rand(24), 1e-5,
                                             torch.randn(80, 24)))
 
 
@@ -137,23 +139,23 @@ def test_gemv_ops_cpu_values() -> None:
     f, n = 300, 56
     x, w = torch.randn(3, 2 * f, generator=g), torch.randn(n, f, generator=g)
     a = F.silu(x[:, :f]) * x[:, f:]
-    part = td.silu_gemv(x, w, 4, True)
+    part = tm.silu_gemv(x, w, 4, True)
     assert part.shape == (4, 3, n) and part.dtype == torch.float32
     torch.testing.assert_close(part.sum(0), F.linear(a, w), rtol=1e-4, atol=1e-3)
-    kc = td._chunks(f, 4, td.GEMV_CFG["down"][1])  # split s = K-range [s kc, (s+1) kc)
+    kc = tm._chunks(f, 4, tm.GEMV_CFG["down"][1])  # split s = K-range [s kc, (s+1) kc)
     torch.testing.assert_close(part[0], F.linear(a[:, :kc], w[:, :kc]), rtol=1e-4, atol=1e-3)
-    torch.testing.assert_close(td.silu_gemv(a, w, 2, False).sum(0), F.linear(a, w),
+    torch.testing.assert_close(tm.silu_gemv(a, w, 2, False).sum(0), F.linear(a, w),
                                rtol=1e-4, atol=1e-3)
     res = torch.randn(3, n, generator=g)
-    sem = td.gemv_sem(3, n, "cpu")
-    torch.testing.assert_close(td.silu_gemv_add(x, w, res, sem, 4, True), res + F.linear(a, w),
+    sem = tm.gemv_sem(3, n, "cpu")
+    torch.testing.assert_close(tm.silu_gemv_add(x, w, res, sem, 4, True), res + F.linear(a, w),
                                rtol=1e-4, atol=1e-3)
     assert not sem.any()
     xn, nw, w13 = torch.randn(3, 40, generator=g), torch.rand(40, generator=g), torch.randn(
         2 * f, 40, generator=g)
     h = F.rms_norm(xn, (40,), nw, 1e-6)
     want = F.silu(F.linear(h, w13[:f])) * F.linear(h, w13[f:])
-    torch.testing.assert_close(td.rms_w13_silu(xn, nw, 1e-6, w13), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tm.rms_w13_silu(xn, nw, 1e-6, w13), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kw", OPTIONS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
@@ -201,8 +203,8 @@ def test_mlp_kernels_run_only_in_single_row_steps(model: VisionLanguageModel,
     rows takes the torch MLP instead (same values), a one-row step the kernel."""
     from kestrel_models.planner.kvmodel import MLP_KERNEL_ROWS
     calls = []
-    real = td.silu_gemv
-    monkeypatch.setattr(td, "silu_gemv", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    real = tm.silu_gemv
+    monkeypatch.setattr(tm, "silu_gemv", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     toks = torch.tensor([tp.prompts()[1][:9]] * 2)
     ref, kv = KVModel(model, 2, 128), KVModel(model, 2, 128, mlp="triton_down")
     for m in (ref, kv):
@@ -222,14 +224,14 @@ def test_auto_resolution(model: VisionLanguageModel, monkeypatch: pytest.MonkeyP
     kv = KVModel(model, 1, 64)
     assert (kv.decode_attention, kv.mlp) == ("grouped", "inductor")
     cuda = torch.device("cuda")
-    monkeypatch.setattr(td, "HAVE_TRITON", True)
-    monkeypatch.setattr(td, "_OP", object())
+    monkeypatch.setattr(tc, "HAVE_TRITON", True)
+    monkeypatch.setattr(tc, "OP", object())
     assert resolve_auto("auto", "auto", cuda) == (AUTO_CUDA["decode_attention"],
                                                   AUTO_CUDA["mlp"])
     assert resolve_auto("auto", "auto", cuda, frozenset({"w2"}))[1] == "inductor"
     assert resolve_auto("sdpa", "triton", cuda) == ("sdpa", "triton")
     assert resolve_auto("auto", "auto", torch.device("cpu")) == ("grouped", "inductor")
-    monkeypatch.setattr(td, "HAVE_TRITON", False)
+    monkeypatch.setattr(tc, "HAVE_TRITON", False)
     assert resolve_auto("auto", "auto", cuda) == ("grouped", "inductor")
 
 
@@ -238,9 +240,9 @@ def test_option_errors(model: VisionLanguageModel, monkeypatch: pytest.MonkeyPat
         DecodeEngine(model, 1, 64, EOS, mlp="cuda")
     with pytest.raises(ValueError, match="parameter 'mlp' = 'triton'.*'gemv'"):
         DecodeEngine(model, 1, 64, EOS, mlp="triton", gemv="cublas")
-    monkeypatch.setattr(td, "HAVE_TRITON", False)
+    monkeypatch.setattr(tc, "HAVE_TRITON", False)
     with pytest.raises(RuntimeError, match="needs triton.*missing"):
-        td._need_triton("decode_attention='triton'")
+        tc.need_triton("decode_attention='triton'")
 
 
 # ---- GPU -------------------------------------------------------------------------------------
@@ -317,22 +319,22 @@ def test_triton_gemvs_match_reference_on_gpu() -> None:
         w2 = (torch.randn(d, f, generator=g) / f ** 0.5).cuda().bfloat16()
         a = F.silu(x[:, :f].float()) * x[:, f:].float()
         want = a @ w2.float().T
-        got = td.silu_gemv(x, w2, td.GEMV_CFG["down"][2], True).sum(0)
+        got = tm.silu_gemv(x, w2, tm.GEMV_CFG["down"][2], True).sum(0)
         assert (got - want).abs().max() <= 1e-3 * want.abs().max()
         # one kernel: the last split of each block of outputs sums them and adds the residual
         # (the same roundings as the two-kernel path: fp32 sum -> bf16, + res -> bf16)
         res = torch.randn(m, d, generator=g).cuda().bfloat16()
-        sem = td.gemv_sem(m, d, "cuda")
-        two = res + td.silu_gemv(x, w2, td.GEMV_CFG["down"][2], True).sum(0).bfloat16()
+        sem = tm.gemv_sem(m, d, "cuda")
+        two = res + tm.silu_gemv(x, w2, tm.GEMV_CFG["down"][2], True).sum(0).bfloat16()
         for _ in range(3):  # the counters return to zero: calls repeat
-            one = td.silu_gemv_add(x, w2, res, sem, td.GEMV_CFG["down"][2], True)
+            one = tm.silu_gemv_add(x, w2, res, sem, tm.GEMV_CFG["down"][2], True)
             assert one.dtype == torch.bfloat16 and not sem.any()
             assert (one.float() - two.float()).abs().max() <= 1e-2 * two.float().abs().max()
         xn = torch.randn(m, d, generator=g).cuda().bfloat16()
         nw = torch.rand(d, generator=g).cuda().bfloat16()
         w13 = (torch.randn(2 * f, d, generator=g) / d ** 0.5).cuda().bfloat16()
-        ref = td._rms_w13_ref(xn, nw, 1e-6, w13).float()
-        out = td.rms_w13_silu(xn, nw, 1e-6, w13).float()
+        ref = tm._rms_w13_ref(xn, nw, 1e-6, w13).float()
+        out = tm.rms_w13_silu(xn, nw, 1e-6, w13).float()
         assert (out - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 

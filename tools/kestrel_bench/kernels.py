@@ -132,6 +132,7 @@ def decode(record: rec_mod.Record, args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from kestrel_models.planner import get_config
     from kestrel_models.planner import triton_decode as td
+    from kestrel_models.planner import triton_mlp as tm
     from kestrel_models.planner.kvmodel import _attn_grouped
 
     ic.coordinate_descent_tuning = args.cdt
@@ -182,18 +183,18 @@ def decode(record: rec_mod.Record, args: argparse.Namespace) -> None:
         g_, u = F.linear(F.rms_norm(a, (d,), nw, 1e-6), w_13).chunk(2, dim=-1)
         return a + F.linear(F.silu(g_) * u, w_2)
 
-    n_split = td.GEMV_CFG["down"][2]
+    n_split = tm.GEMV_CFG["down"][2]
     pair("w_down", ("w_down_silu_compiled", torch.compile(down_ref, dynamic=False)),
-         [("w_down_silu_triton", lambda a, w: td.silu_gemv(a, w, n_split, True)),
+         [("w_down_silu_triton", lambda a, w: tm.silu_gemv(a, w, n_split, True)),
           ("w_down_silu_cublas", down_ref)], [(x13, w) for w in w2])
     pair("w13", ("rms_w13_compiled", torch.compile(w13_ref, dynamic=False)),
-         [("rms_w13_silu_triton", lambda a, w: td.rms_w13_silu(a, nw, 1e-6, w))],
+         [("rms_w13_silu_triton", lambda a, w: tm.rms_w13_silu(a, nw, 1e-6, w))],
          [(x[:, 0], w) for w in w13])
     pair("mlp_block", ("mlp_block_compiled", torch.compile(block_ref, dynamic=False)),
          [("mlp_block_triton_down_compiled", torch.compile(
-             lambda a, b, c: td.mlp_triton(a, nw, 1e-6, b, c, False), dynamic=False)),
+             lambda a, b, c: tm.mlp_triton(a, nw, 1e-6, b, c, False), dynamic=False)),
           ("mlp_block_triton_fused_w13_compiled", torch.compile(
-              lambda a, b, c: td.mlp_triton(a, nw, 1e-6, b, c, True), dynamic=False))],
+              lambda a, b, c: tm.mlp_triton(a, nw, 1e-6, b, c, True), dynamic=False))],
          [(x, a, c) for a, c in zip(w13, w2, strict=True)])
 
 

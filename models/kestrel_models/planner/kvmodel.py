@@ -71,11 +71,12 @@ from torch import Tensor
 from kestrel_models.planner.attention_policy import (AttentionPolicy, attend_gathered,
                                                      column_mass, h2o_select, h2o_update,
                                                      local_global_index)
-from kestrel_models.planner import triton_decode
+from kestrel_models.planner import triton_common, triton_mlp
 from kestrel_models.planner.decoder import PackedDecoder, VLMDecoder
 from kestrel_models.planner.triton_decode import decode_attention as triton_attention
-from kestrel_models.planner.triton_decode import (decode_attention_fused,
-                                                  decode_attention_fused_split, mlp_triton)
+from kestrel_models.planner.triton_decode import (attn_sem, decode_attention_fused,
+                                                  decode_attention_fused_split)
+from kestrel_models.planner.triton_mlp import mlp_triton
 from kestrel_models.planner.vlm import VisionLanguageModel
 
 __all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "AUTO_CUDA", "MLP_KERNEL_ROWS",
@@ -141,7 +142,7 @@ def resolve_auto(decode_attention: str, mlp: str, device: torch.device,
     """'auto' -> AUTO_CUDA's choice on CUDA when triton is importable, else the torch paths
     ('grouped', 'inductor'); mlp 'auto' -> 'inductor' when cuBLAS takes w13 or w2. Explicit
     values pass through."""
-    fast = device.type == "cuda" and triton_decode.HAVE_TRITON and triton_decode._OP is not None
+    fast = device.type == "cuda" and triton_common.HAVE_TRITON and triton_common.OP is not None
     if decode_attention == "auto":
         decode_attention = AUTO_CUDA["decode_attention"] if fast else "grouped"
     if mlp == "auto":
@@ -287,9 +288,9 @@ class KVModel:
         self._fused = decode_attention.startswith("triton_fused")
         # arrival counters of the one-kernel splits (zero between calls; shared by the layers,
         # whose kernels run one after another)
-        self._attn_sem = (triton_decode.attn_sem(max_batch, cfg.n_kv_heads, dev)
+        self._attn_sem = (attn_sem(max_batch, cfg.n_kv_heads, dev)
                           if decode_attention == "triton_fused_split" else None)
-        self._gemv_sem = (triton_decode.gemv_sem(MLP_KERNEL_ROWS, cfg.dim, dev)
+        self._gemv_sem = (triton_mlp.gemv_sem(MLP_KERNEL_ROWS, cfg.dim, dev)
                           if mlp == "triton_down_residual" else None)
 
         def lin(name: str) -> Callable:
