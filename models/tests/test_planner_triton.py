@@ -116,6 +116,8 @@ def test_fused_op_cpu_equals_rope_write_then_grouped() -> None:
     torch.testing.assert_close(out, _grouped(qk[:, :h], want_k[:b, :, :L], want_v[:b, :, :L],
                                              pos), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(qk[:, h:], x[:, 0, h:h + hkv])  # RoPE did rotate
+    with pytest.raises(ValueError, match="chunk = 0 must be > 0"):
+        td.decode_attention_fused_split(qkv, cis, kc, vc, pos, td.attn_sem(4, hkv, "cpu"), L, 0)
 
 
 @pytest.mark.slow
@@ -151,6 +153,10 @@ def test_gemv_ops_cpu_values() -> None:
     torch.testing.assert_close(tm.silu_gemv_add(x, w, res, sem, 4, True), res + F.linear(a, w),
                                rtol=1e-4, atol=1e-3)
     assert not sem.any()
+    with pytest.raises(ValueError, match="n_split 3 must be a power of 2"):
+        tm.silu_gemv_add(x, w, res, sem, 3, True)
+    with pytest.raises(ValueError, match="must hold 6 counters"):
+        tm.silu_gemv_add(x, w, res, sem[:5], 4, True)
     xn, nw, w13 = torch.randn(3, 40, generator=g), torch.rand(40, generator=g), torch.randn(
         2 * f, 40, generator=g)
     h = F.rms_norm(xn, (40,), nw, 1e-6)

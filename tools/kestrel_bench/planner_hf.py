@@ -133,6 +133,17 @@ class _Tokens:
         return self.ids.get(token)
 
 
+def request(cfg: Any, image_hw: int, prompt_tokens: int, dev: Any) -> tuple[list[int], Any]:
+    """The benchmark request (seeded): prompt_tokens random ids with the config's image marker
+    second, and one random image_hw x image_hw uint8 image on dev."""
+    import torch
+    g = torch.Generator().manual_seed(1)
+    image = torch.randint(0, 256, (3, image_hw, image_hw), dtype=torch.uint8,
+                          generator=g).to(dev)
+    prompt = torch.randint(10, 400, (prompt_tokens,), generator=g).tolist()
+    return [prompt[0], int(cfg.image_token_id), *prompt[1:]], image
+
+
 def copy_bandwidth(dev: Any, nbytes: int) -> float:
     """Device-to-device copy: bytes read + written per second (median of 5 copies)."""
     import torch
@@ -211,12 +222,7 @@ def run(args: argparse.Namespace) -> int:
     for shape in args.shapes:
         torch.manual_seed(0)
         cfg = shape_config(shape)
-        g = torch.Generator().manual_seed(1)
-        image = torch.randint(0, 256, (3, args.image_hw, args.image_hw), dtype=torch.uint8,
-                              generator=g).to(dev)
-        marker = int(cfg.image_token_id)
-        prompt = torch.randint(10, 400, (args.prompt_tokens,), generator=g).tolist()
-        prompt = [prompt[0], marker, *prompt[1:]]
+        prompt, image = request(cfg, args.image_hw, args.prompt_tokens, dev)
         big = not shape.endswith("tiny")
         n = args.concurrent
         names = [f"{shape}_hf", f"{shape}_hf_c{n}", f"{shape}_engine", f"{shape}_engine_c{n}"]

@@ -73,8 +73,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def _request(shape: str, dev: Any, dtype: Any) -> tuple[Any, list[int], Any, int]:
     """(engine decoder, prompt, image, image tokens) of planner-hf's request at this shape."""
-    import torch
-
     from kestrel_bench import planner_hf as ph
     from kestrel_bench import planner_hf_sections as hs
     from kestrel_models.planner.hf_engine import from_model
@@ -86,10 +84,7 @@ def _request(shape: str, dev: Any, dtype: Any) -> tuple[Any, list[int], Any, int
     dec = from_model(m, None, dev, tok, consume=True)
     del m
     gc.collect()
-    g = torch.Generator().manual_seed(1)
-    image = torch.randint(0, 256, (3, hw, hw), dtype=torch.uint8, generator=g).to(dev)
-    prompt = torch.randint(10, 400, (n_prompt,), generator=g).tolist()
-    prompt = [prompt[0], int(cfg.image_token_id), *prompt[1:]]
+    prompt, image = ph.request(cfg, hw, n_prompt, dev)
     return dec, prompt, image, dec.image_tokens(tuple(image.shape))
 
 
@@ -137,7 +132,7 @@ def _row(dec: Any, prompt: list[int], image: Any, n_img: int, name: str, args: A
     times = _step_times(eng, n_img + len(prompt) + 64, args.reps, args.warmup)
     agree = 1.0 if ref is None else sum(a == b for a, b in zip(toks, ref, strict=True)) / len(ref)
     out = dict(summary=stats.summary(times, 1e3), tokens=toks, compile_s=compile_s,
-               agreement=agree, options={k: v for k, v in kw.items()},
+               agreement=agree, options=kw,
                decode_attention=eng.kv.decode_attention, mlp=eng.kv.mlp)
     del eng
     gc.collect()

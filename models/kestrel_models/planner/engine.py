@@ -45,8 +45,9 @@ Stops: <eos> (not emitted), max_new_tokens, should_stop() -> 'cancelled', all to
 -> 'no_allowed_token' -- the same as generate.py.
 
 Decode-step kernel options: `gemv` ('inductor' | 'cublas' | 'cublas:<linears>'),
-`decode_attention` ('auto' | 'grouped' | 'sdpa' | 'triton' | 'triton_split' | 'triton_fused')
-and `mlp` ('auto' | 'inductor' | 'triton_down' | 'triton'), see kvmodel.py ('auto': Triton on
+`decode_attention` ('auto' | 'grouped' | 'sdpa' | 'triton' | 'triton_split' | 'triton_fused' |
+'triton_fused_split') and `mlp` ('auto' | 'inductor' | 'triton_down' | 'triton_down_residual' |
+'triton'), see kvmodel.py ('auto': Triton on
 CUDA when importable, else the torch paths); `greedy` ('argmax' | 'two_stage': block maxima
 then their argmax, the same ids | 'auto': two_stage for vocabularies of at least
 TWO_STAGE_MIN_VOCAB tokens) for all-greedy steps.

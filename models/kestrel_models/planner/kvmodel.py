@@ -440,7 +440,7 @@ class KVModel:
         post_kw = self._post_kw if b <= MLP_KERNEL_ROWS else self._post_kw_rows
         fused = self._fused and mask_add is not None
         lin_qkv = self._pre_kw.get("lin_qkv", F.linear)
-        cis0 = cis[:, 0]  # one tensor for every layer's fused op (inductor computes it once)
+        cis0 = cis[:, 0]  # one view for every layer's fused op, not a new one per layer
         for i, w in enumerate(self.layers):
             win = self.window[i]
             if fused:  # RoPE + k/v cache write + attention: one op (kernel) per layer

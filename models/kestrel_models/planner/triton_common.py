@@ -33,13 +33,14 @@ def wrap(kernel):  # noqa: ANN001, ANN202 - a triton JITFunction
     return torch.library.wrap_triton(kernel)
 
 
-def register(name: str, fn):  # noqa: ANN001, ANN202
+def register(name: str, fn, mutates_args: tuple[str, ...] = (), fake=None):  # noqa: ANN001, ANN202
     """triton_op (inductor traces into the body: the kernels join the compiled graph) when
-    torch has it, else a plain custom op (its fake impl is the same body)."""
+    torch has it, else a plain custom op whose fake impl is `fake` (default: the same body).
+    mutates_args: the arguments the op writes in place (functionalized; inductor reinplaces)."""
     if OP is not None:
-        return OP(f"kestrel::{name}", fn, mutates_args=())
-    op = torch.library.custom_op(f"kestrel::{name}", fn, mutates_args=())
-    op.register_fake(fn)
+        return OP(f"kestrel::{name}", fn, mutates_args=mutates_args)
+    op = torch.library.custom_op(f"kestrel::{name}", fn, mutates_args=mutates_args)
+    op.register_fake(fake or fn)
     return op
 
 

@@ -41,8 +41,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kestrel_models.planner.triton_common import (HAVE_TRITON, OP, need_triton, register, tl,
-                                                  triton, wrap)
+from kestrel_models.planner.triton_common import (HAVE_TRITON, need_triton, register, tl, triton,
+                                                  wrap)
 
 if HAVE_TRITON:
     from kestrel_models.planner.triton_common import _last_arrival
@@ -276,7 +276,7 @@ def _attention_triton(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, chunk: int,
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), 0, window, G=g, G_PAD=gp, HD=hd,
         BLOCK_L=blk, CHUNK=chunk, N_SPLIT=n_split, IEEE=ieee)
     wrap(_attn_combine)[(b, hkv)](ml[0], ml[1], part, out, out.stride(0), G=g, G_PAD=gp,
-                                   HD=hd, N_SPLIT=n_split)
+                                  HD=hd, N_SPLIT=n_split)
     return out
 
 
@@ -291,11 +291,11 @@ def _decode_attention_fused(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: 
 def _decode_attention_fused_split(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor,
                                   pos: Tensor, sem: Tensor, kv_len: int, chunk: int,
                                   window: int = 0) -> Tensor:
+    if chunk <= 0:
+        raise ValueError(f"decode_attention_fused_split: chunk = {chunk} must be > 0")
     if qkv.device.type != "cuda":
         return fused_ref(qkv, cis, k_cache, v_cache, pos, kv_len, window)
     need_triton("decode_attention='triton_fused_split'")
-    if chunk <= 0:
-        raise ValueError(f"decode_attention_fused_split: chunk = {chunk} must be > 0")
     return _fused_triton(qkv, cis, k_cache, v_cache, pos, kv_len, chunk, window, sem)
 
 
@@ -335,34 +335,24 @@ def _fused_triton(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, po
         BLOCK_L=attn_block_l(k_cache.element_size(), hd, chunk), CHUNK=chunk, SEM=one, **meta)
     if not one:
         wrap(_attn_combine)[(b, hkv)](ml[0], ml[1], part, out, out.stride(0), G=g, G_PAD=gp,
-                                       HD=hd, N_SPLIT=n_split)
+                                      HD=hd, N_SPLIT=n_split)
     return out
 
 
+def _fused_fake(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
+                kv_len: int, chunk: int, window: int = 0) -> Tensor:
+    hd = k_cache.shape[3]
+    return qkv.new_empty((qkv.shape[0], qkv.shape[1] - 2 * k_cache.shape[1] * hd))
+
+
+def _fused_split_fake(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
+                      sem: Tensor, kv_len: int, chunk: int, window: int = 0) -> Tensor:
+    return _fused_fake(qkv, cis, k_cache, v_cache, pos, kv_len, chunk, window)
+
+
 decode_attention = register("decode_attention", _decode_attention)
-if OP is not None:  # the caches are written in place (functionalized; inductor reinplaces)
-    decode_attention_fused = OP("kestrel::decode_attention_fused", _decode_attention_fused,
-                                 mutates_args=("k_cache", "v_cache"))
-    decode_attention_fused_split = OP("kestrel::decode_attention_fused_split",
-                                       _decode_attention_fused_split,
-                                       mutates_args=("k_cache", "v_cache", "sem"))
-else:
-    decode_attention_fused = torch.library.custom_op(
-        "kestrel::decode_attention_fused", _decode_attention_fused,
-        mutates_args=("k_cache", "v_cache"))
-    decode_attention_fused_split = torch.library.custom_op(
-        "kestrel::decode_attention_fused_split", _decode_attention_fused_split,
-        mutates_args=("k_cache", "v_cache", "sem"))
-
-    @decode_attention_fused.register_fake
-    def _fused_fake(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-                    kv_len: int, chunk: int, window: int = 0) -> Tensor:
-        hd = k_cache.shape[3]
-        return qkv.new_empty((qkv.shape[0], qkv.shape[1] - 2 * k_cache.shape[1] * hd))
-
-    @decode_attention_fused_split.register_fake
-    def _fused_split_fake(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor,
-                          pos: Tensor, sem: Tensor, kv_len: int, chunk: int, window: int = 0
-                          ) -> Tensor:
-        hd = k_cache.shape[3]
-        return qkv.new_empty((qkv.shape[0], qkv.shape[1] - 2 * k_cache.shape[1] * hd))
+decode_attention_fused = register("decode_attention_fused", _decode_attention_fused,
+                                  ("k_cache", "v_cache"), _fused_fake)
+decode_attention_fused_split = register("decode_attention_fused_split",
+                                        _decode_attention_fused_split,
+                                        ("k_cache", "v_cache", "sem"), _fused_split_fake)

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kestrel_models.planner.triton_common import (HAVE_TRITON, OP, need_triton, register, tl,
-                                                  triton, wrap)
+from kestrel_models.planner.triton_common import (HAVE_TRITON, need_triton, register, tl, triton,
+                                                  wrap)
 
 if HAVE_TRITON:
     from kestrel_models.planner.triton_common import _last_arrival
@@ -137,18 +137,27 @@ def _silu_gemv_triton(x: Tensor, w: Tensor, n_split: int, silu: bool) -> Tensor:
     return out
 
 
+def _n_counters(rows: int, n: int) -> int:
+    """silu_gemv_add's arrival counters for rows x n outputs: one per (row, block of outputs)."""
+    return rows * -(-n // GEMV_CFG["down"][0])
+
+
 def gemv_sem(rows: int, n: int, device: torch.device | str) -> Tensor:
-    """The zeroed arrival counters of silu_gemv_add for up to `rows` rows and n outputs (one
-    per (row, block of outputs); each call leaves them zero again)."""
-    return torch.zeros(rows * -(-n // GEMV_CFG["down"][0]), dtype=torch.int32, device=device)
+    """The zeroed arrival counters of silu_gemv_add for up to `rows` rows and n outputs (each
+    call leaves them zero again)."""
+    return torch.zeros(_n_counters(rows, n), dtype=torch.int32, device=device)
 
 
 def _silu_gemv_add(x: Tensor, w: Tensor, res: Tensor, sem: Tensor, n_split: int,
                    silu: bool) -> Tensor:
+    need = _n_counters(x.shape[0], w.shape[0])
+    if n_split & (n_split - 1) or sem.numel() < need:
+        raise ValueError(f"silu_gemv_add: n_split {n_split} must be a power of 2 and sem "
+                         f"must hold {need} counters (has {sem.numel()})")
     if x.device.type != "cuda":
         part = _silu_gemv_ref(x, w, n_split, silu, GEMV_CFG["down"][1])
         return res + part.sum(0).to(res.dtype)
-    need_triton("mlp='triton_down'")
+    need_triton("mlp='triton_down_residual'")
     return _silu_gemv_add_triton(x, w, res, sem, n_split, silu)
 
 
@@ -157,9 +166,6 @@ def _silu_gemv_add_triton(x: Tensor, w: Tensor, res: Tensor, sem: Tensor, n_spli
     bn, bk, _ = GEMV_CFG["down"]
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, (n, k) = x.shape[0], w.shape
-    if n_split & (n_split - 1) or sem.numel() < m * triton.cdiv(n, bn):
-        raise ValueError(f"silu_gemv_add: n_split {n_split} must be a power of 2 and sem "
-                         f"must hold {m * triton.cdiv(n, bn)} counters (has {sem.numel()})")
     part = torch.empty((n_split, m, n), dtype=torch.float32, device=x.device)
     y = torch.empty((m, n), dtype=res.dtype, device=x.device)
     wrap(_gemv_kernel)[(triton.cdiv(n, bn), n_split, m)](
@@ -183,22 +189,19 @@ def _rms_w13_triton(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor) -> Tenso
     f = w13.shape[0] // 2
     out = torch.empty((m, f), dtype=x.dtype, device=x.device)
     wrap(_w13_kernel)[(triton.cdiv(f, bn), m)](x, norm_w, w13, out, eps, F_=f, K=k,
-                                                sxm=x.stride(0), swn=w13.stride(0),
-                                                BLOCK_N=bn, BLOCK_K=bk)
+                                               sxm=x.stride(0), swn=w13.stride(0),
+                                               BLOCK_N=bn, BLOCK_K=bk)
     return out
 
 
-silu_gemv = register("silu_gemv", _silu_gemv)
-if OP is not None:  # the counters return to zero; declared mutated all the same
-    silu_gemv_add = OP("kestrel::silu_gemv_add", _silu_gemv_add, mutates_args=("sem",))
-else:
-    silu_gemv_add = torch.library.custom_op("kestrel::silu_gemv_add", _silu_gemv_add,
-                                            mutates_args=("sem",))
+def _gemv_add_fake(x: Tensor, w: Tensor, res: Tensor, sem: Tensor, n_split: int,
+                   silu: bool) -> Tensor:
+    return res.new_empty((x.shape[0], w.shape[0]))
 
-    @silu_gemv_add.register_fake
-    def _gemv_add_fake(x: Tensor, w: Tensor, res: Tensor, sem: Tensor, n_split: int,
-                       silu: bool) -> Tensor:
-        return res.new_empty((x.shape[0], w.shape[0]))
+
+silu_gemv = register("silu_gemv", _silu_gemv)
+# the counters return to zero; declared mutated all the same
+silu_gemv_add = register("silu_gemv_add", _silu_gemv_add, ("sem",), _gemv_add_fake)
 rms_w13_silu = register("rms_w13_silu", _rms_w13_silu)
 
 
