@@ -9,16 +9,20 @@ by CUDA events (GPU time of the step, no host work), after --warmup replays. Opt
                           mlp 'triton_down' (split-K w_down + a reduction kernel), greedy
                           'argmax': the defaults ('auto') on CUDA
   default                 DecodeEngine's defaults, what the planner node runs
-  fused_residual          mlp 'triton_down_residual' (w_down's last split adds up the splits
-                          and the residual: no reduction kernel)
-  fused_split             + decode_attention 'triton_fused_split' (keys split over programs,
-                          one kernel)
-  fused_split_two_stage   + greedy 'auto' (two-stage argmax for large vocabularies)
-  fused_split_mlp_triton  + mlp 'triton' (RMSNorm + w13 + SiLU*up as one kernel too)
-  cdt_fused_split         fused_split_two_stage + inductor coordinate-descent tuning
-                          (engine_compile's setting): inductor writes the batch-1 GEMVs
-                          itself, fused with the norms
-  cdt_fused_split_cublas_head   the same with the lm_head GEMV on cuBLAS
+  whole_rows              fused + attn_proj 'triton' + mlp 'triton_fused': per layer RMSNorm +
+                          qkv, the attention, o + residual, RMSNorm + w13 + SiLU*up, w_down +
+                          residual, one kernel each (whole-row GEMVs, triton_gemv.py)
+  attn_proj               fused + attn_proj 'triton' only
+  mlp_fused               fused + mlp 'triton_fused' only
+  two_stage               fused + greedy 'auto' (two-stage argmax for large vocabularies)
+  fused_residual          fused + mlp 'triton_down_residual' (w_down's last split adds up the
+                          splits and the residual: no reduction kernel)
+  fused_split             fused_residual + decode_attention 'triton_fused_split' (keys split
+                          over programs, one kernel)
+  cdt                     the defaults + inductor coordinate-descent tuning (engine_compile's
+                          setting): inductor writes the batch-1 GEMVs itself, fused with the
+                          norms
+  cdt_whole_rows          whole_rows + coordinate-descent tuning
 Metrics: floor_fraction (weight-bandwidth floor / p50, planner_hf's definition), agreement (the
 greedy 128 tokens equal to the first row's, position by position), compile_s. Roles: the first
 shape's first row is the baseline, its `default` row the optimized one; ratios
@@ -39,20 +43,20 @@ from typing import Any
 from kestrel_bench import record as rec_mod
 from kestrel_bench.repo import ensure_paths
 
+FUSED = dict(decode_attention="triton_fused", mlp="triton_down", greedy="argmax")
 OPTIONS: dict[str, dict] = {  # row -> DecodeEngine keyword arguments
-    "fused": dict(decode_attention="triton_fused", mlp="triton_down", greedy="argmax"),
+    "fused": FUSED,
     "default": {},
-    "fused_residual": dict(decode_attention="triton_fused", mlp="triton_down_residual"),
-    "fused_split": dict(decode_attention="triton_fused_split", mlp="triton_down_residual"),
-    "fused_split_two_stage": dict(decode_attention="triton_fused_split",
-                                  mlp="triton_down_residual", greedy="auto"),
-    "fused_split_mlp_triton": dict(decode_attention="triton_fused_split", mlp="triton",
-                                   greedy="auto"),
-    "cdt_fused_split": dict(decode_attention="triton_fused_split", mlp="triton_down_residual",
-                            greedy="auto", coordinate_descent=True),
-    "cdt_fused_split_cublas_head": dict(decode_attention="triton_fused_split",
-                                        mlp="triton_down_residual", greedy="auto",
-                                        coordinate_descent=True, gemv="cublas:lm_head"),
+    "whole_rows": dict(FUSED, attn_proj="triton", mlp="triton_fused"),
+    "attn_proj": dict(FUSED, attn_proj="triton"),
+    "mlp_fused": dict(FUSED, mlp="triton_fused"),
+    "two_stage": dict(FUSED, greedy="auto"),
+    "fused_residual": dict(FUSED, mlp="triton_down_residual"),
+    "fused_split": dict(FUSED, decode_attention="triton_fused_split",
+                        mlp="triton_down_residual"),
+    "cdt": dict(coordinate_descent=True),
+    "cdt_whole_rows": dict(FUSED, attn_proj="triton", mlp="triton_fused",
+                           coordinate_descent=True),
 }
 
 
@@ -133,7 +137,8 @@ def _row(dec: Any, prompt: list[int], image: Any, n_img: int, name: str, args: A
     agree = 1.0 if ref is None else sum(a == b for a, b in zip(toks, ref, strict=True)) / len(ref)
     out = dict(summary=stats.summary(times, 1e3), tokens=toks, compile_s=compile_s,
                agreement=agree, options=kw,
-               decode_attention=eng.kv.decode_attention, mlp=eng.kv.mlp)
+               decode_attention=eng.kv.decode_attention, mlp=eng.kv.mlp,
+               attn_proj=eng.kv.attn_proj)
     del eng
     gc.collect()
     return out
@@ -194,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
                        unit="steps/s", config={**r["options"],
                                                "decode_attention": r["decode_attention"],
                                                "mlp": r["mlp"],
+                                               "attn_proj": r["attn_proj"],
                                                "measure": "one decode step, graph replay"},
                        metrics=dict(floor_ms=floor_ms, floor_fraction=floor_ms / p50,
                                     agreement=r["agreement"], compile_s=r["compile_s"],

@@ -14,11 +14,11 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 @pytest.mark.slow
 def test_planner_steps_quick(tmp_path: Path) -> None:
     rec = run_bench(tmp_path / "planner_steps_cpu", "planner-steps", "--quick", "--shapes",
-                    "smolvlm-tiny", "--options", "fused", "default", "cdt_fused_split",
+                    "smolvlm-tiny", "--options", "fused", "default", "cdt_whole_rows",
                     timeout=600)
     assert rec["config"]["copy_bandwidth_gb_s"] > 0
     for shape in ("smolvlm-tiny",):
-        for opt in ("fused", "default", "cdt_fused_split"):
+        for opt in ("fused", "default", "cdt_whole_rows"):
             r = row(rec, f"{shape}_{opt}")
             assert "error" not in r, r
             assert r["throughput"]["unit"] == "steps/s" and r["latency_ms"]["p50"] > 0
@@ -29,4 +29,4 @@ def test_planner_steps_quick(tmp_path: Path) -> None:
         assert f"default_vs_fused_{tag}" in rec["ratios"]
     assert row(rec, "smolvlm-tiny_fused")["role"] == "baseline"
     assert row(rec, "smolvlm-tiny_default")["role"] == "optimized"
-    assert row(rec, "smolvlm-tiny_cdt_fused_split")["role"] == "variant"
+    assert row(rec, "smolvlm-tiny_cdt_whole_rows")["role"] == "variant"

@@ -46,8 +46,8 @@ Stops: <eos> (not emitted), max_new_tokens, should_stop() -> 'cancelled', all to
 
 Decode-step kernel options: `gemv` ('inductor' | 'cublas' | 'cublas:<linears>'),
 `decode_attention` ('auto' | 'grouped' | 'sdpa' | 'triton' | 'triton_split' | 'triton_fused' |
-'triton_fused_split') and `mlp` ('auto' | 'inductor' | 'triton_down' | 'triton_down_residual' |
-'triton'), see kvmodel.py ('auto': Triton on
+'triton_fused_split'), `mlp` ('auto' | 'inductor' | 'triton_down' | 'triton_down_residual' |
+'triton' | 'triton_fused') and `attn_proj` ('inductor' | 'triton'), see kvmodel.py ('auto': Triton on
 CUDA when importable, else the torch paths); `greedy` ('argmax' | 'two_stage': block maxima
 then their argmax, the same ids | 'auto': two_stage for vocabularies of at least
 TWO_STAGE_MIN_VOCAB tokens) for all-greedy steps.
@@ -88,7 +88,8 @@ class DecodeEngine(PrefillMixin):
                  attention: AttentionPolicy | None = None,
                  prefill_graph: bool | None = None, gemv: str = "inductor",
                  decode_attention: str = "auto", greedy: str = "argmax",
-                 mlp: str = "auto", prefix_entries: int = 0) -> None:
+                 mlp: str = "auto", prefix_entries: int = 0,
+                 attn_proj: str = "inductor") -> None:
         if greedy not in GREEDY:
             raise ValueError(f"parameter 'greedy' = {greedy!r}: must be one of {GREEDY}")
         if steps_per_replay < 1:
@@ -98,7 +99,8 @@ class DecodeEngine(PrefillMixin):
                              "or compile_step (whole step), not both")
         self.model = model.eval() if isinstance(model, torch.nn.Module) else model
         self.kv = KVModel(model, max_batch, max_len, compile=compile, policy=attention,
-                          gemv=gemv, decode_attention=decode_attention, mlp=mlp)
+                          gemv=gemv, decode_attention=decode_attention, mlp=mlp,
+                          attn_proj=attn_proj)
         if greedy == "auto":
             big = self.kv.cfg.vocab_size >= TWO_STAGE_MIN_VOCAB
             greedy = "two_stage" if big else "argmax"

@@ -49,11 +49,18 @@ Decode-step kernel choices (only what `decode` runs; prefill is unchanged):
   into a split-K Triton w_down GEMV, kestrel::silu_gemv, then a reduction kernel adds up the
   splits and the residual; inductor keeps RMSNorm + w13), 'triton_down_residual' (the same
   GEMV whose last split per block of outputs adds up the splits and the residual itself,
-  kestrel::silu_gemv_add: no reduction kernel) or 'triton' (also RMSNorm + w13 + SiLU*up as
-  one Triton kernel, kestrel::rms_w13_silu; w_down as 'triton_down').
+  kestrel::silu_gemv_add: no reduction kernel), 'triton' (also RMSNorm + w13 + SiLU*up as
+  one Triton kernel, kestrel::rms_w13_silu; w_down as 'triton_down') or 'triton_fused'
+  (kestrel::rms_w13_silu, then w_down + residual over whole rows, kestrel::gemv_add: the block
+  in two kernels, no split-K; for models with short rows).
   Those GEMV kernels read the weights once per row, so they run only in steps of at most
   MLP_KERNEL_ROWS rows; a larger batch bucket takes the torch MLP (one GEMM reads them once).
   The Triton ops have torch CPU paths, so every option runs (and is tested) on CPU too.
+- `attn_proj`: 'inductor' (default: RMSNorm, the qkv GEMV, the output GEMV and the residual
+  add as torch code) or 'triton' (RMSNorm + qkv (+ bias) as one kernel, kestrel::rms_gemv, and
+  the output projection + residual as one, kestrel::gemv_add; triton_gemv.py). It needs a
+  fused decode attention ('triton_fused' or 'triton_fused_split'), which takes the raw qkv.
+  Like the MLP kernels, it runs in steps of at most MLP_KERNEL_ROWS rows.
 - 'auto' (decode_attention and mlp, the defaults): AUTO_CUDA (the fastest Triton options
   measured on the H200, docs/benchmarks/planner_h200.md) when the model is on CUDA and triton
   is importable, else 'grouped' / 'inductor' (and mlp 'inductor' when gemv names w13 or w2).
@@ -76,17 +83,19 @@ from kestrel_models.planner.decoder import PackedDecoder, VLMDecoder
 from kestrel_models.planner.triton_decode import decode_attention as triton_attention
 from kestrel_models.planner.triton_decode import (attn_sem, decode_attention_fused,
                                                   decode_attention_fused_split)
+from kestrel_models.planner.triton_gemv import gemv_add, rms_gemv
 from kestrel_models.planner.triton_mlp import mlp_triton
 from kestrel_models.planner.vlm import VisionLanguageModel
 
-__all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "AUTO_CUDA", "MLP_KERNEL_ROWS",
+__all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "ATTN_PROJ", "AUTO_CUDA", "MLP_KERNEL_ROWS",
            "cublas_linear", "parse_gemv", "resolve_auto"]
 
 SDPA_MIN_CHUNK = 32  # chunks with S >= this use F.scaled_dot_product_attention
 LINEARS = ("qkv", "o", "w13", "w2", "lm_head")  # the decode step's linear layers
 DECODE_ATTENTION = ("auto", "grouped", "sdpa", "triton", "triton_split", "triton_fused",
                     "triton_fused_split")
-MLP = ("auto", "inductor", "triton_down", "triton_down_residual", "triton")
+MLP = ("auto", "inductor", "triton_down", "triton_down_residual", "triton", "triton_fused")
+ATTN_PROJ = ("inductor", "triton")
 # What 'auto' picks on CUDA with triton (best measured, docs/benchmarks/planner_h200.md).
 AUTO_CUDA = {"decode_attention": "triton_fused", "mlp": "triton_down"}
 ATTN_SPLIT_CHUNK = 64  # keys per program of decode_attention='triton_split' | 'triton_fused_split'
@@ -213,15 +222,22 @@ def _attn_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
 
 def _post(x: Tensor, a: Tensor, wo: Tensor, norm_w: Tensor, eps: float, w13: Tensor,
           w2: Tensor, lin_o: Callable = F.linear, lin_w13: Callable = F.linear,
-          lin_w2: Callable = F.linear, mlp: Callable | None = None) -> Tensor:
+          lin_w2: Callable = F.linear, mlp: Callable | None = None,
+          o_add: Callable | None = None) -> Tensor:
     """Residual + output projection, then the SwiGLU MLP block. x, a: [B, S, D]/[B, S, H*hd].
-    mlp(x, norm_w, eps, w13, w2) -> x: a replacement of the whole MLP block (S = 1 only)."""
-    x = x + lin_o(a, wo)
+    mlp(x, norm_w, eps, w13, w2) -> x: a replacement of the whole MLP block (S = 1 only);
+    o_add(x, a, wo) -> x + a @ wo.T: one of the residual + output projection (S = 1 only)."""
+    x = o_add(x, a, wo) if o_add is not None else x + lin_o(a, wo)
     if mlp is not None:
         return mlp(x, norm_w, eps, w13, w2)
     h = F.rms_norm(x, (x.shape[-1],), norm_w, eps)
     gate, up = lin_w13(h, w13).chunk(2, dim=-1)
     return x + lin_w2(F.silu(gate) * up, w2)
+
+
+def _o_add_triton(x: Tensor, a: Tensor, wo: Tensor) -> Tensor:
+    """x [B, 1, D] + a [B, 1, H*hd] @ wo.T in one kernel (kestrel::gemv_add)."""
+    return gemv_add(a[:, 0], wo, x[:, 0])[:, None]
 
 
 def _attn_post(x: Tensor, q: Tensor, k: Tensor, v: Tensor, mask_add: Tensor, wo: Tensor,
@@ -238,7 +254,7 @@ class KVModel:
     def __init__(self, model: VisionLanguageModel | PackedDecoder, max_batch: int,
                  max_len: int, compile: bool = False, policy: AttentionPolicy | None = None,
                  gemv: str = "inductor", decode_attention: str = "auto",
-                 mlp: str = "auto") -> None:
+                 mlp: str = "auto", attn_proj: str = "inductor") -> None:
         dec = model if isinstance(model, PackedDecoder) else VLMDecoder(model)
         cfg = dec.cfg
         cub = parse_gemv(gemv)
@@ -247,7 +263,17 @@ class KVModel:
                              f"one of {DECODE_ATTENTION}")
         if mlp not in MLP:
             raise ValueError(f"parameter 'mlp' = {mlp!r}: must be one of {MLP}")
+        if attn_proj not in ATTN_PROJ:
+            raise ValueError(f"parameter 'attn_proj' = {attn_proj!r}: must be one of "
+                             f"{ATTN_PROJ}")
         decode_attention, mlp = resolve_auto(decode_attention, mlp, dec.device, cub)
+        if attn_proj == "triton" and not decode_attention.startswith("triton_fused"):
+            raise ValueError(f"parameter 'attn_proj' = 'triton': needs decode_attention "
+                             f"'triton_fused' or 'triton_fused_split' (the fused kernel takes "
+                             f"the raw qkv), got {decode_attention!r}")
+        if attn_proj == "triton" and ("qkv" in cub or "o" in cub):
+            raise ValueError(f"parameter 'attn_proj' = 'triton': replaces the qkv/o GEMVs, so "
+                             f"'gemv' = {gemv!r} must not name qkv or o")
         if mlp != "inductor" and ("w13" in cub or "w2" in cub):
             raise ValueError(f"parameter 'mlp' = {mlp!r}: replaces the w13/w2 GEMVs, so "
                              f"'gemv' = {gemv!r} must not name w13 or w2")
@@ -283,6 +309,7 @@ class KVModel:
                        for _ in self.layers] if h2o else [])
         self._real_rope = compile
         self.gemv, self.decode_attention, self.mlp = gemv, decode_attention, mlp
+        self.attn_proj = attn_proj
         split = decode_attention in ("triton_split", "triton_fused_split")
         self._attn_chunk = ATTN_SPLIT_CHUNK if split else 0
         self._fused = decode_attention.startswith("triton_fused")
@@ -304,7 +331,10 @@ class KVModel:
         self._post_kw_rows = dict(self._post_kw)
         if mlp != "inductor":
             self._post_kw["mlp"] = partial(mlp_triton, fuse_w13=mlp == "triton",
-                                           sem=self._gemv_sem)
+                                           sem=self._gemv_sem,
+                                           whole_rows=mlp == "triton_fused")
+        if attn_proj == "triton":
+            self._post_kw["o_add"] = _o_add_triton
         self._lin_head = lin("lm_head")
         self._pre: Callable = torch.compile(_pre, dynamic=False) if compile else _pre
         self._attn_post: Callable = (torch.compile(_attn_post, dynamic=False) if compile
@@ -439,15 +469,19 @@ class KVModel:
             valid = valid[:, None].expand(b, cfg.n_kv_heads, -1)
         post_kw = self._post_kw if b <= MLP_KERNEL_ROWS else self._post_kw_rows
         fused = self._fused and mask_add is not None
+        proj = self.attn_proj == "triton" and b <= MLP_KERNEL_ROWS
         lin_qkv = self._pre_kw.get("lin_qkv", F.linear)
         cis0 = cis[:, 0]  # one view for every layer's fused op, not a new one per layer
         for i, w in enumerate(self.layers):
             win = self.window[i]
-            if fused:  # RoPE + k/v cache write + attention: one op (kernel) per layer
+            if fused and proj:  # RMSNorm + qkv (+ bias): one kernel
+                qkv = rms_gemv(x[:, 0], w["attn_norm"], cfg.norm_eps, w["wqkv"], w["bqkv"])
+            elif fused:
                 h = F.rms_norm(x, (x.shape[-1],), w["attn_norm"], cfg.norm_eps)
                 qkv = lin_qkv(h, w["wqkv"])[:, 0]
                 if w["bqkv"] is not None:
                     qkv = qkv + w["bqkv"]
+            if fused:  # RoPE + k/v cache write + attention: one op (kernel) per layer
                 if self._attn_sem is not None:  # [B, H * hd]
                     a = decode_attention_fused_split(qkv, cis0, self.k[i], self.v[i], pos,
                                                      self._attn_sem, kv_len, self._attn_chunk,

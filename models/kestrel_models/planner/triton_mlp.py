@@ -13,6 +13,8 @@ kestrel::silu_gemv_add(x, w, res, sem, n_split, silu) -> y [M, N] in res's dtype
 kestrel::rms_w13_silu(x, norm_w, eps, w13) -> a [M, F]
     a = silu(h @ wg.T) * (h @ wu.T), h = rms_norm(x) * norm_w, w13 = [wg; wu] [2F, K]: RMSNorm,
     the w13 GEMV and the SwiGLU product in one kernel (fp32 accumulation).
+mlp_triton(..., whole_rows=True): rms_w13_silu, then triton_gemv.gemv_add for w_down and the
+    residual: the whole block in two kernels.
 
 Launch configurations (GEMV_CFG): constants picked on an H200 with the kernel
 micro-benchmarks, not autotuned at runtime.
@@ -26,6 +28,7 @@ from torch import Tensor
 
 from kestrel_models.planner.triton_common import (HAVE_TRITON, need_triton, register, tl, triton,
                                                   wrap)
+from kestrel_models.planner.triton_gemv import gemv_add
 
 if HAVE_TRITON:
     from kestrel_models.planner.triton_common import _last_arrival
@@ -206,13 +209,17 @@ rms_w13_silu = register("rms_w13_silu", _rms_w13_silu)
 
 
 def mlp_triton(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor, w2: Tensor,
-               fuse_w13: bool, sem: Tensor | None = None) -> Tensor:
+               fuse_w13: bool, sem: Tensor | None = None, whole_rows: bool = False) -> Tensor:
     """The SwiGLU block with residual for one decode position: x [B, 1, D] -> [B, 1, D].
     fuse_w13: RMSNorm + w13 + SiLU*up in one Triton kernel, then the split-K w_down GEMV;
     else RMSNorm + w13 as plain torch (inductor's GEMV) and SiLU*up fused into w_down.
     sem (gemv_sem(B, D)): the w_down kernel also sums its splits and adds the residual (the
-    last split to finish each block of outputs does); without it a separate reduction does."""
+    last split to finish each block of outputs does); without it a separate reduction does.
+    whole_rows: RMSNorm + w13 + SiLU*up in one kernel, then w_down + residual in another over
+    whole rows (triton_gemv.gemv_add): two kernels, no split-K (for short rows)."""
     x2 = x[:, 0]
+    if whole_rows:
+        return gemv_add(rms_w13_silu(x2, norm_w, eps, w13), w2, x2)[:, None]
     n_split = GEMV_CFG["down"][2]
     if fuse_w13:
         a, silu = rms_w13_silu(x2, norm_w, eps, w13), False

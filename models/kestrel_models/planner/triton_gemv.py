@@ -1,0 +1,141 @@
+"""Whole-row Triton GEMV kernels with the decode step's neighbours fused in, as torch.library
+ops (triton_decode.py says how the ops run; each op has a torch CPU path with the same
+meaning). At batch 1 a small model's step is a chain of short, latency-bound kernels; these
+take the RMSNorm before a projection and the residual add after one into the GEMV itself.
+
+kestrel::rms_gemv(x, norm_w, eps, w, bias) -> y [M, N] in x's dtype
+    y = rms_norm(x) * norm_w @ w.T (+ bias): the attention block's RMSNorm + qkv projection
+    (x [M, K], w [N, K], bias [N] or None). Every program normalises its row of x itself
+    (K elements, from L2) rather than waiting for a norm kernel.
+kestrel::gemv_add(x, w, res) -> y [M, N] in res's dtype
+    y = res + (x @ w.T) rounded to res's dtype first (as `res + F.linear(x, w)`): the output
+    projection and w_down with their residual adds.
+
+Each program computes BLOCK_N outputs of one row over the whole of K in one tile (no split-K,
+no reduction kernel): block_shape() picks the tile from K so that one load covers it, which
+suits K <= a few thousand. fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kestrel_models.planner.triton_common import (HAVE_TRITON, need_triton, register, tl, triton,
+                                                  wrap)
+
+__all__ = ["rms_gemv", "gemv_add", "block_shape", "TILE_ELEMS", "MAX_BLOCK_K"]
+
+TILE_ELEMS = 4096  # weight elements per program and load (BLOCK_N * BLOCK_K)
+MAX_BLOCK_K = 2048  # longer rows loop over K in tiles of this length
+
+
+def block_shape(k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): BLOCK_K = K rounded up to a power of 2 (at least 16, at most
+    MAX_BLOCK_K), BLOCK_N = the outputs that fill TILE_ELEMS with it."""
+    bk = min(MAX_BLOCK_K, max(16, 1 << (k - 1).bit_length()))
+    return max(1, TILE_ELEMS // bk), bk
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _rms_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, o_ptr, eps, N, K: tl.constexpr, sxm, swn,
+                         som, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+        pn, m = tl.program_id(0), tl.program_id(1)
+        n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        nok = n < N
+        ss = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_ptr + m * sxm + k, mask=k < K, other=0.0).to(tl.float32)
+            ss += xv * xv
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            ok = k < K
+            wt = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=nok[:, None] & ok[None, :],
+                         other=0.0)
+            xv = tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0)
+            nv = tl.load(nw_ptr + k, mask=ok, other=0.0)
+            # the normalised row in x's dtype, as the separate norm kernel would store it
+            h = (xv.to(tl.float32) * rstd * nv.to(tl.float32)).to(xv.dtype).to(tl.float32)
+            acc += wt.to(tl.float32) * h[None, :]
+        y = tl.sum(acc, 1)
+        if HAS_BIAS:
+            y = y.to(o_ptr.dtype.element_ty).to(tl.float32) + tl.load(
+                b_ptr + n, mask=nok, other=0.0).to(tl.float32)
+        tl.store(o_ptr + m * som + n, y.to(o_ptr.dtype.element_ty), mask=nok)
+
+    @triton.jit
+    def _gemv_add_kernel(x_ptr, w_ptr, res_ptr, y_ptr, N, K, sxm, swn, srm, sym,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pn, m = tl.program_id(0), tl.program_id(1)
+        n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        nok = n < N
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            ok = k < K
+            wt = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=nok[:, None] & ok[None, :],
+                         other=0.0)
+            xv = tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0)
+            acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
+        r = tl.load(res_ptr + m * srm + n, mask=nok, other=0.0)
+        y = r.to(tl.float32) + tl.sum(acc, 1).to(r.dtype).to(tl.float32)
+        tl.store(y_ptr + m * sym + n, y.to(y_ptr.dtype.element_ty), mask=nok)
+
+
+def _check(name: str, x: Tensor, w: Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{name}: x [M, K] and w [N, K] expected, got {tuple(x.shape)} and "
+                         f"{tuple(w.shape)}")
+
+
+def _rms_gemv(x: Tensor, norm_w: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
+    _check("rms_gemv", x, w)
+    if x.device.type != "cuda":
+        y = F.linear(F.rms_norm(x, (x.shape[-1],), norm_w, eps), w)
+        return y if bias is None else y + bias
+    need_triton("attn_proj='triton'")
+    return _rms_gemv_triton(x, norm_w, eps, w, bias)
+
+
+def _rms_gemv_triton(x: Tensor, norm_w: Tensor, eps: float, w: Tensor,
+                     bias: Tensor | None) -> Tensor:
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    (m, k), n = x.shape, w.shape[0]
+    bn, bk = block_shape(k)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    wrap(_rms_gemv_kernel)[(triton.cdiv(n, bn), m)](
+        x, norm_w, w, bias if bias is not None else y, y, eps, n, K=k, sxm=x.stride(0),
+        swn=w.stride(0), som=y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
+def _gemv_add(x: Tensor, w: Tensor, res: Tensor) -> Tensor:
+    _check("gemv_add", x, w)
+    if res.shape != (x.shape[0], w.shape[0]):
+        raise ValueError(f"gemv_add: res must be [M, N] = {(x.shape[0], w.shape[0])}, got "
+                         f"{tuple(res.shape)}")
+    if x.device.type != "cuda":
+        return res + F.linear(x, w).to(res.dtype)
+    need_triton("attn_proj='triton' / mlp='triton_fused'")
+    return _gemv_add_triton(x, w, res)
+
+
+def _gemv_add_triton(x: Tensor, w: Tensor, res: Tensor) -> Tensor:
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    (m, k), n = x.shape, w.shape[0]
+    bn, bk = block_shape(k)
+    y = torch.empty((m, n), dtype=res.dtype, device=x.device)
+    wrap(_gemv_add_kernel)[(triton.cdiv(n, bn), m)](
+        x, w, res, y, n, k, x.stride(0), w.stride(0), res.stride(0), y.stride(0),
+        BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
+rms_gemv = register("rms_gemv", _rms_gemv)
+gemv_add = register("gemv_add", _gemv_add)
