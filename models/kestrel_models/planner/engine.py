@@ -47,9 +47,9 @@ Stops: <eos> (not emitted), max_new_tokens, should_stop() -> 'cancelled', all to
 Decode-step kernel options: `gemv` ('inductor' | 'cublas' | 'cublas:<linears>'),
 `decode_attention` ('auto' | 'grouped' | 'sdpa' | 'triton' | 'triton_split' | 'triton_fused' |
 'triton_fused_split'), `mlp` ('auto' | 'inductor' | 'triton_down' | 'triton_down_residual' |
-'triton' | 'triton_fused') and `attn_proj` ('inductor' | 'triton'), see kvmodel.py ('auto': Triton on
-CUDA when importable, else the torch paths); `greedy` ('argmax' | 'two_stage': block maxima
-then their argmax, the same ids | 'auto': two_stage for vocabularies of at least
+'triton' | 'triton_fused') and `attn_proj` ('inductor' | 'triton'), see kvmodel.py ('auto':
+Triton on CUDA when importable, else the torch paths); `greedy` ('argmax' | 'two_stage': block
+maxima then their argmax, the same ids | 'auto': two_stage for vocabularies of at least
 TWO_STAGE_MIN_VOCAB tokens) for all-greedy steps.
 """
 

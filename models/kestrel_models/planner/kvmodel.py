@@ -87,8 +87,8 @@ from kestrel_models.planner.triton_gemv import gemv_add, rms_gemv
 from kestrel_models.planner.triton_mlp import mlp_triton
 from kestrel_models.planner.vlm import VisionLanguageModel
 
-__all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "ATTN_PROJ", "AUTO_CUDA", "MLP_KERNEL_ROWS",
-           "cublas_linear", "parse_gemv", "resolve_auto"]
+__all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "ATTN_PROJ", "AUTO_CUDA",
+           "MLP_KERNEL_ROWS", "cublas_linear", "parse_gemv", "resolve_auto"]
 
 SDPA_MIN_CHUNK = 32  # chunks with S >= this use F.scaled_dot_product_attention
 LINEARS = ("qkv", "o", "w13", "w2", "lm_head")  # the decode step's linear layers
