@@ -314,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.cmd}: {exc}", file=sys.stderr)
         code = 1
     finally:
-        if rclpy.ok():
-            rclpy.try_shutdown()
+        if rclpy.ok():  # (uninstall_handlers=False: kestrel_common.process_stop, step 2)
+            rclpy.try_shutdown(uninstall_handlers=False)
     # the bag is finalised, the node and the context are gone: what is left is the
     # interpreter's finalisation, which nothing here needs (process_stop)
     exit_process(code, f"bag {args.cmd}")

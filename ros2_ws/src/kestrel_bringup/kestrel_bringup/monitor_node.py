@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     signals.disarm()
     executor.shutdown(timeout_sec=2.0)
     monitor.close()
-    rclpy.try_shutdown()
+    rclpy.try_shutdown(uninstall_handlers=False)  # (process_stop, step 2)
     print(report.table(time.monotonic() - t0), flush=True)
     exit_process(0, "monitor")
 

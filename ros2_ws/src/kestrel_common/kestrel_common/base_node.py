@@ -436,7 +436,8 @@ def serve_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = No
         steps.begin("node")
         node.destroy_node()
         steps.begin("context")
-        rclpy.try_shutdown()
+        # (uninstall_handlers=False: process_stop's docstring, step 2)
+        rclpy.try_shutdown(uninstall_handlers=False)
         steps.begin("exit")
         # after the executor's threads are gone: what configure froze is collectable again
         # (a process that goes on: tests; run_node's exit does not collect)

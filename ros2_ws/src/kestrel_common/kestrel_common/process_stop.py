@@ -13,7 +13,11 @@ The stop, in order:
    invalid", then "The following exception was never retrieved" when the failed task is
    collected).
 2. run_node's orderly stop, the context still valid: workers, executor, node (its DDS
-   entities and, with the last of them, the participant), then the context.
+   entities and, with the last of them, the participant), then the context, shut down with
+   `uninstall_handlers=False`: rclpy's uninstall (its default for the default context) runs
+   even when it installed no handler, and sets SIGINT, then SIGTERM, to SIG_DFL and back; a
+   signal of the burst that lands in between kills the process (exit code -2, the stop cut
+   short).
 3. exit_process: a bounded join of the threads left, the atexit handlers, the streams
    flushed, os._exit. The interpreter's finalisation is skipped: it collects the whole heap
    (models, torch, message classes) and runs every extension's static destructors, which

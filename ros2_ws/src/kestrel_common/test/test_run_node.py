@@ -181,3 +181,28 @@ def test_a_sigterm_after_the_grace_forces_the_exit_one_in_the_burst_waits() -> N
         alone(signal.SIGTERM, None)
     alone.disarm()
     assert alone.term_at is None and not alone.force_exit_due(alone.first_at + 60.0)
+
+
+class _StoppedExecutor(_Executor):
+    """The first signal completed the future: spin returns."""
+
+    def spin_until_future_complete(self, future) -> None:  # noqa: ANN001
+        pass
+
+
+def test_the_stop_leaves_the_signal_dispositions_alone(stand_ins, monkeypatch) -> None:
+    """rclpy's C uninstall_signal_handlers sets SIGINT and SIGTERM to SIG_DFL and back even
+    when rclpy installed no handler: a signal of a Ctrl-C burst that lands in between kills
+    the process (exit code -2) before its stop ends. The stop must not call it; afterwards
+    a late SIGINT is ignored."""
+    from rclpy.impl.implementation_singleton import rclpy_implementation
+
+    calls: list[str] = []
+    monkeypatch.setattr(rclpy_implementation, "uninstall_signal_handlers",
+                        lambda: calls.append("uninstall_signal_handlers"))
+    monkeypatch.setattr(stand_ins, "make_executor",
+                        lambda node, num_threads=4: _StoppedExecutor())
+    assert stand_ins.serve_node(_Node, []) == 0
+    assert _Node.stopped
+    assert calls == []
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN

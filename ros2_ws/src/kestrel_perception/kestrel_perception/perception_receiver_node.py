@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         try:  # whatever fails here, the context still shuts down: it removes the DDS files
             executor.shutdown(timeout_sec=1.0)
             node.destroy_node()
-        finally:
-            rclpy.try_shutdown()
+        finally:  # (uninstall_handlers=False: kestrel_common.process_stop, step 2)
+            rclpy.try_shutdown(uninstall_handlers=False)
         if os.getppid() != args.parent_pid:  # the node died without its cleanup
             seg.unlink()
         del ring, receiver
