@@ -20,8 +20,8 @@ from kestrel_models.planner import triton_common as tc
 from kestrel_models.planner import triton_decode as td
 from kestrel_models.planner import triton_mlp as tm
 from kestrel_models.planner.engine import DecodeEngine
-from kestrel_models.planner.kvmodel import (AUTO_CUDA, KVModel, _attn_grouped, _rope_real,
-                                            resolve_auto)
+from kestrel_models.planner.kvmodel import (AUTO_CUDA, MLP_FUSED_MAX_FFN, KVModel,
+                                            _attn_grouped, _rope_real, resolve_auto)
 
 torch.set_num_threads(1)
 EOS = 257
@@ -225,20 +225,28 @@ def test_mlp_kernels_run_only_in_single_row_steps(model: VisionLanguageModel,
 
 
 def test_auto_resolution(model: VisionLanguageModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    """'auto' (the default) = the torch paths on CPU; AUTO_CUDA on CUDA with triton; the torch
-    paths on CUDA without triton; mlp 'inductor' when cuBLAS takes w2; explicit values kept."""
+    """'auto' (the default) = the torch paths on CPU; AUTO_CUDA on CUDA with triton (mlp
+    'triton_fused' up to MLP_FUSED_MAX_FFN); the torch paths on CUDA without triton; mlp
+    'inductor' when cuBLAS takes w2, attn_proj 'inductor' when it takes o or the attention is
+    not a fused one; explicit values kept."""
     kv = KVModel(model, 1, 64)
-    assert (kv.decode_attention, kv.mlp) == ("grouped", "inductor")
+    assert (kv.decode_attention, kv.mlp, kv.attn_proj) == ("grouped", "inductor", "inductor")
     cuda = torch.device("cuda")
     monkeypatch.setattr(tc, "HAVE_TRITON", True)
     monkeypatch.setattr(tc, "OP", object())
-    assert resolve_auto("auto", "auto", cuda) == (AUTO_CUDA["decode_attention"],
-                                                  AUTO_CUDA["mlp"])
+    big = MLP_FUSED_MAX_FFN + 1
+    assert resolve_auto("auto", "auto", cuda, ffn_hidden=big) == (
+        AUTO_CUDA["decode_attention"], AUTO_CUDA["mlp"], AUTO_CUDA["attn_proj"])
+    assert resolve_auto("auto", "auto", cuda, ffn_hidden=MLP_FUSED_MAX_FFN)[1] == "triton_fused"
     assert resolve_auto("auto", "auto", cuda, frozenset({"w2"}))[1] == "inductor"
-    assert resolve_auto("sdpa", "triton", cuda) == ("sdpa", "triton")
-    assert resolve_auto("auto", "auto", torch.device("cpu")) == ("grouped", "inductor")
+    assert resolve_auto("auto", "auto", cuda, frozenset({"o"}))[2] == "inductor"
+    assert resolve_auto("triton", "auto", cuda)[2] == "inductor"
+    assert resolve_auto("sdpa", "triton", cuda, attn_proj="inductor") == ("sdpa", "triton",
+                                                                         "inductor")
+    assert resolve_auto("auto", "auto", torch.device("cpu")) == ("grouped", "inductor",
+                                                                 "inductor")
     monkeypatch.setattr(tc, "HAVE_TRITON", False)
-    assert resolve_auto("auto", "auto", cuda) == ("grouped", "inductor")
+    assert resolve_auto("auto", "auto", cuda) == ("grouped", "inductor", "inductor")
 
 
 def test_option_errors(model: VisionLanguageModel, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -347,17 +355,17 @@ def test_triton_gemvs_match_reference_on_gpu() -> None:
 @pytest.mark.gpu
 @gpu
 def test_compiled_triton_engine_equals_eager_on_gpu() -> None:
-    """fp32, tiny config: the defaults on CUDA ('auto' = AUTO_CUDA: the fused attention kernel
-    + Triton w_down), graphed without compile and compiled with 4 steps per replay, and the
-    compiled step with Triton attention (split) + the Triton MLP, give the eager torch-path
-    engine's tokens."""
+    """fp32, tiny config: the defaults on CUDA ('auto': the fused attention kernel, the
+    whole-row projections and, at this FFN width, the two-kernel MLP), graphed without compile
+    and compiled with 4 steps per replay, and the compiled step with Triton attention (split)
+    + the Triton MLP, give the eager torch-path engine's tokens."""
     m = tp.sharp_tiny("cuda")
     prompts, imgs = tp.prompts(), [tp.image(device="cuda"), None, None]
     eager = DecodeEngine(m, 4, 256, EOS, cuda_graph=False, **TORCH).generate(prompts, 24,
                                                                              images=imgs)
     auto = DecodeEngine(m, 4, 256, EOS)
-    assert (auto.kv.decode_attention, auto.kv.mlp) == (AUTO_CUDA["decode_attention"],
-                                                       AUTO_CUDA["mlp"])
+    assert (auto.kv.decode_attention, auto.kv.mlp, auto.kv.attn_proj) == (
+        AUTO_CUDA["decode_attention"], "triton_fused", AUTO_CUDA["attn_proj"])
     assert auto.generate(prompts, 24, images=imgs).tokens == eager.tokens
     for kw in (dict(), dict(decode_attention="triton_split", mlp="triton"),
                dict(decode_attention="triton_fused_split", mlp="triton_down_residual",

@@ -47,7 +47,7 @@ Stops: <eos> (not emitted), max_new_tokens, should_stop() -> 'cancelled', all to
 Decode-step kernel options: `gemv` ('inductor' | 'cublas' | 'cublas:<linears>'),
 `decode_attention` ('auto' | 'grouped' | 'sdpa' | 'triton' | 'triton_split' | 'triton_fused' |
 'triton_fused_split'), `mlp` ('auto' | 'inductor' | 'triton_down' | 'triton_down_residual' |
-'triton' | 'triton_fused') and `attn_proj` ('inductor' | 'triton'), see kvmodel.py ('auto':
+'triton' | 'triton_fused') and `attn_proj` ('auto' | 'inductor' | 'triton'), see kvmodel.py ('auto':
 Triton on CUDA when importable, else the torch paths); `greedy` ('argmax' | 'two_stage': block
 maxima then their argmax, the same ids | 'auto': two_stage for vocabularies of at least
 TWO_STAGE_MIN_VOCAB tokens) for all-greedy steps.
@@ -89,7 +89,7 @@ class DecodeEngine(PrefillMixin):
                  prefill_graph: bool | None = None, gemv: str = "inductor",
                  decode_attention: str = "auto", greedy: str = "argmax",
                  mlp: str = "auto", prefix_entries: int = 0,
-                 attn_proj: str = "inductor") -> None:
+                 attn_proj: str = "auto") -> None:
         if greedy not in GREEDY:
             raise ValueError(f"parameter 'greedy' = {greedy!r}: must be one of {GREEDY}")
         if steps_per_replay < 1:

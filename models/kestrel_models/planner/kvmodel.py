@@ -56,14 +56,13 @@ Decode-step kernel choices (only what `decode` runs; prefill is unchanged):
   Those GEMV kernels read the weights once per row, so they run only in steps of at most
   MLP_KERNEL_ROWS rows; a larger batch bucket takes the torch MLP (one GEMM reads them once).
   The Triton ops have torch CPU paths, so every option runs (and is tested) on CPU too.
-- `attn_proj`: 'inductor' (default: RMSNorm, the qkv GEMV, the output GEMV and the residual
-  add as torch code) or 'triton' (RMSNorm + qkv (+ bias) as one kernel, kestrel::rms_gemv, and
+- `attn_proj`: 'inductor' (RMSNorm, the qkv GEMV, the output GEMV and the residual add as
+  torch code), 'triton' (RMSNorm + qkv (+ bias) as one kernel, kestrel::rms_gemv, and
   the output projection + residual as one, kestrel::gemv_add; triton_gemv.py). It needs a
   fused decode attention ('triton_fused' or 'triton_fused_split'), which takes the raw qkv.
   Like the MLP kernels, it runs in steps of at most MLP_KERNEL_ROWS rows.
-- 'auto' (decode_attention and mlp, the defaults): AUTO_CUDA (the fastest Triton options
-  measured on the H200, docs/benchmarks/planner_h200.md) when the model is on CUDA and triton
-  is importable, else 'grouped' / 'inductor' (and mlp 'inductor' when gemv names w13 or w2).
+- 'auto' (the defaults of all three): the fastest measured Triton options when the model is on
+  CUDA and triton is importable, else the torch paths (resolve_auto has the rules).
 """
 
 from __future__ import annotations
@@ -88,16 +87,21 @@ from kestrel_models.planner.triton_mlp import mlp_triton
 from kestrel_models.planner.vlm import VisionLanguageModel
 
 __all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "ATTN_PROJ", "AUTO_CUDA",
-           "MLP_KERNEL_ROWS", "cublas_linear", "parse_gemv", "resolve_auto"]
+           "MLP_FUSED_MAX_FFN", "MLP_KERNEL_ROWS", "cublas_linear", "parse_gemv", "resolve_auto"]
 
 SDPA_MIN_CHUNK = 32  # chunks with S >= this use F.scaled_dot_product_attention
 LINEARS = ("qkv", "o", "w13", "w2", "lm_head")  # the decode step's linear layers
 DECODE_ATTENTION = ("auto", "grouped", "sdpa", "triton", "triton_split", "triton_fused",
                     "triton_fused_split")
 MLP = ("auto", "inductor", "triton_down", "triton_down_residual", "triton", "triton_fused")
-ATTN_PROJ = ("inductor", "triton")
-# What 'auto' picks on CUDA with triton (best measured, docs/benchmarks/planner_h200.md).
-AUTO_CUDA = {"decode_attention": "triton_fused", "mlp": "triton_down"}
+ATTN_PROJ = ("auto", "inductor", "triton")
+# What 'auto' picks on CUDA with triton (best measured: docs/benchmarks/planner_h200.md,
+# planner_steps_h100.md).
+AUTO_CUDA = {"decode_attention": "triton_fused", "mlp": "triton_down", "attn_proj": "triton"}
+# mlp 'auto' on CUDA takes 'triton_fused' (two whole-row kernels) up to this FFN width and
+# AUTO_CUDA['mlp'] (split-K w_down) above it: planner_steps_h100.md has the first faster at
+# SmolVLM-256M's width (1536) and slower at Qwen2.5-VL-3B's (11008).
+MLP_FUSED_MAX_FFN = 4096
 ATTN_SPLIT_CHUNK = 64  # keys per program of decode_attention='triton_split' | 'triton_fused_split'
 MLP_KERNEL_ROWS = 1  # most rows of a decode step that the Triton MLP options run
 
@@ -147,16 +151,23 @@ def parse_gemv(gemv: str) -> frozenset[str]:
 
 
 def resolve_auto(decode_attention: str, mlp: str, device: torch.device,
-                 cublas: frozenset[str] = frozenset()) -> tuple[str, str]:
+                 cublas: frozenset[str] = frozenset(), ffn_hidden: int = 0,
+                 attn_proj: str = "auto") -> tuple[str, str, str]:
     """'auto' -> AUTO_CUDA's choice on CUDA when triton is importable, else the torch paths
-    ('grouped', 'inductor'); mlp 'auto' -> 'inductor' when cuBLAS takes w13 or w2. Explicit
-    values pass through."""
+    ('grouped', 'inductor', 'inductor'). On CUDA: mlp 'auto' -> 'triton_fused' for an FFN
+    width (ffn_hidden) of at most MLP_FUSED_MAX_FFN, 'inductor' when cuBLAS takes w13 or w2;
+    attn_proj 'auto' -> 'inductor' unless the attention is a fused one and cuBLAS takes
+    neither qkv nor o. Explicit values pass through."""
     fast = device.type == "cuda" and triton_common.HAVE_TRITON and triton_common.OP is not None
     if decode_attention == "auto":
         decode_attention = AUTO_CUDA["decode_attention"] if fast else "grouped"
     if mlp == "auto":
-        mlp = AUTO_CUDA["mlp"] if fast and not {"w13", "w2"} & cublas else "inductor"
-    return decode_attention, mlp
+        mlp = ("inductor" if not fast or {"w13", "w2"} & cublas else
+               "triton_fused" if 0 < ffn_hidden <= MLP_FUSED_MAX_FFN else AUTO_CUDA["mlp"])
+    if attn_proj == "auto":
+        ok = fast and decode_attention.startswith("triton_fused") and not {"qkv", "o"} & cublas
+        attn_proj = AUTO_CUDA["attn_proj"] if ok else "inductor"
+    return decode_attention, mlp, attn_proj
 
 
 def _rope_complex(x: Tensor, cis: Tensor) -> Tensor:
@@ -254,7 +265,7 @@ class KVModel:
     def __init__(self, model: VisionLanguageModel | PackedDecoder, max_batch: int,
                  max_len: int, compile: bool = False, policy: AttentionPolicy | None = None,
                  gemv: str = "inductor", decode_attention: str = "auto",
-                 mlp: str = "auto", attn_proj: str = "inductor") -> None:
+                 mlp: str = "auto", attn_proj: str = "auto") -> None:
         dec = model if isinstance(model, PackedDecoder) else VLMDecoder(model)
         cfg = dec.cfg
         cub = parse_gemv(gemv)
@@ -266,7 +277,8 @@ class KVModel:
         if attn_proj not in ATTN_PROJ:
             raise ValueError(f"parameter 'attn_proj' = {attn_proj!r}: must be one of "
                              f"{ATTN_PROJ}")
-        decode_attention, mlp = resolve_auto(decode_attention, mlp, dec.device, cub)
+        decode_attention, mlp, attn_proj = resolve_auto(
+            decode_attention, mlp, dec.device, cub, dec.layers[0]["w2"].shape[1], attn_proj)
         if attn_proj == "triton" and not decode_attention.startswith("triton_fused"):
             raise ValueError(f"parameter 'attn_proj' = 'triton': needs decode_attention "
                              f"'triton_fused' or 'triton_fused_split' (the fused kernel takes "
