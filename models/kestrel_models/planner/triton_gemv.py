@@ -4,9 +4,10 @@ meaning). At batch 1 a small model's step is a chain of short, latency-bound ker
 take the RMSNorm before a projection and the residual add after one into the GEMV itself.
 
 kestrel::rms_gemv(x, norm_w, eps, w, bias) -> y [M, N] in x's dtype
-    y = rms_norm(x) * norm_w @ w.T (+ bias): the attention block's RMSNorm + qkv projection
+    y = F.linear(rms_norm(x) * norm_w, w, bias): the attention block's RMSNorm + qkv projection
     (x [M, K], w [N, K], bias [N] or None). Every program normalises its row of x itself
-    (K elements, from L2) rather than waiting for a norm kernel.
+    (K elements, from L2) rather than waiting for a norm kernel; the normalised row is rounded
+    as transformers' RMSNorm rounds it, the sum with the bias once at the end.
 kestrel::gemv_add(x, w, res) -> y [M, N] in res's dtype
     y = res + (x @ w.T) rounded to res's dtype first (as `res + F.linear(x, w)`): the output
     projection and w_down with their residual adds.
@@ -40,6 +41,14 @@ def block_shape(k: int) -> tuple[int, int]:
 
 if HAVE_TRITON:
     @triton.jit
+    def _rms_row(xv, rstd, nv):
+        """The RMSNorm of a row (fp32 rstd) with the roundings of transformers' Llama/Qwen2
+        RMSNorm in x's dtype: x * rstd rounded, times the weight, rounded (F.rms_norm rounds
+        once, at the end); fp32 out."""
+        xn = (xv.to(tl.float32) * rstd).to(xv.dtype)
+        return (xn.to(tl.float32) * nv.to(tl.float32)).to(xv.dtype).to(tl.float32)
+
+    @triton.jit
     def _rms_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, o_ptr, eps, N, K: tl.constexpr, sxm, swn,
                          som, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):
@@ -60,13 +69,11 @@ if HAVE_TRITON:
                          other=0.0)
             xv = tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0)
             nv = tl.load(nw_ptr + k, mask=ok, other=0.0)
-            # the normalised row in x's dtype, as the separate norm kernel would store it
-            h = (xv.to(tl.float32) * rstd * nv.to(tl.float32)).to(xv.dtype).to(tl.float32)
+            h = _rms_row(xv, rstd, nv)
             acc += wt.to(tl.float32) * h[None, :]
         y = tl.sum(acc, 1)
-        if HAS_BIAS:
-            y = y.to(o_ptr.dtype.element_ty).to(tl.float32) + tl.load(
-                b_ptr + n, mask=nok, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # added before the one rounding, as F.linear's addmm does
+            y += tl.load(b_ptr + n, mask=nok, other=0.0).to(tl.float32)
         tl.store(o_ptr + m * som + n, y.to(o_ptr.dtype.element_ty), mask=nok)
 
     @triton.jit
@@ -97,8 +104,7 @@ def _check(name: str, x: Tensor, w: Tensor) -> None:
 def _rms_gemv(x: Tensor, norm_w: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
     _check("rms_gemv", x, w)
     if x.device.type != "cuda":
-        y = F.linear(F.rms_norm(x, (x.shape[-1],), norm_w, eps), w)
-        return y if bias is None else y + bias
+        return F.linear(F.rms_norm(x, (x.shape[-1],), norm_w, eps), w, bias)
     need_triton("attn_proj='triton'")
     return _rms_gemv_triton(x, norm_w, eps, w, bias)
 

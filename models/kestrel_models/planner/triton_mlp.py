@@ -12,7 +12,8 @@ kestrel::silu_gemv_add(x, w, res, sem, n_split, silu) -> y [M, N] in res's dtype
     residual (the same roundings as `res + partial.sum(0).to(res.dtype)`).
 kestrel::rms_w13_silu(x, norm_w, eps, w13) -> a [M, F]
     a = silu(h @ wg.T) * (h @ wu.T), h = rms_norm(x) * norm_w, w13 = [wg; wu] [2F, K]: RMSNorm,
-    the w13 GEMV and the SwiGLU product in one kernel (fp32 accumulation).
+    the w13 GEMV and the SwiGLU product in one kernel (fp32 accumulation; h, gate, up and
+    silu(gate) rounded to x's dtype as transformers' RMSNorm and MLP round them).
 mlp_triton(..., whole_rows=True): rms_w13_silu, then triton_gemv.gemv_add for w_down and the
     residual: the whole block in two kernels.
 
@@ -32,6 +33,7 @@ from kestrel_models.planner.triton_gemv import gemv_add
 
 if HAVE_TRITON:
     from kestrel_models.planner.triton_common import _last_arrival
+    from kestrel_models.planner.triton_gemv import _rms_row
 
 __all__ = ["silu_gemv", "silu_gemv_add", "gemv_sem", "rms_w13_silu", "mlp_triton", "GEMV_CFG"]
 
@@ -89,14 +91,18 @@ if HAVE_TRITON:
             ok = k < K
             xv = tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0)
             nv = tl.load(nw_ptr + k, mask=ok, other=0.0)
-            h = (xv.to(tl.float32) * rstd * nv.to(tl.float32)).to(xv.dtype).to(tl.float32)
+            h = _rms_row(xv, rstd, nv)
             msk = nok[:, None] & ok[None, :]
             wg = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=msk, other=0.0)
             wu = tl.load(w_ptr + (n + F_)[:, None] * swn + k[None, :], mask=msk, other=0.0)
             ag += wg.to(tl.float32) * h[None, :]
             au += wu.to(tl.float32) * h[None, :]
-        gt = tl.sum(ag, 1)
-        out = gt * tl.sigmoid(gt) * tl.sum(au, 1)
+        # gate, up and SiLU(gate) rounded to the output dtype, as torch's ops between them
+        # (and transformers' MLP) round them
+        dt = o_ptr.dtype.element_ty
+        gt = tl.sum(ag, 1).to(dt).to(tl.float32)
+        up = tl.sum(au, 1).to(dt).to(tl.float32)
+        out = (gt * tl.sigmoid(gt)).to(dt).to(tl.float32) * up
         tl.store(o_ptr + m * F_ + n, out.to(o_ptr.dtype.element_ty), mask=nok)
 
 
@@ -117,8 +123,8 @@ def _silu_gemv_ref(x: Tensor, w: Tensor, n_split: int, silu: bool, block: int) -
 
 def _rms_w13_ref(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor) -> Tensor:
     h = F.rms_norm(x, (x.shape[-1],), norm_w, eps)
-    gate, up = F.linear(h, w13).float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(x.dtype)
+    gate, up = F.linear(h, w13).chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _silu_gemv(x: Tensor, w: Tensor, n_split: int, silu: bool) -> Tensor:
