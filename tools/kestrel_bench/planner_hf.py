@@ -268,31 +268,25 @@ def _shape_of(name: str) -> str:
 
 
 def merge_other_shapes(record: rec_mod.Record, args: argparse.Namespace) -> None:
-    """--merge: the rows and ratios of shapes not measured now, from the record at the output
-    path (each row gets `run`: that record's commit, date and command); roles re-assigned so
-    that the baseline is the hf row of the first shape in SHAPES order."""
-    from kestrel_bench.planner_hf_sections import ratio_tag
-
+    """--merge: record.merge_unmeasured from the record at the output path (the rows of the
+    shapes not measured now, and of sections this run skipped, each naming its run), then the
+    roles: the baseline is the hf row of the first shape in SHAPES order whose hf and engine
+    rows come from one run, its engine row the optimized one."""
     path, _ = rec_mod.paths(rec_mod.out_stem(getattr(args, "out", None), "planner-hf",
                                              record.machine_class))
     if not path.is_file():
         return
-    old = rec_mod.load(path)
-    run = {k: old.get(k) for k in ("commit", "date", "command")}
-    kept = [dict(r, run=r.get("run") or run) for r in old.get("results", [])
-            if _shape_of(r.get("name", "")) not in ("", *args.shapes)]
-    record["results"].extend(kept)
-    shapes = {_shape_of(r["name"]) for r in kept} - {""}
-    tags = [ratio_tag(s) for s in shapes]
-    for k, v in old.get("ratios", {}).items():
-        if k not in record["ratios"] and any(t in k for t in tags):
-            record["ratios"][k] = v
-    order = [s for s in (*SHAPES, *QUICK) if s in shapes | set(args.shapes)]
-    base = next((f"{s}_hf" for s in order if record.result(f"{s}_hf")), "")
-    for r in record["results"]:
-        r["role"] = ("baseline" if r["name"] == base else
-                     "optimized" if base and r["name"] == base[:-3] + "_engine" else "variant")
+    rec_mod.merge_unmeasured(record, rec_mod.load(path))
+    shapes = {_shape_of(r["name"]) for r in record["results"]} - {""}
+    order = [s for s in (*SHAPES, *QUICK) if s in shapes]
     record["config"]["shapes"] = order
-    for s in sorted(shapes):
-        r = next(r["run"] for r in kept if _shape_of(r["name"]) == s)
-        record.note(f"rows of {s}: from the run at commit {r['commit']} on {r['date']}")
+
+    def pair(shape: str) -> bool:
+        hf, eng = record.result(f"{shape}_hf"), record.result(f"{shape}_engine")
+        return bool(hf and eng and rec_mod.measured(hf) and rec_mod.measured(eng)
+                    and hf.get("run") == eng.get("run"))
+
+    base = next((s for s in order if pair(s)), "")
+    for r in record["results"]:
+        r["role"] = ("baseline" if r["name"] == f"{base}_hf" else
+                     "optimized" if r["name"] == f"{base}_engine" else "variant")

@@ -170,14 +170,23 @@ def validate(record: dict) -> list[str]:
     return errors
 
 
+def measured(row: dict) -> bool:
+    """A result row with figures (not skipped, not failed)."""
+    return "skipped" not in row and "error" not in row
+
+
 def merge_unmeasured(record: dict, old: dict) -> list[str]:
     """Append to `record` the rows of `old` (an earlier record of the same benchmark on the
-    same machine class) that it did not measure, and old's ratios it has no value for. Each
-    kept row gets `run`: old's commit, date and command (or the run the row already names).
-    Baseline and optimized stay a same-run pair: a run without a baseline row has no optimized
-    row either, and the kept rows keep those roles only when both are kept and the run holds
-    neither; otherwise they become 'variant'. A note per run names its rows. Returns the
-    names of the rows kept."""
+    same machine class) that it did not measure, and old's ratios it has no value for. A row
+    this run skipped or failed counts as not measured: old's measured row of that name
+    replaces it. Each kept row gets `run`: old's commit, date and command (or the run the row
+    already names). Baseline and optimized stay a same-run pair: a run without a baseline row
+    has no optimized row either, and the kept rows keep those roles only when both are kept
+    and the run holds neither; otherwise they become 'variant'. A note per run names its
+    rows. Returns the names of the rows kept."""
+    now = {r["name"] for r in record["results"] if measured(r)}
+    redo = {r.get("name") for r in old.get("results", []) if measured(r)} - now
+    record["results"] = [r for r in record["results"] if r["name"] not in redo]
     have = {r["name"] for r in record["results"]}
     if not any(r["role"] == "baseline" for r in record["results"]):
         for r in record["results"]:

@@ -162,3 +162,25 @@ def test_merge_keeps_the_unmeasured_rows_with_their_run() -> None:
     record.merge_unmeasured(again, old)
     assert {r["name"]: r["role"] for r in again["results"]} == {
         "eng": "variant", "hf": "variant", "spec": "variant", "prefix": "variant"}
+
+
+def test_merge_replaces_the_rows_this_run_skipped() -> None:
+    """A section this run skipped (a time budget) or failed is not measured: the earlier
+    record's measured row of that name takes its place, naming its run; a row skipped in
+    both stays this run's."""
+    old = record.Record("planner", {}, ["--x"], commit="c1", machine={"class": "h100"})
+    old["date"] = "d1"
+    old.add("hf", "baseline", throughput=1.0, unit="tok/s")
+    old.add("eng", "optimized", throughput=2.0, unit="tok/s")
+    old.add("c16", "variant", skipped="budget")
+    new = record.Record("planner", {}, ["--x"], commit="c2", machine={"class": "h100"})
+    new.add("hf", "baseline", throughput=1.5, unit="tok/s")
+    new.add("eng", "optimized", skipped="budget: 190 s spent")
+    new.add("c16", "variant", error="RuntimeError: out of memory")
+    assert record.merge_unmeasured(new, old) == ["eng"]
+    rows = {r["name"]: r for r in new["results"]}
+    assert rows["hf"]["throughput"]["value"] == 1.5 and "run" not in rows["hf"]
+    assert rows["eng"]["throughput"]["value"] == 2.0 and rows["eng"]["run"]["date"] == "d1"
+    assert rows["eng"]["role"] == "variant"  # no baseline/optimized pair across runs
+    assert "error" in rows["c16"] and "run" not in rows["c16"]
+    assert record.validate(new) == []
