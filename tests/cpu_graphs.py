@@ -3,15 +3,19 @@ keeps graphs.capture's contract (the warm-up runs the function, the state it cha
 back; returns (graph, output)), and its graphs' replay() runs the function again and writes
 into the first call's output, as a replay refreshes a graph's static output. Replays
 recompute, so a test on them checks that every input a graph reads is refreshed in its static
-buffer before a replay; not what a real capture freezes (Python values, allocations)."""
+buffer before a replay; not what a real capture freezes (Python values, allocations).
+
+The `cpu_graphs` fixture (conftest.py of models/tests and of kestrel_planner's tests import
+it) puts cpu_capture in place of the planner's graphs.capture for one test."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 
-__all__ = ["CpuGraph", "cpu_capture"]
+__all__ = ["CpuGraph", "cpu_capture", "cpu_graphs"]
 
 
 class CpuGraph:
@@ -34,3 +38,14 @@ def cpu_capture(fn: Callable[[], object], pool: object = None,
     for t, s in zip(state, saved, strict=True):
         t.copy_(s)
     return CpuGraph(fn, out), out
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's CUDA-graph code paths on the CPU: `capture` in graphs.py and in the engine
+    (which imports it) is cpu_capture for the test."""
+    import kestrel_models.planner.engine as engine_mod
+    import kestrel_models.planner.graphs as graphs_mod
+
+    for module in (engine_mod, graphs_mod):
+        monkeypatch.setattr(module, "capture", cpu_capture)

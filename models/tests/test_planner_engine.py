@@ -159,16 +159,12 @@ def test_config_errors(model: VisionLanguageModel) -> None:
 
 
 @pytest.mark.parametrize("steps", [1, 4])
-def test_graph_path_equals_eager(model: VisionLanguageModel, cpu_graphs, steps: int) -> None:  # noqa: ANN001
+def test_graph_path_equals_eager(model: VisionLanguageModel, cpu_graphs: None, steps: int) -> None:
     """The decode and prefill graph paths on the CPU (cpu_graphs: replays recompute): the
     tokens are the eager engine's, with steps_per_replay 1 and 4, a logits processor on one
     row, requests joining mid-run and a slot reused, so every static input a step reads is
     refreshed before its replay and a capture leaves the positions as they were."""
-    import kestrel_models.planner.engine as engine_mod
-    import kestrel_models.planner.graphs as graphs_mod
 
-    cpu_graphs(engine_mod)
-    cpu_graphs(graphs_mod)
 
     def abc(prefix: list[int], logits: torch.Tensor) -> torch.Tensor:
         keep = torch.zeros_like(logits, dtype=torch.bool)

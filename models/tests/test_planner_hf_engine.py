@@ -289,15 +289,11 @@ def test_kept_prefix_with_the_image_inside(family: str, dirs: dict[str, Path]) -
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "smolvlm"])
-def test_graph_paths_equal_eager(family: str, dirs: dict[str, Path], cpu_graphs) -> None:  # noqa: ANN001
+def test_graph_paths_equal_eager(family: str, dirs: dict[str, Path], cpu_graphs: None) -> None:
     """The CUDA-graph code paths on the CPU (cpu_graphs: replays recompute): static vision
     tower, M-RoPE positions and offsets, a kept prefix's rest and the decode step read only
     static inputs refreshed before each replay, so the tokens are the eager engine's."""
-    import kestrel_models.planner.engine as engine_mod
-    import kestrel_models.planner.graphs as graphs_mod
 
-    cpu_graphs(engine_mod)
-    cpu_graphs(graphs_mod)
     torch.set_num_threads(1)
     dec = load(dirs[family])
     assert dec.graphable_prefill, dec.describe()

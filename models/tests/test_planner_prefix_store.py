@@ -110,13 +110,11 @@ def test_prefix_tokens_must_leave_a_prompt_token(model: VisionLanguageModel) -> 
         eng.submit([1, 2, 3], 4, None, prefix_tokens=3)
 
 
-def test_reused_prefix_through_the_prefill_graph_path(model, cpu_graphs) -> None:  # noqa: ANN001
+def test_reused_prefix_through_the_prefill_graph_path(model, cpu_graphs: None) -> None:  # noqa: ANN001
     """The graphed prefill path on the CPU (cpu_graphs: replays recompute): a hit's rest and
     a miss's batch read only inputs refreshed before each replay, so the tokens stay those
     of the engine without the store, and the hits replay graphs of their own."""
-    import kestrel_models.planner.graphs as graphs_mod
 
-    cpu_graphs(graphs_mod)
     img = _image(1)
     plain = DecodeEngine(model, 2, 256, EOS)
     kept = DecodeEngine(model, 2, 256, EOS, prefix_entries=2)

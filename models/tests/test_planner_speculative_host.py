@@ -85,13 +85,11 @@ def test_greedy_under_a_processor_is_the_targets_text(models) -> None:  # noqa: 
     assert res.rounds < sum(len(t) for t in res.tokens) / 3  # several tokens per round
 
 
-def test_rows_with_and_without_an_image_in_one_batch(models, cpu_graphs) -> None:  # noqa: ANN001
+def test_rows_with_and_without_an_image_in_one_batch(models, cpu_graphs: None) -> None:  # noqa: ANN001
     """Prefill groups contiguous rows by image shape; a batch mixing rows with and without an
     image decodes each row as the engine does, eagerly and on the graph path (cpu_graphs),
     where a second call replays the prefill graphs."""
-    import kestrel_models.planner.graphs as graphs_mod
 
-    cpu_graphs(graphs_mod)
     target, draft = models
     prompts, imgs = _inputs(3)
     imgs[1] = None
@@ -191,15 +189,13 @@ def test_greedy_under_a_processor_on_cuda(models) -> None:  # noqa: ANN001
 
 
 
-def test_graphed_passes_read_only_their_static_inputs(models, cpu_graphs) -> None:  # noqa: ANN001
+def test_graphed_passes_read_only_their_static_inputs(models, cpu_graphs: None) -> None:  # noqa: ANN001
     """The graph path on the CPU, with replays that recompute into the first output: every
     input a pass reads must be refreshed in its static buffer before the replay. A stale one
     changes the tokens (the target's side) or what a draft equal to the target gets accepted
     (the draft's side: verification keeps the tokens right), with and without host
     decisions."""
-    import kestrel_models.planner.graphs as graphs_mod
 
-    cpu_graphs(graphs_mod)
     target, draft = models
     prompts, imgs = _inputs(3)
     procs = [Letters(), Letters(dead=7), None]

@@ -121,20 +121,15 @@ def test_free_decoding_and_validator_gate(llava_dir: Path, monkeypatch) -> None:
     assert any("'volcano' is not in the scene" in x for x in r.report.reasons)
 
 
-def test_configure_captures_the_frame_sizes_graphs(tmp_path: Path, monkeypatch) -> None:
+def test_configure_captures_the_frame_sizes_graphs(tmp_path: Path, cpu_graphs: None) -> None:
     """hf.warmup_image_size: warm_graphs (PlannerCore's warm-up on CUDA) captures the prefill
     per batch size and prompt bucket and the decode step per batch and kv bucket for frames of
     that size. Goals on such frames, with scenes of several sizes, alone and in a batch, then
     replay graphs only and plan as the eager engine does; a frame of another size captures
     its own. The CUDA code paths run on the CPU with tests/cpu_graphs.py's stand-in."""
-    import kestrel_models.planner.engine as engine_mod
-    import kestrel_models.planner.graphs as graphs_mod
-    from cpu_graphs import cpu_capture
     from kestrel_planner.core import PlanRequest
     from tiny_hf_vlm import save_tiny
 
-    for mod in (engine_mod, graphs_mod):
-        monkeypatch.setattr(mod, "capture", cpu_capture)
     path = save_tiny("qwen2_vl", tmp_path, max_position_embeddings=4096)
     frame = np.random.default_rng(1).integers(0, 256, (56, 84, 3), dtype=np.uint8)
     plain = hf_core(path, max_batch=2)

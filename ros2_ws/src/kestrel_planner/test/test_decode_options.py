@@ -147,20 +147,14 @@ def test_trainer_trains_the_draft_of_the_small_model(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("speculative", "temperature", "kept"),
                          [(False, 0.0, 0), (False, 0.7, 0), (True, 0.0, 0), (False, 0.0, 4)])
-def test_configure_captures_the_graphs_goals_replay(monkeypatch: pytest.MonkeyPatch,
-                                                    speculative: bool, temperature: float,
-                                                    kept: int) -> None:
+def test_configure_captures_the_graphs_goals_replay(cpu_graphs: None, speculative: bool,
+                                                    temperature: float, kept: int) -> None:
     """warm_graphs (PlannerCore's warm-up on CUDA) captures the prefill per batch size and
     prompt bucket, the decode step (or the speculative passes) per batch and kv bucket and,
     with a prefix store, the prefill after a kept scene per slot and bucket: goals of several
     scene sizes, alone and in batches, prefix hits among them, then replay graphs only. The
     CUDA code paths run on the CPU with tests/cpu_graphs.py's stand-in."""
-    import kestrel_models.planner.engine as engine_mod
-    import kestrel_models.planner.graphs as graphs_mod
-    from cpu_graphs import cpu_capture
 
-    for mod in (engine_mod, graphs_mod):
-        monkeypatch.setattr(mod, "capture", cpu_capture)
     kw = {"speculative_k": 3, "draft_layers": 1} if speculative else {}
     core = _core(backend="engine", max_batch=3, temperature=temperature,
                  prefix_cache_entries=kept, **kw)
