@@ -184,8 +184,9 @@ class LocalVLMBackend:
             for n in range(1, cfg.max_batch + 1):  # one token: the prefill alone
                 dec.generate([prompt] * n, 1, images=[image] * n)
             length *= 2
-        # the positions those prompts reach: image + prompt + the plan budget
-        longest = min(self._n_img + length + cfg.max_new_tokens + self._reserve,
+        # the positions those prompts reach: image + the longest prompt bucket captured
+        # (length // 2: the loop ends one doubling past it) + the plan budget
+        longest = min(self._n_img + max(16, length // 2) + cfg.max_new_tokens + self._reserve,
                       s.max_seq_len)
         kv_lens = pow2_ladder(128, longest)
         if self.spec is not None:
