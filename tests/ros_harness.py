@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -159,6 +160,9 @@ class Collector:
         return WaitResult(msgs, bool(predicate(msgs)))
 
 
+MAX_SPIN_ERRORS = 10  # a probe whose spin keeps raising stops (each one printed)
+
+
 class Probe:
     """An rclpy node inside the test process, spun on a background thread, in its own context."""
 
@@ -173,15 +177,33 @@ class Probe:
         self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
         self.executor.add_node(self.node)
         self._action_clients: list[Any] = []
+        self._closing = False
+        self.spin_errors = 0  # exceptions the spin raised and survived (see _spin)
         self._thread = threading.Thread(target=self._spin, daemon=True)
         self._thread.start()
 
     def _spin(self) -> None:
+        """Spin until close(). An exception while the context is still valid (not a shutdown
+        race) is printed with its traceback (pytest shows it with the failing test) and the
+        spin goes on: a probe that stopped spinning silently would receive nothing more while
+        its graph queries (wait_for_subscribers) still answer."""
         from rclpy.executors import ExternalShutdownException
-        try:
-            self.executor.spin()
-        except (ExternalShutdownException, Exception):  # shutdown races end the spin
-            pass
+        while True:
+            try:
+                self.executor.spin()
+                return
+            except ExternalShutdownException:
+                return
+            except Exception:  # noqa: BLE001 - reported below; shutdown races end the spin
+                if not self.context.ok() or self._closing:
+                    return
+                self.spin_errors += 1
+                again = self.spin_errors < MAX_SPIN_ERRORS
+                print(f"probe: the executor raised while spinning "
+                      f"({'spinning again' if again else 'giving up'}):\n"
+                      + traceback.format_exc(), file=sys.stderr, flush=True)
+                if not again:
+                    return
 
     def action_client(self, action_type: Any, name: str) -> Any:
         """An ActionClient on the probe's node, destroyed by close() once the spin has stopped
@@ -227,6 +249,7 @@ class Probe:
     def close(self) -> None:
         # Stop spinning before destroying anything: a take on an entity being destroyed leaves
         # an unretrieved "cannot use Destroyable" exception in an executor task.
+        self._closing = True
         self.executor.shutdown(timeout_sec=2.0)
         self._thread.join(timeout=5.0)
         for client in self._action_clients:  # before the node: each holds its handle
