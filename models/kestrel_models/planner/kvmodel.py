@@ -56,7 +56,7 @@ from kestrel_models.planner.triton_gemv import gemv_add, rms_gemv
 from kestrel_models.planner.triton_mlp import mlp_triton
 from kestrel_models.planner.vlm import VisionLanguageModel
 
-# (the option names and helpers are decode_options.py's, importable from here as before)
+# (the option names and helpers live in decode_options.py; re-exported here)
 __all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "ATTN_PROJ", "AUTO_CUDA",
            "ATTN_SPLIT_CHUNK", "MLP_FUSED_MAX_FFN", "MLP_KERNEL_ROWS", "cublas_linear",
            "parse_gemv", "resolve_auto"]
