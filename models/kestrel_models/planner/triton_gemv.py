@@ -41,6 +41,16 @@ def block_shape(k: int) -> tuple[int, int]:
 
 if HAVE_TRITON:
     @triton.jit
+    def _row_rstd(row_ptr, eps, K: tl.constexpr, BLOCK_K: tl.constexpr):
+        """1 / sqrt(mean(x^2) + eps) of the K elements at row_ptr, in fp32."""
+        ss = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            ss += xv * xv
+        return 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+
+    @triton.jit
     def _rms_row(xv, rstd, nv):
         """The RMSNorm of a row (fp32 rstd) with the roundings of transformers' Llama/Qwen2
         RMSNorm in x's dtype: x * rstd rounded, times the weight, rounded (F.rms_norm rounds
@@ -55,12 +65,7 @@ if HAVE_TRITON:
         pn, m = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         nok = n < N
-        ss = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            xv = tl.load(x_ptr + m * sxm + k, mask=k < K, other=0.0).to(tl.float32)
-            ss += xv * xv
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+        rstd = _row_rstd(x_ptr + m * sxm, eps, K, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)

@@ -33,7 +33,7 @@ from kestrel_models.planner.triton_gemv import gemv_add
 
 if HAVE_TRITON:
     from kestrel_models.planner.triton_common import _last_arrival
-    from kestrel_models.planner.triton_gemv import _rms_row
+    from kestrel_models.planner.triton_gemv import _rms_row, _row_rstd
 
 __all__ = ["silu_gemv", "silu_gemv_add", "gemv_sem", "rms_w13_silu", "mlp_triton", "GEMV_CFG"]
 
@@ -76,12 +76,7 @@ if HAVE_TRITON:
     def _w13_kernel(x_ptr, nw_ptr, w_ptr, o_ptr, eps, F_: tl.constexpr, K: tl.constexpr,
                     sxm, swn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pn, m = tl.program_id(0), tl.program_id(1)
-        ss = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            xv = tl.load(x_ptr + m * sxm + k, mask=k < K, other=0.0).to(tl.float32)
-            ss += xv * xv
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+        rstd = _row_rstd(x_ptr + m * sxm, eps, K, BLOCK_K)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         nok = n < F_
         ag = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
