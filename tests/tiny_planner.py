@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kestrel_models.planner import VisionLanguageModel, get_config
@@ -28,3 +30,23 @@ def image(seed: int = 1, device: str = "cpu") -> torch.Tensor:
     """A random uint8 [3, 32, 32] image."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=g).to(device)
+
+
+def check_kernel_rows(model: VisionLanguageModel, calls: list, one_row: Sequence[object],
+                      **kv_kw: object) -> None:
+    """A decode step of KVModel(**kv_kw) with more than MLP_KERNEL_ROWS rows gives the default
+    KVModel's logits with no spied kernel call (`calls`: what the caller's spies record), and a
+    one-row step gives them with `one_row` recorded per layer."""
+    from kestrel_models.planner.kvmodel import MLP_KERNEL_ROWS, KVModel
+
+    toks = torch.tensor([prompts()[1][:9]] * 2)
+    ref, kv = KVModel(model, 2, 128), KVModel(model, 2, 128, **kv_kw)
+    for m in (ref, kv):
+        m.forward(m.embed_tokens(toks), torch.zeros(2, dtype=torch.long), slice(0, 2), 9)
+    with torch.inference_mode():
+        for b in (MLP_KERNEL_ROWS + 1, 1):
+            calls.clear()
+            torch.testing.assert_close(kv.decode(toks[:b, 3], torch.full((b,), 9), 128),
+                                       ref.decode(toks[:b, 3], torch.full((b,), 9), 128),
+                                       rtol=1e-4, atol=1e-4)
+            assert calls == ([] if b > MLP_KERNEL_ROWS else list(one_row) * len(kv.layers))

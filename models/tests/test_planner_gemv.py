@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kestrel_models.planner import VisionLanguageModel
 from kestrel_models.planner import triton_gemv as tg
 from kestrel_models.planner.engine import DecodeEngine
-from kestrel_models.planner.kvmodel import MLP_KERNEL_ROWS, KVModel
+from kestrel_models.planner.kvmodel import KVModel
 
 torch.set_num_threads(1)
 EOS = 257
@@ -114,17 +114,7 @@ def test_kernels_run_only_in_single_row_steps(model: VisionLanguageModel,
     monkeypatch.setattr(kvmodel, "rms_gemv", spy("qkv", tg.rms_gemv))
     monkeypatch.setattr(kvmodel, "gemv_add", spy("o", tg.gemv_add))
     monkeypatch.setattr(triton_mlp, "gemv_add", spy("w2", tg.gemv_add))
-    toks = torch.tensor([tp.prompts()[1][:9]] * 2)
-    ref, kv = KVModel(model, 2, 128), KVModel(model, 2, 128, **FUSED)
-    for m in (ref, kv):
-        m.forward(m.embed_tokens(toks), torch.zeros(2, dtype=torch.long), slice(0, 2), 9)
-    with torch.inference_mode():
-        for b in (MLP_KERNEL_ROWS + 1, 1):
-            calls.clear()
-            torch.testing.assert_close(kv.decode(toks[:b, 3], torch.full((b,), 9), 128),
-                                       ref.decode(toks[:b, 3], torch.full((b,), 9), 128),
-                                       rtol=1e-4, atol=1e-4)
-            assert calls == ([] if b > MLP_KERNEL_ROWS else ["qkv", "o", "w2"] * len(kv.layers))
+    tp.check_kernel_rows(model, calls, ["qkv", "o", "w2"], **FUSED)
 
 
 def test_option_errors(model: VisionLanguageModel) -> None:

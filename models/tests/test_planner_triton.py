@@ -207,21 +207,10 @@ def test_mlp_kernels_run_only_in_single_row_steps(model: VisionLanguageModel,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """mlp='triton_down' reads the weights once per row: a step of more than MLP_KERNEL_ROWS
     rows takes the torch MLP instead (same values), a one-row step the kernel."""
-    from kestrel_models.planner.kvmodel import MLP_KERNEL_ROWS
-    calls = []
+    calls: list[int] = []
     real = tm.silu_gemv
     monkeypatch.setattr(tm, "silu_gemv", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-    toks = torch.tensor([tp.prompts()[1][:9]] * 2)
-    ref, kv = KVModel(model, 2, 128), KVModel(model, 2, 128, mlp="triton_down")
-    for m in (ref, kv):
-        m.forward(m.embed_tokens(toks), torch.zeros(2, dtype=torch.long), slice(0, 2), 9)
-    with torch.inference_mode():
-        for b in (MLP_KERNEL_ROWS + 1, 1):
-            calls.clear()
-            torch.testing.assert_close(kv.decode(toks[:b, 3], torch.full((b,), 9), 128),
-                                       ref.decode(toks[:b, 3], torch.full((b,), 9), 128),
-                                       rtol=1e-4, atol=1e-4)
-            assert calls == ([] if b > MLP_KERNEL_ROWS else [b] * len(kv.layers))
+    tp.check_kernel_rows(model, calls, [1], mlp="triton_down")  # one call per layer, 1 row
 
 
 def test_auto_resolution(model: VisionLanguageModel, monkeypatch: pytest.MonkeyPatch) -> None:
