@@ -7,12 +7,17 @@ planner-hf request (one 448x448 image, 64 prompt tokens). latency_ms: one replay
 by CUDA events (GPU time of the step, no host work), after --warmup replays. Options:
   fused                   decode_attention 'triton_fused' (one program per row and kv head),
                           mlp 'triton_down' (split-K w_down + a reduction kernel), greedy
-                          'argmax': the defaults ('auto') on CUDA
+                          'argmax', pdl off (every row below but `default` and `*_pdl` has
+                          pdl off)
   default                 DecodeEngine's defaults, what the planner node runs
   whole_rows              fused + attn_proj 'triton' + mlp 'triton_fused': per layer RMSNorm +
                           qkv, the attention, o + residual, RMSNorm + w13 + SiLU*up, w_down +
                           residual, one kernel each (whole-row GEMVs, triton_gemv.py)
+  whole_rows_pdl          whole_rows + pdl: the five kernels launched with programmatic
+                          dependent launch (each reads its weights while the one before it
+                          finishes; Hopper or later)
   attn_proj               fused + attn_proj 'triton' only
+  attn_proj_pdl           attn_proj + pdl
   mlp_fused               fused + mlp 'triton_fused' only
   two_stage               fused + greedy 'auto' (two-stage argmax for large vocabularies)
   fused_residual          fused + mlp 'triton_down_residual' (w_down's last split adds up the
@@ -43,12 +48,14 @@ from typing import Any
 from kestrel_bench import record as rec_mod
 from kestrel_bench.repo import ensure_paths
 
-FUSED = dict(decode_attention="triton_fused", mlp="triton_down", greedy="argmax")
+FUSED = dict(decode_attention="triton_fused", mlp="triton_down", greedy="argmax", pdl=False)
 OPTIONS: dict[str, dict] = {  # row -> DecodeEngine keyword arguments
     "fused": FUSED,
     "default": {},
     "whole_rows": dict(FUSED, attn_proj="triton", mlp="triton_fused"),
+    "whole_rows_pdl": dict(FUSED, attn_proj="triton", mlp="triton_fused", pdl=True),
     "attn_proj": dict(FUSED, attn_proj="triton"),
+    "attn_proj_pdl": dict(FUSED, attn_proj="triton", pdl=True),
     "mlp_fused": dict(FUSED, mlp="triton_fused"),
     "two_stage": dict(FUSED, greedy="auto"),
     "fused_residual": dict(FUSED, mlp="triton_down_residual"),
@@ -138,7 +145,7 @@ def _row(dec: Any, prompt: list[int], image: Any, n_img: int, name: str, args: A
     out = dict(summary=stats.summary(times, 1e3), tokens=toks, compile_s=compile_s,
                agreement=agree, options=kw,
                decode_attention=eng.kv.decode_attention, mlp=eng.kv.mlp,
-               attn_proj=eng.kv.attn_proj)
+               attn_proj=eng.kv.attn_proj, pdl=eng.kv.pdl)
     del eng
     gc.collect()
     return out
@@ -200,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
                                                "decode_attention": r["decode_attention"],
                                                "mlp": r["mlp"],
                                                "attn_proj": r["attn_proj"],
+                                               "pdl": r["pdl"],
                                                "measure": "one decode step, graph replay"},
                        metrics=dict(floor_ms=floor_ms, floor_fraction=floor_ms / p50,
                                     agreement=r["agreement"], compile_s=r["compile_s"],

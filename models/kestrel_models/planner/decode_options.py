@@ -35,6 +35,10 @@ Decode-step kernel choices (only what KVModel.decode runs; prefill is unchanged)
   the output projection + residual as one, kestrel::gemv_add; triton_gemv.py). It needs a
   fused decode attention ('triton_fused' or 'triton_fused_split'), which takes the raw qkv.
   Like the MLP kernels, it runs in steps of at most MLP_KERNEL_ROWS rows.
+- `pdl` (None = auto, True, False): launch those Triton kernels (qkv, the fused attention
+  'triton_fused', o, w13, w_down of the whole-row options) with programmatic dependent launch
+  (triton_common.py): each kernel starts while the one before it finishes and reads its
+  weights meanwhile. Needs compute capability >= 9.0 (Hopper); auto: on where supported.
 - 'auto' (the defaults of all three): the fastest measured Triton options when the model is on
   CUDA and triton is importable, else the torch paths (resolve_auto has the rules).
 """
@@ -49,7 +53,7 @@ from kestrel_models.planner import triton_common
 
 __all__ = ["LINEARS", "DECODE_ATTENTION", "MLP", "ATTN_PROJ", "AUTO_CUDA", "MLP_FUSED_MAX_FFN",
            "ATTN_SPLIT_CHUNK", "MLP_KERNEL_ROWS", "cublas_linear", "parse_gemv", "resolve_auto",
-           "resolve_options"]
+           "resolve_options", "resolve_pdl"]
 
 LINEARS = ("qkv", "o", "w13", "w2", "lm_head")  # the decode step's linear layers
 DECODE_ATTENTION = ("auto", "grouped", "sdpa", "triton", "triton_split", "triton_fused",
@@ -158,3 +162,22 @@ def resolve_options(gemv: str, decode_attention: str, mlp: str, attn_proj: str,
         raise ValueError(f"parameter 'mlp' = {mlp!r}: replaces the w13/w2 GEMVs, so "
                          f"'gemv' = {gemv!r} must not name w13 or w2")
     return cub, decode_attention, mlp, attn_proj
+
+
+def resolve_pdl(pdl: bool | None, device: torch.device, decode_attention: str, mlp: str,
+                attn_proj: str) -> bool:
+    """Whether the decode step's Triton kernels launch with PDL: pdl None (auto) -> where the
+    device supports it and a kernel it applies to runs; True where that is not so ->
+    ValueError naming the parameter and why."""
+    applies = (decode_attention == "triton_fused" or attn_proj == "triton"
+               or mlp == "triton_fused")
+    why = triton_common.pdl_unsupported(device)
+    if pdl is None:
+        return applies and why is None
+    if pdl and why is not None:
+        raise ValueError(f"parameter 'pdl' = True: {why}")
+    if pdl and not applies:
+        raise ValueError(f"parameter 'pdl' = True: applies to decode_attention 'triton_fused', "
+                         f"attn_proj 'triton' or mlp 'triton_fused'; got {decode_attention!r}, "
+                         f"{attn_proj!r}, {mlp!r}")
+    return bool(pdl)

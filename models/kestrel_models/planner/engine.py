@@ -47,10 +47,11 @@ Stops: <eos> (not emitted), max_new_tokens, should_stop() -> 'cancelled', all to
 Decode-step kernel options: `gemv` ('inductor' | 'cublas' | 'cublas:<linears>'),
 `decode_attention` ('auto' | 'grouped' | 'sdpa' | 'triton' | 'triton_split' | 'triton_fused' |
 'triton_fused_split'), `mlp` ('auto' | 'inductor' | 'triton_down' | 'triton_down_residual' |
-'triton' | 'triton_fused') and `attn_proj` ('auto' | 'inductor' | 'triton'), see kvmodel.py ('auto':
-Triton on CUDA when importable, else the torch paths); `greedy` ('argmax' | 'two_stage': block
-maxima then their argmax, the same ids | 'auto': two_stage for vocabularies of at least
-TWO_STAGE_MIN_VOCAB tokens) for all-greedy steps.
+'triton' | 'triton_fused'), `attn_proj` ('auto' | 'inductor' | 'triton') and `pdl` (None = auto |
+True | False: programmatic dependent launch of those Triton kernels), see decode_options.py
+('auto': Triton on CUDA when importable, else the torch paths); `greedy` ('argmax' |
+'two_stage': block maxima then their argmax, the same ids | 'auto': two_stage for vocabularies
+of at least TWO_STAGE_MIN_VOCAB tokens) for all-greedy steps.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class DecodeEngine(PrefillMixin):
                  prefill_graph: bool | None = None, gemv: str = "inductor",
                  decode_attention: str = "auto", greedy: str = "argmax",
                  mlp: str = "auto", prefix_entries: int = 0,
-                 attn_proj: str = "auto") -> None:
+                 attn_proj: str = "auto", pdl: bool | None = None) -> None:
         if greedy not in GREEDY:
             raise ValueError(f"parameter 'greedy' = {greedy!r}: must be one of {GREEDY}")
         if steps_per_replay < 1:
@@ -100,7 +101,7 @@ class DecodeEngine(PrefillMixin):
         self.model = model.eval() if isinstance(model, torch.nn.Module) else model
         self.kv = KVModel(model, max_batch, max_len, compile=compile, policy=attention,
                           gemv=gemv, decode_attention=decode_attention, mlp=mlp,
-                          attn_proj=attn_proj)
+                          attn_proj=attn_proj, pdl=pdl)
         if greedy == "auto":
             big = self.kv.cfg.vocab_size >= TWO_STAGE_MIN_VOCAB
             greedy = "two_stage" if big else "argmax"

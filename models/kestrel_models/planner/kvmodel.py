@@ -47,12 +47,13 @@ from kestrel_models.planner.decode_options import (ATTN_PROJ, ATTN_SPLIT_CHUNK, 
                                                    DECODE_ATTENTION, LINEARS, MLP,
                                                    MLP_FUSED_MAX_FFN, MLP_KERNEL_ROWS,
                                                    cublas_linear, parse_gemv, resolve_auto,
-                                                   resolve_options)
+                                                   resolve_options, resolve_pdl)
 from kestrel_models.planner.decoder import PackedDecoder, VLMDecoder
 from kestrel_models.planner.triton_decode import decode_attention as triton_attention
 from kestrel_models.planner.triton_decode import (attn_sem, decode_attention_fused,
+                                                  decode_attention_fused_pdl,
                                                   decode_attention_fused_split)
-from kestrel_models.planner.triton_gemv import gemv_add, rms_gemv
+from kestrel_models.planner.triton_gemv import gemv_add, gemv_add_pdl, rms_gemv, rms_gemv_pdl
 from kestrel_models.planner.triton_mlp import mlp_triton
 from kestrel_models.planner.vlm import VisionLanguageModel
 
@@ -140,9 +141,10 @@ def _post(x: Tensor, a: Tensor, wo: Tensor, norm_w: Tensor, eps: float, w13: Ten
     return x + lin_w2(F.silu(gate) * up, w2)
 
 
-def _o_add_triton(x: Tensor, a: Tensor, wo: Tensor) -> Tensor:
-    """x [B, 1, D] + a [B, 1, H*hd] @ wo.T in one kernel (kestrel::gemv_add)."""
-    return gemv_add(a[:, 0], wo, x[:, 0])[:, None]
+def _o_add_triton(x: Tensor, a: Tensor, wo: Tensor, pdl: bool = False) -> Tensor:
+    """x [B, 1, D] + a [B, 1, H*hd] @ wo.T in one kernel (kestrel::gemv_add, or its PDL
+    launch)."""
+    return (gemv_add_pdl if pdl else gemv_add)(a[:, 0], wo, x[:, 0])[:, None]
 
 
 def _attn_post(x: Tensor, q: Tensor, k: Tensor, v: Tensor, mask_add: Tensor, wo: Tensor,
@@ -159,11 +161,12 @@ class KVModel:
     def __init__(self, model: VisionLanguageModel | PackedDecoder, max_batch: int,
                  max_len: int, compile: bool = False, policy: AttentionPolicy | None = None,
                  gemv: str = "inductor", decode_attention: str = "auto",
-                 mlp: str = "auto", attn_proj: str = "auto") -> None:
+                 mlp: str = "auto", attn_proj: str = "auto", pdl: bool | None = None) -> None:
         dec = model if isinstance(model, PackedDecoder) else VLMDecoder(model)
         cfg = dec.cfg
         cub, decode_attention, mlp, attn_proj = resolve_options(
             gemv, decode_attention, mlp, attn_proj, dec.device, dec.layers[0]["w2"].shape[1])
+        self.pdl = resolve_pdl(pdl, dec.device, decode_attention, mlp, attn_proj)
         if max_batch < 1:
             raise ValueError(f"parameter 'max_batch' = {max_batch}: must be >= 1")
         if not 0 < max_len <= cfg.max_seq_len:
@@ -219,9 +222,11 @@ class KVModel:
         if mlp != "inductor":
             self._post_kw["mlp"] = partial(mlp_triton, fuse_w13=mlp == "triton",
                                            sem=self._gemv_sem,
-                                           whole_rows=mlp == "triton_fused")
+                                           whole_rows=mlp == "triton_fused", pdl=self.pdl)
         if attn_proj == "triton":
-            self._post_kw["o_add"] = _o_add_triton
+            self._post_kw["o_add"] = partial(_o_add_triton, pdl=self.pdl)
+        self._rms_gemv = rms_gemv_pdl if self.pdl else rms_gemv
+        self._attn_fused = decode_attention_fused_pdl if self.pdl else decode_attention_fused
         self._lin_head = lin("lm_head")
         self._pre: Callable = torch.compile(_pre, dynamic=False) if compile else _pre
         self._attn_post: Callable = (torch.compile(_attn_post, dynamic=False) if compile
@@ -362,7 +367,8 @@ class KVModel:
         for i, w in enumerate(self.layers):
             win = self.window[i]
             if fused and proj:  # RMSNorm + qkv (+ bias): one kernel
-                qkv = rms_gemv(x[:, 0], w["attn_norm"], cfg.norm_eps, w["wqkv"], w["bqkv"])
+                qkv = self._rms_gemv(x[:, 0], w["attn_norm"], cfg.norm_eps, w["wqkv"],
+                                     w["bqkv"])
             elif fused:
                 h = F.rms_norm(x, (x.shape[-1],), w["attn_norm"], cfg.norm_eps)
                 qkv = lin_qkv(h, w["wqkv"])[:, 0]
@@ -374,8 +380,8 @@ class KVModel:
                                                      self._attn_sem, kv_len, self._attn_chunk,
                                                      win)
                 else:
-                    a = decode_attention_fused(qkv, cis0, self.k[i], self.v[i], pos, kv_len,
-                                               self._attn_chunk, win)
+                    a = self._attn_fused(qkv, cis0, self.k[i], self.v[i], pos, kv_len,
+                                         self._attn_chunk, win)
                 x = _post(x, a[:, None], w["wo"], w["ffn_norm"], cfg.norm_eps, w["w13"],
                           w["w2"], **post_kw)
                 continue

@@ -18,6 +18,7 @@ kestrel::decode_attention_fused(qkv, cis, k_cache, v_cache, pos, kv_len, chunk, 
     k (roped) and v written IN PLACE into the caches k_cache, v_cache [max_batch, Hkv, max_len,
     hd] at (row b < B, pos[b]) (mutates_args), then attention over keys 0..pos[b] (within the
     window, as decode_attention) -> [B, H*hd].
+    kestrel::decode_attention_fused_pdl: the same, launched with PDL (triton_common.py).
     The kernel takes the new key from registers (the cache is read only below pos[b]: no
     read-after-write inside the kernel); kv_len only bounds the CPU path's key slice.
 kestrel::decode_attention_fused_split(qkv, cis, k_cache, v_cache, pos, sem, kv_len, chunk,
@@ -41,14 +42,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kestrel_models.planner.triton_common import (HAVE_TRITON, need_triton, register, tl, triton,
-                                                  wrap)
+from kestrel_models.planner.triton_common import (HAVE_TRITON, launch, need_triton, register, tl,
+                                                  triton, wrap)
 
 if HAVE_TRITON:
     from kestrel_models.planner.triton_common import _last_arrival
 
 __all__ = ["HAVE_TRITON", "decode_attention", "decode_attention_fused",
-           "decode_attention_fused_split", "attn_sem", "attention_ref", "fused_ref",
+           "decode_attention_fused_pdl", "decode_attention_fused_split", "attn_sem",
+           "attention_ref", "fused_ref",
            "ATTN_BLOCK_L", "attn_block_l"]
 
 ATTN_BLOCK_L = 128  # keys per loop iteration of the one-pass attention kernel (chunk = 0)
@@ -125,8 +127,11 @@ if HAVE_TRITON:
                            H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
                            G_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_L: tl.constexpr,
                            CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                           SEM: tl.constexpr):
+                           SEM: tl.constexpr, PDL: tl.constexpr):
         b, hk, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if PDL:  # triton_common.py; every input here comes from the kernels before
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         p = tl.load(pos_ptr + b).to(tl.int32)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, HD)
@@ -280,12 +285,23 @@ def _attention_triton(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, chunk: int,
     return out
 
 
-def _decode_attention_fused(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor,
-                            pos: Tensor, kv_len: int, chunk: int, window: int = 0) -> Tensor:
+def _fused_run(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
+               kv_len: int, chunk: int, window: int, pdl: bool) -> Tensor:
     if qkv.device.type != "cuda":
         return fused_ref(qkv, cis, k_cache, v_cache, pos, kv_len, window)
     need_triton("decode_attention='triton_fused'")
-    return _fused_triton(qkv, cis, k_cache, v_cache, pos, kv_len, chunk, window)
+    return _fused_triton(qkv, cis, k_cache, v_cache, pos, kv_len, chunk, window, pdl=pdl)
+
+
+def _decode_attention_fused(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor,
+                            pos: Tensor, kv_len: int, chunk: int, window: int = 0) -> Tensor:
+    return _fused_run(qkv, cis, k_cache, v_cache, pos, kv_len, chunk, window, pdl=False)
+
+
+def _decode_attention_fused_pdl(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                pos: Tensor, kv_len: int, chunk: int, window: int = 0
+                                ) -> Tensor:
+    return _fused_run(qkv, cis, k_cache, v_cache, pos, kv_len, chunk, window, pdl=True)
 
 
 def _decode_attention_fused_split(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -306,8 +322,8 @@ def attn_sem(max_batch: int, n_kv_heads: int, device: torch.device | str) -> Ten
 
 
 def _fused_triton(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-                  kv_len: int, chunk: int, window: int = 0, sem: Tensor | None = None
-                  ) -> Tensor:
+                  kv_len: int, chunk: int, window: int = 0, sem: Tensor | None = None,
+                  pdl: bool = False) -> Tensor:
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     cis = cis.contiguous()
     b, hkv, hd = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
@@ -321,18 +337,19 @@ def _fused_triton(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, po
                k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     meta = dict(H=h, HKV=hkv, G=g, G_PAD=gp, HD=hd, IEEE=ieee, N_SPLIT=n_split)
     if n_split == 1:
-        wrap(_fused_attn_kernel)[(b, hkv, 1)](
-            qkv, cis, k_cache, v_cache, pos, out, out, out, out, pos, *strides, out.stride(0),
-            0, window, BLOCK_L=attn_block_l(k_cache.element_size(), hd), CHUNK=0, SEM=False,
-            **meta)
+        launch(_fused_attn_kernel, (b, hkv, 1), pdl,
+               qkv, cis, k_cache, v_cache, pos, out, out, out, out, pos, *strides,
+               out.stride(0), 0, window, BLOCK_L=attn_block_l(k_cache.element_size(), hd),
+               CHUNK=0, SEM=False, **meta)
         return out
     ml = torch.empty((2, b, hkv, n_split, gp), dtype=torch.float32, device=qkv.device)
     part = torch.empty((b, hkv, n_split, gp, hd), dtype=torch.float32, device=qkv.device)
     one = sem is not None  # one kernel: the last split to finish combines
-    wrap(_fused_attn_kernel)[(b, hkv, n_split)](
-        qkv, cis, k_cache, v_cache, pos, part, ml[0], ml[1], out, sem if one else pos,
-        *strides, 0, out.stride(0), window,
-        BLOCK_L=attn_block_l(k_cache.element_size(), hd, chunk), CHUNK=chunk, SEM=one, **meta)
+    launch(_fused_attn_kernel, (b, hkv, n_split), pdl,
+           qkv, cis, k_cache, v_cache, pos, part, ml[0], ml[1], out, sem if one else pos,
+           *strides, 0, out.stride(0), window,
+           BLOCK_L=attn_block_l(k_cache.element_size(), hd, chunk), CHUNK=chunk, SEM=one,
+           **meta)
     if not one:
         wrap(_attn_combine)[(b, hkv)](ml[0], ml[1], part, out, out.stride(0), G=g, G_PAD=gp,
                                       HD=hd, N_SPLIT=n_split)
@@ -353,6 +370,8 @@ def _fused_split_fake(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor
 decode_attention = register("decode_attention", _decode_attention)
 decode_attention_fused = register("decode_attention_fused", _decode_attention_fused,
                                   ("k_cache", "v_cache"), _fused_fake)
+decode_attention_fused_pdl = register("decode_attention_fused_pdl", _decode_attention_fused_pdl,
+                                      ("k_cache", "v_cache"), _fused_fake, opaque=True)
 decode_attention_fused_split = register("decode_attention_fused_split",
                                         _decode_attention_fused_split,
                                         ("k_cache", "v_cache", "sem"), _fused_split_fake)

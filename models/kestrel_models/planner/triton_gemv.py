@@ -12,6 +12,10 @@ kestrel::gemv_add(x, w, res) -> y [M, N] in res's dtype
     y = res + (x @ w.T) rounded to res's dtype first (as `res + F.linear(x, w)`): the output
     projection and w_down with their residual adds.
 
+kestrel::rms_gemv_pdl, kestrel::gemv_add_pdl: the same ops, their kernels launched with
+    programmatic dependent launch (triton_common.py): each reads its first weight tile, then
+    waits for the kernel before it.
+
 Each program computes BLOCK_N outputs of one row over the whole of K in one tile (no split-K,
 no reduction kernel): block_shape() picks the tile from K so that one load covers it, which
 suits K <= a few thousand. fp32 accumulation.
@@ -23,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kestrel_models.planner.triton_common import (HAVE_TRITON, need_triton, register, tl, triton,
-                                                  wrap)
+from kestrel_models.planner.triton_common import (HAVE_TRITON, launch, need_triton, register, tl,
+                                                  triton)
 
-__all__ = ["rms_gemv", "gemv_add", "block_shape", "TILE_ELEMS", "MAX_BLOCK_K"]
+__all__ = ["rms_gemv", "gemv_add", "rms_gemv_pdl", "gemv_add_pdl", "block_shape", "TILE_ELEMS",
+           "MAX_BLOCK_K"]
 
 TILE_ELEMS = 4096  # weight elements per program and load (BLOCK_N * BLOCK_K)
 MAX_BLOCK_K = 2048  # longer rows loop over K in tiles of this length
@@ -61,34 +66,54 @@ if HAVE_TRITON:
     @triton.jit
     def _rms_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, o_ptr, eps, N, K: tl.constexpr, sxm, swn,
                          som, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pn, m = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         nok = n < N
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        # the first weight tile (all of K when K <= BLOCK_K): read before the wait, since the
+        # weights do not depend on the kernel before this one
+        k = tl.arange(0, BLOCK_K)
+        ok = k < K
+        wt = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=nok[:, None] & ok[None, :],
+                     other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         rstd = _row_rstd(x_ptr + m * sxm, eps, K, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        xv = tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0)
+        nv = tl.load(nw_ptr + k, mask=ok, other=0.0)
+        acc = wt.to(tl.float32) * _rms_row(xv, rstd, nv)[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             ok = k < K
             wt = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=nok[:, None] & ok[None, :],
                          other=0.0)
             xv = tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0)
             nv = tl.load(nw_ptr + k, mask=ok, other=0.0)
-            h = _rms_row(xv, rstd, nv)
-            acc += wt.to(tl.float32) * h[None, :]
+            acc += wt.to(tl.float32) * _rms_row(xv, rstd, nv)[None, :]
         y = tl.sum(acc, 1)
         if HAS_BIAS:  # added before the one rounding, as F.linear's addmm does
             y += tl.load(b_ptr + n, mask=nok, other=0.0).to(tl.float32)
         tl.store(o_ptr + m * som + n, y.to(o_ptr.dtype.element_ty), mask=nok)
 
     @triton.jit
-    def _gemv_add_kernel(x_ptr, w_ptr, res_ptr, y_ptr, N, K, sxm, swn, srm, sym,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_add_kernel(x_ptr, w_ptr, res_ptr, y_ptr, N, K: tl.constexpr, sxm, swn, srm, sym,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pn, m = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         nok = n < N
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        k = tl.arange(0, BLOCK_K)  # the first weight tile before the wait (_rms_gemv_kernel)
+        ok = k < K
+        wt = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=nok[:, None] & ok[None, :],
+                     other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        xv = tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0)
+        acc = wt.to(tl.float32) * xv.to(tl.float32)[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             ok = k < K
             wt = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=nok[:, None] & ok[None, :],
@@ -106,27 +131,23 @@ def _check(name: str, x: Tensor, w: Tensor) -> None:
                          f"{tuple(w.shape)}")
 
 
-def _rms_gemv(x: Tensor, norm_w: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
+def _rms_gemv_run(x: Tensor, norm_w: Tensor, eps: float, w: Tensor, bias: Tensor | None,
+                  pdl: bool) -> Tensor:
     _check("rms_gemv", x, w)
     if x.device.type != "cuda":
         return F.linear(F.rms_norm(x, (x.shape[-1],), norm_w, eps), w, bias)
     need_triton("attn_proj='triton'")
-    return _rms_gemv_triton(x, norm_w, eps, w, bias)
-
-
-def _rms_gemv_triton(x: Tensor, norm_w: Tensor, eps: float, w: Tensor,
-                     bias: Tensor | None) -> Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     (m, k), n = x.shape, w.shape[0]
     bn, bk = block_shape(k)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    wrap(_rms_gemv_kernel)[(triton.cdiv(n, bn), m)](
-        x, norm_w, w, bias if bias is not None else y, y, eps, n, K=k, sxm=x.stride(0),
-        swn=w.stride(0), som=y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk)
+    launch(_rms_gemv_kernel, (triton.cdiv(n, bn), m), pdl,
+           x, norm_w, w, bias if bias is not None else y, y, eps, n, K=k, sxm=x.stride(0),
+           swn=w.stride(0), som=y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk)
     return y
 
 
-def _gemv_add(x: Tensor, w: Tensor, res: Tensor) -> Tensor:
+def _gemv_add_run(x: Tensor, w: Tensor, res: Tensor, pdl: bool) -> Tensor:
     _check("gemv_add", x, w)
     if res.shape != (x.shape[0], w.shape[0]):
         raise ValueError(f"gemv_add: res must be [M, N] = {(x.shape[0], w.shape[0])}, got "
@@ -134,19 +155,44 @@ def _gemv_add(x: Tensor, w: Tensor, res: Tensor) -> Tensor:
     if x.device.type != "cuda":
         return res + F.linear(x, w).to(res.dtype)
     need_triton("attn_proj='triton' / mlp='triton_fused'")
-    return _gemv_add_triton(x, w, res)
-
-
-def _gemv_add_triton(x: Tensor, w: Tensor, res: Tensor) -> Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     (m, k), n = x.shape, w.shape[0]
     bn, bk = block_shape(k)
     y = torch.empty((m, n), dtype=res.dtype, device=x.device)
-    wrap(_gemv_add_kernel)[(triton.cdiv(n, bn), m)](
-        x, w, res, y, n, k, x.stride(0), w.stride(0), res.stride(0), y.stride(0),
-        BLOCK_N=bn, BLOCK_K=bk)
+    launch(_gemv_add_kernel, (triton.cdiv(n, bn), m), pdl,
+           x, w, res, y, n, k, x.stride(0), w.stride(0), res.stride(0), y.stride(0),
+           BLOCK_N=bn, BLOCK_K=bk)
     return y
+
+
+def _rms_gemv(x: Tensor, norm_w: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
+    return _rms_gemv_run(x, norm_w, eps, w, bias, pdl=False)
+
+
+def _rms_gemv_pdl(x: Tensor, norm_w: Tensor, eps: float, w: Tensor,
+                  bias: Tensor | None) -> Tensor:
+    return _rms_gemv_run(x, norm_w, eps, w, bias, pdl=True)
+
+
+def _rms_gemv_fake(x: Tensor, norm_w: Tensor, eps: float, w: Tensor,
+                   bias: Tensor | None) -> Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def _gemv_add(x: Tensor, w: Tensor, res: Tensor) -> Tensor:
+    return _gemv_add_run(x, w, res, pdl=False)
+
+
+def _gemv_add_pdl(x: Tensor, w: Tensor, res: Tensor) -> Tensor:
+    return _gemv_add_run(x, w, res, pdl=True)
+
+
+def _gemv_add_fake(x: Tensor, w: Tensor, res: Tensor) -> Tensor:
+    return res.new_empty((x.shape[0], w.shape[0]))
 
 
 rms_gemv = register("rms_gemv", _rms_gemv)
 gemv_add = register("gemv_add", _gemv_add)
+# the same ops launched with PDL (triton_common.py): opaque to inductor
+rms_gemv_pdl = register("rms_gemv_pdl", _rms_gemv_pdl, fake=_rms_gemv_fake, opaque=True)
+gemv_add_pdl = register("gemv_add_pdl", _gemv_add_pdl, fake=_gemv_add_fake, opaque=True)

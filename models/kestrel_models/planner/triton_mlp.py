@@ -27,15 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kestrel_models.planner.triton_common import (HAVE_TRITON, need_triton, register, tl, triton,
-                                                  wrap)
-from kestrel_models.planner.triton_gemv import gemv_add
+from kestrel_models.planner.triton_common import (HAVE_TRITON, launch, need_triton, register, tl,
+                                                  triton, wrap)
+from kestrel_models.planner.triton_gemv import gemv_add, gemv_add_pdl
 
 if HAVE_TRITON:
     from kestrel_models.planner.triton_common import _last_arrival
     from kestrel_models.planner.triton_gemv import _rms_row, _row_rstd
 
-__all__ = ["silu_gemv", "silu_gemv_add", "gemv_sem", "rms_w13_silu", "mlp_triton", "GEMV_CFG"]
+__all__ = ["silu_gemv", "silu_gemv_add", "gemv_sem", "rms_w13_silu", "rms_w13_silu_pdl",
+           "mlp_triton", "GEMV_CFG"]
 
 # GEMV launch shapes: (BLOCK_N, BLOCK_K, n_split) for w_down, (BLOCK_N, BLOCK_K) for w13.
 GEMV_CFG = {"down": (32, 128, 16), "w13": (8, 128)}
@@ -74,14 +75,25 @@ if HAVE_TRITON:
 
     @triton.jit
     def _w13_kernel(x_ptr, nw_ptr, w_ptr, o_ptr, eps, F_: tl.constexpr, K: tl.constexpr,
-                    sxm, swn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    sxm, swn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pn, m = tl.program_id(0), tl.program_id(1)
-        rstd = _row_rstd(x_ptr + m * sxm, eps, K, BLOCK_K)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         nok = n < F_
-        ag = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        au = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        if PDL:  # triton_common.py: the first weight tiles before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+        k = tl.arange(0, BLOCK_K)
+        ok = k < K
+        msk = nok[:, None] & ok[None, :]
+        wg = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=msk, other=0.0)
+        wu = tl.load(w_ptr + (n + F_)[:, None] * swn + k[None, :], mask=msk, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        rstd = _row_rstd(x_ptr + m * sxm, eps, K, BLOCK_K)
+        h = _rms_row(tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0), rstd,
+                     tl.load(nw_ptr + k, mask=ok, other=0.0))
+        ag = wg.to(tl.float32) * h[None, :]
+        au = wu.to(tl.float32) * h[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             ok = k < K
             xv = tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0)
@@ -179,23 +191,30 @@ def _silu_gemv_add_triton(x: Tensor, w: Tensor, res: Tensor, sem: Tensor, n_spli
     return y
 
 
-def _rms_w13_silu(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor) -> Tensor:
+def _rms_w13_run(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor, pdl: bool) -> Tensor:
     if x.device.type != "cuda":
         return _rms_w13_ref(x, norm_w, eps, w13)
     need_triton("mlp='triton'")
-    return _rms_w13_triton(x, norm_w, eps, w13)
-
-
-def _rms_w13_triton(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor) -> Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     bn, bk = GEMV_CFG["w13"]
     m, k = x.shape
     f = w13.shape[0] // 2
     out = torch.empty((m, f), dtype=x.dtype, device=x.device)
-    wrap(_w13_kernel)[(triton.cdiv(f, bn), m)](x, norm_w, w13, out, eps, F_=f, K=k,
-                                               sxm=x.stride(0), swn=w13.stride(0),
-                                               BLOCK_N=bn, BLOCK_K=bk)
+    launch(_w13_kernel, (triton.cdiv(f, bn), m), pdl, x, norm_w, w13, out, eps, F_=f, K=k,
+           sxm=x.stride(0), swn=w13.stride(0), BLOCK_N=bn, BLOCK_K=bk)
     return out
+
+
+def _rms_w13_silu(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor) -> Tensor:
+    return _rms_w13_run(x, norm_w, eps, w13, pdl=False)
+
+
+def _rms_w13_silu_pdl(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor) -> Tensor:
+    return _rms_w13_run(x, norm_w, eps, w13, pdl=True)
+
+
+def _rms_w13_fake(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], w13.shape[0] // 2))
 
 
 def _gemv_add_fake(x: Tensor, w: Tensor, res: Tensor, sem: Tensor, n_split: int,
@@ -207,18 +226,24 @@ silu_gemv = register("silu_gemv", _silu_gemv)
 # the counters return to zero; declared mutated all the same
 silu_gemv_add = register("silu_gemv_add", _silu_gemv_add, ("sem",), _gemv_add_fake)
 rms_w13_silu = register("rms_w13_silu", _rms_w13_silu)
+rms_w13_silu_pdl = register("rms_w13_silu_pdl", _rms_w13_silu_pdl, fake=_rms_w13_fake,
+                            opaque=True)  # launched with PDL (triton_common.py)
 
 
 def mlp_triton(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor, w2: Tensor,
-               fuse_w13: bool, sem: Tensor | None = None, whole_rows: bool = False) -> Tensor:
+               fuse_w13: bool, sem: Tensor | None = None, whole_rows: bool = False,
+               pdl: bool = False) -> Tensor:
     """The SwiGLU block with residual for one decode position: x [B, 1, D] -> [B, 1, D].
     fuse_w13: RMSNorm + w13 + SiLU*up in one Triton kernel, then the split-K w_down GEMV;
     else RMSNorm + w13 as plain torch (inductor's GEMV) and SiLU*up fused into w_down.
     sem (gemv_sem(B, D)): the w_down kernel also sums its splits and adds the residual (the
     last split to finish each block of outputs does); without it a separate reduction does.
     whole_rows: RMSNorm + w13 + SiLU*up in one kernel, then w_down + residual in another over
-    whole rows (triton_gemv.gemv_add): two kernels, no split-K (for short rows)."""
+    whole rows (triton_gemv.gemv_add): two kernels, no split-K (for short rows); pdl: those two
+    launched with PDL (the ops' _pdl variants)."""
     x2 = x[:, 0]
+    if whole_rows and pdl:
+        return gemv_add_pdl(rms_w13_silu_pdl(x2, norm_w, eps, w13), w2, x2)[:, None]
     if whole_rows:
         return gemv_add(rms_w13_silu(x2, norm_w, eps, w13), w2, x2)[:, None]
     n_split = GEMV_CFG["down"][2]
