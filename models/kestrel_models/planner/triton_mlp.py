@@ -15,10 +15,13 @@ kestrel::rms_w13_silu(x, norm_w, eps, w13) -> a [M, F]
     the w13 GEMV and the SwiGLU product in one kernel (fp32 accumulation; h, gate, up and
     silu(gate) rounded to x's dtype as transformers' RMSNorm and MLP round them).
 mlp_triton(..., whole_rows=True): rms_w13_silu, then triton_gemv.gemv_add for w_down and the
-    residual: the whole block in two kernels.
+    residual: the whole block in two kernels (pdl=True: kestrel::rms_w13_silu_pdl and
+    kestrel::gemv_add_pdl, the same kernels launched with PDL, triton_common.py).
 
 Launch configurations (GEMV_CFG): constants picked on an H200 with the kernel
-micro-benchmarks, not autotuned at runtime.
+micro-benchmarks, not autotuned at runtime. rms_w13_silu takes a whole row per tile
+(triton_gemv.block_shape) when K <= triton_gemv.MAX_BLOCK_K, GEMV_CFG['w13'] otherwise
+(planner_steps_h100.md: whole rows faster at SmolVLM-256M's shape).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch import Tensor
 
 from kestrel_models.planner.triton_common import (HAVE_TRITON, launch, need_triton, register, tl,
                                                   triton, wrap)
-from kestrel_models.planner.triton_gemv import gemv_add, gemv_add_pdl
+from kestrel_models.planner.triton_gemv import MAX_BLOCK_K, block_shape, gemv_add, gemv_add_pdl
 
 if HAVE_TRITON:
     from kestrel_models.planner.triton_common import _last_arrival
@@ -38,7 +41,8 @@ if HAVE_TRITON:
 __all__ = ["silu_gemv", "silu_gemv_add", "gemv_sem", "rms_w13_silu", "rms_w13_silu_pdl",
            "mlp_triton", "GEMV_CFG"]
 
-# GEMV launch shapes: (BLOCK_N, BLOCK_K, n_split) for w_down, (BLOCK_N, BLOCK_K) for w13.
+# GEMV launch shapes: (BLOCK_N, BLOCK_K, n_split) for w_down, (BLOCK_N, BLOCK_K) for w13 rows
+# longer than MAX_BLOCK_K.
 GEMV_CFG = {"down": (32, 128, 16), "w13": (8, 128)}
 
 if HAVE_TRITON:
@@ -196,8 +200,8 @@ def _rms_w13_run(x: Tensor, norm_w: Tensor, eps: float, w13: Tensor, pdl: bool) 
         return _rms_w13_ref(x, norm_w, eps, w13)
     need_triton("mlp='triton'")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    bn, bk = GEMV_CFG["w13"]
     m, k = x.shape
+    bn, bk = block_shape(k) if k <= MAX_BLOCK_K else GEMV_CFG["w13"]
     f = w13.shape[0] // 2
     out = torch.empty((m, f), dtype=x.dtype, device=x.device)
     launch(_w13_kernel, (triton.cdiv(f, bn), m), pdl, x, norm_w, w13, out, eps, F_=f, K=k,
