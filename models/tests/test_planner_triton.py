@@ -20,8 +20,8 @@ from kestrel_models.planner import triton_common as tc
 from kestrel_models.planner import triton_decode as td
 from kestrel_models.planner import triton_mlp as tm
 from kestrel_models.planner.engine import DecodeEngine
-from kestrel_models.planner.kvmodel import (AUTO_CUDA, MLP_FUSED_MAX_FFN, KVModel,
-                                            _attn_grouped, _rope_real, resolve_auto)
+from kestrel_models.planner.kvmodel import (AUTO_CUDA, KVModel, _attn_grouped, _rope_real,
+                                            resolve_auto)
 
 torch.set_num_threads(1)
 EOS = 257
@@ -215,7 +215,7 @@ def test_mlp_kernels_run_only_in_single_row_steps(model: VisionLanguageModel,
 
 def test_auto_resolution(model: VisionLanguageModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """'auto' (the default) = the torch paths on CPU; AUTO_CUDA on CUDA with triton (mlp
-    'triton_fused' up to MLP_FUSED_MAX_FFN); the torch paths on CUDA without triton; mlp
+    'triton_fused'); the torch paths on CUDA without triton; mlp
     'inductor' when cuBLAS takes w2, attn_proj 'inductor' when it takes o or the attention is
     not a fused one; explicit values kept."""
     kv = KVModel(model, 1, 64)
@@ -223,10 +223,9 @@ def test_auto_resolution(model: VisionLanguageModel, monkeypatch: pytest.MonkeyP
     cuda = torch.device("cuda")
     monkeypatch.setattr(tc, "HAVE_TRITON", True)
     monkeypatch.setattr(tc, "OP", object())
-    big = MLP_FUSED_MAX_FFN + 1
-    assert resolve_auto("auto", "auto", cuda, ffn_hidden=big) == (
-        AUTO_CUDA["decode_attention"], AUTO_CUDA["mlp"], AUTO_CUDA["attn_proj"])
-    assert resolve_auto("auto", "auto", cuda, ffn_hidden=MLP_FUSED_MAX_FFN)[1] == "triton_fused"
+    assert resolve_auto("auto", "auto", cuda) == ("triton_fused", "triton_fused", "triton")
+    assert AUTO_CUDA == {"decode_attention": "triton_fused", "mlp": "triton_fused",
+                         "attn_proj": "triton"}
     assert resolve_auto("auto", "auto", cuda, frozenset({"w2"}))[1] == "inductor"
     assert resolve_auto("auto", "auto", cuda, frozenset({"o"}))[2] == "inductor"
     assert resolve_auto("triton", "auto", cuda)[2] == "inductor"
@@ -345,7 +344,7 @@ def test_triton_gemvs_match_reference_on_gpu() -> None:
 @gpu
 def test_compiled_triton_engine_equals_eager_on_gpu() -> None:
     """fp32, tiny config: the defaults on CUDA ('auto': the fused attention kernel, the
-    whole-row projections and, at this FFN width, the two-kernel MLP), graphed without compile
+    whole-row projections and the two-kernel MLP), graphed without compile
     and compiled with 4 steps per replay, and the compiled step with Triton attention (split)
     + the Triton MLP, give the eager torch-path engine's tokens."""
     m = tp.sharp_tiny("cuda")

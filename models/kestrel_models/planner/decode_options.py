@@ -52,7 +52,7 @@ from torch import Tensor
 
 from kestrel_models.planner import triton_common
 
-__all__ = ["LINEARS", "DECODE_ATTENTION", "MLP", "ATTN_PROJ", "AUTO_CUDA", "MLP_FUSED_MAX_FFN",
+__all__ = ["LINEARS", "DECODE_ATTENTION", "MLP", "ATTN_PROJ", "AUTO_CUDA",
            "ATTN_SPLIT_CHUNK", "MLP_KERNEL_ROWS", "cublas_linear", "parse_gemv", "resolve_auto",
            "resolve_options", "resolve_pdl"]
 
@@ -62,12 +62,9 @@ DECODE_ATTENTION = ("auto", "grouped", "sdpa", "triton", "triton_split", "triton
 MLP = ("auto", "inductor", "triton_down", "triton_down_residual", "triton", "triton_fused")
 ATTN_PROJ = ("auto", "inductor", "triton")
 # What 'auto' picks on CUDA with triton (best measured: docs/benchmarks/planner_h200.md,
-# planner_steps_h100.md).
-AUTO_CUDA = {"decode_attention": "triton_fused", "mlp": "triton_down", "attn_proj": "triton"}
-# mlp 'auto' on CUDA takes 'triton_fused' (two whole-row kernels) up to this FFN width and
-# AUTO_CUDA['mlp'] (split-K w_down) above it: planner_steps_h100.md has the first faster at
-# SmolVLM-256M's width (1536) and slower at Qwen2.5-VL-3B's (11008).
-MLP_FUSED_MAX_FFN = 4096
+# planner_steps_h100.md: the two-kernel MLP is the faster one at both SmolVLM-256M's FFN
+# width (1536) and Qwen2.5-VL-3B's (11008)).
+AUTO_CUDA = {"decode_attention": "triton_fused", "mlp": "triton_fused", "attn_proj": "triton"}
 ATTN_SPLIT_CHUNK = 64  # keys per program of decode_attention='triton_split' | 'triton_fused_split'
 MLP_KERNEL_ROWS = 1  # most rows of a decode step that the Triton MLP options run
 
@@ -117,19 +114,18 @@ def parse_gemv(gemv: str) -> frozenset[str]:
 
 
 def resolve_auto(decode_attention: str, mlp: str, device: torch.device,
-                 cublas: frozenset[str] = frozenset(), ffn_hidden: int = 0,
-                 attn_proj: str = "auto") -> tuple[str, str, str]:
+                 cublas: frozenset[str] = frozenset(), attn_proj: str = "auto"
+                 ) -> tuple[str, str, str]:
     """'auto' -> AUTO_CUDA's choice on CUDA when triton is importable, else the torch paths
-    ('grouped', 'inductor', 'inductor'). On CUDA: mlp 'auto' -> 'triton_fused' for an FFN
-    width (ffn_hidden) of at most MLP_FUSED_MAX_FFN, 'inductor' when cuBLAS takes w13 or w2;
+    ('grouped', 'inductor', 'inductor'). On CUDA: mlp 'auto' -> 'inductor' when cuBLAS takes
+    w13 or w2;
     attn_proj 'auto' -> 'inductor' unless the attention is a fused one and cuBLAS takes
     neither qkv nor o. Explicit values pass through."""
     fast = device.type == "cuda" and triton_common.HAVE_TRITON and triton_common.OP is not None
     if decode_attention == "auto":
         decode_attention = AUTO_CUDA["decode_attention"] if fast else "grouped"
     if mlp == "auto":
-        mlp = ("inductor" if not fast or {"w13", "w2"} & cublas else
-               "triton_fused" if 0 < ffn_hidden <= MLP_FUSED_MAX_FFN else AUTO_CUDA["mlp"])
+        mlp = "inductor" if not fast or {"w13", "w2"} & cublas else AUTO_CUDA["mlp"]
     if attn_proj == "auto":
         ok = fast and decode_attention.startswith("triton_fused") and not {"qkv", "o"} & cublas
         attn_proj = AUTO_CUDA["attn_proj"] if ok else "inductor"
@@ -137,8 +133,7 @@ def resolve_auto(decode_attention: str, mlp: str, device: torch.device,
 
 
 def resolve_options(gemv: str, decode_attention: str, mlp: str, attn_proj: str,
-                    device: torch.device, ffn_hidden: int
-                    ) -> tuple[frozenset[str], str, str, str]:
+                    device: torch.device) -> tuple[frozenset[str], str, str, str]:
     """Check the decode-step options (a bad one: ValueError naming the parameter and value)
     and resolve 'auto': -> (the linears on cuBLAS, decode_attention, mlp, attn_proj)."""
     cub = parse_gemv(gemv)
@@ -151,7 +146,7 @@ def resolve_options(gemv: str, decode_attention: str, mlp: str, attn_proj: str,
         raise ValueError(f"parameter 'attn_proj' = {attn_proj!r}: must be one of "
                          f"{ATTN_PROJ}")
     decode_attention, mlp, attn_proj = resolve_auto(
-        decode_attention, mlp, device, cub, ffn_hidden, attn_proj)
+        decode_attention, mlp, device, cub, attn_proj)
     if attn_proj == "triton" and not decode_attention.startswith("triton_fused"):
         raise ValueError(f"parameter 'attn_proj' = 'triton': needs decode_attention "
                          f"'triton_fused' or 'triton_fused_split' (the fused kernel takes "

@@ -45,7 +45,7 @@ from kestrel_models.planner.attention_policy import (AttentionPolicy, attend_gat
 from kestrel_models.planner import triton_mlp
 from kestrel_models.planner.decode_options import (ATTN_PROJ, ATTN_SPLIT_CHUNK, AUTO_CUDA,
                                                    DECODE_ATTENTION, LINEARS, MLP,
-                                                   MLP_FUSED_MAX_FFN, MLP_KERNEL_ROWS,
+                                                   MLP_KERNEL_ROWS,
                                                    cublas_linear, parse_gemv, resolve_auto,
                                                    resolve_options, resolve_pdl)
 from kestrel_models.planner.decoder import PackedDecoder, VLMDecoder
@@ -59,7 +59,7 @@ from kestrel_models.planner.vlm import VisionLanguageModel
 
 # (the option names and helpers live in decode_options.py; re-exported here)
 __all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "ATTN_PROJ", "AUTO_CUDA",
-           "ATTN_SPLIT_CHUNK", "MLP_FUSED_MAX_FFN", "MLP_KERNEL_ROWS", "cublas_linear",
+           "ATTN_SPLIT_CHUNK", "MLP_KERNEL_ROWS", "cublas_linear",
            "parse_gemv", "resolve_auto"]
 
 SDPA_MIN_CHUNK = 32  # chunks with S >= this use F.scaled_dot_product_attention
@@ -165,7 +165,7 @@ class KVModel:
         dec = model if isinstance(model, PackedDecoder) else VLMDecoder(model)
         cfg = dec.cfg
         cub, decode_attention, mlp, attn_proj = resolve_options(
-            gemv, decode_attention, mlp, attn_proj, dec.device, dec.layers[0]["w2"].shape[1])
+            gemv, decode_attention, mlp, attn_proj, dec.device)
         self.pdl = resolve_pdl(pdl, dec.device, decode_attention, mlp, attn_proj)
         if max_batch < 1:
             raise ValueError(f"parameter 'max_batch' = {max_batch}: must be >= 1")
