@@ -7,8 +7,7 @@ planner-hf request (one 448x448 image, 64 prompt tokens). latency_ms: one replay
 by CUDA events (GPU time of the step, no host work), after --warmup replays. Options:
   fused                   decode_attention 'triton_fused' (one program per row and kv head),
                           mlp 'triton_down' (split-K w_down + a reduction kernel), greedy
-                          'argmax', pdl off (every row below but `default` and `*_pdl` has
-                          pdl off)
+                          'argmax', pdl off (so are the rows built on it unless named *_pdl)
   default                 DecodeEngine's defaults, what the planner node runs
   whole_rows              fused + attn_proj 'triton' + mlp 'triton_fused': per layer RMSNorm +
                           qkv, the attention, o + residual, RMSNorm + w13 + SiLU*up, w_down +
