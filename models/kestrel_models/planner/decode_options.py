@@ -118,9 +118,8 @@ def resolve_auto(decode_attention: str, mlp: str, device: torch.device,
                  ) -> tuple[str, str, str]:
     """'auto' -> AUTO_CUDA's choice on CUDA when triton is importable, else the torch paths
     ('grouped', 'inductor', 'inductor'). On CUDA: mlp 'auto' -> 'inductor' when cuBLAS takes
-    w13 or w2;
-    attn_proj 'auto' -> 'inductor' unless the attention is a fused one and cuBLAS takes
-    neither qkv nor o. Explicit values pass through."""
+    w13 or w2; attn_proj 'auto' -> 'inductor' unless the attention is a fused one and cuBLAS
+    takes neither qkv nor o. Explicit values pass through."""
     fast = device.type == "cuda" and triton_common.HAVE_TRITON and triton_common.OP is not None
     if decode_attention == "auto":
         decode_attention = AUTO_CUDA["decode_attention"] if fast else "grouped"

@@ -45,9 +45,8 @@ from kestrel_models.planner.attention_policy import (AttentionPolicy, attend_gat
 from kestrel_models.planner import triton_mlp
 from kestrel_models.planner.decode_options import (ATTN_PROJ, ATTN_SPLIT_CHUNK, AUTO_CUDA,
                                                    DECODE_ATTENTION, LINEARS, MLP,
-                                                   MLP_KERNEL_ROWS,
-                                                   cublas_linear, parse_gemv, resolve_auto,
-                                                   resolve_options, resolve_pdl)
+                                                   MLP_KERNEL_ROWS, cublas_linear, parse_gemv,
+                                                   resolve_auto, resolve_options, resolve_pdl)
 from kestrel_models.planner.decoder import PackedDecoder, VLMDecoder
 from kestrel_models.planner.triton_decode import decode_attention as triton_attention
 from kestrel_models.planner.triton_decode import (attn_sem, decode_attention_fused,
@@ -59,8 +58,7 @@ from kestrel_models.planner.vlm import VisionLanguageModel
 
 # (the option names and helpers live in decode_options.py; re-exported here)
 __all__ = ["KVModel", "LINEARS", "DECODE_ATTENTION", "MLP", "ATTN_PROJ", "AUTO_CUDA",
-           "ATTN_SPLIT_CHUNK", "MLP_KERNEL_ROWS", "cublas_linear",
-           "parse_gemv", "resolve_auto"]
+           "ATTN_SPLIT_CHUNK", "MLP_KERNEL_ROWS", "cublas_linear", "parse_gemv", "resolve_auto"]
 
 SDPA_MIN_CHUNK = 32  # chunks with S >= this use F.scaled_dot_product_attention
 

@@ -21,7 +21,7 @@ mlp_triton(..., whole_rows=True): rms_w13_silu, then triton_gemv.gemv_add for w_
 Launch configurations (GEMV_CFG): constants picked on an H200 with the kernel
 micro-benchmarks, not autotuned at runtime. rms_w13_silu takes a whole row per tile
 (triton_gemv.block_shape) when K <= triton_gemv.MAX_BLOCK_K, GEMV_CFG['w13'] otherwise
-(planner_steps_h100.md: whole rows faster at SmolVLM-256M's shape).
+(planner_steps_h100.md: whole rows the faster; its notes have the comparison).
 """
 
 from __future__ import annotations
