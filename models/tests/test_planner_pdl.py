@@ -42,12 +42,15 @@ def pdl_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(triton_common, "pdl_unsupported", lambda device: None)
 
 
-def test_auto_rule_and_errors() -> None:
+def test_auto_rule_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     assert resolve_pdl(None, cpu, "triton_fused", "triton_fused", "triton") is False
     assert resolve_pdl(False, cpu, "triton_fused", "triton_fused", "triton") is False
     with pytest.raises(ValueError, match="parameter 'pdl' = True: the model is on cpu"):
         resolve_pdl(True, cpu, "triton_fused", "inductor", "inductor")
+    monkeypatch.setattr(triton_common, "HAVE_TRITON", True)  # a triton without gdc_wait
+    monkeypatch.setattr(triton_common, "tl", None)
+    assert "grid dependency control" in triton_common.pdl_unsupported(CUDA)
 
 
 def test_auto_rule_on_a_pdl_device(pdl_device: None) -> None:

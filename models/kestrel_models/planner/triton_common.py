@@ -48,7 +48,8 @@ def pdl_unsupported(device: torch.device) -> str | None:
     """None when kernels on `device` can be launched with PDL, else why not."""
     if device.type != "cuda":
         return f"the model is on {device.type}, not CUDA"
-    if not HAVE_TRITON or not hasattr(tl.extra.cuda, "gdc_wait"):
+    cuda_ext = getattr(getattr(tl, "extra", None), "cuda", None)
+    if not HAVE_TRITON or not hasattr(cuda_ext, "gdc_wait"):
         return "this triton has no grid dependency control (tl.extra.cuda.gdc_wait)"
     major = torch.cuda.get_device_capability(device)[0]
     if major < 9:
