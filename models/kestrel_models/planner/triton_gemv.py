@@ -56,6 +56,12 @@ if HAVE_TRITON:
         return 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
 
     @triton.jit
+    def _w_tile(w_ptr, n, nok, swn, k, ok):
+        """The weight tile w[n, k] ([BLOCK_N, BLOCK_K]; zero outside rows nok, columns ok)."""
+        return tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=nok[:, None] & ok[None, :],
+                       other=0.0)
+
+    @triton.jit
     def _rms_row(xv, rstd, nv):
         """The RMSNorm of a row (fp32 rstd) with the roundings of transformers' Llama/Qwen2
         RMSNorm in x's dtype: x * rstd rounded, times the weight, rounded (F.rms_norm rounds
@@ -76,8 +82,7 @@ if HAVE_TRITON:
         # weights do not depend on the kernel before this one
         k = tl.arange(0, BLOCK_K)
         ok = k < K
-        wt = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=nok[:, None] & ok[None, :],
-                     other=0.0)
+        wt = _w_tile(w_ptr, n, nok, swn, k, ok)
         if PDL:
             tl.extra.cuda.gdc_wait()
         rstd = _row_rstd(x_ptr + m * sxm, eps, K, BLOCK_K)
@@ -87,8 +92,7 @@ if HAVE_TRITON:
         for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             ok = k < K
-            wt = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=nok[:, None] & ok[None, :],
-                         other=0.0)
+            wt = _w_tile(w_ptr, n, nok, swn, k, ok)
             xv = tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0)
             nv = tl.load(nw_ptr + k, mask=ok, other=0.0)
             acc += wt.to(tl.float32) * _rms_row(xv, rstd, nv)[None, :]
@@ -107,8 +111,7 @@ if HAVE_TRITON:
             tl.extra.cuda.gdc_launch_dependents()
         k = tl.arange(0, BLOCK_K)  # the first weight tile before the wait (_rms_gemv_kernel)
         ok = k < K
-        wt = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=nok[:, None] & ok[None, :],
-                     other=0.0)
+        wt = _w_tile(w_ptr, n, nok, swn, k, ok)
         if PDL:
             tl.extra.cuda.gdc_wait()
         xv = tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0)
@@ -116,8 +119,7 @@ if HAVE_TRITON:
         for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             ok = k < K
-            wt = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=nok[:, None] & ok[None, :],
-                         other=0.0)
+            wt = _w_tile(w_ptr, n, nok, swn, k, ok)
             xv = tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0)
             acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
         r = tl.load(res_ptr + m * srm + n, mask=nok, other=0.0)

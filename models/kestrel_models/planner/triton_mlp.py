@@ -36,7 +36,7 @@ from kestrel_models.planner.triton_gemv import MAX_BLOCK_K, block_shape, gemv_ad
 
 if HAVE_TRITON:
     from kestrel_models.planner.triton_common import _last_arrival
-    from kestrel_models.planner.triton_gemv import _rms_row, _row_rstd
+    from kestrel_models.planner.triton_gemv import _rms_row, _row_rstd, _w_tile
 
 __all__ = ["silu_gemv", "silu_gemv_add", "gemv_sem", "rms_w13_silu", "rms_w13_silu_pdl",
            "mlp_triton", "GEMV_CFG"]
@@ -62,8 +62,7 @@ if HAVE_TRITON:
                 a = gt * tl.sigmoid(gt) * up
             else:
                 a = tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0).to(tl.float32)
-            wt = tl.load(w_ptr + n[:, None] * swn + k[None, :],
-                         mask=(n < N)[:, None] & ok[None, :], other=0.0)
+            wt = _w_tile(w_ptr, n, n < N, swn, k, ok)
             acc += wt.to(tl.float32) * a[None, :]
         tl.store(o_ptr + (s * M + m) * N + n, tl.sum(acc, 1), mask=n < N)
         if SEM:  # the last split of this block of outputs: y = res + sum of the splits
@@ -87,9 +86,8 @@ if HAVE_TRITON:
             tl.extra.cuda.gdc_launch_dependents()
         k = tl.arange(0, BLOCK_K)
         ok = k < K
-        msk = nok[:, None] & ok[None, :]
-        wg = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=msk, other=0.0)
-        wu = tl.load(w_ptr + (n + F_)[:, None] * swn + k[None, :], mask=msk, other=0.0)
+        wg = _w_tile(w_ptr, n, nok, swn, k, ok)
+        wu = _w_tile(w_ptr, n + F_, nok, swn, k, ok)
         if PDL:
             tl.extra.cuda.gdc_wait()
         rstd = _row_rstd(x_ptr + m * sxm, eps, K, BLOCK_K)
@@ -103,9 +101,8 @@ if HAVE_TRITON:
             xv = tl.load(x_ptr + m * sxm + k, mask=ok, other=0.0)
             nv = tl.load(nw_ptr + k, mask=ok, other=0.0)
             h = _rms_row(xv, rstd, nv)
-            msk = nok[:, None] & ok[None, :]
-            wg = tl.load(w_ptr + n[:, None] * swn + k[None, :], mask=msk, other=0.0)
-            wu = tl.load(w_ptr + (n + F_)[:, None] * swn + k[None, :], mask=msk, other=0.0)
+            wg = _w_tile(w_ptr, n, nok, swn, k, ok)
+            wu = _w_tile(w_ptr, n + F_, nok, swn, k, ok)
             ag += wg.to(tl.float32) * h[None, :]
             au += wu.to(tl.float32) * h[None, :]
         # gate, up and SiLU(gate) rounded to the output dtype, as torch's ops between them
