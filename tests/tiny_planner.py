@@ -50,3 +50,21 @@ def check_kernel_rows(model: VisionLanguageModel, calls: list, one_row: Sequence
                                        ref.decode(toks[:b, 3], torch.full((b,), 9), 128),
                                        rtol=1e-4, atol=1e-4)
             assert calls == ([] if b > MLP_KERNEL_ROWS else list(one_row) * len(kv.layers))
+
+
+def check_step_traces(model: VisionLanguageModel, **kv_kw: object) -> None:
+    """torch.compile(fullgraph) of a one-row KVModel(**kv_kw).decode (no graph break) gives
+    the eager default step's logits for two steps, under inference_mode as the engine runs
+    it."""
+    from kestrel_models.planner.kvmodel import KVModel
+
+    toks, pos = torch.tensor([prompts()[1][:9]]), torch.tensor([9])
+    ref, kv = KVModel(model, 1, 128), KVModel(model, 1, 128, **kv_kw)
+    for m in (ref, kv):
+        m.forward(m.embed_tokens(toks), torch.zeros(1, dtype=torch.long), slice(0, 1), 9)
+    step = torch.compile(kv.decode, fullgraph=True, dynamic=False, backend="aot_eager")
+    with torch.inference_mode():
+        for t in range(2):
+            torch.testing.assert_close(step(toks[:, t], pos + t, 128),
+                                       ref.decode(toks[:, t], pos + t, 128),
+                                       rtol=1e-4, atol=1e-4)

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from kestrel_models.planner import VisionLanguageModel
 from kestrel_models.planner import triton_gemv as tg
 from kestrel_models.planner.engine import DecodeEngine
-from kestrel_models.planner.kvmodel import KVModel
 
 torch.set_num_threads(1)
 EOS = 257
@@ -87,17 +86,7 @@ def test_decode_step_traces_as_one_graph(model: VisionLanguageModel) -> None:
     """torch.compile(fullgraph) of KVModel.decode with the options (CPU: the ops' torch path)
     equals the eager default step: no graph break, the ops trace (under inference_mode, as the
     engine runs it)."""
-    toks = torch.tensor([tp.prompts()[1][:9]])
-    pos = torch.tensor([9])
-    ref, kv = KVModel(model, 1, 128), KVModel(model, 1, 128, **FUSED)
-    for m in (ref, kv):
-        m.forward(m.embed_tokens(toks), torch.zeros(1, dtype=torch.long), slice(0, 1), 9)
-    step = torch.compile(kv.decode, fullgraph=True, dynamic=False, backend="aot_eager")
-    with torch.inference_mode():
-        for t in range(2):
-            torch.testing.assert_close(step(toks[:, t], pos + t, 128),
-                                       ref.decode(toks[:, t], pos + t, 128),
-                                       rtol=1e-4, atol=1e-4)
+    tp.check_step_traces(model, **FUSED)
 
 
 def test_kernels_run_only_in_single_row_steps(model: VisionLanguageModel,

@@ -19,7 +19,6 @@ from kestrel_models.planner import triton_gemv as tg
 from kestrel_models.planner import triton_mlp as tm
 from kestrel_models.planner.decode_options import resolve_pdl
 from kestrel_models.planner.engine import DecodeEngine
-from kestrel_models.planner.kvmodel import KVModel
 
 torch.set_num_threads(1)
 EOS = 257
@@ -136,16 +135,7 @@ def test_engine_with_pdl_gives_the_default_tokens(model: VisionLanguageModel,
 def test_step_with_pdl_traces_as_one_graph(model: VisionLanguageModel, pdl_device: None) -> None:
     """The opaque PDL ops stay in one fullgraph trace (no graph break) with the default
     step's values."""
-    toks, pos = torch.tensor([tp.prompts()[1][:9]]), torch.tensor([9])
-    ref, kv = KVModel(model, 1, 128, **TORCH), KVModel(model, 1, 128, pdl=True, **WHOLE)
-    for m in (ref, kv):
-        m.forward(m.embed_tokens(toks), torch.zeros(1, dtype=torch.long), slice(0, 1), 9)
-    step = torch.compile(kv.decode, fullgraph=True, dynamic=False, backend="aot_eager")
-    with torch.inference_mode():
-        for t in range(2):
-            torch.testing.assert_close(step(toks[:, t], pos + t, 128),
-                                       ref.decode(toks[:, t], pos + t, 128),
-                                       rtol=1e-4, atol=1e-4)
+    tp.check_step_traces(model, pdl=True, **WHOLE)
 
 
 # ---- GPU -------------------------------------------------------------------------------------
