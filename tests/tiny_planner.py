@@ -68,3 +68,19 @@ def check_step_traces(model: VisionLanguageModel, **kv_kw: object) -> None:
             torch.testing.assert_close(step(toks[:, t], pos + t, 128),
                                        ref.decode(toks[:, t], pos + t, 128),
                                        rtol=1e-4, atol=1e-4)
+
+
+def fused_case(b: int, h: int, hkv: int, hd: int, L: int, dtype: torch.dtype, device: str,
+               mb: int, seed: int = 0) -> tuple:
+    """qkv [B, (H + 2 Hkv) hd], cis [B, hd/2, 2] (cos, sin of random angles), full caches
+    k, v [mb, Hkv, L + 8, hd] (mb >= B rows: rows past B must stay untouched), pos [B] with
+    row 0 at position 0 and the last row at L - 1."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, (h + 2 * hkv) * hd, generator=g).to(device, dtype)
+    ang = torch.rand(b, hd // 2, generator=g) * 6.0
+    cis = torch.stack([ang.cos(), ang.sin()], -1).to(device)
+    kc = torch.randn(mb, hkv, L + 8, hd, generator=g).to(device, dtype)
+    vc = torch.randn(mb, hkv, L + 8, hd, generator=g).to(device, dtype)
+    pos = torch.randint(0, L, (b,), generator=g)
+    pos[0], pos[-1] = 0, L - 1
+    return qkv, cis, kc, vc, pos.to(device)

@@ -71,14 +71,9 @@ def _cases() -> tuple:
     g = torch.Generator().manual_seed(0)
     x, nw, w = torch.randn(2, 24, generator=g), torch.rand(24, generator=g) + 0.5, \
         torch.randn(40, 24, generator=g)
-    b, h, hkv, hd, L = 2, 6, 2, 32, 48
-    qkv = torch.randn(b, (h + 2 * hkv) * hd, generator=g)
-    ang = torch.rand(b, hd // 2, generator=g) * 6
-    cis = torch.stack([ang.cos(), ang.sin()], -1)
-    kc, vc = torch.randn(3, hkv, L + 8, hd, generator=g), torch.randn(3, hkv, L + 8, hd,
-                                                                      generator=g)
     return (x, nw, w, torch.randn(40, generator=g), torch.randn(2, 40, generator=g),
-            torch.randn(80, 24, generator=g)), (qkv, cis, kc, vc, torch.tensor([5, 47]), L)
+            torch.randn(80, 24, generator=g)), (
+        *tp.fused_case(2, 6, 2, 32, 48, torch.float32, "cpu", mb=3), 48)
 
 
 def test_pdl_ops_equal_the_plain_ops_on_cpu() -> None:

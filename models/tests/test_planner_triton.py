@@ -82,27 +82,11 @@ def test_attention_op_cpu_equals_grouped(heads: tuple[int, int]) -> None:
                                v[0, :, 0][:, None].expand(hkv, h // hkv, 32))
 
 
-def _fused_case(b: int, h: int, hkv: int, hd: int, L: int, dtype: torch.dtype, device: str,
-                mb: int, seed: int = 0) -> tuple:
-    """qkv [B, (H + 2 Hkv) hd], cis [B, hd/2, 2] (cos, sin of random angles), full caches
-    k, v [mb, Hkv, L + 8, hd] (mb >= B rows: rows past B must stay untouched), pos [B] with
-    row 0 at position 0 and the last row at L - 1."""
-    g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(b, (h + 2 * hkv) * hd, generator=g).to(device, dtype)
-    ang = torch.rand(b, hd // 2, generator=g) * 6.0
-    cis = torch.stack([ang.cos(), ang.sin()], -1).to(device)
-    kc = torch.randn(mb, hkv, L + 8, hd, generator=g).to(device, dtype)
-    vc = torch.randn(mb, hkv, L + 8, hd, generator=g).to(device, dtype)
-    pos = torch.randint(0, L, (b,), generator=g)
-    pos[0], pos[-1] = 0, L - 1
-    return qkv, cis, kc, vc, pos.to(device)
-
-
 def test_fused_op_cpu_equals_rope_write_then_grouped() -> None:
     """The fused op's torch path = the engine's RoPE (real-arithmetic form), the cache write at
     pos and the grouped attention; rows past B and positions other than pos stay untouched."""
     b, h, hkv, hd, L = 3, 6, 2, 32, 96
-    qkv, cis, kc, vc, pos = _fused_case(b, h, hkv, hd, L, torch.float32, "cpu", mb=4)
+    qkv, cis, kc, vc, pos = tp.fused_case(b, h, hkv, hd, L, torch.float32, "cpu", mb=4)
     k0, v0 = kc.clone(), vc.clone()
     out = td.decode_attention_fused(qkv, cis, kc, vc, pos, L, 0)
     x = qkv.view(b, 1, h + 2 * hkv, hd)
@@ -124,7 +108,7 @@ def test_fused_op_cpu_equals_rope_write_then_grouped() -> None:
 def test_ops_are_valid_custom_ops() -> None:
     q, k, v, pos = _attn_case(2, 6, 2, 32, 48, torch.float32, "cpu")
     torch.library.opcheck(td.decode_attention, (q, k, v, pos, 0))
-    qkv, cis, kc, vc, pos = _fused_case(2, 6, 2, 32, 48, torch.float32, "cpu", mb=3)
+    qkv, cis, kc, vc, pos = tp.fused_case(2, 6, 2, 32, 48, torch.float32, "cpu", mb=3)
     torch.library.opcheck(td.decode_attention_fused, (qkv, cis, kc, vc, pos, 48, 0))
     x, w = torch.randn(2, 2 * 40), torch.randn(24, 40)
     torch.library.opcheck(tm.silu_gemv, (x, w, 4, True))
@@ -282,7 +266,7 @@ def test_fused_attention_matches_reference_on_gpu(dtype: torch.dtype) -> None:
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
     for b, h, hkv, hd, L, mb in ((1, 14, 2, 64, 512, 1), (4, 14, 2, 64, 1024, 4),
                                  (3, 6, 2, 32, 128, 4)):
-        qkv, cis, kc, vc, pos = _fused_case(b, h, hkv, hd, L, dtype, "cuda", mb, seed=L)
+        qkv, cis, kc, vc, pos = tp.fused_case(b, h, hkv, hd, L, dtype, "cuda", mb, seed=L)
         qkv[:, :h * hd] *= hd ** -0.5  # q pre-scaled, as the engine's wqkv
         for i, p in enumerate(pos.tolist()):
             kc[i, :, p:] = float("nan")
