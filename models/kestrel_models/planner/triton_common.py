@@ -4,8 +4,10 @@ arrival counter of one-kernel split reductions, programmatic dependent launch (P
 PDL (Hopper and later): a kernel launched with `launch_pdl=True` may start while the kernel
 before it in the stream is still running; its programs load what does not depend on that
 kernel (the weights) and then wait (`gdc_wait`) until it has finished and its writes are
-visible. Every kernel launched so must wait before its first load of an activation and its
-first store. Each such kernel also lets the next one start at once
+visible. Every kernel launched so must wait before its first store and before it reads
+anything that a kernel of the chain writes: before the wait it reads only what was written
+before the chain began (the weights; the fused attention also reads pos and its first block of
+cached keys, which earlier steps wrote). Each such kernel also lets the next one start at once
 (`gdc_launch_dependents` on entry). Inductor does not pass `launch_pdl` through to the
 kernels of a triton_op, so the PDL variants of the ops are registered opaque (`register(...,
 opaque=True)`): inductor calls the op, which launches the kernel itself (inside the CUDA

@@ -18,7 +18,8 @@ kestrel::decode_attention_fused(qkv, cis, k_cache, v_cache, pos, kv_len, chunk, 
     k (roped) and v written IN PLACE into the caches k_cache, v_cache [max_batch, Hkv, max_len,
     hd] at (row b < B, pos[b]) (mutates_args), then attention over keys 0..pos[b] (within the
     window, as decode_attention) -> [B, H*hd].
-    kestrel::decode_attention_fused_pdl: the same, launched with PDL (triton_common.py).
+    kestrel::decode_attention_fused_pdl: the same, launched with PDL (triton_common.py); it
+    reads pos and its first block of cached keys before it waits for the qkv kernel.
     The kernel takes the new key from registers (the cache is read only below pos[b]: no
     read-after-write inside the kernel); kv_len only bounds the CPU path's key slice.
 kestrel::decode_attention_fused_split(qkv, cis, k_cache, v_cache, pos, sem, kv_len, chunk,
@@ -53,7 +54,10 @@ __all__ = ["HAVE_TRITON", "decode_attention", "decode_attention_fused",
            "attention_ref", "fused_ref",
            "ATTN_BLOCK_L", "attn_block_l"]
 
-ATTN_BLOCK_L = 128  # keys per loop iteration of the one-pass attention kernel (chunk = 0)
+ATTN_BLOCK_L = 256  # keys per loop iteration of the one-pass attention kernel (chunk = 0)
+# The fused kernel reads its first block of keys before the PDL wait at head dims up to this
+# (planner_steps_h100: faster at the SmolVLM-256M shape's 64, slower at Qwen2.5-VL-3B's 128).
+ATTN_PREFETCH_MAX_HD = 64
 ATTN_BLOCK_BYTES = 32 * 1024  # at most this per K (or V) block in shared memory: see attn_block_l
 if HAVE_TRITON:
     @triton.jit
@@ -97,6 +101,26 @@ if HAVE_TRITON:
             tl.store(o_ptr + (base * G_PAD + g)[:, None] * HD + d[None, :], acc)
 
     @triton.jit
+    def _flash_block(q, kt, vt, ok, m_i, l_i, acc, IEEE: tl.constexpr):
+        """One block of _flash's online softmax from keys already loaded (kt [HD, BLOCK_L],
+        vt [BLOCK_L, HD], valid where ok) -> (m_i, l_i, acc). A block with no valid key
+        leaves the state as it is, also an empty one (m_i = -inf)."""
+        if IEEE:
+            sc = tl.dot(q, kt, input_precision="ieee")
+        else:
+            sc = tl.dot(q, kt)
+        sc = tl.where(ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp(-inf - 0) = 0, not NaN
+        alpha = tl.exp(m_i - m_ref)
+        pr = tl.exp(sc - m_ref[:, None])
+        if IEEE:
+            pv = tl.dot(pr.to(vt.dtype), vt, input_precision="ieee")
+        else:
+            pv = tl.dot(pr.to(vt.dtype), vt)
+        return m_new, l_i * alpha + tl.sum(pr, 1), acc * alpha[:, None] + pv
+
+    @triton.jit
     def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, sqb, sqh, skb, skh, skl,
                      svb, svh, svl, sob, window, G: tl.constexpr, G_PAD: tl.constexpr,
                      HD: tl.constexpr, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr,
@@ -127,14 +151,32 @@ if HAVE_TRITON:
                            H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
                            G_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_L: tl.constexpr,
                            CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                           SEM: tl.constexpr, PDL: tl.constexpr):
+                           SEM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
         b, hk, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if PDL:  # triton_common.py; every input here comes from the kernels before
+        if PDL:  # triton_common.py
             tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+            if not PREFETCH:  # every input below comes from the kernels before
+                tl.extra.cuda.gdc_wait()
         p = tl.load(pos_ptr + b).to(tl.int32)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, HD)
+        kb = k_ptr + b * skb + hk * skh
+        vb = v_ptr + b * svb + hk * svh
+        start = s * CHUNK
+        end = p  # keys below pos from the cache (pos itself: from registers, below)
+        if N_SPLIT > 1:
+            end = tl.minimum(start + CHUNK, end)
+        if window > 0:  # sliding window: keys > p - window only
+            start = tl.maximum(start, p - window + 1)
+        if PREFETCH:
+            # The first block of cached keys, before the wait: pos and the cache below pos are
+            # written before the decode step's PDL chain (earlier steps, prefill), never in it.
+            offs = start + tl.arange(0, BLOCK_L)
+            ok0 = offs < end
+            kt0 = tl.load(kb + offs[None, :] * skl + d[:, None], mask=ok0[None, :], other=0.0)
+            vt0 = tl.load(vb + offs[:, None] * svl + d[None, :], mask=ok0[:, None], other=0.0)
+            if PDL:  # qkv comes from the kernel before
+                tl.extra.cuda.gdc_wait()
         # RoPE on adjacent pairs (2i, 2i+1): x' = x * cos + x[d ^ 1] * (-sin | +sin)
         cs = tl.load(cis_ptr + b * scb + (d // 2) * 2)  # [HD] fp32
         sn = tl.load(cis_ptr + b * scb + (d // 2) * 2 + 1)
@@ -151,22 +193,18 @@ if HAVE_TRITON:
         kn = (ka * cs + ks * sn).to(k_ptr.dtype.element_ty)  # [HD] the new key, roped
         vn = tl.load(xb + (H + HKV + hk) * HD + d).to(v_ptr.dtype.element_ty)
         first = s == 0  # split 0 writes the cache and holds the new key
-        kb = k_ptr + b * skb + hk * skh
-        vb = v_ptr + b * svb + hk * svh
         tl.store(kb + p * skl + d, kn, mask=first & (d < HD))
         tl.store(vb + p * svl + d, vn, mask=first & (d < HD))
         s_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1)  # [G_PAD]
         m_i = tl.where(first, s_new, float("-inf"))
         l_i = tl.where(first, 1.0, 0.0) + tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, HD], tl.float32) + tl.where(first, vn.to(tl.float32), 0.0)[None, :]
-        start = s * CHUNK
-        end = p  # keys below pos from the cache (pos itself: the registers above)
-        if N_SPLIT > 1:
-            end = tl.minimum(start + CHUNK, end)
-        if window > 0:  # sliding window: keys > p - window only
-            start = tl.maximum(start, p - window + 1)
-        _flash(q, kb, vb, skl, svl, m_i, l_i, acc, start, end, o_ptr, m_ptr, l_ptr, b, hk, s,
-               sob, G, G_PAD, HD, BLOCK_L, N_SPLIT, IEEE)
+        lo = start
+        if PREFETCH:
+            m_i, l_i, acc = _flash_block(q, kt0, vt0, ok0, m_i, l_i, acc, IEEE)
+            lo = start + BLOCK_L
+        _flash(q, kb, vb, skl, svl, m_i, l_i, acc, lo, end, o_ptr, m_ptr, l_ptr, b, hk, s, sob, G,
+               G_PAD, HD, BLOCK_L, N_SPLIT, IEEE)
         if SEM:  # the last split of (row, kv head) to finish combines all of them
             if _last_arrival(sem_ptr + b * HKV + hk, N_SPLIT):
                 _combine(m_ptr, l_ptr, o_ptr, y_ptr, soy, b, hk, HKV, G, G_PAD, HD, N_SPLIT)
@@ -249,7 +287,7 @@ def attn_block_l(elem_bytes: int, hd: int, chunk: int = 0) -> int:
     split), halved while one K (or V) block of that many keys would exceed ATTN_BLOCK_BYTES. The
     kernel keeps a K and a V block per pipeline stage in shared memory: fp32 at head dim 128
     asked 272 KiB at 128 keys, over the 227 KiB a Hopper block may have (Triton
-    OutOfResources); bf16 at head dim 128 and fp32 at 64 keep 128 keys."""
+    OutOfResources); bf16 at head dim 64 takes 256 keys, bf16 at 128 and fp32 at 64 take 128."""
     blk = ATTN_BLOCK_L if chunk <= 0 else min(ATTN_BLOCK_L, chunk)
     while blk > 16 and blk * hd * elem_bytes > ATTN_BLOCK_BYTES:
         blk //= 2
@@ -335,7 +373,8 @@ def _fused_triton(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, po
     n_split = 1 if chunk <= 0 else triton.next_power_of_2(-(-kv_len // chunk))
     strides = (qkv.stride(0), cis.stride(0), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-    meta = dict(H=h, HKV=hkv, G=g, G_PAD=gp, HD=hd, IEEE=ieee, N_SPLIT=n_split)
+    meta = dict(H=h, HKV=hkv, G=g, G_PAD=gp, HD=hd, IEEE=ieee, N_SPLIT=n_split,
+                PREFETCH=hd <= ATTN_PREFETCH_MAX_HD)
     if n_split == 1:
         launch(_fused_attn_kernel, (b, hkv, 1), pdl,
                qkv, cis, k_cache, v_cache, pos, out, out, out, out, pos, *strides,
