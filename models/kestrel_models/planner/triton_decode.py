@@ -54,10 +54,13 @@ __all__ = ["HAVE_TRITON", "decode_attention", "decode_attention_fused",
            "attention_ref", "fused_ref",
            "ATTN_BLOCK_L", "attn_block_l"]
 
-ATTN_BLOCK_L = 256  # keys per loop iteration of the one-pass attention kernel (chunk = 0)
-# The fused kernel reads its first block of keys before the PDL wait at head dims up to this
-# (planner_steps_h100: faster at the SmolVLM-256M shape's 64, slower at Qwen2.5-VL-3B's 128).
+ATTN_BLOCK_L = 128  # keys per loop iteration of the one-pass attention kernel (chunk = 0)
+# Launched with PDL, the fused kernel reads its first block of keys before the wait at head
+# dims up to ATTN_PREFETCH_MAX_HD, in blocks of up to ATTN_PREFETCH_BLOCK_L keys
+# (planner_steps_h100's notes: faster at the SmolVLM-256M shape's 64, slower at Qwen2.5-VL-3B's
+# 128; without PDL the same change was slower, so those launches keep ATTN_BLOCK_L, no early read).
 ATTN_PREFETCH_MAX_HD = 64
+ATTN_PREFETCH_BLOCK_L = 256
 ATTN_BLOCK_BYTES = 32 * 1024  # at most this per K (or V) block in shared memory: see attn_block_l
 if HAVE_TRITON:
     @triton.jit
@@ -282,13 +285,14 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, chunk: int,
     return _attention_triton(q, k, v, pos, chunk, window)
 
 
-def attn_block_l(elem_bytes: int, hd: int, chunk: int = 0) -> int:
-    """Keys per loop iteration of the attention kernels: ATTN_BLOCK_L (at most `chunk` when
-    split), halved while one K (or V) block of that many keys would exceed ATTN_BLOCK_BYTES. The
+def attn_block_l(elem_bytes: int, hd: int, chunk: int = 0, most: int = ATTN_BLOCK_L) -> int:
+    """Keys per loop iteration of the attention kernels: `most` (at most `chunk` when split),
+    halved while one K (or V) block of that many keys would exceed ATTN_BLOCK_BYTES. The
     kernel keeps a K and a V block per pipeline stage in shared memory: fp32 at head dim 128
     asked 272 KiB at 128 keys, over the 227 KiB a Hopper block may have (Triton
-    OutOfResources); bf16 at head dim 64 takes 256 keys, bf16 at 128 and fp32 at 64 take 128."""
-    blk = ATTN_BLOCK_L if chunk <= 0 else min(ATTN_BLOCK_L, chunk)
+    OutOfResources); bf16 at head dim 128 and fp32 at 64 keep 128 keys (256 at most: bf16 at 64
+    takes 256)."""
+    blk = most if chunk <= 0 else min(most, chunk)
     while blk > 16 and blk * hd * elem_bytes > ATTN_BLOCK_BYTES:
         blk //= 2
     return blk
@@ -373,12 +377,15 @@ def _fused_triton(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, po
     n_split = 1 if chunk <= 0 else triton.next_power_of_2(-(-kv_len // chunk))
     strides = (qkv.stride(0), cis.stride(0), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    prefetch = pdl and hd <= ATTN_PREFETCH_MAX_HD
+    most = ATTN_PREFETCH_BLOCK_L if prefetch else ATTN_BLOCK_L
     meta = dict(H=h, HKV=hkv, G=g, G_PAD=gp, HD=hd, IEEE=ieee, N_SPLIT=n_split,
-                PREFETCH=hd <= ATTN_PREFETCH_MAX_HD)
+                PREFETCH=prefetch)
     if n_split == 1:
         launch(_fused_attn_kernel, (b, hkv, 1), pdl,
                qkv, cis, k_cache, v_cache, pos, out, out, out, out, pos, *strides,
-               out.stride(0), 0, window, BLOCK_L=attn_block_l(k_cache.element_size(), hd),
+               out.stride(0), 0, window,
+               BLOCK_L=attn_block_l(k_cache.element_size(), hd, most=most),
                CHUNK=0, SEM=False, **meta)
         return out
     ml = torch.empty((2, b, hkv, n_split, gp), dtype=torch.float32, device=qkv.device)
@@ -387,7 +394,7 @@ def _fused_triton(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, po
     launch(_fused_attn_kernel, (b, hkv, n_split), pdl,
            qkv, cis, k_cache, v_cache, pos, part, ml[0], ml[1], out, sem if one else pos,
            *strides, 0, out.stride(0), window,
-           BLOCK_L=attn_block_l(k_cache.element_size(), hd, chunk), CHUNK=chunk, SEM=one,
+           BLOCK_L=attn_block_l(k_cache.element_size(), hd, chunk, most), CHUNK=chunk, SEM=one,
            **meta)
     if not one:
         wrap(_attn_combine)[(b, hkv)](ml[0], ml[1], part, out, out.stride(0), G=g, G_PAD=gp,
