@@ -46,6 +46,7 @@ from kestrel_bench import stats
 from kestrel_bench.repo import ROOT, ensure_paths
 
 NODE = "perception"
+SINK_MATCH_TIMEOUT_S = 60.0  # default bound of the sink's wait to match the node's publisher, s
 FASTDDS_PROFILE = ROOT / "ros2_ws/src/kestrel_bringup/config/fastdds_large_data.xml"
 CONFIGS = {  # node parameters of the model size
     "tiny": {"model.backbone_depth": 18, "model.base_width": 16, "model.fpn_channels": 64,
@@ -69,6 +70,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
     ap.add_argument("--role", choices=("main", "sink"), default="main", help=argparse.SUPPRESS)
     ap.add_argument("--stamps-out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--match-timeout", type=float, default=SINK_MATCH_TIMEOUT_S,
+                    help=argparse.SUPPRESS)  # the sink's bound on matching the node, s
     ap.add_argument("--config", choices=tuple(CONFIGS), default="tiny")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--cams", type=int, default=1)
@@ -194,8 +197,18 @@ def run_sink(args: argparse.Namespace) -> int:
     rclpy.init()
     node = rclpy.create_node("perception_bench_sink")
     sink = ResultSink()
-    node.create_subscription(PerceptionResult, f"/{NODE}/output/result", sink,
-                             result_qos(args.result_qos))
+    sub = node.create_subscription(PerceptionResult, f"/{NODE}/output/result", sink,
+                                   result_qos(args.result_qos))
+    # A best-effort result published before this subscription matches the node's publisher is
+    # lost, and the frames start as soon as this process says it is ready: so it says so only
+    # once matched (bounded; a slow discovery on a loaded machine lost every result).
+    deadline = time.monotonic() + args.match_timeout
+    while sub.get_publisher_count() < 1:
+        if time.monotonic() > deadline:
+            print(f"sink not matched to /{NODE}/output/result within {args.match_timeout} s",
+                  flush=True)
+            return 1
+        rclpy.spin_once(node, timeout_sec=0.05)
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     freeze_heap()  # as every Kestrel node after configure: a full collection skips this heap
@@ -282,8 +295,9 @@ def run_main(args: argparse.Namespace) -> int:
             [sys.executable, "-m", "kestrel_bench", "perception-node", "--role", "sink",
              "--result-qos", args.result_qos, "--stamps-out", str(rows_path)],
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        if sink.stdout.readline().strip() != "sink ready":
-            raise RuntimeError("the sink process did not start")
+        said = sink.stdout.readline().strip()
+        if said != "sink ready":
+            raise RuntimeError(f"the sink process is not ready: {said or 'no output'}")
         if args.node_cpus:
             pin_threads(node.proc.pid, args.node_cpus)
         if meter:

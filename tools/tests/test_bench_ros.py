@@ -3,10 +3,12 @@ command publish) and `perception-node` (the node end to end)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from benchmark_run import row, run_bench
+from benchmark_run import ROOT, row, run_bench
 
 
 @pytest.mark.dds
@@ -35,3 +37,30 @@ def test_perception_node_end_to_end(tmp_path: Path, env: dict[str, str]) -> None
     assert e2e["metrics"]["frames"] == 8
     assert any(r["name"] == "stage:model" for r in rec["results"])
     assert rec["config"]["node_params"]["model.backbone_depth"] == 18
+
+
+@pytest.mark.dds
+def test_perception_sink_is_ready_only_once_matched(tmp_path: Path, env: dict[str, str],
+                                                    probe) -> None:  # noqa: ANN001
+    """The benchmark's result sink says "sink ready" (and the frames start) only once its
+    subscription has matched the node's result publisher: a best-effort result published
+    before that is lost. With no publisher it says so and exits 1; with one, it is ready."""
+    from kestrel_bench.perception_node import result_qos
+    from kestrel_interfaces.msg import PerceptionResult
+
+    def sink(timeout: float) -> list[str]:
+        return [sys.executable, "-m", "kestrel_bench", "perception-node", "--role", "sink",
+                "--stamps-out", str(tmp_path / "rows.json"), "--match-timeout", str(timeout)]
+
+    res = subprocess.run(sink(2.0), input="", capture_output=True, text=True, timeout=60,
+                         cwd=ROOT, env=env)
+    assert res.returncode == 1 and "sink not matched" in res.stdout, res.stdout + res.stderr
+    probe.node.create_publisher(PerceptionResult, "/perception/output/result",
+                                result_qos("best_effort"))
+    proc = subprocess.Popen(sink(60.0), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=env)
+    try:  # bounded: the sink answers within its match timeout
+        assert proc.stdout.readline().strip() == "sink ready"
+    finally:
+        proc.stdin.close()
+        assert proc.wait(30) == 0

@@ -38,8 +38,9 @@ Decode-step kernel choices (only what KVModel.decode runs; prefill is unchanged)
 - `pdl` (None = auto, True, False): launch those Triton kernels (qkv, the fused attention
   'triton_fused', o, w13, w_down of the whole-row options) with programmatic dependent launch
   (triton_common.py): each kernel starts while the one before it finishes and reads its
-  weights meanwhile. Needs compute capability >= 9.0 (Hopper); auto: on where supported
-  (planner_steps_h100.md measures it).
+  weights meanwhile (the attention, at head dim <= 64: its first block of cached keys).
+  Needs compute capability >= 9.0 (Hopper); auto: on where supported (planner_steps_h100.md
+  measures it).
 - 'auto' (the defaults of all three): the fastest measured Triton options when the model is on
   CUDA and triton is importable, else the torch paths (resolve_auto has the rules).
 """
