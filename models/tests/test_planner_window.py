@@ -69,6 +69,17 @@ def test_attention_key_blocks_fit_shared_memory() -> None:
     assert td.attn_block_l(2, 64, most=most) == most == 256
     assert td.attn_block_l(2, 128, most=most) == 128 and td.attn_block_l(4, 128, most=most) == 64
     assert td.attn_block_l(4, 128, chunk=32) == 32 and td.attn_block_l(4, 256, chunk=128) == 32
+
+
+def test_fused_kernel_reads_keys_early_only_when_launched_with_pdl_at_small_head_dims() -> None:
+    """The fused kernel's early key read and its larger blocks: PDL launches at head dim <= 64
+    only (without PDL, or at head dim 128, both measured slower: planner_steps_h100's notes)."""
+    assert td.fused_blocks(True, 2, 64) == (True, td.ATTN_PREFETCH_BLOCK_L)
+    assert td.fused_blocks(True, 2, 64, chunk=64) == (True, 64)  # a split's chunk bounds it
+    assert td.fused_blocks(True, 4, 64) == (True, 128)  # fp32: within ATTN_BLOCK_BYTES
+    assert td.fused_blocks(False, 2, 64) == (False, td.ATTN_BLOCK_L)
+    assert td.fused_blocks(True, 2, 128) == (False, td.ATTN_BLOCK_L)
+    assert td.fused_blocks(False, 4, 128) == (False, 64)
     for elem, hd in ((2, 64), (2, 128), (4, 64), (4, 128), (4, 256)):
         assert td.attn_block_l(elem, hd) * hd * elem <= td.ATTN_BLOCK_BYTES
 

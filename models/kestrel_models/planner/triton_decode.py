@@ -52,7 +52,7 @@ if HAVE_TRITON:
 __all__ = ["HAVE_TRITON", "decode_attention", "decode_attention_fused",
            "decode_attention_fused_pdl", "decode_attention_fused_split", "attn_sem",
            "attention_ref", "fused_ref",
-           "ATTN_BLOCK_L", "attn_block_l"]
+           "ATTN_BLOCK_L", "attn_block_l", "fused_blocks"]
 
 ATTN_BLOCK_L = 128  # keys per loop iteration of the one-pass attention kernel (chunk = 0)
 # Launched with PDL, the fused kernel reads its first block of keys before the wait at head
@@ -298,6 +298,15 @@ def attn_block_l(elem_bytes: int, hd: int, chunk: int = 0, most: int = ATTN_BLOC
     return blk
 
 
+def fused_blocks(pdl: bool, elem_bytes: int, hd: int, chunk: int = 0) -> tuple[bool, int]:
+    """(whether the fused kernel reads its first block of keys before its PDL wait, keys per
+    block): only PDL launches at head dims up to ATTN_PREFETCH_MAX_HD do, in blocks of up to
+    ATTN_PREFETCH_BLOCK_L keys; every other launch takes attn_block_l's ATTN_BLOCK_L."""
+    prefetch = pdl and hd <= ATTN_PREFETCH_MAX_HD
+    most = ATTN_PREFETCH_BLOCK_L if prefetch else ATTN_BLOCK_L
+    return prefetch, attn_block_l(elem_bytes, hd, chunk, most)
+
+
 def _attention_triton(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, chunk: int,
                       window: int = 0) -> Tensor:
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -377,25 +386,20 @@ def _fused_triton(qkv: Tensor, cis: Tensor, k_cache: Tensor, v_cache: Tensor, po
     n_split = 1 if chunk <= 0 else triton.next_power_of_2(-(-kv_len // chunk))
     strides = (qkv.stride(0), cis.stride(0), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-    prefetch = pdl and hd <= ATTN_PREFETCH_MAX_HD
-    most = ATTN_PREFETCH_BLOCK_L if prefetch else ATTN_BLOCK_L
+    prefetch, blk = fused_blocks(pdl, k_cache.element_size(), hd, chunk if n_split > 1 else 0)
     meta = dict(H=h, HKV=hkv, G=g, G_PAD=gp, HD=hd, IEEE=ieee, N_SPLIT=n_split,
-                PREFETCH=prefetch)
+                PREFETCH=prefetch, BLOCK_L=blk)
     if n_split == 1:
         launch(_fused_attn_kernel, (b, hkv, 1), pdl,
                qkv, cis, k_cache, v_cache, pos, out, out, out, out, pos, *strides,
-               out.stride(0), 0, window,
-               BLOCK_L=attn_block_l(k_cache.element_size(), hd, most=most),
-               CHUNK=0, SEM=False, **meta)
+               out.stride(0), 0, window, CHUNK=0, SEM=False, **meta)
         return out
     ml = torch.empty((2, b, hkv, n_split, gp), dtype=torch.float32, device=qkv.device)
     part = torch.empty((b, hkv, n_split, gp, hd), dtype=torch.float32, device=qkv.device)
     one = sem is not None  # one kernel: the last split to finish combines
     launch(_fused_attn_kernel, (b, hkv, n_split), pdl,
            qkv, cis, k_cache, v_cache, pos, part, ml[0], ml[1], out, sem if one else pos,
-           *strides, 0, out.stride(0), window,
-           BLOCK_L=attn_block_l(k_cache.element_size(), hd, chunk, most), CHUNK=chunk, SEM=one,
-           **meta)
+           *strides, 0, out.stride(0), window, CHUNK=chunk, SEM=one, **meta)
     if not one:
         wrap(_attn_combine)[(b, hkv)](ml[0], ml[1], part, out, out.stride(0), G=g, G_PAD=gp,
                                       HD=hd, N_SPLIT=n_split)
