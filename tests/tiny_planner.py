@@ -32,6 +32,13 @@ def image(seed: int = 1, device: str = "cpu") -> torch.Tensor:
     return torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=g).to(device)
 
 
+def spy(monkeypatch: object, calls: list, module: object, attr: str, name: str) -> None:
+    """module.attr replaced (via pytest's monkeypatch) by a wrapper that appends `name` to
+    `calls` and then calls the original: what check_kernel_rows' callers record."""
+    real = getattr(module, attr)
+    monkeypatch.setattr(module, attr, lambda *a: calls.append(name) or real(*a))
+
+
 def check_kernel_rows(model: VisionLanguageModel, calls: list, one_row: Sequence[object],
                       **kv_kw: object) -> None:
     """A decode step of KVModel(**kv_kw) with more than MLP_KERNEL_ROWS rows gives the default

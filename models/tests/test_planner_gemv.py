@@ -96,13 +96,9 @@ def test_kernels_run_only_in_single_row_steps(model: VisionLanguageModel,
     w_down)."""
     from kestrel_models.planner import kvmodel, triton_mlp
     calls: list[str] = []
-
-    def spy(name: str, real):  # noqa: ANN001, ANN202
-        return lambda *a: calls.append(name) or real(*a)
-
-    monkeypatch.setattr(kvmodel, "rms_gemv", spy("qkv", tg.rms_gemv))
-    monkeypatch.setattr(kvmodel, "gemv_add", spy("o", tg.gemv_add))
-    monkeypatch.setattr(triton_mlp, "gemv_add", spy("w2", tg.gemv_add))
+    for module, attr, name in ((kvmodel, "rms_gemv", "qkv"), (kvmodel, "gemv_add", "o"),
+                               (triton_mlp, "gemv_add", "w2")):
+        tp.spy(monkeypatch, calls, module, attr, name)
     tp.check_kernel_rows(model, calls, ["qkv", "o", "w2"], **FUSED)
 
 

@@ -103,16 +103,10 @@ def test_step_with_pdl_calls_the_pdl_ops(model: VisionLanguageModel, pdl_device:
     step the torch code for the projections, both with the default step's logits."""
     from kestrel_models.planner import kvmodel
     calls: list[str] = []
-
-    def spy(name: str, real):  # noqa: ANN001, ANN202
-        return lambda *a: calls.append(name) or real(*a)
-
-    monkeypatch.setattr(kvmodel, "rms_gemv_pdl", spy("qkv", tg.rms_gemv_pdl))
-    monkeypatch.setattr(kvmodel, "gemv_add_pdl", spy("o", tg.gemv_add_pdl))
-    monkeypatch.setattr(tm, "rms_w13_silu_pdl", spy("w13", tm.rms_w13_silu_pdl))
-    monkeypatch.setattr(tm, "gemv_add_pdl", spy("w2", tg.gemv_add_pdl))
-    monkeypatch.setattr(kvmodel, "rms_gemv", spy("plain", tg.rms_gemv))
-    monkeypatch.setattr(kvmodel, "gemv_add", spy("plain", tg.gemv_add))
+    for module, attr, name in ((kvmodel, "rms_gemv_pdl", "qkv"), (kvmodel, "gemv_add_pdl", "o"),
+                               (tm, "rms_w13_silu_pdl", "w13"), (tm, "gemv_add_pdl", "w2"),
+                               (kvmodel, "rms_gemv", "plain"), (kvmodel, "gemv_add", "plain")):
+        tp.spy(monkeypatch, calls, module, attr, name)
     tp.check_kernel_rows(model, calls, ["qkv", "o", "w13", "w2"], pdl=True, **WHOLE)
 
 
