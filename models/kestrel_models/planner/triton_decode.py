@@ -64,46 +64,6 @@ ATTN_PREFETCH_BLOCK_L = 256
 ATTN_BLOCK_BYTES = 32 * 1024  # at most this per K (or V) block in shared memory: see attn_block_l
 if HAVE_TRITON:
     @triton.jit
-    def _flash(q, kb, vb, skl, svl, m_i, l_i, acc, start, end, o_ptr, m_ptr, l_ptr, b, hk, s,
-               sob, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
-               BLOCK_L: tl.constexpr, N_SPLIT: tl.constexpr, IEEE: tl.constexpr):
-        """Online softmax over keys [start, end) of one (row, kv head), from state (m_i, l_i,
-        acc), then the output (N_SPLIT = 1) or the split's partials (m, l, acc)."""
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, HD)
-        for j in range(start, end, BLOCK_L):
-            offs = j + tl.arange(0, BLOCK_L)
-            ok = offs < end
-            kt = tl.load(kb + offs[None, :] * skl + d[:, None], mask=ok[None, :], other=0.0)
-            if IEEE:
-                sc = tl.dot(q, kt, input_precision="ieee")  # [G_PAD, BLOCK_L] fp32
-            else:
-                sc = tl.dot(q, kt)
-            sc = tl.where(ok[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            vt = tl.load(vb + offs[:, None] * svl + d[None, :], mask=ok[:, None], other=0.0)
-            if IEEE:
-                pv = tl.dot(pr.to(vt.dtype), vt, input_precision="ieee")
-            else:
-                pv = tl.dot(pr.to(vt.dtype), vt)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        rows = hk * G + g
-        if N_SPLIT == 1:
-            out = acc / l_i[:, None]
-            tl.store(o_ptr + b * sob + rows[:, None] * HD + d[None, :],
-                     out.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
-        else:  # partials: m, l [B, Hkv, N_SPLIT, G_PAD], acc [B, Hkv, N_SPLIT, G_PAD, HD]
-            # (an empty split stores m = -inf, l = 0, acc = 0)
-            base = (b * tl.num_programs(1) + hk) * N_SPLIT + s
-            tl.store(m_ptr + base * G_PAD + g, m_i)
-            tl.store(l_ptr + base * G_PAD + g, l_i)
-            tl.store(o_ptr + (base * G_PAD + g)[:, None] * HD + d[None, :], acc)
-
-    @triton.jit
     def _flash_block(q, kt, vt, ok, m_i, l_i, acc, IEEE: tl.constexpr):
         """One block of _flash's online softmax from keys already loaded (kt [HD, BLOCK_L],
         vt [BLOCK_L, HD], valid where ok) -> (m_i, l_i, acc). A block with no valid key
@@ -122,6 +82,32 @@ if HAVE_TRITON:
         else:
             pv = tl.dot(pr.to(vt.dtype), vt)
         return m_new, l_i * alpha + tl.sum(pr, 1), acc * alpha[:, None] + pv
+
+    @triton.jit
+    def _flash(q, kb, vb, skl, svl, m_i, l_i, acc, start, end, o_ptr, m_ptr, l_ptr, b, hk, s,
+               sob, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
+               BLOCK_L: tl.constexpr, N_SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        """Online softmax over keys [start, end) of one (row, kv head), from state (m_i, l_i,
+        acc), then the output (N_SPLIT = 1) or the split's partials (m, l, acc)."""
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, HD)
+        for j in range(start, end, BLOCK_L):
+            offs = j + tl.arange(0, BLOCK_L)
+            ok = offs < end
+            kt = tl.load(kb + offs[None, :] * skl + d[:, None], mask=ok[None, :], other=0.0)
+            vt = tl.load(vb + offs[:, None] * svl + d[None, :], mask=ok[:, None], other=0.0)
+            m_i, l_i, acc = _flash_block(q, kt, vt, ok, m_i, l_i, acc, IEEE)
+        rows = hk * G + g
+        if N_SPLIT == 1:
+            out = acc / l_i[:, None]
+            tl.store(o_ptr + b * sob + rows[:, None] * HD + d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
+        else:  # partials: m, l [B, Hkv, N_SPLIT, G_PAD], acc [B, Hkv, N_SPLIT, G_PAD, HD]
+            # (an empty split stores m = -inf, l = 0, acc = 0)
+            base = (b * tl.num_programs(1) + hk) * N_SPLIT + s
+            tl.store(m_ptr + base * G_PAD + g, m_i)
+            tl.store(l_ptr + base * G_PAD + g, l_i)
+            tl.store(o_ptr + (base * G_PAD + g)[:, None] * HD + d[None, :], acc)
 
     @triton.jit
     def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, sqb, sqh, skb, skh, skl,
