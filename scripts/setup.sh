@@ -52,9 +52,14 @@ mkdir -p "$STAMP_DIR"
 req_hash=$(cat "$ROOT/requirements/base.txt" "$ROOT/requirements/constraints.txt" "$ROOT/models/pyproject.toml" | sha256sum | cut -c1-16)
 if [[ "$(cat "$STAMP_DIR/req" 2>/dev/null)" != "$req_hash" ]]; then
   say "installing pinned Python packages (torch 2.13.0 CPU, ROS 2 kilted wheels, colcon, mujoco) ..."
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
+  # --no-compile, then compileall on every core: the same .pyc files that pip writes on one
+  "$VENV/bin/python" -m pip install -q --no-compile --disable-pip-version-check \
     -r "$ROOT/requirements/base.txt" -c "$ROOT/requirements/constraints.txt" \
     2>&1 | { grep -v "is ignored: it is neither" || true; }; [[ ${PIPESTATUS[0]} -eq 0 ]] || die "pip install failed (see above)"
+  site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  # as pip's own compile step, a file that does not compile (templates, other Pythons' tests)
+  # is skipped; processes that import it compile it themselves
+  "$VENV/bin/python" -m compileall -q -j 0 "$site" > /dev/null 2>&1 || true
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
     -e "$ROOT/models" -e "$ROOT/tools" || die "pip install -e models tools failed"
   echo "$req_hash" > "$STAMP_DIR/req"
