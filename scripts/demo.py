@@ -23,7 +23,6 @@ import os
 import random
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -64,7 +63,8 @@ def main() -> int:
     video = args.video or log_dir / "episode.mp4"
 
     import rclpy
-    from rclpy.executors import MultiThreadedExecutor
+    from kestrel_common.spin_thread import SpinThread
+    from rclpy.executors import SingleThreadedExecutor
 
     from kestrel_bringup.evaluate import ORACLE_NOTE, Evaluator
     from kestrel_bringup.monitor_node import StackMonitor
@@ -79,10 +79,9 @@ def main() -> int:
     report = StackReport()
     rclpy.init()
     monitor = StackMonitor(report, "")  # counts and latencies; the episode sends the goal
-    executor = MultiThreadedExecutor(num_threads=2)
+    executor = SingleThreadedExecutor()
     executor.add_node(monitor)
-    spin = threading.Thread(target=executor.spin, daemon=True)
-    spin.start()
+    spin = SpinThread(executor, name="monitor_spin")  # stopped before the monitor goes
     failures: list[str] = []
     trace = None
     ev = None
@@ -120,11 +119,11 @@ def main() -> int:
                 frames, ev.frames = ev.frames, []
             ev.close()
         codes = runner.stop()
-        executor.shutdown(timeout_sec=2.0)
-        # the spin thread out of its wait set before the monitor's entities go (else a take
-        # under destruction fails its task: "exception was never retrieved")
-        spin.join(timeout=10.0)
-        monitor.close()
+        if spin.stop(timeout_s=10.0):
+            monitor.close()
+        else:
+            print("[demo] the monitor's executor did not stop within 10 s: its node is left "
+                  "to the process exit", file=sys.stderr)
         rclpy.try_shutdown()
         lease.release()
     if frames:

@@ -45,6 +45,7 @@ from typing import Any
 
 from kestrel_bringup.evaluation import (BIN_HALF, ORACLE_NOTE, EpisodeTrace, instruction_for,
                                         markdown, oracle_plan, run_record, sim_speed, summarize)
+from kestrel_common.spin_thread import SpinThread
 
 class Evaluator:
     """The ROS side: clients and subscriptions on the contract's names (one rclpy node)."""
@@ -60,7 +61,7 @@ class Evaluator:
         from lifecycle_msgs.msg import Transition
         from lifecycle_msgs.srv import ChangeState
         from rclpy.action import ActionClient
-        from rclpy.executors import MultiThreadedExecutor
+        from rclpy.executors import SingleThreadedExecutor
 
         from kestrel_common.base_node import COMMAND_QOS, LATCHED_QOS, SENSOR_QOS
 
@@ -104,20 +105,15 @@ class Evaluator:
         sub(Image, "/camera/image_raw", self._on_image, SENSOR_QOS)
         sub(TaskPlan, "/planner/plan", self._on_plan, LATCHED_QOS)
         sub(StepStatus, "/planner/step_status", self._on_step, COMMAND_QOS)
-        self.executor = MultiThreadedExecutor(num_threads=2)
-        self.executor.add_node(self.node)
-        self.spin = threading.Thread(target=self.executor.spin, daemon=True)
-        self.spin.start()
+        executor = SingleThreadedExecutor(context=self.node.context)
+        executor.add_node(self.node)
+        # its own thread; stopped before the node and the context go (kestrel_common.spin_thread)
+        self.spin = SpinThread(executor, name="evaluator_spin")
 
     def close(self) -> None:
         from kestrel_common.base_node import destroy_waitables
 
-        self.executor.shutdown(timeout_sec=5.0)
-        # the spin thread out of its wait set before the node and the context go: entities
-        # destroyed under a spin that is still taking fail its tasks ("exception was never
-        # retrieved: cannot use Destroyable", seen once under a CPU-starved GPU machine)
-        self.spin.join(timeout=30.0)
-        if self.spin.is_alive():
+        if not self.spin.stop(timeout_s=30.0):
             print("[evaluate] the executor did not stop within 30 s: the node is left to the "
                   "process exit", file=sys.stderr)
             return
