@@ -28,6 +28,10 @@ from typing import Any
 import numpy as np
 
 from kestrel_bench import stats
+from kestrel_bench.repo import ensure_paths
+
+ensure_paths("kestrel_common")
+from kestrel_common.spin_thread import SpinThread  # noqa: E402
 
 N_JOINTS = 6
 NAMES = [f"joint_{i}" for i in range(N_JOINTS)]
@@ -63,7 +67,7 @@ def publisher_main(rate: float, cpus: str) -> None:
                              lambda _m: received.__setitem__(0, received[0] + 1), _qos(True, 10))
     executor = SingleThreadedExecutor()
     executor.add_node(node)
-    threading.Thread(target=executor.spin, daemon=True).start()
+    spin = SpinThread(executor, name="publisher_spin")
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     msg = JointState(name=NAMES, position=[0.1] * N_JOINTS, velocity=[0.0] * N_JOINTS)
@@ -78,8 +82,8 @@ def publisher_main(rate: float, cpus: str) -> None:
         msg.position[0] = 0.1 + 0.1 * np.sin(k * 1e-3)
         pub.publish(msg)
     print(f"commands_received {received[0]}", flush=True)
-    executor.shutdown(timeout_sec=2.0)
-    node.destroy_node()
+    if spin.stop(timeout_s=2.0):
+        node.destroy_node()
     rclpy.try_shutdown()
 
 
@@ -121,10 +125,9 @@ class RosIo:
         self.msg = JointState(name=NAMES)
         self.msg.position = array.array("d", [0.0] * N_JOINTS)
         self.view = np.frombuffer(self.msg.position, dtype=np.float64)
-        self.executor = SingleThreadedExecutor()
-        self.executor.add_node(self.node)
-        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self.thread.start()
+        executor = SingleThreadedExecutor()
+        executor.add_node(self.node)
+        self.spin = SpinThread(executor, name="control_io_spin")
 
     def _on_js(self, msg: Any) -> None:
         self.received += 1
@@ -158,8 +161,8 @@ class RosIo:
             self._publish(command, now)
 
     def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
-        self.node.destroy_node()
+        if self.spin.stop(timeout_s=2.0):
+            self.node.destroy_node()
         self.rclpy.try_shutdown()
 
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import threading
 
+from kestrel_bench.repo import ensure_paths
+
+ensure_paths("kestrel_common")
+from kestrel_common.spin_thread import SpinThread  # noqa: E402
+
 
 class DiagnosticsListener:
     """Spins its own node in a thread; `latest()` -> {node name: {key: number}}."""
@@ -21,15 +26,9 @@ class DiagnosticsListener:
         self._values: dict[str, dict[str, float]] = {}
         self._lock = threading.Lock()
         self._node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, 50)
-        self._executor = SingleThreadedExecutor()
-        self._executor.add_node(self._node)
-        self._thread = threading.Thread(target=self._spin, daemon=True)
-        self._stop = threading.Event()
-        self._thread.start()
-
-    def _spin(self) -> None:
-        while not self._stop.is_set() and self._rclpy.ok():
-            self._executor.spin_once(timeout_sec=0.1)
+        executor = SingleThreadedExecutor()
+        executor.add_node(self._node)
+        self._spin = SpinThread(executor, name="diagnostics_spin")
 
     def _on_diag(self, msg) -> None:  # noqa: ANN001 (DiagnosticArray)
         for status in msg.status:
@@ -47,8 +46,6 @@ class DiagnosticsListener:
             return {k: dict(v) for k, v in self._values.items()}
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-        self._executor.shutdown(timeout_sec=1.0)
-        self._node.destroy_node()
+        if self._spin.stop(timeout_s=2.0):
+            self._node.destroy_node()
         self._rclpy.try_shutdown()
