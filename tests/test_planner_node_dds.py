@@ -33,7 +33,8 @@ DEMO = "move_to red_cube speed=0.2 height=0.2; end"
 # grammar_engine: llguidance (the default) is the production plan grammar here.
 PARAMS = {"model_config": "tiny", "demo_plan": DEMO, "max_steps": 16, "max_new_tokens": 640,
           "max_speed": 0.5, "max_height": 0.4, "diagnostics_period": 0.2, "step_timeout": 30.0,
-          "position_tolerance": 0.01, "execution_rate": 20.0, "grammar_engine": "llguidance"}
+          "position_tolerance": 0.01, "execution_rate": 20.0, "grammar_engine": "llguidance",
+          "input_wait": 1.0}  # a goal without inputs is refused after 1 s (1. and 9.)
 STAMP_NS = 1_700_000_000_123_000_000
 CUBE = (0.4, 0.0, 0.02)
 
@@ -126,11 +127,13 @@ def run_scenario(node, probe, client) -> None:
     assert client.wait_for_server(timeout_sec=30.0), node.output()
     goal = PlanTask.Goal(instruction="put the red cube in the bin", max_steps=2)
 
-    # 1. No image in the goal and no camera frame yet -> VALIDATION_ERROR with a reason.
+    # 1. No image in the goal and no camera frame within input_wait -> VALIDATION_ERROR with
+    #    a reason.
     _, res = send(client, goal)
     assert res.result.validation_status == R.VALIDATION_ERROR
     assert res.status == GoalStatus.STATUS_ABORTED  # an error result is not a success
     assert "no camera frame" in res.result.reasons[0]
+    assert "waited input_wait 1.0 s" in res.result.reasons[0]
     assert plans.snapshot() == [] and targets.snapshot() == []
 
     with Streamer(probe) as stream:

@@ -19,8 +19,9 @@ from ros_harness import diagnostics_values
 
 R = PlanTask.Result
 S = 1_000_000_000
+# input_wait 0: a goal is refused at once (tests/test_planner_input_wait.py has the wait)
 PARAMS = {"backend": "plan_text", "max_scene_age": 5.0, "use_sim_time": True,
-          "autostart": False, "gc_freeze": False, "diagnostics_period": 0.2}
+          "autostart": False, "gc_freeze": False, "diagnostics_period": 0.2, "input_wait": 0.0}
 PLAN = "move_to red_cube speed=0.2 height=0.2; end"
 
 
@@ -54,7 +55,8 @@ class Capture:
 
 
 @contextlib.contextmanager
-def local_node(ros_domain: int):
+def local_node(ros_domain: int, params: dict | None = None):
+    """A PlannerNode in this process with PARAMS (updated by params), not configured."""
     import rclpy
     from rclpy.parameter import Parameter
 
@@ -63,7 +65,7 @@ def local_node(ros_domain: int):
     ctx = rclpy.Context()
     rclpy.init(context=ctx, domain_id=ros_domain)
     node = PlannerNode(context=ctx, parameter_overrides=[
-        Parameter(k, value=v) for k, v in PARAMS.items()])
+        Parameter(k, value=v) for k, v in {**PARAMS, **(params or {})}.items()])
     try:
         yield node
     finally:

@@ -146,6 +146,11 @@ SPECS = [
     ParamSpec("execution_rate", 20.0, "Executor tick / target rate, Hz.", min=1.0, max=200.0),
     ParamSpec("goal_timeout", 30.0, "Bound on one goal's wait for its plan, from its arrival, "
               "s.", min=0.1),
+    ParamSpec("input_wait", 5.0, "A goal that finds no camera frame (and brings no image) or "
+              "no perception result it may plan against waits for them up to this long from "
+              "its arrival, then is refused with the reason: right after start-up the first "
+              "frame, result and /clock message may still be on their way. Within "
+              "goal_timeout; 0 = refuse at once, s.", min=0.0, max=60.0),
     ParamSpec("max_scene_age", 5.0, "A goal is refused when the latest perception result "
               "(its header stamp, on this node's clock) is older than this, or when none came; "
               "0 = plan against any scene, s.", min=0.0),

@@ -77,6 +77,8 @@ class PlannerNode(PlannerInputs, KestrelLifecycleNode):
         self.core: PlannerCore | None = None
         self.executor_core: PlanExecutor | None = None
         self._lock = threading.Lock()  # latest inputs + executor
+        # notified (under _lock) when a camera frame or a scene is kept: goals wait on it
+        self._inputs_cond = threading.Condition(self._lock)
         self._pending_lock = threading.Lock()
         self._pending = 0
         self._batcher = Batcher(self.counters.inc, self.get_logger().error)
@@ -100,6 +102,11 @@ class PlannerNode(PlannerInputs, KestrelLifecycleNode):
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         p = self.load_params()
         if p is None:
+            return TransitionCallbackReturn.FAILURE
+        if p["input_wait"] >= p["goal_timeout"]:
+            self.get_logger().error(
+                f"configure failed: parameter 'input_wait' = {p['input_wait']}: must be less "
+                f"than goal_timeout ({p['goal_timeout']} s), which bounds the whole goal")
             return TransitionCallbackReturn.FAILURE
         with self._lock:
             self._scene_time = SceneTime(p["max_scene_age"])
@@ -266,16 +273,17 @@ class PlannerNode(PlannerInputs, KestrelLifecycleNode):
     def _serve(self, handle) -> PlanTask.Result:
         t_goal = time.monotonic()
         goal = handle.request
-        now = self._clock_now()
-        with self._lock:
-            image, scene, frame = self._image, list(self._scene), self._frame_id
-            stale = self._scene_time.refusal(now)
+        image, scene, frame, stale, waited = self._goal_inputs(goal.use_image, t_goal)
 
         def error(reason: str, counter: str = "") -> PlanTask.Result:
             if counter:
                 self.counters.inc(counter)
             return self._finish(handle, R.VALIDATION_ERROR, [reason], t_goal=t_goal)
 
+        waited_text = f" (waited input_wait {self.params['input_wait']} s)" if waited else ""
+        if waited:
+            self.counters.inc("goals_waited_for_inputs")
+            stale = stale and stale + waited_text
         if goal.use_image:
             try:
                 image = image_to_numpy(goal.image)
@@ -283,7 +291,7 @@ class PlannerNode(PlannerInputs, KestrelLifecycleNode):
                 return error(f"goal image: {exc}", f"goal_image_{exc.reason}")
         elif image is None:
             return error("no image: the goal has use_image=false and no camera frame was "
-                         "received", "goal_no_image")
+                         f"received{waited_text}", "goal_no_image")
         if not goal.instruction.strip():
             return error("instruction is empty")
         if stale:
