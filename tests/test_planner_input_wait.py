@@ -25,6 +25,19 @@ def frame(node) -> None:  # noqa: ANN001
                                   make_header(node.get_clock().now().nanoseconds, "camera")))
 
 
+def watch_waits(node) -> threading.Event:  # noqa: ANN001
+    """An event set once a goal waits on the node's input condition."""
+    waiting = threading.Event()
+    wait = node._inputs_cond.wait
+
+    def wait_and_say(timeout: float) -> bool:
+        waiting.set()
+        return wait(timeout)
+
+    node._inputs_cond.wait = wait_and_say
+    return waiting
+
+
 def goal_without_image(node) -> tuple[str, PlanTask.Result]:  # noqa: ANN001
     """A goal that plans on the node's own camera frame (use_image False): (state, result)."""
     goal = PlanTask.Goal(instruction=PLAN, use_image=False, max_steps=2)
@@ -39,14 +52,7 @@ def test_a_goal_before_the_first_inputs_waits_for_them_and_is_planned(ros_domain
         node.trigger_configure()
         node.trigger_activate()
         # sim time not started (no /clock yet), no frame, no scene: the goal waits
-        waiting = threading.Event()
-        wait = node._inputs_cond.wait
-
-        def wait_and_say(timeout: float) -> bool:
-            waiting.set()
-            return wait(timeout)
-
-        node._inputs_cond.wait = wait_and_say
+        waiting = watch_waits(node)
         out: list = []
         goal = threading.Thread(target=lambda: out.append(goal_without_image(node)))
         goal.start()
@@ -88,6 +94,25 @@ def test_a_goal_whose_inputs_do_not_come_is_refused_after_input_wait(ros_domain)
         values = diagnostics(node)
         assert values["goals_waited_for_inputs"] == "2"
         assert values["goal_no_image"] == "1" and values["goal_stale_scene"] == "1"
+
+
+def test_a_cancel_ends_the_wait_as_a_cancelled_goal(ros_domain):
+    with local_node(ros_domain, {"input_wait": 20.0}) as node:
+        set_clock(node, 100 * S)
+        node.trigger_configure()
+        node.trigger_activate()
+        goal = PlanTask.Goal(instruction=PLAN, use_image=False, max_steps=2)
+        handle = GoalHandle(goal)
+        waiting = watch_waits(node)
+        out: list = []
+        worker = threading.Thread(target=lambda: out.append(node._execute(handle)))
+        worker.start()
+        assert waiting.wait(10.0), "the goal did not wait for its inputs"
+        handle.is_cancel_requested = True
+        worker.join(10.0)  # woken within 0.1 s by the cancel, not after input_wait
+        assert not worker.is_alive() and out
+        assert handle.state == "canceled" and out[0].reasons == ["cancelled"]
+        assert diagnostics(node)["goals_cancelled"] == "1"
 
 
 def test_input_wait_not_below_goal_timeout_fails_configure(ros_domain):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 from geometry_msgs.msg import PointStamped
 from kestrel_interfaces.msg import PerceptionResult
@@ -65,12 +66,14 @@ class PlannerInputs:
         if why:
             self.drop("perception_stamp_ahead", why)
 
-    def _goal_inputs(self, use_image: bool, t_goal: float) -> tuple:
+    def _goal_inputs(self, use_image: bool, t_goal: float,
+                     give_up: Callable[[], bool]) -> tuple:
         """(camera frame, scene, its frame id, why the scene may not be planned against ('' when
         it may), whether the goal waited) for a goal that arrived at t_goal (monotonic s). A
         goal that finds no camera frame (use_image False) or a scene it may not plan against
-        waits for them, up to input_wait s from its arrival; woken by each kept frame or scene,
-        and every 0.1 s for the clock (a scene stamped ahead of it, or too old)."""
+        waits for them, up to input_wait s from its arrival or until give_up() (a cancel, the
+        node stopping); woken by each kept frame or scene, and every 0.1 s for the clock (a
+        scene stamped ahead of it, or too old) and give_up."""
         deadline = t_goal + self.params["input_wait"]
         waited = False
         while True:
@@ -79,7 +82,8 @@ class PlannerInputs:
                 image, scene, frame = self._image, list(self._scene), self._frame_id
                 stale = self._scene_time.refusal(now)
                 left = deadline - time.monotonic()
-                if ((use_image or image is not None) and not stale) or left <= 0.0:
+                if ((use_image or image is not None) and not stale) or left <= 0.0 \
+                        or give_up():
                     return image, scene, frame, stale, waited
                 waited = True
                 self._inputs_cond.wait(min(left, 0.1))

@@ -57,7 +57,7 @@ from kestrel_common.base_node import (COMMAND_QOS, LATCHED_QOS, SENSOR_QOS, Kest
 from kestrel_common.conversions import ConversionError, image_to_numpy, make_header
 from kestrel_common.counters import LatencyWindow
 from kestrel_planner.core import (PlanExecutor, PlanLimits, PlannerCore, PlanRequest, PlanResult,
-                                  SceneObject, StepEvent)
+                                  SceneObject, StepEvent, ValidationReport)
 from kestrel_planner.core.scene_time import SceneTime
 from kestrel_planner.batcher import Batcher, Job
 from kestrel_planner.params import SPECS, configured_text, planner_configs
@@ -273,7 +273,14 @@ class PlannerNode(PlannerInputs, KestrelLifecycleNode):
     def _serve(self, handle) -> PlanTask.Result:
         t_goal = time.monotonic()
         goal = handle.request
-        image, scene, frame, stale, waited = self._goal_inputs(goal.use_image, t_goal)
+        def give_up() -> bool:  # a cancel or the node stopping ends a wait for inputs
+            return handle.is_cancel_requested or self._batcher.stopping
+
+        image, scene, frame, stale, waited = self._goal_inputs(goal.use_image, t_goal, give_up)
+        if waited and give_up():  # ends CANCELED (a cancel) or ABORTED (stopping)
+            gone = PlanResult(None, ValidationReport(False, ["cancelled"]), 0.0, 0.0, 0,
+                              cancelled=True)
+            return self._finish(handle, R.VALIDATION_ERROR, ["cancelled"], gone, t_goal=t_goal)
 
         def error(reason: str, counter: str = "") -> PlanTask.Result:
             if counter:
