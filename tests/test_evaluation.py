@@ -169,3 +169,44 @@ def test_the_record_takes_the_commit_it_is_given(monkeypatch) -> None:
 
     monkeypatch.setenv("KESTREL_COMMIT", "abc1234")
     assert run_record()["commit"] == "abc1234"
+
+
+def test_time_to_success_is_split_into_phases() -> None:
+    """scene (until the plan is asked), planning, reach and grasp, carry and place: from the
+    trace's times, over the successful episodes only; the planner's wall time beside them."""
+    ok = trace(plan_status="accepted", plan_asked_s=1.0, plan_answered_s=3.5, plan_wall_s=2.4)
+    ok.observe(5.0, held=False, success=False)
+    ok.observe(6.0, held=True, success=False)
+    ok.observe(7.0, held=True, success=False)  # held still: the first time counts
+    ok.observe(9.0, held=False, success=True, over_bin=True)
+    assert ok.grasped_s == 6.0
+    failed = trace(plan_status="accepted", plan_asked_s=1.0, plan_answered_s=30.0)
+    failed.observe(31.0, held=True, success=False)
+    s = summarize([ok, failed])
+    phases = s["time_by_phase_s"]
+    assert phases["scene"]["p50"] == 1.0 and phases["planning"]["p50"] == 2.5
+    assert phases["reach_and_grasp"]["p50"] == 2.5 and phases["carry_and_place"]["p50"] == 3.0
+    assert phases["planner_wall"]["p50"] == 2.4
+    assert all(q["n"] == 1 for q in phases.values())  # the failed episode is not in them
+    assert sum(phases[p]["p50"] for p in ("scene", "planning", "reach_and_grasp",
+                                          "carry_and_place")) == ok.success_s
+    md = markdown(s)
+    assert ("By phase (sim s, p50 over the successes): scene 1.0, planning 2.5, reach and "
+            "grasp 2.5, carry and place 3.0; the planner's own time 2.4 wall s.") in md
+
+
+def test_a_record_without_phase_times_has_no_phase_line() -> None:
+    """Records written before the phase times (and episodes that never planned) still read."""
+    s = summarize([trace(plan_status="accepted", success_s=3.0)])
+    assert all(q is None for q in s["time_by_phase_s"].values())
+    assert "By phase" not in markdown(s)
+    s.pop("time_by_phase_s")
+    assert "By phase" not in markdown(s)
+
+
+def test_the_plan_is_kept_as_text_with_its_arguments() -> None:
+    from kestrel_bringup.evaluation import plan_text
+
+    assert plan_text([("pick", "red_cube", [("speed", 0.3)]), ("place", "bin", []),
+                      ("home", "", [("speed", 0.25), ("height", 0.1)])]) == (
+        "pick red_cube speed=0.3; place bin; home speed=0.25 height=0.1")

@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from kestrel_bringup.evaluation import (BIN_HALF, ORACLE_NOTE, EpisodeTrace, instruction_for,
-                                        markdown, oracle_plan, run_record, sim_speed, summarize)
+                                        markdown, oracle_plan, plan_text, run_record, sim_speed,
+                                        summarize)
 from kestrel_common.spin_thread import SpinThread
 
 class Evaluator:
@@ -130,6 +131,12 @@ class Evaluator:
             if self.clock_first is None:
                 self.clock_first = sample
             self.clock_last = sample
+
+    def sim_since(self, t0: float) -> float | None:
+        """Sim s from t0 to the latest EpisodeStatus stamp (None before one)."""
+        with self.lock:
+            last = self.clock_last
+        return None if last is None else round(last[0] - t0, 3)
 
     def sim_speed(self) -> dict[str, float] | None:
         """Sim seconds per wall second since the first EpisodeStatus (None before two)."""
@@ -322,6 +329,7 @@ class Evaluator:
         trace.position_error_m = {n: self.position_error(n) for n in (goal, "bin")}
         goal_msg = self.PlanTask.Goal(
             instruction=oracle_plan(goal, oracle_speed) if oracle_speed > 0 else text)
+        trace.plan_asked_s = self.sim_since(t0)
         send = self.plan.send_goal_async(goal_msg)
         handle = self._wait(lambda: send.result() if send.done() else None, 30.0)
         result = None
@@ -331,6 +339,11 @@ class Evaluator:
                                 self.plan_timeout_s)
         if result is not None:
             r = result.result
+            trace.plan_answered_s = self.sim_since(t0)
+            trace.plan_wall_s = round(float(r.total_time), 3)
+            trace.plan = plan_text([(st.skill_name, st.target_object,
+                                     [(a.name, a.value) for a in st.arguments])
+                                    for st in r.plan.steps])
             trace.plan_status = {0: "accepted", 1: "rejected"}.get(r.validation_status, "error")
             trace.plan_reasons = list(r.reasons)
         if trace.plan_status == "accepted":

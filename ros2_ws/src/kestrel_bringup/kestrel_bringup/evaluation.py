@@ -1,6 +1,7 @@
 """Closed-loop evaluation bookkeeping (no rclpy): the episodes' instructions, one trace per
 episode, the failure stage it ends in, and the table over episodes (success rate with a Wilson
-95 % interval, failures by stage, time to success, control deadline misses), the run's record.
+95 % interval, failures by stage, time to success and where it goes, control deadline misses),
+the run's record.
 kestrel_bringup.evaluate feeds it from the simulator contract's topics (sim_contract.yaml);
 tests feed it directly.
 
@@ -64,6 +65,15 @@ class EpisodeTrace:
     position_error_m: dict[str, float | None] = field(default_factory=dict)
     steps: list[str] = field(default_factory=list)  # plan steps' ends, with their messages
     duration_s: float = 0.0
+    # where the time to success goes (sim s from the episode's start, None: did not happen):
+    # the goal sent to the planner (once perception showed the new layout), its result back,
+    # the goal object first held; plan_wall_s is the planner's own time for the goal (wall s,
+    # PlanTask.Result.total_time)
+    plan_asked_s: float | None = None
+    plan_answered_s: float | None = None
+    grasped_s: float | None = None
+    plan_wall_s: float | None = None
+    plan: str = ""  # the planned steps with their arguments, e.g. "pick red_cube speed=0.3; ..."
 
     def observe(self, t_s: float, held: bool, success: bool,
                 over_bin: bool | None = None) -> None:
@@ -74,6 +84,8 @@ class EpisodeTrace:
             self.success_s = t_s
         if held:
             self.held_ever = True
+            if self.grasped_s is None:
+                self.grasped_s = t_s
             if self.held_since_s is None:
                 self.held_since_s = t_s
         elif self.held_since_s is not None:  # released (or slipped) now
@@ -93,6 +105,12 @@ class EpisodeTrace:
         if self.released_over_bin is True:
             return "place_miss"
         return "timeout"
+
+
+def plan_text(steps: list[tuple[str, str, list[tuple[str, float]]]]) -> str:
+    """(skill, target, [(argument, value)]) per step -> "pick red_cube speed=0.3; place bin"."""
+    return "; ".join(" ".join(w for w in (skill, target, *(f"{k}={v:g}" for k, v in args)) if w)
+                     for skill, target, args in steps)
 
 
 def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -128,6 +146,27 @@ def _quantiles(values: list[float]) -> dict[str, float] | None:
     return {"n": len(v), "mean": sum(v) / len(v), "p50": q(0.5), "p90": q(0.9), "max": v[-1]}
 
 
+PHASES = {  # time_by_phase_s: name -> (from, to) EpisodeTrace fields (None: the start)
+    "scene": (None, "plan_asked_s"),  # reset until perception showed the new layout
+    "planning": ("plan_asked_s", "plan_answered_s"),
+    "reach_and_grasp": ("plan_answered_s", "grasped_s"),
+    "carry_and_place": ("grasped_s", "success_s"),
+}
+
+
+def time_by_phase(traces: list[EpisodeTrace]) -> dict[str, dict[str, float] | None]:
+    """Quantiles of each phase's sim s (PHASES) over the successful episodes that saw both of
+    its ends, and of the planner's own wall s (plan_wall_s) over the same episodes."""
+    done = [t for t in traces if t.success_s is not None]
+    out: dict[str, dict[str, float] | None] = {}
+    for name, (a, b) in PHASES.items():
+        spans = [getattr(t, b) - (getattr(t, a) if a else 0.0) for t in done
+                 if getattr(t, b) is not None and (a is None or getattr(t, a) is not None)]
+        out[name] = _quantiles(spans)
+    out["planner_wall"] = _quantiles([t.plan_wall_s for t in done if t.plan_wall_s is not None])
+    return out
+
+
 def summarize(traces: list[EpisodeTrace], config: dict[str, Any] | None = None) -> dict:
     """The evaluation's result record (JSON-able)."""
     n = len(traces)
@@ -143,6 +182,7 @@ def summarize(traces: list[EpisodeTrace], config: dict[str, Any] | None = None) 
                               if s != "success"},
         "time_to_success_s": _quantiles([t.success_s for t in traces
                                          if t.success_s is not None]),
+        "time_by_phase_s": time_by_phase(traces),
         "deadline_misses_per_episode": _quantiles([float(t.deadline_misses) for t in traces]),
         "per_episode": [{**asdict(t), "stage": t.stage} for t in traces],
     }
@@ -178,6 +218,13 @@ def markdown(summary: dict, command: str = "") -> str:
     if tts:
         lines += ["", f"Time to success (sim s): p50 {tts['p50']:.1f}, p90 {tts['p90']:.1f}, "
                   f"max {tts['max']:.1f} (n = {tts['n']})."]
+    phases = summary.get("time_by_phase_s") or {}
+    spans = [f"{name.replace('_', ' ')} {q['p50']:.1f}" for name, q in phases.items()
+             if q and name in PHASES]
+    if spans:
+        wall = phases.get("planner_wall")
+        lines += ["By phase (sim s, p50 over the successes): " + ", ".join(spans)
+                  + (f"; the planner's own time {wall['p50']:.1f} wall s." if wall else ".")]
     dm = summary["deadline_misses_per_episode"]
     if dm:
         lines += [f"Control deadline misses per episode: mean {dm['mean']:.1f}, "
