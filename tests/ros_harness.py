@@ -164,46 +164,40 @@ MAX_SPIN_ERRORS = 10  # a probe whose spin keeps raising stops (each one printed
 
 
 class Probe:
-    """An rclpy node inside the test process, spun on a background thread, in its own context."""
+    """An rclpy node inside the test process, spun on a background thread, in its own context
+    (kestrel_common.spin_thread: stopped before anything is destroyed)."""
 
     def __init__(self, domain_id: int, name: str = "kestrel_test_probe") -> None:
         import rclpy
-        from rclpy.executors import MultiThreadedExecutor
+        from rclpy.executors import SingleThreadedExecutor
+
+        from kestrel_common.spin_thread import SpinThread
 
         self._rclpy = rclpy
         self.context = rclpy.Context()
         rclpy.init(context=self.context, domain_id=domain_id)
         self.node = rclpy.create_node(name, context=self.context)
-        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
+        self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
         self._action_clients: list[Any] = []
         self._closing = False
-        self.spin_errors = 0  # exceptions the spin raised and survived (see _spin)
-        self._thread = threading.Thread(target=self._spin, daemon=True)
-        self._thread.start()
+        self.spin_errors = 0  # exceptions the spin raised and survived (see _spin_error)
+        self._spin = SpinThread(self.executor, name="probe_spin", on_error=self._spin_error)
 
-    def _spin(self) -> None:
-        """Spin until close(). An exception while the context is still valid (not a shutdown
-        race) is printed with its traceback (pytest shows it with the failing test) and the
-        spin goes on: a probe that stopped spinning silently would receive nothing more while
-        its graph queries (wait_for_subscribers) still answer."""
-        from rclpy.executors import ExternalShutdownException
-        while True:
-            try:
-                self.executor.spin()
-                return
-            except ExternalShutdownException:
-                return
-            except Exception:  # noqa: BLE001 - reported below; shutdown races end the spin
-                if not self.context.ok() or self._closing:
-                    return
-                self.spin_errors += 1
-                again = self.spin_errors < MAX_SPIN_ERRORS
-                print(f"probe: the executor raised while spinning "
-                      f"({'spinning again' if again else 'giving up'}):\n"
-                      + traceback.format_exc(), file=sys.stderr, flush=True)
-                if not again:
-                    return
+    def _spin_error(self, exc: Exception) -> bool:
+        """An exception of the spin while the context is valid is printed with its traceback
+        (pytest shows it with the failing test) and the spin goes on (True): a probe that
+        stopped spinning silently would receive nothing more while its graph queries
+        (wait_for_subscribers) still answer. After MAX_SPIN_ERRORS, or while closing, it
+        stops."""
+        if self._closing:
+            return False
+        self.spin_errors += 1
+        again = self.spin_errors < MAX_SPIN_ERRORS
+        print(f"probe: the executor raised while spinning "
+              f"({'spinning again' if again else 'giving up'}):\n"
+              + "".join(traceback.format_exception(exc)), file=sys.stderr, flush=True)
+        return again
 
     def action_client(self, action_type: Any, name: str) -> Any:
         """An ActionClient on the probe's node, destroyed by close() once the spin has stopped
@@ -250,8 +244,9 @@ class Probe:
         # Stop spinning before destroying anything: a take on an entity being destroyed leaves
         # an unretrieved "cannot use Destroyable" exception in an executor task.
         self._closing = True
-        self.executor.shutdown(timeout_sec=2.0)
-        self._thread.join(timeout=5.0)
+        if not self._spin.stop(timeout_s=5.0):
+            print("probe: a callback did not return within 5 s; closing under it",
+                  file=sys.stderr, flush=True)
         for client in self._action_clients:  # before the node: each holds its handle
             client.destroy()
         self.node.destroy_node()

@@ -16,20 +16,26 @@ executor down. No rclpy import here: the executor comes from the caller.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 
 class SpinThread:
     """`executor` (a SingleThreadedExecutor with its nodes added) spun in a daemon thread until
-    stop(). A callback's exception ends the thread as it ends executor.spin()."""
+    stop(). A callback's exception ends the thread as it ends executor.spin(), unless on_error
+    says to go on."""
 
-    def __init__(self, executor: Any, name: str = "spin", poll_s: float = 0.05) -> None:
+    def __init__(self, executor: Any, name: str = "spin", poll_s: float = 0.05,
+                 on_error: Callable[[Exception], bool] | None = None) -> None:
         """poll_s: the longest spin_once wait, s: how often the loop sees stop() at the latest
-        (stop() also wakes the executor)."""
+        (stop() also wakes the executor). on_error: called in the spin thread, inside the
+        handler, with an exception spin_once raised while the context is valid; True spins
+        on, False ends the thread quietly. None: the exception ends the thread."""
         if poll_s <= 0:
             raise ValueError(f"SpinThread: poll_s = {poll_s} must be > 0")
         self.executor = executor
         self._poll_s = poll_s
+        self._on_error = on_error
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -38,12 +44,15 @@ class SpinThread:
         while not self._stop.is_set() and self.executor.context.ok():
             try:
                 self.executor.spin_once(timeout_sec=self._poll_s)
-            except Exception:
+            except Exception as exc:
                 # the context shut down by someone else between the check and the wait
                 # (rclpy's ExternalShutdownException, among others): the loop's normal end
                 if not self.executor.context.ok():
                     return
-                raise
+                if self._on_error is None:
+                    raise
+                if not self._on_error(exc):
+                    return
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """End the loop after the spin_once in progress, join the thread, then shut the

@@ -135,3 +135,48 @@ def test_a_callback_that_does_not_return_keeps_the_executor_up(context) -> None:
 def test_poll_must_be_positive() -> None:
     with pytest.raises(ValueError, match="poll_s = 0"):
         SpinThread(object(), poll_s=0)
+
+
+class _Raising(_Executor):
+    """A stand-in executor whose first `fails` spin_once calls raise."""
+
+    def __init__(self, fails: int) -> None:
+        super().__init__()
+        self.fails = fails
+
+    def spin_once(self, timeout_sec: float) -> None:
+        if self.fails > 0:
+            self.fails -= 1
+            raise RuntimeError("a callback failed")
+        super().spin_once(timeout_sec)
+
+
+def test_on_error_decides_whether_the_spin_goes_on() -> None:
+    seen: list[str] = []
+    ex = _Raising(fails=3)
+    spin = SpinThread(ex, poll_s=0.01, on_error=lambda e: seen.append(str(e)) or True)
+    ex.owner = spin
+    deadline = time.monotonic() + 5.0
+    while ex.spins < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert ex.spins >= 2 and seen == ["a callback failed"] * 3  # spun on after each
+    assert spin.stop(5.0)
+
+    ex = _Raising(fails=1)
+    spin = SpinThread(ex, poll_s=0.01, on_error=lambda e: False)  # ends quietly
+    ex.owner = spin
+    spin.thread.join(5.0)
+    assert not spin.thread.is_alive() and ex.spins == 0
+    assert spin.stop(5.0) and len(ex.shutdowns) == 1
+
+    ex = _Raising(fails=1)
+    errors: list = []
+    hook, threading.excepthook = threading.excepthook, errors.append
+    try:
+        spin = SpinThread(ex, poll_s=0.01)  # no on_error: the exception ends the thread
+        ex.owner = spin
+        spin.thread.join(5.0)
+    finally:
+        threading.excepthook = hook
+    assert not spin.thread.is_alive() and ex.spins == 0
+    assert [type(e.exc_value) for e in errors] == [RuntimeError]
