@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -221,20 +222,14 @@ def bench_spec(model: Any, draft_layers: int, k: int, prompt: list[int], image: 
                 warmup_s=warm, agree_target=agree)
 
 
-def kernel_census(eng: Any, prompt: list[int], image: torch.Tensor) -> dict:
-    """torch.profiler over 16 decode steps of a warm engine: kernels and GPU us per step."""
+def profile_kernels(run: Callable[[], int]) -> dict:
+    """torch.profiler around run() (which runs steps on the GPU, waits for them and returns
+    how many): kernels and GPU us per step, and the 12 longest kernels [name, us / step,
+    calls / step]. Kernels that overlap (PDL) each count their whole span."""
     from torch.profiler import ProfilerActivity, profile
 
-    r = eng.submit(prompt, 160, image)
-    eng.step()  # admit + first steps outside the window
-    s0 = eng.steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(16):
-            eng.step()
-        sync(eng.device)
-    steps = eng.steps - s0
-    eng.run()
-    assert r.stop_reason
+        steps = run()
     kern = [e for e in prof.key_averages()
             if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     top = sorted(kern, key=lambda e: -e.self_device_time_total)[:12]
@@ -242,3 +237,21 @@ def kernel_census(eng: Any, prompt: list[int], image: torch.Tensor) -> dict:
                 gpu_us_per_step=sum(e.self_device_time_total for e in kern) / steps,
                 top=[[e.key[:80], round(e.self_device_time_total / steps, 2),
                       round(e.count / steps, 2)] for e in top])
+
+
+def kernel_census(eng: Any, prompt: list[int], image: torch.Tensor) -> dict:
+    """profile_kernels over 16 decode steps of a warm engine."""
+    r = eng.submit(prompt, 160, image)
+    eng.step()  # admit + first steps outside the window
+    s0 = eng.steps
+
+    def run() -> int:
+        for _ in range(16):
+            eng.step()
+        sync(eng.device)
+        return eng.steps - s0
+
+    out = profile_kernels(run)
+    eng.run()
+    assert r.stop_reason
+    return out

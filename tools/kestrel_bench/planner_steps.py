@@ -34,6 +34,7 @@ shape's first row is the baseline, its `default` row the optimized one; ratios
 
   python -m kestrel_bench planner-steps            # GPU: both shapes, every option
   python -m kestrel_bench planner-steps --quick    # tiny shapes on the CPU (eager, seconds)
+  python -m kestrel_bench planner-steps --kernels  # GPU: and each row's longest kernels
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help=f"rows, in this order: {', '.join(OPTIONS)}")
     ap.add_argument("--reps", type=int, default=500, help="timed replays per row")
     ap.add_argument("--warmup", type=int, default=50, help="untimed replays per row first")
+    ap.add_argument("--kernels", action="store_true",
+                    help="GPU: a table per row of its longest kernels per step (torch.profiler "
+                         "over 20 replays; kernels overlapped by PDL count their whole span)")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="wall s per shape: a row that starts later is recorded as "
                          "skipped (0 = none)")
@@ -98,6 +102,28 @@ def _request(shape: str, dev: Any, dtype: Any) -> tuple[Any, list[int], Any, int
     return dec, prompt, image, dec.image_tokens(tuple(image.shape))
 
 
+def _step_graph(eng: Any) -> Any:
+    """The captured batch-1 greedy decode step of the largest kv bucket."""
+    key = max(k for k in eng._graphs if k[0] == 1 and k[2] == 1 and not k[3])
+    return eng._graphs[key][0]
+
+
+def _census(eng: Any) -> dict:
+    """planner_sections.profile_kernels over 20 replays of the step graph (its slot as
+    _step_times left it)."""
+    import torch
+
+    from kestrel_bench.planner_sections import profile_kernels
+    graph = _step_graph(eng)
+
+    def run() -> int:
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+        return 20
+    return profile_kernels(run)
+
+
 def _step_times(eng: Any, pos: int, reps: int, warmup: int) -> list[float]:
     """Seconds per replay of the batch-1 greedy step graph with slot 0 held at `pos` (CUDA),
     or per eager step (CPU)."""
@@ -111,8 +137,7 @@ def _step_times(eng: Any, pos: int, reps: int, warmup: int) -> list[float]:
             eng._body(1, eng.max_len, 1, False)
             out.append(time.perf_counter() - t0)
         return out
-    key = max(k for k in eng._graphs if k[0] == 1 and k[2] == 1 and not k[3])
-    graph, _ = eng._graphs[key]
+    graph = _step_graph(eng)
     for _ in range(warmup):
         graph.replay()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -140,11 +165,12 @@ def _row(dec: Any, prompt: list[int], image: Any, n_img: int, name: str, args: A
     toks = eng.generate([prompt], 128, images=[image]).tokens[0]  # compiles and captures
     compile_s = time.perf_counter() - t0
     times = _step_times(eng, n_img + len(prompt) + 64, args.reps, args.warmup)
+    census = _census(eng) if args.kernels and eng.cuda_graph else None
     agree = 1.0 if ref is None else sum(a == b for a, b in zip(toks, ref, strict=True)) / len(ref)
     out = dict(summary=stats.summary(times, 1e3), tokens=toks, compile_s=compile_s,
                agreement=agree, options=kw,
                decode_attention=eng.kv.decode_attention, mlp=eng.kv.mlp,
-               attn_proj=eng.kv.attn_proj, pdl=eng.kv.pdl)
+               attn_proj=eng.kv.attn_proj, pdl=eng.kv.pdl, kernels=census)
     del eng
     gc.collect()
     return out
@@ -173,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
               "copy_bandwidth_gb_s": round(bw / 1e9, 1)}
     record = rec_mod.Record("planner-steps", config, getattr(args, "argv", None), args.commit)
     first = args.options[0]
+    tables: list[dict] = []
     for si, shape in enumerate(args.shapes):
         t_start = time.perf_counter()
         try:
@@ -211,6 +238,12 @@ def run(args: argparse.Namespace) -> int:
                        metrics=dict(floor_ms=floor_ms, floor_fraction=floor_ms / p50,
                                     agreement=r["agreement"], compile_s=r["compile_s"],
                                     image_tokens=n_img))
+            if r["kernels"]:
+                c = r["kernels"]
+                tables.append({"title": f"Kernels of {name} per step ({c['kernels_per_step']:.0f} "
+                               f"kernels, {c['gpu_us_per_step']:.1f} us summed)",
+                               "columns": ["kernel", "us / step", "calls / step"],
+                               "rows": c["top"]})
             if base_p50 and o != first:
                 record.ratio(f"{o}_vs_{first}_{ratio_tag(shape)}", base_p50 / p50)
             print(f"[planner-steps] {name}: p50 {p50 * 1e3:.1f} us "
@@ -220,6 +253,10 @@ def run(args: argparse.Namespace) -> int:
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    if tables:
+        record["tables"] = tables
+    elif args.kernels:
+        record.note("--kernels: no kernel tables: they need the CUDA-graph step on a GPU")
     record.note("floor_ms: bytes of weights one decode step reads / device-to-device copy "
                 f"bandwidth ({bw / 1e9:.0f} GB/s, bytes read + written per second)")
     rec_mod.finish(record, args)

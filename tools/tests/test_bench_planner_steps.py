@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 def test_planner_steps_quick(tmp_path: Path) -> None:
     rec = run_bench(tmp_path / "planner_steps_cpu", "planner-steps", "--quick", "--shapes",
                     "smolvlm-tiny", "--options", "fused", "default", "cdt_whole_rows",
-                    timeout=600)
+                    "--kernels", timeout=600)
     assert rec["config"]["copy_bandwidth_gb_s"] > 0
     for shape in ("smolvlm-tiny",):
         for opt in ("fused", "default", "cdt_whole_rows"):
@@ -30,3 +30,6 @@ def test_planner_steps_quick(tmp_path: Path) -> None:
     assert row(rec, "smolvlm-tiny_fused")["role"] == "baseline"
     assert row(rec, "smolvlm-tiny_default")["role"] == "optimized"
     assert row(rec, "smolvlm-tiny_cdt_whole_rows")["role"] == "variant"
+    # the kernel tables need the GPU's step graph: on the CPU the record says so
+    assert "tables" not in rec
+    assert any(n.startswith("--kernels: no kernel tables") for n in rec["notes"])
