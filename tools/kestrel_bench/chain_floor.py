@@ -173,8 +173,8 @@ def time_chain(n: int, grid: int, pdl: bool, reps: int) -> list[float]:
 
 
 def time_barrier(n: int, grid: int, barrier: str, reps: int) -> list[float]:
-    """`barrier` case: n phases of one persistent kernel of `grid` programs, a counter or a
-    barrier one of BARRIERS; us per replay, sorted."""
+    """`barrier` case: n phases of one persistent kernel of `grid` programs, `barrier` (one of
+    BARRIERS) between them; us per replay, sorted."""
     assert _resident(grid), f"grid {grid} does not fit on the device at once"
     stride = max(D, grid * 4)
     buf, cnt = torch.zeros(2 * stride, device="cuda"), torch.zeros(grid, dtype=torch.int32,
@@ -189,9 +189,9 @@ def time_barrier(n: int, grid: int, barrier: str, reps: int) -> list[float]:
 
 
 def _stream(n: int, grid: int, persistent: bool,
-            barrier: str) -> tuple[Callable[[], None], torch.Tensor, int]:
-    """The `stream` chain's buffers and its launch: (run, the weights, the last row's
-    offset in the row buffer). The first row is ones; the weights are seeded."""
+            barrier: str) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+    """The `stream` chain's buffers and its launch: (run, the weights, a view of the row the
+    last phase writes). The first row is ones; the weights are seeded."""
     assert not persistent or _resident(grid), f"grid {grid} does not fit on the device at once"
     rows = grid * ROWS
     g = torch.Generator(device="cuda").manual_seed(0)
