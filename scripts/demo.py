@@ -67,6 +67,7 @@ def main() -> int:
     from rclpy.executors import SingleThreadedExecutor
 
     from kestrel_bringup.evaluate import ORACLE_NOTE, Evaluator
+    from kestrel_bringup.evaluation import phases, phases_text
     from kestrel_bringup.monitor_node import StackMonitor
     from kestrel_bringup.run_stack import StackRunner
     from kestrel_bringup.stack_report import StackReport
@@ -142,13 +143,17 @@ def main() -> int:
         out["episode"] = None if trace is None else {
             "seed": trace.seed, "goal": trace.goal, "instruction": trace.instruction,
             "oracle_plan": args.oracle_plan, "stage": trace.stage,
-            "success_s": trace.success_s, "steps": trace.steps}
+            "success_s": trace.success_s, "phases_s": phases(trace), "plan": trace.plan,
+            "steps": trace.steps}
         args.json.write_text(json.dumps(out, indent=2))
     if trace is not None:
         print(f"EPISODE: '{trace.instruction}' (seed {trace.seed}): "
               + (f"SUCCESS, {trace.goal} in the bin and settled {trace.success_s:.1f} s "
-                 "(sim) after the plan" if trace.stage == "success" else
-                 f"FAILED at {trace.stage}") + (" [oracle plan]" if args.oracle_plan else ""))
+                 f"(sim) after the reset ({phases_text(trace)})" if trace.stage == "success"
+                 else f"FAILED at {trace.stage}")
+              + (" [oracle plan]" if args.oracle_plan else ""))
+        if trace.plan:
+            print(f"PLAN: {trace.plan}")
     if failures:
         print("DEMO FAILED:\n  " + "\n  ".join(failures))
         print(f"node logs: {log_dir}")

@@ -210,3 +210,15 @@ def test_the_plan_is_kept_as_text_with_its_arguments() -> None:
     assert plan_text([("pick", "red_cube", [("speed", 0.3)]), ("place", "bin", []),
                       ("home", "", [("speed", 0.25), ("height", 0.1)])]) == (
         "pick red_cube speed=0.3; place bin; home speed=0.25 height=0.1")
+
+
+def test_one_episode_s_phases_for_the_demo_line() -> None:
+    from kestrel_bringup.evaluation import phases, phases_text
+
+    t = trace(plan_status="accepted", plan_asked_s=0.5, plan_answered_s=0.7)
+    t.observe(6.3, held=True, success=False)
+    assert phases_text(t) == "scene 0.5 s, planning 0.2 s, reach and grasp 5.6 s"  # not placed
+    t.observe(13.7, held=False, success=True, over_bin=True)
+    assert phases(t)["carry_and_place"] == pytest.approx(7.4)
+    assert sum(phases(t).values()) == pytest.approx(t.success_s)
+    assert phases_text(trace()) == ""

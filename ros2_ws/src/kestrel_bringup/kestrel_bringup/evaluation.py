@@ -154,15 +154,28 @@ PHASES = {  # time_by_phase_s: name -> (from, to) EpisodeTrace fields (None: the
 }
 
 
+def phases(t: EpisodeTrace) -> dict[str, float]:
+    """Sim s of each of the episode's phases (PHASES) that saw both of its ends."""
+    out = {}
+    for name, (a, b) in PHASES.items():
+        end, start = getattr(t, b), (getattr(t, a) if a else 0.0)
+        if end is not None and start is not None:
+            out[name] = end - start
+    return out
+
+
+def phases_text(t: EpisodeTrace) -> str:
+    """'scene 0.5 s, planning 0.2 s, ...' of phases(t) ('' when none)."""
+    return ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in phases(t).items())
+
+
 def time_by_phase(traces: list[EpisodeTrace]) -> dict[str, dict[str, float] | None]:
     """Quantiles of each phase's sim s (PHASES) over the successful episodes that saw both of
     its ends, and of the planner's own wall s (plan_wall_s) over the same episodes."""
     done = [t for t in traces if t.success_s is not None]
-    out: dict[str, dict[str, float] | None] = {}
-    for name, (a, b) in PHASES.items():
-        spans = [getattr(t, b) - (getattr(t, a) if a else 0.0) for t in done
-                 if getattr(t, b) is not None and (a is None or getattr(t, a) is not None)]
-        out[name] = _quantiles(spans)
+    each = [phases(t) for t in done]
+    out: dict[str, dict[str, float] | None] = {
+        name: _quantiles([p[name] for p in each if name in p]) for name in PHASES}
     out["planner_wall"] = _quantiles([t.plan_wall_s for t in done if t.plan_wall_s is not None])
     return out
 
