@@ -230,11 +230,7 @@ def run(args: argparse.Namespace) -> int:
             if graph:
                 try:
                     c = ps.kernel_census(keep["eng"], prompt, image)
-                    tables.append({"title": f"Kernels of {name} per decode step "
-                                   f"({c['kernels_per_step']:.0f} kernels, "
-                                   f"{c['gpu_us_per_step']:.1f} us GPU)",
-                                   "columns": ["kernel", "us / step", "calls / step"],
-                                   "rows": c["top"]})
+                    tables.append(ps.kernel_table(name, c))
                 except Exception as exc:  # noqa: BLE001 (the census is extra)
                     record.note(f"kernel census of {name} failed: {type(exc).__name__}: {exc}")
             keep.clear()

@@ -239,6 +239,13 @@ def profile_kernels(run: Callable[[], int]) -> dict:
                       round(e.count / steps, 2)] for e in top])
 
 
+def kernel_table(name: str, census: dict) -> dict:
+    """A record table ({"title", "columns", "rows"}) of a profile_kernels result."""
+    return {"title": f"Kernels of {name} per decode step ({census['kernels_per_step']:.0f} "
+                     f"kernels, {census['gpu_us_per_step']:.1f} us GPU)",
+            "columns": ["kernel", "us / step", "calls / step"], "rows": census["top"]}
+
+
 def kernel_census(eng: Any, prompt: list[int], image: torch.Tensor) -> dict:
     """profile_kernels over 16 decode steps of a warm engine."""
     r = eng.submit(prompt, 160, image)

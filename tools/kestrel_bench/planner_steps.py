@@ -182,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kestrel_bench import planner_hf as ph
     from kestrel_bench.planner_hf_sections import ratio_tag
+    from kestrel_bench.planner_sections import kernel_table
 
     if args.quick:
         if args.shapes == list(ph.SHAPES):
@@ -239,11 +240,7 @@ def run(args: argparse.Namespace) -> int:
                                     agreement=r["agreement"], compile_s=r["compile_s"],
                                     image_tokens=n_img))
             if r["kernels"]:
-                c = r["kernels"]
-                tables.append({"title": f"Kernels of {name} per step ({c['kernels_per_step']:.0f} "
-                               f"kernels, {c['gpu_us_per_step']:.1f} us summed)",
-                               "columns": ["kernel", "us / step", "calls / step"],
-                               "rows": c["top"]})
+                tables.append(kernel_table(name, r["kernels"]))
             if base_p50 and o != first:
                 record.ratio(f"{o}_vs_{first}_{ratio_tag(shape)}", base_p50 / p50)
             print(f"[planner-steps] {name}: p50 {p50 * 1e3:.1f} us "
