@@ -231,11 +231,11 @@ def markdown(summary: dict, command: str = "") -> str:
     if tts:
         lines += ["", f"Time to success (sim s): p50 {tts['p50']:.1f}, p90 {tts['p90']:.1f}, "
                   f"max {tts['max']:.1f} (n = {tts['n']})."]
-    phases = summary.get("time_by_phase_s") or {}
-    spans = [f"{name.replace('_', ' ')} {q['p50']:.1f}" for name, q in phases.items()
+    by_phase = summary.get("time_by_phase_s") or {}
+    spans = [f"{name.replace('_', ' ')} {q['p50']:.1f}" for name, q in by_phase.items()
              if q and name in PHASES]
     if spans:
-        wall = phases.get("planner_wall")
+        wall = by_phase.get("planner_wall")
         lines += ["By phase (sim s, p50 over the successes): " + ", ".join(spans)
                   + (f"; the planner's own time {wall['p50']:.1f} wall s." if wall else ".")]
     dm = summary["deadline_misses_per_episode"]
