@@ -142,6 +142,33 @@ def test_radix_select_algorithm_equals_reference() -> None:
     assert nan_medians > 0
 
 
+@pytest.mark.parametrize("q", [0.0, 0.25, 0.75, 1.0])
+def test_quantiles_equal_a_sort_and_the_radix_select(q) -> None:
+    """The lower quantile (the support rule's h_top) by the reference: the
+    floor((count - 1) * q) + 1-th smallest of each box's values, as a sort gives it; the
+    kernel's algorithm in torch gives the same."""
+    g = torch.Generator().manual_seed(int(q * 100))
+    hw = (40, 60)
+    z = torch.randn(2, 500, generator=g)
+    uv = torch.rand(2, 500, 2, generator=g) * torch.tensor([60.0, 40.0])
+    ok = torch.rand(2, 500, generator=g) < 0.8
+    boxes = adversarial_boxes(g, 2, 9, hw)
+    bf = boxes.float()
+    ref = _lower_median_in_boxes(z, uv[..., 0], uv[..., 1], ok, bf[..., 0:2], bf[..., 2:4],
+                                 1 << 20, quantile=q)
+    inside = inside_mask(uv, ok, boxes)
+    for c in range(2):
+        for d in range(9):
+            vals = z[c][inside[c, d]].sort().values
+            assert int(ref[1][c, d]) == vals.numel()
+            if vals.numel():
+                assert ref[0][c, d] == vals[int((vals.numel() - 1) * q)]
+    assert (ref[1] > 3).sum() >= 4
+    assert_same(bmt.radix_select_torch(z, inside, quantile=q), ref)
+    with pytest.raises(ValueError, match="quantile = 1.5"):
+        bmt.radix_select_torch(z, inside, quantile=1.5)
+
+
 def test_pixel_rects_and_depth_algorithm_equal_reference() -> None:
     g = torch.Generator().manual_seed(1)
     c, d, (h, w) = 2, 9, (30, 50)
@@ -239,6 +266,18 @@ def test_kernel_equals_reference_real_sizes(seed, adversarial) -> None:
     dm2[:, 1] = dm
     assert_same(bmt.depth_box_medians(dm2[:, 1], rect), ref_depth(dm, boxes))
     assert_same(bmt.lidar_box_medians(z, uv.double(), ok, boxes), ref_lidar(z, uv, ok, boxes))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", [0.0, 0.75, 1.0])
+def test_kernel_quantile_equals_reference(q) -> None:
+    z, uv, ok, boxes, _ = real_inputs(8, True)
+    bf = boxes.float()
+    ref = _lower_median_in_boxes(z.float(), uv[..., 0].float(), uv[..., 1].float(), ok,
+                                 bf[..., 0:2], bf[..., 2:4], 1 << 24, quantile=q)
+    for prebin in (True, False):
+        assert_same(bmt.lidar_box_medians(z, uv, ok, boxes, prebin=prebin, quantile=q), ref)
 
 
 @gpu

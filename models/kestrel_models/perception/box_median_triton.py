@@ -6,7 +6,8 @@ in `lidar.box_positions_batched(static=True)`:
 lidar_box_medians(depth [C,N] m, uv [C,N,2] px, valid [C,N] bool, boxes [C,D,4] xyxy px, need)
     count = number of valid points with x1 <= u <= x2 and y1 <= v <= y2 (inclusive, float32
     compares), median = the ceil(count/2)-th smallest depth among them (NaN depths rank last,
-    as torch.sort puts them).
+    as torch.sort puts them); with `quantile` q the `quantile_rank(count, q)`-th smallest
+    (q = 0.5: the median).
 depth_box_medians(depth_map [C,H,W] m, rect [C,D,4] int32 (col0, row0, col1, row1), need)
     count = number of non-NaN pixels in the rectangle [col0, col1) x [row0, row1), median as
     above. Only the rectangle is read: the loop bound (its area) is read from memory inside
@@ -51,7 +52,8 @@ except ImportError:
     HAVE_TRITON = False
 
 __all__ = ["HAVE_TRITON", "available", "lidar_box_medians", "depth_box_medians",
-           "pixel_rects", "radix_select_torch", "BLOCK_LIDAR", "BLOCK_RECT", "NUM_WARPS",
+           "pixel_rects", "quantile_rank", "radix_select_torch", "BLOCK_LIDAR", "BLOCK_RECT",
+           "NUM_WARPS",
            "LIDAR_COMPACT", "LIDAR_PREBIN", "BLOCK_BIN"]
 
 BLOCK_LIDAR = 2048  # points per loop iteration (LiDAR mode)
@@ -60,6 +62,19 @@ NUM_WARPS = 8
 LIDAR_COMPACT = True  # LiDAR mode: compact the inside keys in pass 0 (see lidar_box_medians)
 LIDAR_PREBIN = True  # LiDAR mode: bin the points into the boxes first (module docstring)
 BLOCK_BIN = 1024  # points per program of the binning kernel
+
+
+def quantile_rank(count: torch.Tensor, quantile: float = 0.5) -> torch.Tensor:
+    """1-based rank of the lower `quantile` among `count` values: floor((count - 1) * q) + 1
+    (q = 0.5: ceil(count / 2), the lower median; q = 1: the largest). count [...] int64;
+    the rank is meaningless (0 or 1) where count == 0. The kernel computes the same in
+    float32, exact for counts below 2**24."""
+    return ((count - 1).clamp(min=0).to(torch.float32) * float(quantile)).floor().long() + 1
+
+
+def _check_quantile(quantile: float) -> None:
+    if not 0.0 <= quantile <= 1.0:
+        raise ValueError(f"quantile = {quantile!r}: must be in [0, 1]")
 
 if HAVE_TRITON:
     @triton.jit
@@ -126,7 +141,8 @@ if HAVE_TRITON:
     def _box_median_kernel(z_ptr, u_ptr, v_ptr, ok_ptr, box_ptr, rect_ptr, need_ptr, scr_ptr,
                            med_ptr, cnt_ptr, D, N, s_zc, s_zn, s_uc, s_un, s_oc, s_on, s_h, s_w,
                            RECT: tl.constexpr, HAS_NEED: tl.constexpr, COMPACT: tl.constexpr,
-                           BLOCK: tl.constexpr, PREBINNED: tl.constexpr = False):
+                           BLOCK: tl.constexpr, PREBINNED: tl.constexpr = False,
+                           QUANTILE: tl.constexpr = 0.5):
         # PREBINNED (LiDAR): scr row pid already holds the box's keys (_bin_kernel) and
         # rect_ptr (unused in LiDAR mode) points at their int32 counts; all 4 passes read them
         pid = tl.program_id(0)  # = cam * D + box
@@ -199,7 +215,7 @@ if HAVE_TRITON:
                     digit = (key >> (24 - 8 * p)) & 0xFF
                 hist += tl.histogram(tl.where(match, digit, 256), 512)  # bin 256: the rest
             if p == 0:
-                kk = (cnt + 1) // 2
+                kk = (tl.maximum(cnt - 1, 0).to(tl.float32) * QUANTILE).to(tl.int32) + 1
                 n_it = tl.where(cnt > 0, n_it, 0)
                 if COMPACT and not PREBINNED:
                     tl.debug_barrier()  # the CTA's scratch stores before its loads
@@ -238,16 +254,18 @@ def _need_arg(need: torch.Tensor | None, c: int, d: int, like: torch.Tensor) -> 
 def lidar_box_medians(depth: torch.Tensor, uv: torch.Tensor, valid: torch.Tensor,
                       boxes: torch.Tensor, need: torch.Tensor | None = None,
                       compact: bool | None = None, block: int | None = None,
-                      num_warps: int | None = None, prebin: bool | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      num_warps: int | None = None, prebin: bool | None = None,
+                      quantile: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
     """depth [C,N] m, uv [C,N,2] px, valid [C,N] bool, boxes [C,D,4] xyxy px (inclusive)
-    -> (median [C,D] float32 m, count [C,D] int64); see the module docstring.
+    -> (median [C,D] float32 m, count [C,D] int64); see the module docstring. quantile: the
+    lower quantile selected instead of the median (`quantile_rank`).
     prebin (default LIDAR_PREBIN): bin the points into the boxes' scratch rows first (one
     pass over the points for all boxes), then select; else compact (default LIDAR_COMPACT):
     pass 0 of each box's program scans all N points and writes its inside keys to the scratch
     and passes 1-3 read only those. The scratch is [C*D, N] int32 (allocated per call: 63 MB
     at the node's sizes). block / num_warps default to BLOCK_LIDAR / NUM_WARPS."""
     _check(depth)
+    _check_quantile(quantile)
     c, n = depth.shape
     d = boxes.shape[1]
     med = torch.empty((c, d), dtype=torch.float32, device=depth.device)
@@ -276,7 +294,8 @@ def lidar_box_medians(depth: torch.Tensor, uv: torch.Tensor, valid: torch.Tensor
     _box_median_kernel[(c * d,)](
         z, u, v, ok, bx, counts, nd, scr, med, cnt, d, n, *strides, 0, 0, RECT=False,
         HAS_NEED=need is not None, COMPACT=compact and not prebin,
-        BLOCK=block or BLOCK_LIDAR, num_warps=num_warps or NUM_WARPS, PREBINNED=prebin)
+        BLOCK=block or BLOCK_LIDAR, num_warps=num_warps or NUM_WARPS, PREBINNED=prebin,
+        QUANTILE=float(quantile))
     return med, cnt
 
 
@@ -326,13 +345,15 @@ def _float_key_torch(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x.isnan(), torch.full_like(k, 0x7FFFFFFF), k)
 
 
-def radix_select_torch(z: torch.Tensor, inside: torch.Tensor
+def radix_select_torch(z: torch.Tensor, inside: torch.Tensor, quantile: float = 0.5
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's algorithm in torch (for tests): z [C,N] float32, inside [C,D,N] bool ->
-    (lower median [C,D] float32, count [C,D] int64) by 4 byte-wise histogram passes."""
+    (lower median, or lower `quantile`, [C,D] float32, count [C,D] int64) by 4 byte-wise
+    histogram passes."""
+    _check_quantile(quantile)
     key = _float_key_torch(z)[:, None, :].expand_as(inside)  # [C,D,N] int32
     cnt = inside.sum(dim=2)
-    kk = (cnt + 1) // 2
+    kk = quantile_rank(cnt, quantile)
     pref = torch.zeros_like(cnt)
     bins = torch.arange(256, device=z.device)
     for p in range(4):

@@ -17,11 +17,13 @@ import torch
 from kestrel_models.perception import box_median_triton as _bmt
 from kestrel_models.perception.compiled import compiled
 from kestrel_models.perception.support import (
+    TOP_QUANTILES,
     centre_depth,
     class_lanes,
     is_support,
     point_classes,
     support_heights,
+    top_height,
 )
 
 DEFAULT_BUCKETS: tuple[int, ...] = (16384, 32768, 65536, 131072)
@@ -234,7 +236,9 @@ def _support_rule_one_camera(boxes: torch.Tensor, uv: torch.Tensor, depth: torch
         if n < max(1, min_points):
             continue
         k = (n + 1) // 2 - 1  # lower median
-        h_top = hz[obj].sort().values[k]
+        srt = hz[obj].sort().values
+        q = [srt[int(_bmt.quantile_rank(torch.tensor(n), f)) - 1] for f in TOP_QUANTILES]
+        h_top = top_height(*q, tol)
         z_surf = depth[obj].float().sort().values[k]
         z[i] = centre_depth(boxes[i:i + 1][None], h_top.reshape(1, 1), hs, z_surf.reshape(1, 1),
                             torch.linalg.inv(K)[None], T_base[None])[0, 0]
@@ -255,13 +259,16 @@ def box_position(box_xyxy: torch.Tensor, uv: torch.Tensor, depth: torch.Tensor,
 
 def _lower_median_in_boxes(z: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
                            ok: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                           chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower median of the values z inside boxes, for C groups at once, no host sync.
+                           chunk_elems: int, quantile: float = 0.5
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower median (or lower `quantile`) of the values z inside boxes, for C groups at once,
+    no host sync.
 
     z, u, v [C,N] float32 (value, x, y), ok [C,N] bool (usable), lo/hi [C,D,2] float32: the
     inclusive box lo <= (u, v) <= hi. Returns (median [C,D] float32, count [C,D] int64);
     the median is meaningless where count == 0. Values are sorted once per group; per box the
-    lower median is where the running count of inside values reaches ceil(count / 2).
+    result is where the running count of inside values reaches `quantile_rank(count)`
+    (ceil(count / 2) for the median).
     Static chunks over D bound the [C, d, N] masks to about `chunk_elems` entries.
     """
     c, n = z.shape
@@ -277,7 +284,8 @@ def _lower_median_in_boxes(z: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
                   & (vs[:, None] >= lo_c[..., 1:2]) & (vs[:, None] <= hi_c[..., 1:2]))  # [C,d,N]
         count = inside.sum(dim=2)  # [C,d]
         rank = inside.cumsum(dim=2, dtype=torch.int32)
-        first = (rank >= ((count + 1) // 2)[..., None]).to(torch.uint8).argmax(dim=2)
+        k = _bmt.quantile_rank(count, quantile)
+        first = (rank >= k[..., None]).to(torch.uint8).argmax(dim=2)
         med[:, s:s + step] = zs.gather(1, first)
         cnt[:, s:s + step] = count
     return med, cnt
@@ -339,7 +347,10 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
         hz = heights.float()[None].expand(c, n)
         above = valid & (hz > hs[:, None] + support_tolerance)
         uvl, bl = class_lanes(uv, pc, boxes, box_class, seg.shape[-1])
-        h_top, n_obj = _box_medians(hz, uvl, above, bl, rule, static, triton, chunk_elems)
+        q = [_box_medians(hz, uvl, above, bl, rule, static, triton, chunk_elems, f)
+             for f in TOP_QUANTILES]
+        n_obj = q[1][1]
+        h_top = top_height(q[0][0], q[1][0], q[2][0], support_tolerance)
         z_surf, _ = _box_medians(depth, uvl, above, bl, rule, static, triton, chunk_elems)
         use = rule & (n_obj >= max(1, min_points))
         zc = centre_depth(boxes, h_top, hs, z_surf, K_inv, T_base_from_cam)
@@ -383,19 +394,20 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
 
 
 def _box_medians(values: torch.Tensor, uv: torch.Tensor, ok: torch.Tensor, boxes: torch.Tensor,
-                 need: torch.Tensor, static: bool, triton: bool, chunk_elems: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower median of values [C,N] over the ok [C,N] points with uv [C,N,2] inside each box
-    [C,D,4] (inclusive) -> (median [C,D] float32, count [C,D] int64), by the path that
+                 need: torch.Tensor, static: bool, triton: bool, chunk_elems: int,
+                 quantile: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower median (or lower `quantile`) of values [C,N] over the ok [C,N] points with uv
+    [C,N,2] inside each box [C,D,4] (inclusive) -> (median [C,D] float32, count [C,D] int64),
+    by the path that
     `box_positions_batched` documents. need [C,D]: the slots that read the result (the Triton
     kernel skips the others, the CPU path the cameras without one; their count is then 0)."""
     c, d = boxes.shape[:2]
     bf = boxes.float()
     if triton:
-        return _bmt.lidar_box_medians(values, uv, ok, bf, need=need)
+        return _bmt.lidar_box_medians(values, uv, ok, bf, need=need, quantile=quantile)
     if static:
         return _lower_median_in_boxes(values.float(), uv[..., 0].float(), uv[..., 1].float(),
-                                      ok, bf[..., 0:2], bf[..., 2:4], chunk_elems)
+                                      ok, bf[..., 0:2], bf[..., 2:4], chunk_elems, quantile)
     med = torch.zeros((c, d), dtype=torch.float32, device=boxes.device)
     count = torch.zeros((c, d), dtype=torch.long, device=boxes.device)
     for cam in range(c):  # per camera over its ok points only
@@ -405,7 +417,7 @@ def _box_medians(values: torch.Tensor, uv: torch.Tensor, ok: torch.Tensor, boxes
             one = torch.ones((1, idx.numel()), dtype=torch.bool, device=boxes.device)
             mc, cc = _lower_median_in_boxes(values[cam, idx].float()[None], q[None, :, 0],
                                             q[None, :, 1], one, bf[cam:cam + 1, :, 0:2],
-                                            bf[cam:cam + 1, :, 2:4], chunk_elems)
+                                            bf[cam:cam + 1, :, 2:4], chunk_elems, quantile)
             med[cam], count[cam] = mc[0], cc[0]
     return med, count
 

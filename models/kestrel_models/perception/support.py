@@ -13,8 +13,11 @@ surface, not at its centre. The support rule, per camera and detection:
 - object points of a detection of class k (k not a support class): the points inside its box
   whose class is k and whose height is above h_s + tolerance. This drops the support seen
   through the mask's edges and whatever the camera cannot see below it;
-- centre height h_c = (h_top + h_s) / 2, h_top = the lower median height of the object points
-  (a LiDAR above the objects sees mostly their top faces). The position is where the ray
+- centre height h_c = (h_top + h_s) / 2, h_top = the height of the object's top face
+  (`top_height`): the lower median of the object points' heights where the quarter of
+  them below it lies on a plane at the median, else their upper quartile (a LiDAR above the
+  objects sees their top faces, and also the sides of the tall or distant ones). The
+  position is where the ray
   through the box centre reaches h_c: the centre of an object standing on the support, as the
   sim's ground truth defines it (the centre of its geoms' bounding box). A ray within about
   10 degrees of horizontal (a height error would move the point far along it) takes the object
@@ -31,6 +34,8 @@ import torch
 # rays flatter than this (sine of the elevation above the base x-y plane, ~10 deg) take the
 # object's surface depth: at 10 deg a 1 mm error of h_c moves the point 5.7 mm along the ray
 MIN_RAY_ELEVATION_SIN = 0.17
+# the quantiles of the object points' heights that `top_height` reads
+TOP_QUANTILES = (0.25, 0.5, 0.75)
 LANE_GAP = 8.0  # px between two classes' lanes in `class_lanes`
 
 
@@ -104,6 +109,18 @@ def class_lanes(uv: torch.Tensor, point_class: torch.Tensor, boxes: torch.Tensor
     bl = torch.stack([b[..., 0].clamp(-1.0, float(width)) + lb, b[..., 1],
                       b[..., 2].clamp(-1.0, float(width)) + lb, b[..., 3]], dim=-1)
     return uvl, bl
+
+
+def top_height(q25: torch.Tensor, q50: torch.Tensor, q75: torch.Tensor, tolerance: float
+               ) -> torch.Tensor:
+    """Height of an object's top face from the lower quartile, median and upper quartile of
+    its points' heights (m, any shape, TOP_QUANTILES): the median where the quarter of the
+    points below it lies within tolerance / 2 of it (a plane at the median: the top face seen
+    from above; whatever lies above it, such as an arm over the object whose points take the
+    object's class at a mask edge, is ignored), else the upper quartile (the median is on a
+    side: an object far from the LiDAR, or taller than it is wide, shows it more of its
+    side than of its top, and that median sits centimetres below the top)."""
+    return torch.where(q50 - q25 <= 0.5 * tolerance, q50, q75)
 
 
 def centre_depth(boxes: torch.Tensor, h_top: torch.Tensor, h_s: torch.Tensor,
