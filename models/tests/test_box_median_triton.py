@@ -165,6 +165,10 @@ def test_quantiles_equal_a_sort_and_the_radix_select(q) -> None:
                 assert ref[0][c, d] == vals[int((vals.numel() - 1) * q)]
     assert (ref[1] > 3).sum() >= 4
     assert_same(bmt.radix_select_torch(z, inside, quantile=q), ref)
+    several, cnt = lidar._quantiles_in_boxes(z, uv[..., 0], uv[..., 1], ok, bf[..., 0:2],
+                                             bf[..., 2:4], 1 << 20, (0.5, q))
+    assert_same((several[1], cnt), ref)  # one sort for several quantiles: the same values
+    assert_same((several[0], cnt), ref_lidar(z, uv, ok, boxes))
     with pytest.raises(ValueError, match="quantile = 1.5"):
         bmt.radix_select_torch(z, inside, quantile=1.5)
 
@@ -278,6 +282,9 @@ def test_kernel_quantile_equals_reference(q) -> None:
                                  bf[..., 0:2], bf[..., 2:4], 1 << 24, quantile=q)
     for prebin in (True, False):
         assert_same(bmt.lidar_box_medians(z, uv, ok, boxes, prebin=prebin, quantile=q), ref)
+        several, cnt = bmt.lidar_box_quantiles(z, uv, ok, boxes, (0.5, q), prebin=prebin)
+        assert_same((several[1], cnt), ref)  # binned once, selected per quantile
+        assert_same((several[0], cnt), ref_lidar(z, uv, ok, boxes))
 
 
 @gpu

@@ -51,10 +51,10 @@ except ImportError:
     triton = tl = None  # type: ignore[assignment]
     HAVE_TRITON = False
 
-__all__ = ["HAVE_TRITON", "available", "lidar_box_medians", "depth_box_medians",
-           "pixel_rects", "quantile_rank", "radix_select_torch", "BLOCK_LIDAR", "BLOCK_RECT",
-           "NUM_WARPS",
-           "LIDAR_COMPACT", "LIDAR_PREBIN", "BLOCK_BIN"]
+__all__ = ["HAVE_TRITON", "available", "lidar_box_medians", "lidar_box_quantiles",
+           "depth_box_medians", "pixel_rects", "quantile_rank", "radix_select_torch",
+           "BLOCK_LIDAR", "BLOCK_RECT", "NUM_WARPS", "LIDAR_COMPACT", "LIDAR_PREBIN",
+           "BLOCK_BIN"]
 
 BLOCK_LIDAR = 2048  # points per loop iteration (LiDAR mode)
 BLOCK_RECT = 2048  # pixels per loop iteration (rectangle mode)
@@ -264,11 +264,25 @@ def lidar_box_medians(depth: torch.Tensor, uv: torch.Tensor, valid: torch.Tensor
     pass 0 of each box's program scans all N points and writes its inside keys to the scratch
     and passes 1-3 read only those. The scratch is [C*D, N] int32 (allocated per call: 63 MB
     at the node's sizes). block / num_warps default to BLOCK_LIDAR / NUM_WARPS."""
+    med, cnt = lidar_box_quantiles(depth, uv, valid, boxes, (quantile,), need, compact, block,
+                                   num_warps, prebin)
+    return med[0], cnt
+
+
+def lidar_box_quantiles(depth: torch.Tensor, uv: torch.Tensor, valid: torch.Tensor,
+                        boxes: torch.Tensor, quantiles: tuple[float, ...],
+                        need: torch.Tensor | None = None, compact: bool | None = None,
+                        block: int | None = None, num_warps: int | None = None,
+                        prebin: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lidar_box_medians` for several lower quantiles of the same points -> (values [Q,C,D]
+    float32, count [C,D] int64). With prebin the points are binned once and each quantile is
+    one select kernel over the binned keys."""
     _check(depth)
-    _check_quantile(quantile)
+    for q in quantiles:
+        _check_quantile(q)
     c, n = depth.shape
     d = boxes.shape[1]
-    med = torch.empty((c, d), dtype=torch.float32, device=depth.device)
+    med = torch.empty((len(quantiles), c, d), dtype=torch.float32, device=depth.device)
     cnt = torch.empty((c, d), dtype=torch.long, device=depth.device)
     if c * d == 0:
         return med, cnt
@@ -291,11 +305,12 @@ def lidar_box_medians(depth: torch.Tensor, uv: torch.Tensor, valid: torch.Tensor
         _bin_kernel[(triton.cdiv(n, BLOCK_BIN), c)](
             z, u, v, ok, bx, nd, scr, counts, d, n, *strides, HAS_NEED=need is not None,
             BLOCK=BLOCK_BIN, num_warps=4)
-    _box_median_kernel[(c * d,)](
-        z, u, v, ok, bx, counts, nd, scr, med, cnt, d, n, *strides, 0, 0, RECT=False,
-        HAS_NEED=need is not None, COMPACT=compact and not prebin,
-        BLOCK=block or BLOCK_LIDAR, num_warps=num_warps or NUM_WARPS, PREBINNED=prebin,
-        QUANTILE=float(quantile))
+    for i, q in enumerate(quantiles):  # the compact mode rewrites its scratch rows each time
+        _box_median_kernel[(c * d,)](
+            z, u, v, ok, bx, counts, nd, scr, med[i], cnt, d, n, *strides, 0, 0, RECT=False,
+            HAS_NEED=need is not None, COMPACT=compact and not prebin,
+            BLOCK=block or BLOCK_LIDAR, num_warps=num_warps or NUM_WARPS, PREBINNED=prebin,
+            QUANTILE=float(q))
     return med, cnt
 
 

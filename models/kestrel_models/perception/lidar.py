@@ -266,16 +266,25 @@ def _lower_median_in_boxes(z: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
 
     z, u, v [C,N] float32 (value, x, y), ok [C,N] bool (usable), lo/hi [C,D,2] float32: the
     inclusive box lo <= (u, v) <= hi. Returns (median [C,D] float32, count [C,D] int64);
-    the median is meaningless where count == 0. Values are sorted once per group; per box the
-    result is where the running count of inside values reaches `quantile_rank(count)`
-    (ceil(count / 2) for the median).
-    Static chunks over D bound the [C, d, N] masks to about `chunk_elems` entries.
+    the median is meaningless where count == 0. See `_quantiles_in_boxes`.
+    """
+    med, cnt = _quantiles_in_boxes(z, u, v, ok, lo, hi, chunk_elems, (quantile,))
+    return med[0], cnt
+
+
+def _quantiles_in_boxes(z: torch.Tensor, u: torch.Tensor, v: torch.Tensor, ok: torch.Tensor,
+                        lo: torch.Tensor, hi: torch.Tensor, chunk_elems: int,
+                        quantiles: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_lower_median_in_boxes` for several lower quantiles -> (values [Q,C,D], count [C,D]).
+    Values are sorted once per group; per box and quantile the result is where the running
+    count of inside values reaches `quantile_rank(count, q)` (ceil(count / 2) for the
+    median). Static chunks over D bound the [C, d, N] masks to about `chunk_elems` entries.
     """
     c, n = z.shape
     d = lo.shape[1]
     zs, order = torch.where(ok, z, torch.full_like(z, float("inf"))).sort(dim=1)  # [C,N]
     us, vs, oks = u.gather(1, order), v.gather(1, order), ok.gather(1, order)
-    med = torch.empty((c, d), dtype=z.dtype, device=z.device)
+    out = torch.empty((len(quantiles), c, d), dtype=z.dtype, device=z.device)
     cnt = torch.empty((c, d), dtype=torch.long, device=z.device)
     step = max(1, chunk_elems // max(1, c * n))
     for s in range(0, d, step):
@@ -284,11 +293,12 @@ def _lower_median_in_boxes(z: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
                   & (vs[:, None] >= lo_c[..., 1:2]) & (vs[:, None] <= hi_c[..., 1:2]))  # [C,d,N]
         count = inside.sum(dim=2)  # [C,d]
         rank = inside.cumsum(dim=2, dtype=torch.int32)
-        k = _bmt.quantile_rank(count, quantile)
-        first = (rank >= k[..., None]).to(torch.uint8).argmax(dim=2)
-        med[:, s:s + step] = zs.gather(1, first)
+        for i, q in enumerate(quantiles):
+            k = _bmt.quantile_rank(count, q)
+            first = (rank >= k[..., None]).to(torch.uint8).argmax(dim=2)
+            out[i, :, s:s + step] = zs.gather(1, first)
         cnt[:, s:s + step] = count
-    return med, cnt
+    return out, cnt
 
 
 def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torch.Tensor,
@@ -347,10 +357,9 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
         hz = heights.float()[None].expand(c, n)
         above = valid & (hz > hs[:, None] + support_tolerance)
         uvl, bl = class_lanes(uv, pc, boxes, box_class, seg.shape[-1])
-        q = [_box_medians(hz, uvl, above, bl, rule, static, triton, chunk_elems, f)
-             for f in TOP_QUANTILES]
-        n_obj = q[1][1]
-        h_top = top_height(q[0][0], q[1][0], q[2][0], support_tolerance)
+        hq, n_obj = _box_quantiles(hz, uvl, above, bl, rule, static, triton, chunk_elems,
+                                   TOP_QUANTILES)
+        h_top = top_height(hq[0], hq[1], hq[2], support_tolerance)
         z_surf, _ = _box_medians(depth, uvl, above, bl, rule, static, triton, chunk_elems)
         use = rule & (n_obj >= max(1, min_points))
         zc = centre_depth(boxes, h_top, hs, z_surf, K_inv, T_base_from_cam)
@@ -394,32 +403,43 @@ def box_positions_batched(boxes: torch.Tensor, box_valid: torch.Tensor, uv: torc
 
 
 def _box_medians(values: torch.Tensor, uv: torch.Tensor, ok: torch.Tensor, boxes: torch.Tensor,
-                 need: torch.Tensor, static: bool, triton: bool, chunk_elems: int,
-                 quantile: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower median (or lower `quantile`) of values [C,N] over the ok [C,N] points with uv
-    [C,N,2] inside each box [C,D,4] (inclusive) -> (median [C,D] float32, count [C,D] int64),
-    by the path that
-    `box_positions_batched` documents. need [C,D]: the slots that read the result (the Triton
-    kernel skips the others, the CPU path the cameras without one; their count is then 0)."""
+                 need: torch.Tensor, static: bool, triton: bool, chunk_elems: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower median of values [C,N] over the ok [C,N] points with uv [C,N,2] inside each box
+    [C,D,4] (inclusive) -> (median [C,D] float32, count [C,D] int64); `_box_quantiles`."""
+    med, count = _box_quantiles(values, uv, ok, boxes, need, static, triton, chunk_elems,
+                                (0.5,))
+    return med[0], count
+
+
+def _box_quantiles(values: torch.Tensor, uv: torch.Tensor, ok: torch.Tensor,
+                   boxes: torch.Tensor, need: torch.Tensor, static: bool, triton: bool,
+                   chunk_elems: int, quantiles: tuple[float, ...]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower `quantiles` of values [C,N] over the ok [C,N] points with uv [C,N,2] inside each
+    box [C,D,4] (inclusive) -> (values [Q,C,D] float32, count [C,D] int64), by the path that
+    `box_positions_batched` documents, the points sorted (or binned) once for all quantiles.
+    need [C,D]: the slots that read the result (the Triton kernel skips the others, the CPU
+    path the cameras without one; their count is then 0)."""
     c, d = boxes.shape[:2]
     bf = boxes.float()
     if triton:
-        return _bmt.lidar_box_medians(values, uv, ok, bf, need=need, quantile=quantile)
+        return _bmt.lidar_box_quantiles(values, uv, ok, bf, quantiles, need=need)
     if static:
-        return _lower_median_in_boxes(values.float(), uv[..., 0].float(), uv[..., 1].float(),
-                                      ok, bf[..., 0:2], bf[..., 2:4], chunk_elems, quantile)
-    med = torch.zeros((c, d), dtype=torch.float32, device=boxes.device)
+        return _quantiles_in_boxes(values.float(), uv[..., 0].float(), uv[..., 1].float(), ok,
+                                   bf[..., 0:2], bf[..., 2:4], chunk_elems, quantiles)
+    out = torch.zeros((len(quantiles), c, d), dtype=torch.float32, device=boxes.device)
     count = torch.zeros((c, d), dtype=torch.long, device=boxes.device)
     for cam in range(c):  # per camera over its ok points only
         idx = ok[cam].nonzero().flatten()
         if idx.numel() and bool(need[cam].any()):
             q = uv[cam, idx].float()
             one = torch.ones((1, idx.numel()), dtype=torch.bool, device=boxes.device)
-            mc, cc = _lower_median_in_boxes(values[cam, idx].float()[None], q[None, :, 0],
-                                            q[None, :, 1], one, bf[cam:cam + 1, :, 0:2],
-                                            bf[cam:cam + 1, :, 2:4], chunk_elems, quantile)
-            med[cam], count[cam] = mc[0], cc[0]
-    return med, count
+            mc, cc = _quantiles_in_boxes(values[cam, idx].float()[None], q[None, :, 0],
+                                         q[None, :, 1], one, bf[cam:cam + 1, :, 0:2],
+                                         bf[cam:cam + 1, :, 2:4], chunk_elems, quantiles)
+            out[:, cam], count[cam] = mc[:, 0], cc[0]
+    return out, count
 
 
 def _lidar_choice(med: torch.Tensor | None, count: torch.Tensor | None,
