@@ -50,8 +50,8 @@ Decode-step kernel options: `gemv` ('inductor' | 'cublas' | 'cublas:<linears>'),
 'triton' | 'triton_fused'), `attn_proj` ('auto' | 'inductor' | 'triton') and `pdl` (None = auto |
 True | False: programmatic dependent launch of those Triton kernels), see decode_options.py
 ('auto': Triton on CUDA when importable, else the torch paths); `greedy` ('argmax' |
-'two_stage': block maxima then their argmax, the same ids | 'auto': two_stage for vocabularies
-of at least TWO_STAGE_MIN_VOCAB tokens) for all-greedy steps.
+'two_stage': block maxima then their argmax, the same ids | 'auto', the default: two_stage on
+CUDA for vocabularies of at least TWO_STAGE_MIN_VOCAB tokens) for all-greedy steps.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class DecodeEngine(PrefillMixin):
                  coordinate_descent: bool = False, steps_per_replay: int = 1,
                  attention: AttentionPolicy | None = None,
                  prefill_graph: bool | None = None, gemv: str = "inductor",
-                 decode_attention: str = "auto", greedy: str = "argmax",
+                 decode_attention: str = "auto", greedy: str = "auto",
                  mlp: str = "auto", prefix_entries: int = 0,
                  attn_proj: str = "auto", pdl: bool | None = None) -> None:
         if greedy not in GREEDY:
@@ -102,9 +102,9 @@ class DecodeEngine(PrefillMixin):
         self.kv = KVModel(model, max_batch, max_len, compile=compile, policy=attention,
                           gemv=gemv, decode_attention=decode_attention, mlp=mlp,
                           attn_proj=attn_proj, pdl=pdl)
-        if greedy == "auto":
+        if greedy == "auto":  # the two stages are measured faster on CUDA only
             big = self.kv.cfg.vocab_size >= TWO_STAGE_MIN_VOCAB
-            greedy = "two_stage" if big else "argmax"
+            greedy = "two_stage" if big and self.kv.device.type == "cuda" else "argmax"
         self.greedy = greedy
         self._greedy = two_stage_argmax if greedy == "two_stage" else greedy_pick
         self.dec = self.kv.dec  # the packed decoder and its image side
