@@ -25,7 +25,7 @@ pytestmark = pytest.mark.dds
 NODE = "perception"
 FRAME_S = 0.1  # s per frame at least: the node processes at most 10 sets/s
 CAPACITY = 1.0 / FRAME_S  # sets/s
-PHASES = ((3.0, 3.0), (10.0, 6.0))  # (x the node's capacity, s of publishing)
+PHASES = ((3.0, 2.0), (10.0, 4.0))  # (x the node's capacity, s of publishing)
 LOST_COUNTED = 0.9  # fraction of the lost messages that must be counted
 # messages per sensor and phase the accounting may miss: those a subscription lost before it
 # matched the new publisher (no sequence number seen yet), during its slow warm-up sets

@@ -14,12 +14,13 @@ from benchmark_run import ROOT, row, run_bench
 @pytest.mark.dds
 def test_transport_build_results_commands(tmp_path: Path, env: dict[str, str]) -> None:
     rec = run_bench(tmp_path / "transport", "transport", "--parts", "build", "results",
-                    "commands", "--sets", "5", "--count", "300", env=env)
+                    "commands", "--sets", "5", "--count", "300", "--cams", "2", "--image-hw",
+                    "320", "320", env=env)
     assert row(rec, "build:message")["role"] == "baseline"
     assert row(rec, "build:cdr")["role"] == "optimized"
     cdr = row(rec, "results:cdr")
     assert cdr["metrics"]["received"] == cdr["metrics"]["published"] == 5
-    assert cdr["metrics"]["bytes"] > 100_000
+    assert cdr["metrics"]["bytes"] > 20_000  # masks and depths of 2 cameras
     assert row(rec, "commands:publish")["latency_ms"]["n"] == 300
     assert {"build_optimized_vs_baseline_p50", "results_optimized_vs_baseline_p50"} <= set(
         rec["ratios"])
