@@ -141,6 +141,10 @@ SPECS = [
               "target, then down to its height; a pick lifts the object this far once "
               "closed, a place goes back up this far once open: moves between targets clear "
               "the bin's walls and the objects; 0 = off, m.", min=0.0, max=1.0),
+    ParamSpec("back_off", True, "When a Cartesian waypoint fails, go back to where its "
+              "step began its approach (a pick: transit_clearance over the object) at the "
+              "step's speed with the gripper as it is, then hold; false: hold where the arm "
+              "stopped (a finger that came down on an object keeps pressing on it)."),
     ParamSpec("home_joint_positions", [], "HOME target, rad (control joint order).",
               element_type=float),
     ParamSpec("execution_rate", 20.0, "Executor tick / target rate, Hz.", min=1.0, max=200.0),
@@ -209,7 +213,8 @@ def planner_configs(p: dict) -> tuple[PlannerConfig, ExecutorConfig]:
     remote = remote_config(p) if p["backend"] == "remote" else None
     executor = ExecutorConfig(
         p["position_tolerance"], p["step_timeout"], p["gripper_time"],
-        tuple(p["home_joint_positions"]), transit_clearance=p["transit_clearance"])
+        tuple(p["home_joint_positions"]), transit_clearance=p["transit_clearance"],
+        back_off=p["back_off"])
     planner = PlannerConfig(
         model=cfg, weights_path=resolve_weights(p["weights_path"]),
         demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),

@@ -183,3 +183,58 @@ def test_transit_clearance_approaches_and_leaves_from_above() -> None:
     assert ex.statuses == [StepState.SUCCEEDED] * 2
     with pytest.raises(ValueError, match="transit_clearance"):
         ExecutorConfig(transit_clearance=-0.1)
+
+
+def test_a_blocked_descent_fails_and_backs_off_to_the_last_waypoint_reached() -> None:
+    """A finger comes down on the object: the grasp point (waypoint 3/5) is never reached.
+    The step fails step_timeout after its move, the rest of the plan is aborted, and the arm
+    goes back to where the pick began its approach (transit_clearance over the object,
+    gripper open) at the step's speed, then holds; with back_off False it holds where it
+    stopped (its finger on the object)."""
+    for back_off in (True, False):
+        cfg = ExecutorConfig(position_tolerance=0.01, step_timeout=2.0, gripper_time=0.0,
+                             transit_clearance=0.15, back_off=back_off)
+        ex = PlanExecutor(cfg)
+        ex.start(parse_plan("pick red_cube speed=0.1\nplace bin\nend"), SCENE, 0.0)
+        t, ee, events, targets = 0.0, None, [], []
+        for _ in range(400):
+            out = ex.tick(t, ee)
+            events += out.events
+            if out.target is None:
+                break
+            targets.append(out.target)
+            tg = out.target
+            if tg.mode == TargetMode.CARTESIAN:  # the arm follows, but stops 3 cm up
+                ee = (tg.position[0], tg.position[1], max(tg.position[2], 0.05))
+            t = round(t + 0.05, 2)
+        failed = [e for e in events if e.status == StepState.FAILED]
+        assert ex.statuses == [StepState.FAILED, StepState.ABORTED] and len(failed) == 1
+        assert "waypoint 3/5 not reached" in failed[0].message
+        after = targets[next(i for i, tg in enumerate(targets) if tg.skill_name != "pick"):]
+        if back_off:
+            assert "backing off" in failed[0].message
+            assert after[0].mode == TargetMode.CARTESIAN and after[0].skill_name == "back_off"
+            assert approx(after[0].position, (0.4, 0.0, 0.17))  # over the object
+            assert after[0].gripper == 0.0 and after[0].max_speed == 0.1
+            assert after[-1].mode == TargetMode.HOLD and len(after) >= 2
+            assert not ex.backing_off
+        else:
+            assert [tg.mode for tg in after] == [TargetMode.HOLD]
+        assert ex.tick(t + 1.0, ee).target is None
+
+
+def test_a_new_plan_or_an_abort_ends_a_back_off() -> None:
+    cfg = ExecutorConfig(position_tolerance=0.01, step_timeout=1.0, gripper_time=0.0)
+    ex = PlanExecutor(cfg)
+    ex.start(parse_plan("move_to red_cube\nmove_to bin\nend"), SCENE, 0.0)
+    ex.tick(0.0, (0.4, 0.0, 0.07))  # the first waypoint is reached
+    out = ex.tick(30.0, (0.0, 0.0, 0.9))  # the second is not, long past its time
+    assert out.target.skill_name == "back_off" and ex.backing_off
+    assert approx(out.target.position, (0.4, 0.0, 0.07))  # the last waypoint reached
+    assert ex.abort() == [] and not ex.backing_off  # nothing running, the back-off stops
+    assert ex.tick(30.1, None).target is None
+    ex.start(parse_plan("move_to red_cube\nmove_to bin\nend"), SCENE, 40.0)
+    ex.tick(40.0, (0.4, 0.0, 0.07))
+    assert ex.tick(70.0, (0.0, 0.0, 0.9)).target.skill_name == "back_off"
+    ex.start(parse_plan("move_to bin\nend"), SCENE, 70.1)
+    assert not ex.backing_off and ex.tick(70.1, None).target.skill_name == "move_to"

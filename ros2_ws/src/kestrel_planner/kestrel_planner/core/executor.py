@@ -11,6 +11,13 @@ for HOME) plus `step_timeout` s: a waypoint not reached by then FAILS its step a
 the plan is ABORTED. A slow plan over a long path is given its time; a stuck one fails
 `step_timeout` s after it should have arrived. Without feedback (ee_position None) Cartesian
 steps can only time out.
+
+After a Cartesian waypoint FAILS (with `back_off`, the default) the arm goes back to where the
+failed step began its approach (its first Cartesian waypoint, if reached: for a pick, the point
+`transit_clearance` over the object; else the last Cartesian waypoint reached), at the step's
+speed with the gripper as it is, then holds there: a finger that came down on an object stops
+pressing on it. The back-off is given the same time as a waypoint; without a waypoint reached
+before, or with back_off False, the arm holds where it stopped.
 """
 
 from __future__ import annotations
@@ -84,6 +91,8 @@ class ExecutorConfig:
     # targets then runs at this clearance: the arm and the object in hand clear obstacles on
     # the way (the bin's walls, the other objects). 0 = the skills' points only.
     transit_clearance: float = 0.0
+    # a failed Cartesian waypoint: back to where its step began its approach, then hold
+    back_off: bool = True
 
     def __post_init__(self) -> None:
         for name in ("position_tolerance", "step_timeout", "joint_tolerance", "home_speed"):
@@ -124,7 +133,9 @@ class PlanExecutor:
         self._t_wp = 0.0  # s, when the current waypoint was set
         self._move_s: float | None = None  # s its move takes at its speed (None: not yet known)
         self._from: Vec3 | None = None  # m, the last Cartesian waypoint reached
+        self._step_from: Vec3 | None = None  # m, the current step's first one, once reached
         self._gripper = 0.0
+        self._back: _Waypoint | None = None  # the back-off after a failure, while it runs
 
     # ---- state -----------------------------------------------------------------------------
     @property
@@ -199,19 +210,27 @@ class PlanExecutor:
         steps ABORTED). ValueError if a target has no position (nothing is changed then)."""
         expanded = self._expand(plan, objects)
         events = self.abort("preempted by a new plan") if self.running else []
+        self._back = None
         self._plan = expanded
         self._names = [Skill(int(s.skill)).text for s in plan.steps]
         self.statuses = [StepState.PENDING] * len(expanded)
-        self._step, self._wp = 0, 0
+        self._step, self._wp, self._step_from = 0, 0, None
         if expanded:
             self._t_wp, self._move_s, self._from = now_s, None, None
             events.append(self._event(0, StepState.ACTIVE, self._names[0]))
         return events
 
     def abort(self, reason: str = "aborted") -> list[StepEvent]:
-        """Every PENDING/ACTIVE step -> ABORTED. The caller should command HOLD."""
+        """Every PENDING/ACTIVE step -> ABORTED (a back-off stops too). The caller should
+        command HOLD."""
+        self._back = None
         return [self._event(i, StepState.ABORTED, reason) for i, s in enumerate(self.statuses)
                 if s in (StepState.PENDING, StepState.ACTIVE)]
+
+    @property
+    def backing_off(self) -> bool:
+        """True while the arm goes back after a failed waypoint (no plan running)."""
+        return self._back is not None
 
     def hold_target(self) -> ControlTargetSpec:
         return ControlTargetSpec(TargetMode.HOLD, gripper=self._gripper,
@@ -269,24 +288,50 @@ class PlanExecutor:
                     self._gripper = wp.target.gripper
                 elif wp.kind == "cartesian":
                     self._from = wp.target.position
+                    if self._step_from is None:
+                        self._step_from = self._from
                 self._wp += 1
                 self._t_wp, self._move_s = now_s, None
                 if self._wp < len(wps):
                     continue
                 events.append(self._event(self._step, StepState.SUCCEEDED))
-                self._step, self._wp = self._step + 1, 0
+                self._step, self._wp, self._step_from = self._step + 1, 0, None
                 if self._step < len(self._plan):
                     events.append(self._event(self._step, StepState.ACTIVE,
                                               self._names[self._step]))
                 continue
             late = now_s - self._t_wp - self._move_s
             if late > self.config.step_timeout:
+                back = self._from is not None and wp.kind == "cartesian" and \
+                    self.config.back_off
                 events.append(self._event(
                     self._step, StepState.FAILED,
                     f"timeout: waypoint {self._wp + 1}/{len(wps)} not reached "
                     f"{now_s - self._t_wp:.1f} s after it was set (its move: "
-                    f"{self._move_s:.1f} s, step_timeout {self.config.step_timeout:.1f} s)"))
+                    f"{self._move_s:.1f} s, step_timeout {self.config.step_timeout:.1f} s)"
+                    + ("; backing off to where the step began its approach" if back
+                       else "")))
                 events += self.abort(f"step {self._step} failed")
-                return ExecutorOutput(self.hold_target(), events)
+                if not back:
+                    return ExecutorOutput(self.hold_target(), events)
+                t = wp.target
+                self._back = _Waypoint("cartesian", ControlTargetSpec(
+                    TargetMode.CARTESIAN, self._step_from or self._from, (), t.max_speed,
+                    self._gripper, t.step_index, "back_off"))
+                self._t_wp, self._move_s = now_s, None
+                break
             return ExecutorOutput(wp.target, events)
+        if self._back is not None:
+            return ExecutorOutput(self._back_off(self._back, now_s, ee_position), events)
         return ExecutorOutput(None, events)
+
+    def _back_off(self, back: _Waypoint, now_s: float, ee: Sequence[float] | None
+                  ) -> ControlTargetSpec:
+        """The back-off's target until it is reached or its time is up, then HOLD (once)."""
+        if self._move_s is None:
+            self._move_s = self._move_time(back, ee, None)
+        if self._reached(back, now_s, ee, None) or \
+                now_s - self._t_wp - self._move_s > self.config.step_timeout:
+            self._back = None
+            return self.hold_target()
+        return back.target
