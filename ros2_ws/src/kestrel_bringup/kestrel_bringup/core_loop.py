@@ -23,8 +23,9 @@ from kestrel_planner.params import SPECS
 from kestrel_sim.core import SimWorld
 
 CONTROL_HZ, PLANNER_HZ = 500.0, 20.0
-# m, the planner node's default (kestrel_planner.params), so this loop runs what the stack runs
-TRANSIT_CLEARANCE = next(s.default for s in SPECS if s.name == "transit_clearance")
+# the planner node's defaults (kestrel_planner.params), so this loop runs what the stack runs
+_DEFAULTS = {s.name: s.default for s in SPECS}
+TRANSIT_CLEARANCE = _DEFAULTS["transit_clearance"]  # m
 
 
 def run_plan(world: SimWorld, plan_text: str, seconds: float,
@@ -36,8 +37,11 @@ def run_plan(world: SimWorld, plan_text: str, seconds: float,
                       kinematics or ArmKinematics.from_default(),
                       CartesianConfig(rate_hz=CONTROL_HZ))
     runner.reset()
-    ex = PlanExecutor(ExecutorConfig(position_tolerance=0.01, step_timeout=10.0,
-                                     gripper_time=0.5, transit_clearance=TRANSIT_CLEARANCE))
+    ex = PlanExecutor(ExecutorConfig(
+        position_tolerance=0.01, step_timeout=10.0, gripper_time=0.5,
+        transit_clearance=TRANSIT_CLEARANCE, back_off=_DEFAULTS["back_off"],
+        grasp_retries=_DEFAULTS["grasp_retries"],
+        grasp_retry_offset=_DEFAULTS["grasp_retry_offset"]))
     scene = [SceneObject(o.name, o.class_name, tuple(float(v) for v in o.position))
              for o in world.ground_truth()]
     ex.start(parse_plan(plan_text), scene, 0.0)

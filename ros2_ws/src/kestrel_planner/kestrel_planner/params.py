@@ -145,6 +145,12 @@ SPECS = [
               "step began its approach (a pick: transit_clearance over the object) at the "
               "step's speed with the gripper as it is, then hold; false: hold where the arm "
               "stopped (a finger that came down on an object keeps pressing on it)."),
+    ParamSpec("grasp_retries", 2, "A pick whose approach fails before its gripper closes is "
+              "tried again this often, from over the object, with the object's position "
+              "moved by grasp_retry_offset along x toward the arm's base, then away from it, "
+              "then the same along y (0 = off).", min=0, max=4),
+    ParamSpec("grasp_retry_offset", 0.015, "How far each grasp retry moves the object's "
+              "position, m.", min=0.0, max=0.1),
     ParamSpec("home_joint_positions", [], "HOME target, rad (control joint order).",
               element_type=float),
     ParamSpec("execution_rate", 20.0, "Executor tick / target rate, Hz.", min=1.0, max=200.0),
@@ -214,7 +220,8 @@ def planner_configs(p: dict) -> tuple[PlannerConfig, ExecutorConfig]:
     executor = ExecutorConfig(
         p["position_tolerance"], p["step_timeout"], p["gripper_time"],
         tuple(p["home_joint_positions"]), transit_clearance=p["transit_clearance"],
-        back_off=p["back_off"])
+        back_off=p["back_off"], grasp_retries=p["grasp_retries"],
+        grasp_retry_offset=p["grasp_retry_offset"])
     planner = PlannerConfig(
         model=cfg, weights_path=resolve_weights(p["weights_path"]),
         demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),

@@ -238,3 +238,59 @@ def test_a_new_plan_or_an_abort_ends_a_back_off() -> None:
     assert ex.tick(70.0, (0.0, 0.0, 0.9)).target.skill_name == "back_off"
     ex.start(parse_plan("move_to bin\nend"), SCENE, 70.1)
     assert not ex.backing_off and ex.tick(70.1, None).target.skill_name == "move_to"
+
+
+def _blocked_pick(cfg: ExecutorConfig, true_x: float) -> tuple[PlanExecutor, list, list]:
+    """Runs 'pick red_cube; place bin' with the arm stopped 3 cm over the table whenever its
+    target is more than 1 cm from the object's true x (a finger lands on the object: the scene
+    says x 0.4). Returns the executor, its events and the Cartesian targets sent."""
+    ex = PlanExecutor(cfg)
+    ex.start(parse_plan("pick red_cube speed=0.1\nplace bin speed=0.1\nend"), SCENE, 0.0)
+    t, ee, events, targets = 0.0, None, [], []
+    for _ in range(2000):
+        out = ex.tick(t, ee)
+        events += out.events
+        if out.target is None:
+            break
+        tg = out.target
+        if tg.mode == TargetMode.CARTESIAN:
+            targets.append(tg)
+            blocked = tg.skill_name == "pick" and abs(tg.position[0] - true_x) > 0.01
+            ee = (tg.position[0], tg.position[1], max(tg.position[2], 0.05 if blocked else 0))
+        t = round(t + 0.05, 2)
+    return ex, events, targets
+
+
+def test_a_blocked_pick_is_retried_with_the_object_moved() -> None:
+    """The object is really 1.5 cm beyond where the scene says (x 0.415, not 0.4): the first
+    approach is blocked, the first retry (1.5 cm along x toward the base, to 0.385) too, the
+    second (away from it, to 0.415) grasps. Each retry starts back over where the pick began
+    and says why; the step then succeeds and the plan goes on."""
+    cfg = ExecutorConfig(position_tolerance=0.01, step_timeout=2.0, gripper_time=0.0,
+                         transit_clearance=0.15, grasp_retries=2, grasp_retry_offset=0.015)
+    ex, events, targets = _blocked_pick(cfg, 0.415)
+    assert ex.statuses == [StepState.SUCCEEDED] * 2
+    retries = [e.message for e in events if e.status == StepState.ACTIVE and e.step_index == 0
+               and e.message.startswith("retry")]
+    assert len(retries) == 2
+    assert retries[0].startswith("retry 1/2: timeout: waypoint 3/5 not reached")
+    assert retries[0].endswith("the object's position moved -1.5 cm along x")
+    assert retries[1].endswith("the object's position moved +1.5 cm along x")
+    grasps = sorted({round(t.position[0], 4) for t in targets
+                     if t.skill_name == "pick" and abs(t.position[2] - 0.02) < 1e-9})
+    assert grasps == [0.385, 0.4, 0.415]  # the scene's, then each retry's
+    assert any(approx(t.position, (0.4, 0.0, 0.17)) for t in targets)  # back over the start
+
+
+def test_a_pick_fails_when_its_retries_are_used_up() -> None:
+    cfg = ExecutorConfig(position_tolerance=0.01, step_timeout=2.0, gripper_time=0.0,
+                         transit_clearance=0.15, grasp_retries=1)
+    ex, events, targets = _blocked_pick(cfg, 0.36)  # 4 cm off: no retry reaches it
+    assert ex.statuses == [StepState.FAILED, StepState.ABORTED]
+    assert sum(e.message.startswith("retry") for e in events) == 1
+    failed = next(e for e in events if e.status == StepState.FAILED)
+    assert "backing off" in failed.message and targets[-1].skill_name == "back_off"
+    for bad in (dict(grasp_retries=5), dict(grasp_retries=1.5), dict(grasp_retry_offset=-0.01)):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=f"parameter '{name}'"):
+            ExecutorConfig(**bad)

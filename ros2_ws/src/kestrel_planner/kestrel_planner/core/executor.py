@@ -18,6 +18,16 @@ failed step began its approach (its first Cartesian waypoint, if reached: for a 
 speed with the gripper as it is, then holds there: a finger that came down on an object stops
 pressing on it. The back-off is given the same time as a waypoint; without a waypoint reached
 before, or with back_off False, the arm holds where it stopped.
+
+A PICK whose approach fails before its gripper closes (a finger came down on the object: its
+position was off by more than the open gripper leaves beside it) is tried again, up to
+`grasp_retries` times: back to where the step began its approach, then the whole approach
+again with the object's position moved by `grasp_retry_offset` m along x, then the other way
+along x, then both ways along y (in the plan's frame, whose origin is the arm's base; at the
+arm's home yaw the fingers close along x, where such an error makes them land on the object).
+Each pair starts toward the base: a move away from it could leave the arm's reach at the edge
+of the workspace. Each retry is an ACTIVE StepEvent that says why; the step fails only when
+its last retry fails.
 """
 
 from __future__ import annotations
@@ -93,6 +103,8 @@ class ExecutorConfig:
     transit_clearance: float = 0.0
     # a failed Cartesian waypoint: back to where its step began its approach, then hold
     back_off: bool = True
+    grasp_retries: int = 0  # a failed PICK approach: tries again this often (module doc)
+    grasp_retry_offset: float = 0.015  # m, the retries' moves of the object's position
 
     def __post_init__(self) -> None:
         for name in ("position_tolerance", "step_timeout", "joint_tolerance", "home_speed"):
@@ -101,6 +113,13 @@ class ExecutorConfig:
                 raise ValueError(f"parameter '{name}' = {v!r}: must be finite and > 0")
         if not (math.isfinite(self.gripper_time) and self.gripper_time >= 0):
             raise ValueError(f"parameter 'gripper_time' = {self.gripper_time!r}: must be >= 0")
+        if not (isinstance(self.grasp_retries, int) and 0 <= self.grasp_retries <= 4):
+            raise ValueError(f"parameter 'grasp_retries' = {self.grasp_retries!r}: must be "
+                             "an integer in [0, 4]")
+        if not (math.isfinite(self.grasp_retry_offset) and
+                0.0 <= self.grasp_retry_offset <= 0.1):
+            raise ValueError(f"parameter 'grasp_retry_offset' = {self.grasp_retry_offset!r}: "
+                             "must be in [0, 0.1] m")
         if not (math.isfinite(self.transit_clearance) and self.transit_clearance >= 0):
             raise ValueError(f"parameter 'transit_clearance' = {self.transit_clearance!r}: "
                              "must be >= 0")
@@ -136,6 +155,8 @@ class PlanExecutor:
         self._step_from: Vec3 | None = None  # m, the current step's first one, once reached
         self._gripper = 0.0
         self._back: _Waypoint | None = None  # the back-off after a failure, while it runs
+        self._picks: dict[int, tuple[Vec3, float, float]] = {}  # step -> object, height, speed
+        self._retries = 0  # retries of the current step so far
 
     # ---- state -----------------------------------------------------------------------------
     @property
@@ -151,10 +172,36 @@ class PlanExecutor:
         return StepEvent(i, len(self.statuses), st, msg)
 
     # ---- plan -> waypoints -----------------------------------------------------------------
-    def _expand(self, plan: Plan, objects: Sequence[SceneObject]) -> list[list[_Waypoint]]:
+    def _pick_waypoints(self, i: int, position: Vec3, height: float, speed: float
+                        ) -> list[_Waypoint]:
+        """PICK of an object at `position` (m): over it at the transit clearance (if above
+        `height`), `height` above it, down to it, close, lift back to the clearance."""
+        clear = self.config.transit_clearance
+        x, y, z = (float(v) for v in position)
+        transit = (x, y, z + clear)
+        pts = skill_points(Skill.PICK, (x, y, z), height)
+        if clear > height:
+            pts = [transit, *pts]  # over the target first, then down
+
+        def cart(p: Vec3, g: float) -> _Waypoint:
+            return _Waypoint("cartesian", ControlTargetSpec(
+                TargetMode.CARTESIAN, tuple(p), (), speed, g, i, Skill.PICK.text))
+
+        wps = [cart(p, 0.0) for p in pts]
+        wps.append(_Waypoint("gripper", ControlTargetSpec(
+            TargetMode.HOLD, (0.0, 0.0, 0.0), (), 0.0, 1.0, i, Skill.PICK.text)))
+        if clear > 0.0:  # lift the object before anything else moves it
+            wps.append(cart(transit, 1.0))
+        return wps
+
+    def _expand(self, plan: Plan, objects: Sequence[SceneObject]
+                ) -> tuple[list[list[_Waypoint]], dict[int, tuple[Vec3, float, float]]]:
+        """The plan's waypoints per step, and each PICK step's (object position, height,
+        speed) for its retries."""
         scene = {o.name: o for o in objects}
         grip = self._gripper
         steps: list[list[_Waypoint]] = []
+        picks: dict[int, tuple[Vec3, float, float]] = {}
         for i, step in enumerate(plan.steps):
             skill = Skill(int(step.skill))
             name = skill.text
@@ -174,22 +221,22 @@ class PlanExecutor:
                     raise ValueError(f"step {i + 1}: target {step.target_object!r} has no "
                                      "position in the scene")
                 dist = step.value("distance") if skill == Skill.PUSH else 0.0
-                pts = skill_points(skill, obj.position, step.value("height"), dist)
                 speed = step.value("speed")
+                if skill == Skill.PICK:
+                    at = tuple(float(v) for v in obj.position)
+                    picks[i] = (at, step.value("height"), speed)
+                    wps += self._pick_waypoints(i, at, step.value("height"), speed)
+                    grip = 1.0
+                    steps.append(wps)
+                    continue
+                pts = skill_points(skill, obj.position, step.value("height"), dist)
                 clear = self.config.transit_clearance
                 x, y, z = (float(v) for v in obj.position)
                 transit = (x, y, z + clear)
-                if skill in (Skill.PICK, Skill.PLACE) and clear > step.value("height"):
+                if skill == Skill.PLACE and clear > step.value("height"):
                     pts = [transit, *pts]  # over the target first, then down
-                if skill == Skill.PICK:
-                    grip = 0.0
                 wps += [cart(p, grip, speed) for p in pts]
-                if skill == Skill.PICK:
-                    grip = 1.0
-                    wps.append(gripper(grip))
-                    if clear > 0.0:  # lift the object before anything else moves it
-                        wps.append(cart(transit, grip, speed))
-                elif skill == Skill.PLACE:
+                if skill == Skill.PLACE:
                     grip = 0.0
                     wps.append(gripper(grip))
                     if clear > 0.0:  # out of the target (the bin) before anything else moves
@@ -202,15 +249,15 @@ class PlanExecutor:
                     TargetMode.JOINT, (0.0, 0.0, 0.0), tuple(self.config.home_joint_positions),
                     self.config.home_speed, grip, i, name)))
             steps.append(wps)
-        return steps
+        return steps, picks
 
     # ---- public API ------------------------------------------------------------------------
     def start(self, plan: Plan, objects: Sequence[SceneObject], now_s: float) -> list[StepEvent]:
         """Begin executing an (accepted) plan; a running plan is preempted (its remaining
         steps ABORTED). ValueError if a target has no position (nothing is changed then)."""
-        expanded = self._expand(plan, objects)
+        expanded, picks = self._expand(plan, objects)
         events = self.abort("preempted by a new plan") if self.running else []
-        self._back = None
+        self._back, self._picks, self._retries = None, picks, 0
         self._plan = expanded
         self._names = [Skill(int(s.skill)).text for s in plan.steps]
         self.statuses = [StepState.PENDING] * len(expanded)
@@ -296,21 +343,25 @@ class PlanExecutor:
                     continue
                 events.append(self._event(self._step, StepState.SUCCEEDED))
                 self._step, self._wp, self._step_from = self._step + 1, 0, None
+                self._retries = 0
                 if self._step < len(self._plan):
                     events.append(self._event(self._step, StepState.ACTIVE,
                                               self._names[self._step]))
                 continue
             late = now_s - self._t_wp - self._move_s
             if late > self.config.step_timeout:
+                why = (f"timeout: waypoint {self._wp + 1}/{len(wps)} not reached "
+                       f"{now_s - self._t_wp:.1f} s after it was set (its move: "
+                       f"{self._move_s:.1f} s, step_timeout {self.config.step_timeout:.1f} s)")
+                if self._can_retry(wps):
+                    events.append(self._retry(now_s, why))
+                    continue
                 back = self._from is not None and wp.kind == "cartesian" and \
                     self.config.back_off
                 events.append(self._event(
                     self._step, StepState.FAILED,
-                    f"timeout: waypoint {self._wp + 1}/{len(wps)} not reached "
-                    f"{now_s - self._t_wp:.1f} s after it was set (its move: "
-                    f"{self._move_s:.1f} s, step_timeout {self.config.step_timeout:.1f} s)"
-                    + ("; backing off to where the step began its approach" if back
-                       else "")))
+                    why + ("; backing off to where the step began its approach" if back
+                           else "")))
                 events += self.abort(f"step {self._step} failed")
                 if not back:
                     return ExecutorOutput(self.hold_target(), events)
@@ -324,6 +375,34 @@ class PlanExecutor:
         if self._back is not None:
             return ExecutorOutput(self._back_off(self._back, now_s, ee_position), events)
         return ExecutorOutput(None, events)
+
+    def _can_retry(self, wps: list[_Waypoint]) -> bool:
+        """A PICK step with retries left whose gripper has not closed yet."""
+        if self._step not in self._picks or self._retries >= self.config.grasp_retries:
+            return False
+        close = next(k for k, w in enumerate(wps) if w.kind == "gripper")
+        return self._wp < close
+
+    def _retry(self, now_s: float, why: str) -> StepEvent:
+        """The current PICK again, back over where it began, the object moved by the next
+        offset (module docstring)."""
+        k = self._retries
+        (x, y, z), height, speed = self._picks[self._step]
+        d = self.config.grasp_retry_offset
+        sx, sy = (-d if x > 0 else d), (-d if y > 0 else d)  # toward the base first
+        dx, dy = ((sx, 0.0), (-sx, 0.0), (0.0, sy), (0.0, -sy))[k % 4]
+        wps = self._pick_waypoints(self._step, (x + dx, y + dy, z), height, speed)
+        start = self._step_from or self._from
+        if start is not None and self.config.back_off:
+            wps.insert(0, _Waypoint("cartesian", ControlTargetSpec(
+                TargetMode.CARTESIAN, start, (), speed, 0.0, self._step, Skill.PICK.text)))
+        self._plan[self._step] = wps
+        self._wp, self._t_wp, self._move_s, self._step_from = 0, now_s, None, None
+        self._retries = k + 1
+        axis = f"{'+' if dx + dy > 0 else '-'}{100 * d:.1f} cm along {'x' if dx else 'y'}"
+        return self._event(self._step, StepState.ACTIVE,
+                           f"retry {k + 1}/{self.config.grasp_retries}: {why}; the object's "
+                           f"position moved {axis}")
 
     def _back_off(self, back: _Waypoint, now_s: float, ee: Sequence[float] | None
                   ) -> ControlTargetSpec:
