@@ -222,3 +222,19 @@ def test_one_episode_s_phases_for_the_demo_line() -> None:
     assert phases(t)["carry_and_place"] == pytest.approx(7.4)
     assert sum(phases(t).values()) == pytest.approx(t.success_s)
     assert phases_text(trace()) == ""
+
+
+def test_grasp_retries_are_counted_and_named() -> None:
+    """An episode whose pick was retried: the record counts the retries and the episodes, and
+    the report names the seeds; a record without retries says none."""
+    retried = trace(seed=28, plan_status="accepted", success_s=26.5)
+    retried.retries = ["step 1/2 pick red_cube (active): retry 1/2: timeout: waypoint 3/5 not "
+                       "reached 10.6 s after it was set; the object's position moved -1.5 cm "
+                       "along x"]
+    summary = summarize([trace(plan_status="accepted", success_s=13.0), retried])
+    assert summary["grasp_retries"] == {"episodes": 1, "successes": 1, "retries": 1}
+    assert summary["per_episode"][1]["retries"] == retried.retries
+    assert ("Grasp retries: 1 in 1 episodes (seed 28: 1); 1 of these episodes succeeded."
+            in markdown(summary))
+    none = markdown(summarize([trace(plan_status="accepted", success_s=13.0)]))
+    assert "Grasp retries: 0 in 0 episodes." in none

@@ -86,6 +86,7 @@ class Evaluator:
         self.results = 0  # perception results received
         self.positions: dict[str, tuple[float, float, float]] = {}  # class -> its 3D position
         self.step_events: list[str] = []  # the current plan's step ends, with their messages
+        self.retry_events: list[str] = []  # and its grasp retries (ACTIVE, "retry k/n: ...")
         self.recording = False  # camera frames of the current episode into `frames`
         self.frames: list = []  # (rgb [H, W, 3] uint8, caption)
         self.caption = ""
@@ -188,6 +189,8 @@ class Evaluator:
             if self.echo:
                 print(f"[episode] {self.step}" + (f": {msg.message}" if msg.message else ""),
                       flush=True)
+            if msg.status == 1 and msg.message.startswith("retry"):
+                self.retry_events.append(f"{self.step}: {msg.message}")
             if msg.status >= 2:  # succeeded, failed, aborted
                 self.step_events.append(self.step + (f": {msg.message}" if msg.message else ""))
                 self.plan_ended |= msg.status > 2 or i + 1 >= msg.step_count
@@ -325,7 +328,7 @@ class Evaluator:
             self._wait(lambda: self.results > seen, 20.0)
         with self.lock:
             trace.goal_detected = (goal in self.detected) if fresh else None
-            self.step_events, self.plan_ended = [], False
+            self.step_events, self.retry_events, self.plan_ended = [], [], False
         trace.position_error_m = {n: self.position_error(n) for n in (goal, "bin")}
         goal_msg = self.PlanTask.Goal(
             instruction=oracle_plan(goal, oracle_speed) if oracle_speed > 0 else text)
@@ -364,6 +367,7 @@ class Evaluator:
         with self.lock:
             trace.deadline_misses = max(0, self.misses - misses0)
             trace.steps = list(self.step_events)
+            trace.retries = list(self.retry_events)
         return trace
 
 

@@ -74,6 +74,8 @@ class EpisodeTrace:
     grasped_s: float | None = None
     plan_wall_s: float | None = None
     plan: str = ""  # the planned steps with their arguments, e.g. "pick red_cube speed=0.3; ..."
+    # the plan's grasp retries, each with its reason ("step 1/2 pick red_cube: retry 1/2: ...")
+    retries: list[str] = field(default_factory=list)
 
     def observe(self, t_s: float, held: bool, success: bool,
                 over_bin: bool | None = None) -> None:
@@ -197,6 +199,10 @@ def summarize(traces: list[EpisodeTrace], config: dict[str, Any] | None = None) 
                                          if t.success_s is not None]),
         "time_by_phase_s": time_by_phase(traces),
         "deadline_misses_per_episode": _quantiles([float(t.deadline_misses) for t in traces]),
+        "grasp_retries": {"episodes": sum(bool(t.retries) for t in traces),
+                          "successes": sum(bool(t.retries) and t.stage == "success"
+                                           for t in traces),
+                          "retries": sum(len(t.retries) for t in traces)},
         "per_episode": [{**asdict(t), "stage": t.stage} for t in traces],
     }
 
@@ -238,6 +244,13 @@ def markdown(summary: dict, command: str = "") -> str:
         wall = by_phase.get("planner_wall")
         lines += ["By phase (sim s, p50 over the successes): " + ", ".join(spans)
                   + (f"; the planner's own time {wall['p50']:.1f} wall s." if wall else ".")]
+    gr = summary.get("grasp_retries")
+    if gr:
+        seeds = ", ".join(f"seed {e['seed']}: {len(e['retries'])}"
+                          for e in summary.get("per_episode", []) if e.get("retries"))
+        lines += [f"Grasp retries: {gr['retries']} in {gr['episodes']} episodes"
+                  + (f" ({seeds}); {gr['successes']} of these episodes succeeded." if seeds
+                     else ".")]
     dm = summary["deadline_misses_per_episode"]
     if dm:
         lines += [f"Control deadline misses per episode: mean {dm['mean']:.1f}, "
