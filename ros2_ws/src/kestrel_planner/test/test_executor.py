@@ -194,19 +194,7 @@ def test_a_blocked_descent_fails_and_backs_off_to_the_last_waypoint_reached() ->
     for back_off in (True, False):
         cfg = ExecutorConfig(position_tolerance=0.01, step_timeout=2.0, gripper_time=0.0,
                              transit_clearance=0.15, back_off=back_off)
-        ex = PlanExecutor(cfg)
-        ex.start(parse_plan("pick red_cube speed=0.1\nplace bin\nend"), SCENE, 0.0)
-        t, ee, events, targets = 0.0, None, [], []
-        for _ in range(400):
-            out = ex.tick(t, ee)
-            events += out.events
-            if out.target is None:
-                break
-            targets.append(out.target)
-            tg = out.target
-            if tg.mode == TargetMode.CARTESIAN:  # the arm follows, but stops 3 cm up
-                ee = (tg.position[0], tg.position[1], max(tg.position[2], 0.05))
-            t = round(t + 0.05, 2)
+        ex, events, targets = _blocked_pick(cfg, None)
         failed = [e for e in events if e.status == StepState.FAILED]
         assert ex.statuses == [StepState.FAILED, StepState.ABORTED] and len(failed) == 1
         assert "waypoint 3/5 not reached" in failed[0].message
@@ -220,7 +208,7 @@ def test_a_blocked_descent_fails_and_backs_off_to_the_last_waypoint_reached() ->
             assert not ex.backing_off
         else:
             assert [tg.mode for tg in after] == [TargetMode.HOLD]
-        assert ex.tick(t + 1.0, ee).target is None
+        assert ex.tick(1000.0, None).target is None
 
 
 def test_a_new_plan_or_an_abort_ends_a_back_off() -> None:
@@ -240,10 +228,12 @@ def test_a_new_plan_or_an_abort_ends_a_back_off() -> None:
     assert not ex.backing_off and ex.tick(70.1, None).target.skill_name == "move_to"
 
 
-def _blocked_pick(cfg: ExecutorConfig, true_x: float) -> tuple[PlanExecutor, list, list]:
+def _blocked_pick(cfg: ExecutorConfig, true_x: float | None
+                  ) -> tuple[PlanExecutor, list, list]:
     """Runs 'pick red_cube; place bin' with the arm stopped 3 cm over the table whenever its
-    target is more than 1 cm from the object's true x (a finger lands on the object: the scene
-    says x 0.4). Returns the executor, its events and the Cartesian targets sent."""
+    pick target is more than 1 cm from the object's true x (a finger lands on the object: the
+    scene says x 0.4; true_x None: always). Returns the executor, its events and every target
+    sent."""
     ex = PlanExecutor(cfg)
     ex.start(parse_plan("pick red_cube speed=0.1\nplace bin speed=0.1\nend"), SCENE, 0.0)
     t, ee, events, targets = 0.0, None, [], []
@@ -253,9 +243,10 @@ def _blocked_pick(cfg: ExecutorConfig, true_x: float) -> tuple[PlanExecutor, lis
         if out.target is None:
             break
         tg = out.target
+        targets.append(tg)
         if tg.mode == TargetMode.CARTESIAN:
-            targets.append(tg)
-            blocked = tg.skill_name == "pick" and abs(tg.position[0] - true_x) > 0.01
+            blocked = tg.skill_name == "pick" and (
+                true_x is None or abs(tg.position[0] - true_x) > 0.01)
             ee = (tg.position[0], tg.position[1], max(tg.position[2], 0.05 if blocked else 0))
         t = round(t + 0.05, 2)
     return ex, events, targets
@@ -289,7 +280,8 @@ def test_a_pick_fails_when_its_retries_are_used_up() -> None:
     assert ex.statuses == [StepState.FAILED, StepState.ABORTED]
     assert sum(e.message.startswith("retry") for e in events) == 1
     failed = next(e for e in events if e.status == StepState.FAILED)
-    assert "backing off" in failed.message and targets[-1].skill_name == "back_off"
+    assert "backing off" in failed.message and targets[-2].skill_name == "back_off"
+    assert targets[-1].mode == TargetMode.HOLD
     for bad in (dict(grasp_retries=5), dict(grasp_retries=1.5), dict(grasp_retry_offset=-0.01)):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=f"parameter '{name}'"):
