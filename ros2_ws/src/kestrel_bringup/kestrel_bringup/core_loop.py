@@ -41,7 +41,8 @@ def run_plan(world: SimWorld, plan_text: str, seconds: float,
         position_tolerance=0.01, step_timeout=10.0, gripper_time=0.5,
         transit_clearance=TRANSIT_CLEARANCE, back_off=_DEFAULTS["back_off"],
         grasp_retries=_DEFAULTS["grasp_retries"],
-        grasp_retry_offset=_DEFAULTS["grasp_retry_offset"]))
+        grasp_retry_offset=_DEFAULTS["grasp_retry_offset"],
+        stall_timeout=_DEFAULTS["stall_timeout"], stall_distance=_DEFAULTS["stall_distance"]))
     scene = [SceneObject(o.name, o.class_name, tuple(float(v) for v in o.position))
              for o in world.ground_truth()]
     ex.start(parse_plan(plan_text), scene, 0.0)

@@ -135,6 +135,12 @@ SPECS = [
     ParamSpec("workspace_max", [1.0, 1.0, 1.0], "Workspace box max (x, y, z), m.", length=3),
     ParamSpec("step_timeout", 10.0, "A waypoint not reached this long after its move at the "
               "step's speed should have ended FAILS its step, s.", check=_positive),
+    ParamSpec("stall_timeout", 1.0, "A Cartesian waypoint the arm got no stall_distance "
+              "closer to for this long FAILS its step before step_timeout (a finger on an "
+              "object, the arm against an obstacle), so that back_off and grasp_retries start "
+              "at once; 0 = off, s.", min=0.0, max=60.0),
+    ParamSpec("stall_distance", 0.005, "Progress toward a Cartesian waypoint that counts as "
+              "moving for stall_timeout, m.", min=0.001, max=0.1),
     ParamSpec("position_tolerance", 0.01, "Waypoint reached within, m.", check=_positive),
     ParamSpec("gripper_time", 0.5, "Wait after a gripper command, s.", min=0.0, max=30.0),
     ParamSpec("transit_clearance", 0.12, "A pick or a place first goes this far above its "
@@ -221,7 +227,8 @@ def planner_configs(p: dict) -> tuple[PlannerConfig, ExecutorConfig]:
         p["position_tolerance"], p["step_timeout"], p["gripper_time"],
         tuple(p["home_joint_positions"]), transit_clearance=p["transit_clearance"],
         back_off=p["back_off"], grasp_retries=p["grasp_retries"],
-        grasp_retry_offset=p["grasp_retry_offset"])
+        grasp_retry_offset=p["grasp_retry_offset"], stall_timeout=p["stall_timeout"],
+        stall_distance=p["stall_distance"])
     planner = PlannerConfig(
         model=cfg, weights_path=resolve_weights(p["weights_path"]),
         demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),

@@ -286,3 +286,61 @@ def test_a_pick_fails_when_its_retries_are_used_up() -> None:
         name = next(iter(bad))
         with pytest.raises(ValueError, match=f"parameter '{name}'"):
             ExecutorConfig(**bad)
+
+
+def _creep(cfg: ExecutorConfig, speed: float, seconds: float) -> tuple[PlanExecutor, list]:
+    """'move_to red_cube', the end effector starting 10 cm over its waypoint and coming down
+    at `speed` m/s (ticks of 0.05 s). Returns the executor and its (time, event) pairs."""
+    ex = PlanExecutor(cfg)
+    ex.start(parse_plan("move_to red_cube speed=0.1\nend"), SCENE, 0.0)
+    goal = ex.tick(0.0, None).target.position
+    events = []
+    for k in range(int(seconds / 0.05)):
+        t = round(0.05 * k, 2)
+        ee = (goal[0], goal[1], goal[2] + max(0.0, 0.1 - speed * t))
+        out = ex.tick(t, ee)
+        events += [(t, e) for e in out.events]
+        if not ex.running:
+            break
+    return ex, events
+
+
+def test_an_arm_that_stops_getting_closer_fails_its_step_at_once() -> None:
+    """stall_timeout 1 s, stall_distance 5 mm: an arm creeping at 4 mm/s has stalled (its step
+    fails just over 1 s after it set out, not after step_timeout); one at 6 mm/s is moving and
+    gets there; with the stall watch off the creeping arm is given step_timeout."""
+    cfg = ExecutorConfig(position_tolerance=0.01, step_timeout=30.0, stall_timeout=1.0,
+                         stall_distance=0.005)
+    ex, events = _creep(cfg, 0.004, 20.0)
+    t, failed = next((t, e) for t, e in events if e.status == StepState.FAILED)
+    assert ex.statuses == [StepState.FAILED] and 1.0 < t <= 1.1
+    assert failed.message.startswith("stalled: waypoint 1/1 still 9.6 cm away, no 5 mm closer")
+    ex, events = _creep(cfg, 0.006, 20.0)
+    assert ex.statuses == [StepState.SUCCEEDED]
+    done = next(t for t, e in events if e.status == StepState.SUCCEEDED)
+    assert done == pytest.approx(15.0, abs=0.06)  # 9 cm at 6 mm/s
+    off = ExecutorConfig(position_tolerance=0.01, step_timeout=30.0)
+    assert off.stall_timeout == 0.0  # the library's default: off (the node's: on)
+    ex, events = _creep(off, 0.004, 30.0)
+    assert ex.statuses == [StepState.SUCCEEDED]  # 9 cm at 4 mm/s: 22.5 s < 1 s + 30 s
+    for bad in (dict(stall_timeout=-1.0), dict(stall_distance=0.0),
+                dict(stall_distance=float("nan"))):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=f"parameter '{name}'"):
+            ExecutorConfig(**bad)
+
+
+def test_a_stalled_pick_is_retried_without_waiting_for_its_timeout() -> None:
+    """The blocked pick of test_a_blocked_pick_is_retried_with_the_object_moved with
+    step_timeout 10 s: the stall watch starts each retry within stall_timeout of the block."""
+    cfg = ExecutorConfig(position_tolerance=0.01, step_timeout=10.0, gripper_time=0.0,
+                         transit_clearance=0.15, grasp_retries=2, grasp_retry_offset=0.015,
+                         stall_timeout=0.5)
+    ex, events, targets = _blocked_pick(cfg, 0.415)
+    assert ex.statuses == [StepState.SUCCEEDED] * 2
+    retries = [e.message for e in events if e.message.startswith("retry")]
+    assert len(retries) == 2 and all(m.startswith(("retry 1/2: stalled: waypoint 3/5 still "
+                                                   "3.0 cm away", "retry 2/2: stalled"))
+                                     for m in retries)
+    # every target was sent on a 0.05 s tick: 2 stalls of ~0.55 s, not 2 timeouts of > 10 s
+    assert len(targets) * 0.05 < 6.0

@@ -9,8 +9,10 @@ move takes at the step's speed (the distance from where the end effector is when
 is set, or from the previous waypoint without feedback; the joint distance at `home_speed`
 for HOME) plus `step_timeout` s: a waypoint not reached by then FAILS its step and the rest of
 the plan is ABORTED. A slow plan over a long path is given its time; a stuck one fails
-`step_timeout` s after it should have arrived. Without feedback (ee_position None) Cartesian
-steps can only time out.
+`step_timeout` s after it should have arrived. A Cartesian waypoint also fails as soon as the
+arm has stalled on its way (`stall_timeout` > 0): its distance to the waypoint has not shrunk by
+`stall_distance` m for `stall_timeout` s (a finger on an object, the arm against an obstacle or
+a joint limit). Without feedback (ee_position None) Cartesian steps can only time out.
 
 After a Cartesian waypoint FAILS (with `back_off`, the default) the arm goes back to where the
 failed step began its approach (its first Cartesian waypoint, if reached: for a pick, the point
@@ -105,6 +107,10 @@ class ExecutorConfig:
     back_off: bool = True
     grasp_retries: int = 0  # a failed PICK approach: tries again this often (module doc)
     grasp_retry_offset: float = 0.015  # m, the retries' moves of the object's position
+    # a Cartesian waypoint fails when the arm got no `stall_distance` m closer to it for
+    # `stall_timeout` s (0 = off: only step_timeout)
+    stall_timeout: float = 0.0  # s
+    stall_distance: float = 0.005  # m
 
     def __post_init__(self) -> None:
         for name in ("position_tolerance", "step_timeout", "joint_tolerance", "home_speed"):
@@ -120,6 +126,12 @@ class ExecutorConfig:
                 0.0 <= self.grasp_retry_offset <= 0.1):
             raise ValueError(f"parameter 'grasp_retry_offset' = {self.grasp_retry_offset!r}: "
                              "must be in [0, 0.1] m")
+        if not (math.isfinite(self.stall_timeout) and self.stall_timeout >= 0):
+            raise ValueError(f"parameter 'stall_timeout' = {self.stall_timeout!r}: must be "
+                             ">= 0 (0 = off)")
+        if not (math.isfinite(self.stall_distance) and 0 < self.stall_distance <= 0.1):
+            raise ValueError(f"parameter 'stall_distance' = {self.stall_distance!r}: must be "
+                             "in (0, 0.1] m")
         if not (math.isfinite(self.transit_clearance) and self.transit_clearance >= 0):
             raise ValueError(f"parameter 'transit_clearance' = {self.transit_clearance!r}: "
                              "must be >= 0")
@@ -157,6 +169,9 @@ class PlanExecutor:
         self._back: _Waypoint | None = None  # the back-off after a failure, while it runs
         self._picks: dict[int, tuple[Vec3, float, float]] = {}  # step -> object, height, speed
         self._retries = 0  # retries of the current step so far
+        # stall watch of the current Cartesian waypoint: the distance to it (m) and when the
+        # arm last got stall_distance closer than that (s); None until the first feedback
+        self._near: tuple[float, float] | None = None
 
     # ---- state -----------------------------------------------------------------------------
     @property
@@ -263,7 +278,7 @@ class PlanExecutor:
         self.statuses = [StepState.PENDING] * len(expanded)
         self._step, self._wp, self._step_from = 0, 0, None
         if expanded:
-            self._t_wp, self._move_s, self._from = now_s, None, None
+            self._t_wp, self._move_s, self._from, self._near = now_s, None, None, None
             events.append(self._event(0, StepState.ACTIVE, self._names[0]))
         return events
 
@@ -338,7 +353,7 @@ class PlanExecutor:
                     if self._step_from is None:
                         self._step_from = self._from
                 self._wp += 1
-                self._t_wp, self._move_s = now_s, None
+                self._t_wp, self._move_s, self._near = now_s, None, None
                 if self._wp < len(wps):
                     continue
                 events.append(self._event(self._step, StepState.SUCCEEDED))
@@ -349,10 +364,12 @@ class PlanExecutor:
                                               self._names[self._step]))
                 continue
             late = now_s - self._t_wp - self._move_s
-            if late > self.config.step_timeout:
+            why = self._stalled(wp, now_s, ee_position, len(wps))
+            if why is None and late > self.config.step_timeout:
                 why = (f"timeout: waypoint {self._wp + 1}/{len(wps)} not reached "
                        f"{now_s - self._t_wp:.1f} s after it was set (its move: "
                        f"{self._move_s:.1f} s, step_timeout {self.config.step_timeout:.1f} s)")
+            if why is not None:
                 if self._can_retry(wps):
                     events.append(self._retry(now_s, why))
                     continue
@@ -369,12 +386,28 @@ class PlanExecutor:
                 self._back = _Waypoint("cartesian", ControlTargetSpec(
                     TargetMode.CARTESIAN, self._step_from or self._from, (), t.max_speed,
                     self._gripper, t.step_index, "back_off"))
-                self._t_wp, self._move_s = now_s, None
+                self._t_wp, self._move_s, self._near = now_s, None, None
                 break
             return ExecutorOutput(wp.target, events)
         if self._back is not None:
             return ExecutorOutput(self._back_off(self._back, now_s, ee_position), events)
         return ExecutorOutput(None, events)
+
+    def _stalled(self, wp: _Waypoint, now_s: float, ee: Sequence[float] | None,
+                 n_wps: int) -> str | None:
+        """Why the Cartesian waypoint `wp` counts as stalled (module docstring), else None."""
+        c = self.config
+        if c.stall_timeout <= 0 or wp.kind != "cartesian" or ee is None:
+            return None
+        d = _dist(ee, wp.target.position)
+        if self._near is None or d <= self._near[0] - c.stall_distance:
+            self._near = (d, now_s)
+            return None
+        if now_s - self._near[1] <= c.stall_timeout:
+            return None
+        return (f"stalled: waypoint {self._wp + 1}/{n_wps} still {100 * d:.1f} cm away, no "
+                f"{1000 * c.stall_distance:.0f} mm closer for {now_s - self._near[1]:.1f} s "
+                f"(stall_timeout {c.stall_timeout:.1f} s)")
 
     def _can_retry(self, wps: list[_Waypoint]) -> bool:
         """A PICK step with retries left whose gripper has not closed yet."""
@@ -398,6 +431,7 @@ class PlanExecutor:
                 TargetMode.CARTESIAN, start, (), speed, 0.0, self._step, Skill.PICK.text)))
         self._plan[self._step] = wps
         self._wp, self._t_wp, self._move_s, self._step_from = 0, now_s, None, None
+        self._near = None
         self._retries = k + 1
         axis = f"{'+' if dx + dy > 0 else '-'}{100 * d:.1f} cm along {'x' if dx else 'y'}"
         return self._event(self._step, StepState.ACTIVE,
