@@ -11,11 +11,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/env.sh"
 cd "$ROOT"
 FAST=0
-MARKERS=()
 if [[ "${1:-}" == "--fast" ]]; then
     shift
     FAST=1
-    MARKERS=(-m "not dds and not launch and not slow and not gpu")
 fi
 echo "[test] ruff check"
 ruff check .
@@ -31,8 +29,28 @@ if [[ "$FAST" == 0 ]]; then
     python -m kestrel_bench gate "$gate_dir/gate.json" --baseline docs/benchmarks/gate_cpu.json \
       --only 'ratios.*' --tolerance ratios=0.4
 fi
-# the whole suite lists its slowest tests: what to look at when it nears its time budget
+# Two parts. First every test that can share the machine, spread over the cores by pytest-xdist
+# (KESTREL_TEST_WORKERS, default one worker per core). Then, one at a time, the tests that need
+# the machine to themselves: the multi-process DDS and launch tests (node processes with shutdown
+# bounds, shared-memory checks of /dev/shm), the timed-loop tests (marker serial) and the GPU
+# tests. Both parts always run; the exit status is the first failing part's.
+# The whole suite lists its slowest tests: what to look at when it nears its time budget.
 DURATIONS=()
-[[ "$FAST" == 0 ]] && DURATIONS=(--durations=25)
-echo "[test] pytest ${MARKERS[*]}"
-python -m pytest -q "${MARKERS[@]}" "${DURATIONS[@]}" "$@"
+[[ "$FAST" == 0 ]] && DURATIONS=(--durations=15)
+ALONE="dds or launch or serial or gpu"
+if [[ "$FAST" == 1 ]]; then
+  PARTS=("not ($ALONE) and not slow" "serial and not (dds or launch or slow or gpu)")
+else
+  PARTS=("not ($ALONE)" "$ALONE")
+fi
+status=0
+for i in 0 1; do
+  WORKERS=()
+  [[ "$i" == 0 ]] && WORKERS=(-n "${KESTREL_TEST_WORKERS:-auto}")
+  echo "[test] pytest -m '${PARTS[$i]}' ${WORKERS[*]}"
+  rc=0
+  python -m pytest -q -m "${PARTS[$i]}" "${WORKERS[@]}" "${DURATIONS[@]}" "$@" || rc=$?
+  # 5: no test selected (e.g. a -k that only matches the other part)
+  if [[ "$rc" != 0 && "$rc" != 5 && "$status" == 0 ]]; then status=$rc; fi
+done
+exit "$status"

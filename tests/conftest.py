@@ -27,6 +27,16 @@ def _ros_available() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that starts node processes or checks /dev/shm (the fixtures below, and the
+    benchmark harness's in tools/tests) is a DDS test, marked or not: scripts/test.sh runs those
+    one at a time, after the tests that share the machine."""
+    for item in items:
+        if {"launch_node", "dds_guard", "probe"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.dds)
+
+
 @pytest.fixture
 def ros_domain() -> Iterator[int]:
     reason = _ros_available()

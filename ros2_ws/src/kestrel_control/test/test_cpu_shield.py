@@ -12,6 +12,9 @@ import pytest
 
 from kestrel_control.core.cpu_shield import irq_counts, parse_cpus, shield_cpus
 
+# needs the machine to itself (moves the machine's other tasks off CPUs): run one at a time
+pytestmark = pytest.mark.serial
+
 CPUS = sorted(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs in this process's mask")
 

@@ -23,6 +23,10 @@ from kestrel_control.core.safety import SafetyStatus
 from kestrel_control.core.shm_control import ShmLayout, ShmSegment, ShmViews
 from kestrel_models.control.policy import PolicyConfig
 
+# needs the machine to itself (timed loop processes; checks /dev/shm for segments left
+# behind): run one at a time
+pytestmark = pytest.mark.serial
+
 torch.set_num_threads(1)
 N = 6
 

@@ -19,6 +19,9 @@ from kestrel_control.core.miss_cause import CAUSES, MissAttributor
 from kestrel_control.core.rt_loop import RealtimeLoop
 from kestrel_control.core.stats import LoopStats
 
+# needs the machine to itself (a CPU hog and preempted threads, timed): run one at a time
+pytestmark = pytest.mark.serial
+
 HAS_SCHEDSTAT = os.path.exists("/proc/thread-self/schedstat")
 needs_schedstat = pytest.mark.skipif(not HAS_SCHEDSTAT,
                                      reason="no /proc/thread-self/schedstat (CONFIG_SCHED_INFO)")

@@ -14,6 +14,9 @@ import pytest
 from kestrel_control.core.rt_loop import RealtimeLoop, apply_realtime_settings
 from kestrel_control.core.stats import LoopStats, Ring, window_end_ns
 
+# needs the machine to itself (periods and wake errors of a real 1 kHz loop): run one at a time
+pytestmark = pytest.mark.serial
+
 MSG = Path(__file__).resolve().parents[2] / "kestrel_interfaces" / "msg" / "LoopStatistics.msg"
 PERIOD_NS = 1_000_000
 
