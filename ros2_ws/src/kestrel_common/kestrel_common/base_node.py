@@ -12,6 +12,7 @@ the same validation in an on-set-parameters callback.
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import sys
 import threading
@@ -377,6 +378,12 @@ def serve_node(node_cls: type[KestrelLifecycleNode], args: list[str] | None = No
     workers, executor, node (its DDS entities, the participant), context.
 
     Returns 0, or 2 when autostart configure/activate failed (the reason is logged)."""
+    # a crash in native code (rclpy, the DDS library, torch) prints every thread's Python stack
+    # to stderr (the node's log) before the process dies, instead of a bare exit code -11
+    try:
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    except (AttributeError, OSError, ValueError):  # no stderr descriptor: nowhere to print it
+        pass
     malloc = tune_malloc()  # before the first message: received buffers reuse heap pages
     signals = StopSignals()  # raises only once armed, inside the try below
     for sig in (signal.SIGINT, signal.SIGTERM):

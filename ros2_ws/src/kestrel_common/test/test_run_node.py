@@ -206,3 +206,37 @@ def test_the_stop_leaves_the_signal_dispositions_alone(stand_ins, monkeypatch) -
     assert _Node.stopped
     assert calls == []
     assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+_CRASH = """
+import sys
+sys.path.insert(0, {here!r})
+import test_run_node as t
+from kestrel_common import base_node
+
+
+class _Crash(t._Executor):
+    def spin_until_future_complete(self, future):
+        import ctypes
+        ctypes.string_at(0)  # a crash in native code, as a DDS or torch bug would be
+
+
+base_node.make_executor = lambda node, num_threads=4: _Crash()
+base_node.serve_node(t._Node, [])
+"""
+
+
+def test_a_crash_in_native_code_prints_every_thread_s_stack() -> None:
+    """A node process that dies of SIGSEGV (a native library's bug) leaves the Python stack of
+    each thread in its log, not only the exit code -11."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", _CRASH.format(here=here)], capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, PYTHONFAULTHANDLER=""))
+    assert proc.returncode == -signal.SIGSEGV, proc.stderr[-2000:]
+    assert "Fatal Python error: Segmentation fault" in proc.stderr, proc.stderr[-2000:]
+    assert "in spin_until_future_complete" in proc.stderr  # where the main thread was
+    assert proc.stderr.count("hread 0x") >= 2  # and the other threads (the signal watch)
