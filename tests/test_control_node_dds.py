@@ -143,7 +143,10 @@ def test_commands_stats_bad_inputs_and_stale_hold(launch_node, probe, loop_mode)
         assert span_s > 0, [stamp_to_ns(s.header.stamp) for s in window]
         rate = (last.cycles_total - first.cycles_total) / span_s
         assert 0.5 * RATE <= rate <= 1.15 * RATE, (rate, [s.cycles_window for s in window])
-        assert 0.8 / RATE <= np.median([s.period_p50 for s in window]) <= 1.2 / RATE
+        # the period statistics within the same bounds as the rate: a loop the loaded CI cores
+        # slow down overruns (each miss counted) and skips to its next deadline, so its
+        # periods are multiples of the target; it never runs early
+        assert 0.8 / RATE <= np.median([s.period_p50 for s in window]) <= 1 / (0.5 * RATE)
         assert all(s.step_latency_max >= s.step_latency_p99 >= s.step_latency_p50 > 0
                    for s in window if s.cycles_window)
         assert all(s.period_max >= s.period_p999 >= s.period_p99 and
