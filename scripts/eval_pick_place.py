@@ -37,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=20, help="episodes 1..N (seed = index)")
     parser.add_argument("--speed", type=float, default=0.3, help="plan speed, m/s")
     parser.add_argument("--timeout", type=float, default=15.0, help="sim s per object")
+    parser.add_argument("--position-error", type=float, nargs=2, default=(0.0, 0.0),
+                        metavar=("DX", "DY"), help="m added to the picked object's position in "
+                        "the scene the executor plans with (a perception error; the object "
+                        "stays where it is)")
+    parser.add_argument("--stall-timeout", type=float, default=None,
+                        help="the executor's stall_timeout, s (default: the planner node's; "
+                             "0 = off)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     world = SimWorld(SimWorldConfig(min_objects=1, max_distractors=2))
@@ -48,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
             world.reset(seed)
             start = world.sim_time_ns
             plan = f"pick {name} speed={args.speed}\nplace bin speed={args.speed}\nend"
-            ex = run_plan(world, plan, args.timeout, kin)
+            dx, dy = args.position_error
+            over = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
+            ex = run_plan(world, plan, args.timeout, kin, {name: (dx, dy, 0.0)}, **over)
             trace = EpisodeTrace(seed=seed, goal=name, instruction=plan.replace("\n", "; "),
                                  plan_status="accepted")
             trace.duration_s = (world.sim_time_ns - start) * 1e-9
@@ -74,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
              "distractors, random yaw); the reference controller at 500 Hz, the executor at "
              "20 Hz; time to success includes 0.5 s of settling. "
              f"Wall time {summary['config']['wall_s']} s on this machine.\n")
+    if any(args.position_error) or args.stall_timeout is not None:
+        text += (f"\nThe picked object's position in the executor's scene moved by "
+                 f"({args.position_error[0]}, {args.position_error[1]}) m; stall_timeout "
+                 f"{'the node default' if args.stall_timeout is None else args.stall_timeout}."
+                 "\n")
     print(text)
     if args.out:
         out = Path(args.out)

@@ -34,3 +34,22 @@ def test_pick_and_place_in_the_far_corner() -> None:
     ex = run_plan(world, "pick blue_cylinder\nplace bin\nend", 30.0)
     assert [s.name for s in ex.statuses] == ["SUCCEEDED"] * 2, (TRANSIT_CLEARANCE, ex.statuses)
     assert world.task_status().success("blue_cylinder")
+
+
+@pytest.mark.slow
+def test_a_grasp_blocked_by_a_position_error_is_retried_after_the_stall() -> None:
+    """The scene puts seed 28's cylinder 2.5 cm beyond where it is along x (a perception
+    error): the fingers come down on it. The stall watch starts the retry (1.5 cm toward the
+    base) about 1 s after the arm stopped, and the cube ends in the bin well before the
+    step_timeout (10 s) would have let the retry begin; without the watch it waits that out."""
+    times = {}
+    for stall in (1.0, 0.0):
+        world = SimWorld()
+        world.reset(28)
+        ex = run_plan(world, "pick blue_cylinder speed=0.3\nplace bin speed=0.3\nend", 30.0,
+                      position_errors={"blue_cylinder": (0.025, 0.0, 0.0)},
+                      stall_timeout=stall)
+        assert [s.name for s in ex.statuses] == ["SUCCEEDED"] * 2, (stall, ex.statuses)
+        assert world.task_status().success("blue_cylinder")
+        times[stall] = world.sim_time_ns * 1e-9
+    assert times[1.0] < 10.0 < times[0.0], times

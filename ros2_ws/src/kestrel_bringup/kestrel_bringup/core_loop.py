@@ -29,21 +29,31 @@ TRANSIT_CLEARANCE = _DEFAULTS["transit_clearance"]  # m
 
 
 def run_plan(world: SimWorld, plan_text: str, seconds: float,
-             kinematics: ArmKinematics | None = None) -> PlanExecutor:
+             kinematics: ArmKinematics | None = None,
+             position_errors: dict[str, tuple[float, float, float]] | None = None,
+             **executor: float) -> PlanExecutor:
     """Execute `plan_text` on the world's current layout for at most `seconds` of sim time
-    (then 0.5 s to settle). Returns the executor (its step statuses)."""
+    (then 0.5 s to settle). Returns the executor (its step statuses).
+
+    position_errors: object name -> (dx, dy, dz) m added to its position in the scene the
+    executor plans with (a perception error; the object stays where it is). `executor`:
+    ExecutorConfig fields that replace the planner node's defaults (e.g. stall_timeout=0)."""
     lo, hi = world.joint_limits
     runner = IkRunner(RunnerConfig(joint_lower=lo, joint_upper=hi, max_obs_age_s=0.05),
                       kinematics or ArmKinematics.from_default(),
                       CartesianConfig(rate_hz=CONTROL_HZ))
     runner.reset()
-    ex = PlanExecutor(ExecutorConfig(
+    config = dict(
         position_tolerance=0.01, step_timeout=10.0, gripper_time=0.5,
         transit_clearance=TRANSIT_CLEARANCE, back_off=_DEFAULTS["back_off"],
         grasp_retries=_DEFAULTS["grasp_retries"],
         grasp_retry_offset=_DEFAULTS["grasp_retry_offset"],
-        stall_timeout=_DEFAULTS["stall_timeout"], stall_distance=_DEFAULTS["stall_distance"]))
-    scene = [SceneObject(o.name, o.class_name, tuple(float(v) for v in o.position))
+        stall_timeout=_DEFAULTS["stall_timeout"], stall_distance=_DEFAULTS["stall_distance"])
+    ex = PlanExecutor(ExecutorConfig(**{**config, **executor}))
+    errors = position_errors or {}
+    scene = [SceneObject(o.name, o.class_name, tuple(
+        float(v) + e for v, e in zip(o.position, errors.get(o.name, (0.0, 0.0, 0.0)),
+                                     strict=True)))
              for o in world.ground_truth()]
     ex.start(parse_plan(plan_text), scene, 0.0)
     robot = runner.robots[0]
