@@ -11,15 +11,17 @@ simulator's ground truth (no perception): what the robot side of the loop achiev
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from kestrel_control.core.cartesian import CartesianConfig
 from kestrel_control.core.ik_runner import MODE_CARTESIAN, MODE_HOLD, IkRunner
 from kestrel_control.core.kinematics import ArmKinematics
 from kestrel_control.core.policy_runner import RunnerConfig
-from kestrel_planner.core.executor import ExecutorConfig, PlanExecutor, TargetMode
+from kestrel_planner.core.executor import PlanExecutor, TargetMode
 from kestrel_planner.core.plan import SceneObject, parse_plan
-from kestrel_planner.params import SPECS
+from kestrel_planner.params import SPECS, executor_config
 from kestrel_sim.core import SimWorld
 
 CONTROL_HZ, PLANNER_HZ = 500.0, 20.0
@@ -43,13 +45,7 @@ def run_plan(world: SimWorld, plan_text: str, seconds: float,
                       kinematics or ArmKinematics.from_default(),
                       CartesianConfig(rate_hz=CONTROL_HZ))
     runner.reset()
-    config = dict(
-        position_tolerance=0.01, step_timeout=10.0, gripper_time=0.5,
-        transit_clearance=TRANSIT_CLEARANCE, back_off=_DEFAULTS["back_off"],
-        grasp_retries=_DEFAULTS["grasp_retries"],
-        grasp_retry_offset=_DEFAULTS["grasp_retry_offset"],
-        stall_timeout=_DEFAULTS["stall_timeout"], stall_distance=_DEFAULTS["stall_distance"])
-    ex = PlanExecutor(ExecutorConfig(**{**config, **executor}))
+    ex = PlanExecutor(dataclasses.replace(executor_config(_DEFAULTS), **executor))
     errors = position_errors or {}
     scene = [SceneObject(o.name, o.class_name, tuple(
         float(v) + e for v, e in zip(o.position, errors.get(o.name, (0.0, 0.0, 0.0)),

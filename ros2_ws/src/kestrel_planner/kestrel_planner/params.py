@@ -210,6 +210,17 @@ def resolve_weights(path: str, name: str = "weights_path") -> str:
     return os.path.join(share, rel)
 
 
+def executor_config(p: dict) -> ExecutorConfig:
+    """The plan executor's config from the node parameters (or from SPECS' defaults: the
+    loop through the cores, kestrel_bringup.core_loop). ValueError naming a bad one."""
+    return ExecutorConfig(
+        p["position_tolerance"], p["step_timeout"], p["gripper_time"],
+        tuple(p["home_joint_positions"]), transit_clearance=p["transit_clearance"],
+        back_off=p["back_off"], grasp_retries=p["grasp_retries"],
+        grasp_retry_offset=p["grasp_retry_offset"], stall_timeout=p["stall_timeout"],
+        stall_distance=p["stall_distance"])
+
+
 def planner_configs(p: dict) -> tuple[PlannerConfig, ExecutorConfig]:
     """The planner core's and the plan executor's configs from the node parameters (the plan
     limits are the core config's `limits`). ValueError naming the first parameter found bad."""
@@ -223,12 +234,7 @@ def planner_configs(p: dict) -> tuple[PlannerConfig, ExecutorConfig]:
         raise ValueError(f"parameter 'max_new_tokens' = {p['max_new_tokens']}: image "
                          f"tokens + budget + prompt exceed max_seq_len {cfg.max_seq_len}")
     remote = remote_config(p) if p["backend"] == "remote" else None
-    executor = ExecutorConfig(
-        p["position_tolerance"], p["step_timeout"], p["gripper_time"],
-        tuple(p["home_joint_positions"]), transit_clearance=p["transit_clearance"],
-        back_off=p["back_off"], grasp_retries=p["grasp_retries"],
-        grasp_retry_offset=p["grasp_retry_offset"], stall_timeout=p["stall_timeout"],
-        stall_distance=p["stall_distance"])
+    executor = executor_config(p)
     planner = PlannerConfig(
         model=cfg, weights_path=resolve_weights(p["weights_path"]),
         demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),

@@ -278,7 +278,8 @@ class PlanExecutor:
         self.statuses = [StepState.PENDING] * len(expanded)
         self._step, self._wp, self._step_from = 0, 0, None
         if expanded:
-            self._t_wp, self._move_s, self._from, self._near = now_s, None, None, None
+            self._from = None
+            self._new_waypoint(now_s)
             events.append(self._event(0, StepState.ACTIVE, self._names[0]))
         return events
 
@@ -353,7 +354,7 @@ class PlanExecutor:
                     if self._step_from is None:
                         self._step_from = self._from
                 self._wp += 1
-                self._t_wp, self._move_s, self._near = now_s, None, None
+                self._new_waypoint(now_s)
                 if self._wp < len(wps):
                     continue
                 events.append(self._event(self._step, StepState.SUCCEEDED))
@@ -386,12 +387,17 @@ class PlanExecutor:
                 self._back = _Waypoint("cartesian", ControlTargetSpec(
                     TargetMode.CARTESIAN, self._step_from or self._from, (), t.max_speed,
                     self._gripper, t.step_index, "back_off"))
-                self._t_wp, self._move_s, self._near = now_s, None, None
+                self._new_waypoint(now_s)
                 break
             return ExecutorOutput(wp.target, events)
         if self._back is not None:
             return ExecutorOutput(self._back_off(self._back, now_s, ee_position), events)
         return ExecutorOutput(None, events)
+
+    def _new_waypoint(self, now_s: float) -> None:
+        """A waypoint (or the back-off) is set now: its clock, move time and stall watch start
+        afresh."""
+        self._t_wp, self._move_s, self._near = now_s, None, None
 
     def _stalled(self, wp: _Waypoint, now_s: float, ee: Sequence[float] | None,
                  n_wps: int) -> str | None:
@@ -430,8 +436,8 @@ class PlanExecutor:
             wps.insert(0, _Waypoint("cartesian", ControlTargetSpec(
                 TargetMode.CARTESIAN, start, (), speed, 0.0, self._step, Skill.PICK.text)))
         self._plan[self._step] = wps
-        self._wp, self._t_wp, self._move_s, self._step_from = 0, now_s, None, None
-        self._near = None
+        self._wp, self._step_from = 0, None
+        self._new_waypoint(now_s)
         self._retries = k + 1
         axis = f"{'+' if dx + dy > 0 else '-'}{100 * d:.1f} cm along {'x' if dx else 'y'}"
         return self._event(self._step, StepState.ACTIVE,
