@@ -36,6 +36,25 @@ def test_pick_and_place_in_the_far_corner() -> None:
     assert world.task_status().success("blue_cylinder")
 
 
+def test_a_pick_past_the_reach_recovers_for_its_retry() -> None:
+    """The scene puts seed 3's cylinder (at the table's far edge, 0.58 m from the base) 2 cm
+    further out than it is: the point over it is past what the arm reaches with the tool down,
+    so the arm stretches to its elbow limit, tool tilted, and stalls short of it. From there
+    the retry's points, which it reaches from home, must still be reached: the pick succeeds.
+    The step events go into `events` in order (the retry's among them)."""
+    world = SimWorld()
+    world.reset(3)
+    events: list = []
+    ex = run_plan(world, "pick blue_cylinder speed=0.3\nplace bin speed=0.3\nend", 20.0,
+                  position_errors={"blue_cylinder": (0.02, 0.0, 0.0)}, events=events)
+    assert [s.name for s in ex.statuses] == ["SUCCEEDED"] * 2, [e.message for e in events]
+    assert world.task_status().success("blue_cylinder")
+    first, last = events[0], events[-1]  # the pick started ... the place ended
+    assert (first.step_index, first.status.name) == (0, "ACTIVE"), events
+    assert (last.step_index, last.status.name) == (1, "SUCCEEDED"), events
+    assert any(e.message.startswith("retry 1/") for e in events), events
+
+
 @pytest.mark.slow
 def test_a_grasp_blocked_by_a_position_error_is_retried_after_the_stall() -> None:
     """The scene puts seed 28's cylinder 2.5 cm beyond where it is along x (a perception

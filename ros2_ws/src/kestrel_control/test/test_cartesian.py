@@ -103,6 +103,61 @@ def test_unreachable_target_stays_within_limits(kin, world) -> None:
     world.reset(0)
 
 
+def track(kin: ArmKinematics, q0: np.ndarray, target: np.ndarray, seconds: float) -> float:
+    """Kinematics alone (the arm follows every command exactly): m left to the target."""
+    ctl = CartesianController(kin, CartesianConfig(rate_hz=500.0))
+    ctl.set_target(target, max_speed=0.3)
+    q, out = q0.astype(float), np.zeros(6)
+    for _ in range(round(seconds * 500.0)):
+        assert ctl.step(q, out)
+        q[:] = out
+    return float(np.linalg.norm(kin.forward(q)[0] - target))
+
+
+# The arm stretched toward a point beyond its reach: elbow at the controller's lower limit
+# (0.2 rad + margin), shoulder far forward, the tool tilted back toward the base.
+STRETCHED = np.array([-0.33, 1.14, 0.22, 2.28, 0.0, -0.33])
+
+
+@pytest.mark.parametrize("x", [0.53, 0.55, 0.565])
+def test_a_stretched_arm_reaches_what_it_reaches_from_home(kin, x) -> None:
+    """From where an unreachable target left it, the arm still reaches each of these points
+    (as it does from home). The orientation task must not take back what the position task
+    moves: its null-space projector is not the position task's damped one."""
+    target = np.array([x, -0.187, 0.56])
+    assert track(kin, np.array([0.0, -0.2, 1.4, 1.2, 0.0, 0.0]), target, 4.0) < 1e-3
+    assert track(kin, STRETCHED, target, 4.0) < 1e-3
+
+
+def test_the_orientation_task_leaves_the_tcp_motion_alone(kin) -> None:
+    """One step from configurations around a tool-down pose, toward a target a few cm away:
+    the tool-centre velocity (J_p dq) with the top-down task is the position task's alone,
+    where no joint froze at a limit and no joint speed was capped."""
+    rng = np.random.default_rng(3)
+    on = CartesianController(kin, CartesianConfig(rate_hz=500.0, velocity_scale=1.0))
+    off = CartesianController(kin, CartesianConfig(rate_hz=500.0, velocity_scale=1.0,
+                                                   top_down=False))
+    down = np.array([0.0, 0.3, 1.5, np.pi - 1.8, 0.0, 0.0])  # tool straight down
+    checked = 0
+    for _ in range(300):
+        q = down + rng.uniform(-0.4, 0.4, 6)
+        target = kin.forward(q)[0] + rng.normal(0.0, 0.05, 3)
+        moves = []
+        for ctl in (on, off):
+            ctl.clear()
+            ctl.set_target(target, max_speed=0.05)
+            out = np.zeros(6)
+            ctl.step(q, out)
+            if ctl._mask.min() < 1.0 or ctl._abs.max() > 1.0:  # frozen joint, capped speed
+                break
+            moves.append(kin.jacobian(q)[:3] @ (out - q))
+        if len(moves) < 2:
+            continue
+        checked += 1
+        np.testing.assert_allclose(moves[0], moves[1], atol=0.02 * np.linalg.norm(moves[1]))
+    assert checked > 200
+
+
 def test_no_target_no_command_and_resync(kin) -> None:
     ctl = CartesianController(kin)
     out = np.full(6, 7.0)

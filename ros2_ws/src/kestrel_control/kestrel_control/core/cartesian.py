@@ -12,7 +12,8 @@ Per tick (`step(q_measured, out)`), period dt:
      dq1 = J_p^T (J_p J_p^T + damping^2 I)^-1 v;
   4. secondary task, top-down orientation (tool z axis toward world -z, the grasp approach;
      yaw held), in the null space of the position task:
-     N = I - J_p^+ J_p,  w = orientation_gain * (z_tool x (-z_world)),
+     N = I - J_p^+ J_p (J_p^+ nearly undamped, so N moves the tcp by nothing measurable),
+     w = orientation_gain * (z_tool x (-z_world)),
      dq2 = (J_w N)^T ((J_w N)(J_w N)^T + damping^2 I)^-1 (w - J_w dq1);
      so position wins where the straight-down grasp cannot be reached (the bin's far corner);
   5. joint velocity limits (URDF <limit velocity> x velocity_scale): dq scaled uniformly;
@@ -71,6 +72,12 @@ class CartesianConfig:
             if not (isinstance(v, (int, float)) and math.isfinite(v) and lo <= v <= hi):
                 raise ValueError(f"parameter 'cartesian.{name}' = {v!r}: must be in "
                                  f"[{lo}, {hi}]")
+
+
+# m: the damping of the pseudo-inverse behind the secondary task's null-space projector
+# (_orientation); small against the position Jacobian's singular values inside the joint
+# ranges the controller keeps to, nonzero so that the solve stays finite at a singularity.
+NULL_DAMPING = 1e-3
 
 
 def _add_diag3(a: np.ndarray, value: float) -> None:
@@ -265,9 +272,16 @@ class CartesianController:
 
     def _orientation(self, a: np.ndarray, dq1: np.ndarray, dq: np.ndarray) -> None:
         """dq += secondary top-down task in the null space of the position task.
-        a: the position task's damped J_p J_p^T (3, 3), reused for J_p^+."""
+        a: the position task's damped J_p J_p^T (3, 3); its damping is swapped for
+        NULL_DAMPING here (a is not used after this)."""
         cfg = self.config
         jp, jw = self._jpm, self._jwm
+        # The projector N = I - J_p^+ J_p from a nearly undamped J_p^+: with the task's
+        # damping, N leaks d^2 / (s^2 + d^2) of the secondary motion along each singular
+        # direction s of J_p into the position, and the orientation task's own damped solve
+        # can make that motion large enough to cancel the position task (a stretched arm at
+        # its elbow limit then stops short of a target it can reach).
+        _add_diag3(a, NULL_DAMPING * NULL_DAMPING - self._d2)
         # J_p^+ (n, 3) = J_p^T a^-1, column by column (a is symmetric)
         for k in range(3):
             _solve3_into(a, self._unit[k], self._x3)
