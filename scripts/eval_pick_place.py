@@ -29,6 +29,7 @@ for sub in ("models", "ros2_ws/src/kestrel_sim", "ros2_ws/src/kestrel_descriptio
 from kestrel_bringup.core_loop import run_plan  # noqa: E402
 from kestrel_bringup.evaluation import EpisodeTrace, markdown, summarize  # noqa: E402
 from kestrel_control.core.kinematics import ArmKinematics  # noqa: E402
+from kestrel_planner.core.executor import StepState  # noqa: E402
 from kestrel_sim.core import SimWorld, SimWorldConfig  # noqa: E402
 
 
@@ -57,9 +58,19 @@ def main(argv: list[str] | None = None) -> int:
             plan = f"pick {name} speed={args.speed}\nplace bin speed={args.speed}\nend"
             dx, dy = args.position_error
             over = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
-            ex = run_plan(world, plan, args.timeout, kin, {name: (dx, dy, 0.0)}, **over)
+            events: list = []
+            ex = run_plan(world, plan, args.timeout, kin, {name: (dx, dy, 0.0)}, events,
+                          **over)
             trace = EpisodeTrace(seed=seed, goal=name, instruction=plan.replace("\n", "; "),
                                  plan_status="accepted")
+            # as the stack's evaluator: step ends and grasp retries with their messages
+            steps = plan.splitlines()
+            for e in events:
+                text = f"{steps[e.step_index]}: {e.message}" if e.message else steps[e.step_index]
+                if e.status == StepState.ACTIVE and e.message.startswith("retry"):
+                    trace.retries.append(text)
+                elif e.status >= StepState.SUCCEEDED:
+                    trace.steps.append(text)
             trace.duration_s = (world.sim_time_ns - start) * 1e-9
             if world.task_status().success(name):
                 trace.success_s = trace.duration_s

@@ -19,7 +19,7 @@ from kestrel_control.core.cartesian import CartesianConfig
 from kestrel_control.core.ik_runner import MODE_CARTESIAN, MODE_HOLD, IkRunner
 from kestrel_control.core.kinematics import ArmKinematics
 from kestrel_control.core.policy_runner import RunnerConfig
-from kestrel_planner.core.executor import PlanExecutor, TargetMode
+from kestrel_planner.core.executor import PlanExecutor, StepEvent, TargetMode
 from kestrel_planner.core.plan import SceneObject, parse_plan
 from kestrel_planner.params import SPECS, executor_config
 from kestrel_sim.core import SimWorld
@@ -33,13 +33,15 @@ TRANSIT_CLEARANCE = _DEFAULTS["transit_clearance"]  # m
 def run_plan(world: SimWorld, plan_text: str, seconds: float,
              kinematics: ArmKinematics | None = None,
              position_errors: dict[str, tuple[float, float, float]] | None = None,
-             **executor: float) -> PlanExecutor:
+             events: list[StepEvent] | None = None, **executor: float) -> PlanExecutor:
     """Execute `plan_text` on the world's current layout for at most `seconds` of sim time
     (then 0.5 s to settle). Returns the executor (its step statuses).
 
     position_errors: object name -> (dx, dy, dz) m added to its position in the scene the
-    executor plans with (a perception error; the object stays where it is). `executor`:
-    ExecutorConfig fields that replace the planner node's defaults (e.g. stall_timeout=0)."""
+    executor plans with (a perception error; the object stays where it is). events: a list
+    the executor's step events are appended to, in order (the node's StepStatus messages).
+    `executor`: ExecutorConfig fields that replace the planner node's defaults (e.g.
+    stall_timeout=0)."""
     lo, hi = world.joint_limits
     runner = IkRunner(RunnerConfig(joint_lower=lo, joint_upper=hi, max_obs_age_s=0.05),
                       kinematics or ArmKinematics.from_default(),
@@ -51,7 +53,8 @@ def run_plan(world: SimWorld, plan_text: str, seconds: float,
         float(v) + e for v, e in zip(o.position, errors.get(o.name, (0.0, 0.0, 0.0)),
                                      strict=True)))
              for o in world.ground_truth()]
-    ex.start(parse_plan(plan_text), scene, 0.0)
+    log = events if events is not None else []
+    log += ex.start(parse_plan(plan_text), scene, 0.0)
     robot = runner.robots[0]
     sub = round(1.0 / CONTROL_HZ / world.config.timestep_s)
     every = round(CONTROL_HZ / PLANNER_HZ)
@@ -59,7 +62,9 @@ def run_plan(world: SimWorld, plan_text: str, seconds: float,
     row = np.zeros(5)
     for k in range(int(seconds * CONTROL_HZ)):
         if k % every == 0:
-            tg = ex.tick(k / CONTROL_HZ, world.end_effector_position()).target
+            out = ex.tick(k / CONTROL_HZ, world.end_effector_position())
+            log += out.events
+            tg = out.target
             if tg is None:
                 break
             world.set_gripper_target(tg.gripper * world.gripper_travel)
