@@ -27,7 +27,12 @@ for sub in ("models", "ros2_ws/src/kestrel_sim", "ros2_ws/src/kestrel_descriptio
         sys.path.insert(0, str(ROOT / sub))
 
 from kestrel_bringup.core_loop import run_plan  # noqa: E402
-from kestrel_bringup.evaluation import EpisodeTrace, markdown, summarize  # noqa: E402
+from kestrel_bringup.evaluation import (  # noqa: E402
+    EpisodeTrace,
+    markdown,
+    run_record,
+    summarize,
+)
 from kestrel_control.core.kinematics import ArmKinematics  # noqa: E402
 from kestrel_planner.core.executor import StepState  # noqa: E402
 from kestrel_sim.core import SimWorld, SimWorldConfig  # noqa: E402
@@ -49,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     world = SimWorld(SimWorldConfig(min_objects=1, max_distractors=2))
     kin = ArmKinematics.from_default()
+    record = run_record()  # machine, commit, date: at the start
     traces, t0 = [], time.monotonic()
     for seed in range(1, args.seeds + 1):
         world.reset(seed)
@@ -79,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({', '.join(s.name.lower() for s in ex.statuses)})", flush=True)
     cmd = "python scripts/eval_pick_place.py " + " ".join(sys.argv[1:] if argv is None else argv)
     summary = summarize(traces, {**vars(args), "control_hz": 500, "planner_hz": 20,
-                                 "wall_s": round(time.monotonic() - t0, 1),
-                                 "machine": "cpu"})
+                                 "wall_s": round(time.monotonic() - t0, 1)})
+    summary.update(record)
     summary["schema"] = "kestrel_eval/1"
     summary["command"] = cmd
     text = markdown(summary, cmd).replace(
