@@ -11,10 +11,14 @@ import subprocess
 from pathlib import Path
 
 
+RESULTS_DIR = "docs/benchmarks"  # the repository's result records (git_commit)
+
+
 def git_commit(repo: str | Path, explicit: str = "") -> str:
     """An explicit value, else $KESTREL_COMMIT (a copy of the tree whose git metadata may not
     be its own: a remote machine), else `git rev-parse --short HEAD` in `repo` with "+dirty"
-    when tracked files differ; "unknown" without git."""
+    when tracked files differ, those under RESULTS_DIR aside (the records earlier runs wrote:
+    they do not change what is measured); "unknown" without git."""
     if explicit:
         return explicit
     env = os.environ.get("KESTREL_COMMIT", "")
@@ -23,7 +27,8 @@ def git_commit(repo: str | Path, explicit: str = "") -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo,
                               capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ":/", f":(top,exclude){RESULTS_DIR}"],
                                cwd=repo, capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return "unknown"
