@@ -28,6 +28,7 @@ for sub in ("models", "ros2_ws/src/kestrel_sim", "ros2_ws/src/kestrel_descriptio
 
 from kestrel_bringup.core_loop import run_plan  # noqa: E402
 from kestrel_bringup.evaluation import (  # noqa: E402
+    BIN_HALF,
     EpisodeTrace,
     markdown,
     run_record,
@@ -65,10 +66,21 @@ def main(argv: list[str] | None = None) -> int:
             dx, dy = args.position_error
             over = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
             events: list = []
-            ex = run_plan(world, plan, args.timeout, kin, {name: (dx, dy, 0.0)}, events,
-                          **over)
+            # the plan is given at the start: no scene or planning time here
             trace = EpisodeTrace(seed=seed, goal=name, instruction=plan.replace("\n", "; "),
-                                 plan_status="accepted")
+                                 plan_status="accepted", plan_asked_s=0.0, plan_answered_s=0.0)
+
+            def observe(t_s: float, name: str = name, trace: EpisodeTrace = trace) -> None:
+                # held and released over the bin: the failure stage, as the stack's evaluator
+                # has it from EpisodeStatus; success is judged once, at the end
+                at = {o.name: o.position for o in world.ground_truth()}
+                above = all(abs(float(g) - float(b)) <= BIN_HALF
+                           for g, b in zip(at[name][:2], at["bin"][:2], strict=True))
+                trace.observe(t_s, held=name in world.task_status().held, success=False,
+                              over_bin=above)
+
+            ex = run_plan(world, plan, args.timeout, kin, {name: (dx, dy, 0.0)}, events,
+                          observe, **over)
             # as the stack's evaluator: step ends and grasp retries with their messages
             steps = plan.splitlines()
             for e in events:

@@ -41,12 +41,18 @@ def test_a_pick_past_the_reach_recovers_for_its_retry() -> None:
     further out than it is: the point over it is past what the arm reaches with the tool down,
     so the arm stretches to its elbow limit, tool tilted, and stalls short of it. From there
     the retry's points, which it reaches from home, must still be reached: the pick succeeds.
-    The step events go into `events` in order (the retry's among them)."""
+    The step events go into `events` in order (the retry's among them); `observe` sees the
+    world at every executor tick and after the settling."""
     world = SimWorld()
     world.reset(3)
     events: list = []
+    seen: list[tuple[float, bool]] = []  # (sim s, the cylinder between the fingers)
     ex = run_plan(world, "pick blue_cylinder speed=0.3\nplace bin speed=0.3\nend", 20.0,
-                  position_errors={"blue_cylinder": (0.02, 0.0, 0.0)}, events=events)
+                  position_errors={"blue_cylinder": (0.02, 0.0, 0.0)}, events=events,
+                  observe=lambda t: seen.append((t, "blue_cylinder" in world.task_status().held)))
+    times = [t for t, _ in seen]
+    assert times[0] == 0.0 and times == sorted(times) and len(times) > 20 * 5
+    assert any(held for _, held in seen) and not seen[-1][1]  # held, then let go
     assert [s.name for s in ex.statuses] == ["SUCCEEDED"] * 2, [e.message for e in events]
     assert world.task_status().success("blue_cylinder")
     first, last = events[0], events[-1]  # the pick started ... the place ended

@@ -12,6 +12,7 @@ simulator's ground truth (no perception): what the robot side of the loop achiev
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,15 +34,17 @@ TRANSIT_CLEARANCE = _DEFAULTS["transit_clearance"]  # m
 def run_plan(world: SimWorld, plan_text: str, seconds: float,
              kinematics: ArmKinematics | None = None,
              position_errors: dict[str, tuple[float, float, float]] | None = None,
-             events: list[StepEvent] | None = None, **executor: float) -> PlanExecutor:
+             events: list[StepEvent] | None = None,
+             observe: Callable[[float], None] | None = None, **executor: float) -> PlanExecutor:
     """Execute `plan_text` on the world's current layout for at most `seconds` of sim time
     (then 0.5 s to settle). Returns the executor (its step statuses).
 
     position_errors: object name -> (dx, dy, dz) m added to its position in the scene the
     executor plans with (a perception error; the object stays where it is). events: a list
     the executor's step events are appended to, in order (the node's StepStatus messages).
-    `executor`: ExecutorConfig fields that replace the planner node's defaults (e.g.
-    stall_timeout=0)."""
+    observe: called with the sim time (s from the start) at every executor tick, before it,
+    and once after the settling (an evaluator's look at the world). `executor`:
+    ExecutorConfig fields that replace the planner node's defaults (e.g. stall_timeout=0)."""
     lo, hi = world.joint_limits
     runner = IkRunner(RunnerConfig(joint_lower=lo, joint_upper=hi, max_obs_age_s=0.05),
                       kinematics or ArmKinematics.from_default(),
@@ -60,8 +63,11 @@ def run_plan(world: SimWorld, plan_text: str, seconds: float,
     every = round(CONTROL_HZ / PLANNER_HZ)
     now_ns, dt_ns = 10**9, int(1e9 / CONTROL_HZ)
     row = np.zeros(5)
+    t0 = world.sim_time_ns
     for k in range(int(seconds * CONTROL_HZ)):
         if k % every == 0:
+            if observe is not None:
+                observe((world.sim_time_ns - t0) * 1e-9)
             out = ex.tick(k / CONTROL_HZ, world.end_effector_position())
             log += out.events
             tg = out.target
@@ -81,4 +87,6 @@ def run_plan(world: SimWorld, plan_text: str, seconds: float,
         world.step(sub)
         now_ns += dt_ns
     world.step(500)  # let it settle
+    if observe is not None:
+        observe((world.sim_time_ns - t0) * 1e-9)
     return ex
