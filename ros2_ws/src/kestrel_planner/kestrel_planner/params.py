@@ -129,6 +129,10 @@ SPECS = [
     ParamSpec("temperature", 0.0, "0 = greedy.", min=0.0, max=5.0),
     ParamSpec("max_steps", 8, "Default and maximum plan length.", min=1, max=64),
     ParamSpec("max_speed", 0.5, "End-effector speed limit, m/s.", check=_positive),
+    ParamSpec("default_speed", 0.3, "End-effector speed of a plan step that names none (pick, "
+              "place, move_to, push), m/s; at most max_speed; 0 = the skills' own default. "
+              "Filled into the plan before validation, so results show it.", min=0.0,
+              max=5.0),
     ParamSpec("min_height", 0.0, "Minimum clearance above a target, m."),
     ParamSpec("max_height", 0.4, "Maximum clearance above a target, m."),
     ParamSpec("workspace_min", [-1.0, -1.0, -0.05], "Workspace box min (x, y, z), m.", length=3),
@@ -240,6 +244,7 @@ def planner_configs(p: dict) -> tuple[PlannerConfig, ExecutorConfig]:
         demo_plan="\n".join(x.strip() for x in p["demo_plan"].split(";")),
         device=p["device"], seed=p["seed"], max_new_tokens=p["max_new_tokens"],
         max_batch=p["max_batch"], temperature=p["temperature"], limits=limits,
+        default_speed=p["default_speed"],
         backend=p["backend"], engine_compile=p["engine_compile"],
         hf_model_path=p["hf.model_path"], hf_dtype=p["hf.dtype"],
         hf_tokenizer=p["hf.tokenizer"], hf_grammar=p["hf.grammar"],

@@ -4,6 +4,7 @@ as a model's output (targets in the scene, limits), and nothing else is decoded.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kestrel_planner.core import (PlanLimits, PlannerConfig, PlannerCore, SceneObject, Skill,
                                   make_backend)
@@ -40,3 +41,25 @@ def test_the_plan_text_is_validated_like_a_model_reply() -> None:
     cancelled = c.plan("pick red_cube; place bin; end", IMAGE, SCENE,
                        should_cancel=lambda: True)
     assert cancelled.cancelled and cancelled.plan is None
+
+
+def test_a_step_without_a_speed_gets_the_default_speed() -> None:
+    """default_speed fills in the speed a step does not name, before validation, for every
+    backend's plan alike; a named speed stays; 0 leaves the skills' default (0.1 m/s)."""
+    c = PlannerCore(PlannerConfig(backend="plan_text", limits=PlanLimits(max_speed=0.5),
+                                  default_speed=0.3))
+    r = c.plan("pick red_cube; place bin speed=0.2; home; end", IMAGE, SCENE)
+    assert r.report.accepted, r.report.reasons
+    assert [s.arguments for s in r.plan.steps] == [{"speed": (0.3, "m/s")},
+                                                   {"speed": (0.2, "m/s")}, {}]
+    assert r.plan.steps[0].value("speed") == 0.3
+    r = core().plan("pick red_cube; place bin; end", IMAGE, SCENE)
+    assert [s.arguments for s in r.plan.steps] == [{}, {}]
+    assert r.plan.steps[0].value("speed") == 0.1
+
+
+@pytest.mark.parametrize("speed", [-0.1, 0.6, float("nan")])
+def test_a_default_speed_over_max_speed_fails_naming_it(speed: float) -> None:
+    with pytest.raises(ValueError, match="default_speed"):
+        PlannerConfig(backend="plan_text", limits=PlanLimits(max_speed=0.5),
+                      default_speed=speed)

@@ -98,6 +98,21 @@ class Plan:
     refusal: str = ""
 
 
+def fill_defaults(plan: Plan, values: dict[str, float]) -> None:
+    """Give each step every argument of `values` (name -> value, in the argument's unit) that
+    its skill takes and the step does not give: the robot's defaults in place of the skill
+    schema's. The filled-in arguments are then validated, executed and reported as given."""
+    for step in plan.steps:
+        try:
+            spec = SKILLS[Skill(step.skill)]
+        except (ValueError, KeyError):
+            continue  # an unknown skill: the validator names it
+        for name, value in values.items():
+            arg = spec.arg(name)
+            if arg is not None and name not in step.arguments:
+                step.arguments[name] = (float(value), arg.unit)
+
+
 def format_number(value: float) -> str:
     """0.1 -> '0.1', 2.0 -> '2'; ValueError outside the text format (|v| < 1000, 3 decimals)."""
     if not math.isfinite(value):

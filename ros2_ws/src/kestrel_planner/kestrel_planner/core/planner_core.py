@@ -11,6 +11,7 @@ decoding. Not thread-safe: one caller at a time.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +27,13 @@ from kestrel_planner.core.backend import (BACKENDS, DecodeJob, DecodeOutput, OnT
                                           PlanBackend, PlannerInputError)
 from kestrel_planner.core.backend_local import SYSTEM_PROMPT
 from kestrel_planner.core.constrained_llg import GRAMMAR_ENGINES
-from kestrel_planner.core.plan import Plan, PlanParseError, SceneObject, parse_plan
+from kestrel_planner.core.plan import (
+    Plan,
+    PlanParseError,
+    SceneObject,
+    fill_defaults,
+    parse_plan,
+)
 from kestrel_planner.core.prompting import OUTPUT_FORMATS
 from kestrel_planner.core.skills import NAME_RE
 from kestrel_planner.core.validator import PlanLimits, PlanValidator, ValidationReport
@@ -51,6 +58,9 @@ class PlannerConfig:
     max_instruction_chars: int = 200
     temperature: float = 0.0
     limits: PlanLimits = field(default_factory=PlanLimits)
+    # m/s: a step that takes a speed and gives none gets this one before validation (the
+    # robot's default); 0 = the skill schema's default (skills.py)
+    default_speed: float = 0.0
     warmup: bool = True
     # 'generate': generate.py (static batch per call); 'engine': DecodeEngine (slots over a
     # static KV cache, CUDA-graph decode on GPU); 'hf': a local HF directory; 'remote': an
@@ -87,6 +97,11 @@ class PlannerConfig:
         if self.max_instruction_chars < 1:
             raise ValueError(f"parameter 'max_instruction_chars' = "
                              f"{self.max_instruction_chars}: must be >= 1")
+        if not (math.isfinite(self.default_speed) and
+                0.0 <= self.default_speed <= self.limits.max_speed):
+            raise ValueError(f"parameter 'default_speed' = {self.default_speed}: must be in "
+                             f"[0, max_speed = {self.limits.max_speed}] m/s (0 = the skills' "
+                             "default)")
         if not self.temperature >= 0.0:
             raise ValueError(f"parameter 'temperature' = {self.temperature}: must be >= 0")
         if self.backend not in BACKENDS:
@@ -274,5 +289,7 @@ class PlannerCore:
         except PlanParseError as exc:
             return PlanResult(None, ValidationReport(False, [f"parse error: {exc}"]), o.ttft_s,
                               total, o.tokens, o.text)
+        if self.config.default_speed > 0.0:
+            fill_defaults(plan, {"speed": self.config.default_speed})
         report = self.validator.validate(plan, r.objects, job.cap)
         return PlanResult(plan, report, o.ttft_s, total, o.tokens, o.text)
