@@ -36,6 +36,20 @@ def test_pick_and_place_in_the_far_corner() -> None:
     assert world.task_status().success("blue_cylinder")
 
 
+@pytest.mark.parametrize(("seed", "name"), [(0, "red_cube"), (2, "green_cube")])
+def test_a_push_moves_the_object_by_its_distance(seed: int, name: str) -> None:
+    """The push comes down behind the object with the gripper closed (seed 2's cube is turned:
+    its corner reaches 3.5 cm behind its centre) and moves it about `distance` along +x."""
+    world = SimWorld()
+    world.reset(seed)
+    before = {o.name: o.position for o in world.ground_truth()}[name]
+    ex = run_plan(world, f"push {name} speed=0.3 distance=0.05\nend", 15.0)
+    after = {o.name: o.position for o in world.ground_truth()}[name]
+    assert [s.name for s in ex.statuses] == ["SUCCEEDED"], ex.statuses
+    assert abs(after[0] - before[0] - 0.05) < 0.01 and abs(after[1] - before[1]) < 0.01, \
+        (before, after)
+
+
 def test_a_pick_past_the_reach_recovers_for_its_retry() -> None:
     """The scene puts seed 3's cylinder (at the table's far edge, 0.58 m from the base) 2 cm
     further out than it is: the point over it is past what the arm reaches with the tool down,

@@ -9,7 +9,7 @@ from kestrel_planner.core.executor import (
     ExecutorConfig, PlanExecutor, StepState, TargetMode,
 )
 from kestrel_planner.core.plan import SceneObject, parse_plan
-from kestrel_planner.core.skills import PUSH_BACKOFF_M
+from kestrel_planner.core.skills import PUSH_BACKOFF_M, PUSH_CONTACT_M
 
 SCENE = [SceneObject("red_cube", "red_cube", (0.4, 0.0, 0.02)),
          SceneObject("bin", "bin", (0.3, 0.3, 0.0)),
@@ -70,17 +70,40 @@ def test_target_sequence_content() -> None:
 
 
 def test_push_geometry_and_home_joint_target() -> None:
+    """PUSH: the gripper closes (open fingers reach past the tool centre and would land on
+    the object), down behind the object, along +x to `distance` past the closed fingers'
+    contact, then the gripper as it was; without transit clearance no moves over them."""
     ex = PlanExecutor(CFG)
     ex.start(parse_plan("push red_cube height=0 distance=0.1\nhome\nend"), SCENE, 0.0)
-    p1 = ex.tick(0.0, None).target
-    assert approx(p1.position, (0.4 - PUSH_BACKOFF_M, 0.0, 0.02))
-    p2 = ex.tick(0.1, p1.position).target
-    assert approx(p2.position, (0.5, 0.0, 0.02))
-    h = ex.tick(0.2, p2.position).target
+    close = ex.tick(0.0, None).target
+    assert close.mode == TargetMode.HOLD and close.gripper == 1.0
+    p1 = ex.tick(0.6, None).target
+    assert approx(p1.position, (0.4 - PUSH_BACKOFF_M, 0.0, 0.02)) and p1.gripper == 1.0
+    p2 = ex.tick(0.7, p1.position).target
+    assert approx(p2.position, (0.4 - PUSH_CONTACT_M + 0.1, 0.0, 0.02)) and p2.gripper == 1.0
+    opened = ex.tick(0.8, p2.position).target
+    assert opened.mode == TargetMode.HOLD and opened.gripper == 0.0
+    h = ex.tick(1.4, p2.position).target
     assert h.mode == TargetMode.JOINT and h.joint_positions == (0.0, -0.5, 0.5)
-    assert ex.tick(0.3, None, (0.0, -0.4, 0.5)).target is h  # 0.1 rad off: not yet
-    out = ex.tick(0.4, None, (0.01, -0.49, 0.5))
+    assert ex.tick(1.5, None, (0.0, -0.4, 0.5)).target is h  # 0.1 rad off: not yet
+    out = ex.tick(1.6, None, (0.01, -0.49, 0.5))
     assert out.target is None and ex.statuses[-1] == StepState.SUCCEEDED
+
+
+def test_a_push_goes_over_its_start_and_end_at_the_transit_clearance() -> None:
+    ex = PlanExecutor(ExecutorConfig(transit_clearance=0.12, gripper_time=0.5))
+    ex.start(parse_plan("push red_cube speed=0.2\nend"), SCENE, 0.0)
+    t, ee, seen = 0.0, None, []
+    while (tg := ex.tick(t, ee).target) is not None:
+        seen.append((tg.mode, tg.position if tg.mode == TargetMode.CARTESIAN else None,
+                     tg.gripper))
+        ee = tg.position if tg.mode == TargetMode.CARTESIAN else ee
+        t += 0.6
+    x0, x1, z = 0.4 - PUSH_BACKOFF_M, 0.4 - PUSH_CONTACT_M + 0.05, 0.02 + 0.01  # defaults
+    cart = [(round(p[0], 6), round(p[2], 6), g) for m, p, g in dict.fromkeys(seen) if p]
+    want = [(x0, 0.14, 0.0), (x0, z, 1.0), (x1, z, 1.0), (x1, 0.14, 1.0)]
+    assert cart == [(round(x, 6), round(h, 6), g) for x, h, g in want], seen
+    assert seen[-1] == (TargetMode.HOLD, None, 0.0)  # the gripper as before the push
 
 
 def test_timeout_fails_step_and_aborts_rest() -> None:

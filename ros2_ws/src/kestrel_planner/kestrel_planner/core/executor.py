@@ -14,6 +14,11 @@ arm has stalled on its way (`stall_timeout` > 0): its distance to the waypoint h
 `stall_distance` m for `stall_timeout` s (a finger on an object, the arm against an obstacle or
 a joint limit). Without feedback (ee_position None) Cartesian steps can only time out.
 
+A PUSH closes the gripper first (open fingers reach past the tool centre and would land on
+the object), comes down behind the object (skills.PUSH_BACKOFF_M, over it at the transit
+clearance first), moves along +x until the object has moved about `distance`
+(skills.PUSH_CONTACT_M), goes back up and sets the gripper as it was.
+
 After a Cartesian waypoint FAILS (with `back_off`, the default) the arm goes back to where the
 failed step began its approach (its first Cartesian waypoint, if reached: for a pick, the point
 `transit_clearance` over the object; else the last Cartesian waypoint reached), at the step's
@@ -209,6 +214,31 @@ class PlanExecutor:
             wps.append(cart(transit, 1.0))
         return wps
 
+    def _push_waypoints(self, i: int, position: Vec3, height: float, distance: float,
+                        speed: float, grip: float) -> list[_Waypoint]:
+        """PUSH of an object at `position` (m): over the start point behind it at the transit
+        clearance (if above `height`), the gripper closed (open fingers reach past the tool
+        centre and would land on the object), down to the start point, along +x to the end
+        point, back up to the clearance, the gripper as it was before."""
+        clear = self.config.transit_clearance
+        start, end = skill_points(Skill.PUSH, position, height, distance)
+        z = float(position[2]) + clear
+
+        def cart(p: Vec3, g: float) -> _Waypoint:
+            return _Waypoint("cartesian", ControlTargetSpec(
+                TargetMode.CARTESIAN, tuple(p), (), speed, g, i, Skill.PUSH.text))
+
+        def gripper(g: float) -> _Waypoint:
+            return _Waypoint("gripper", ControlTargetSpec(
+                TargetMode.HOLD, (0.0, 0.0, 0.0), (), 0.0, g, i, Skill.PUSH.text))
+
+        above = clear > height
+        wps = [cart((start[0], start[1], z), grip)] if above else []
+        wps += [gripper(1.0), cart(start, 1.0), cart(end, 1.0)]
+        if above:
+            wps.append(cart((end[0], end[1], z), 1.0))
+        return [*wps, gripper(grip)]
+
     def _expand(self, plan: Plan, objects: Sequence[SceneObject]
                 ) -> tuple[list[list[_Waypoint]], dict[int, tuple[Vec3, float, float]]]:
         """The plan's waypoints per step, and each PICK step's (object position, height,
@@ -242,6 +272,11 @@ class PlanExecutor:
                     picks[i] = (at, step.value("height"), speed)
                     wps += self._pick_waypoints(i, at, step.value("height"), speed)
                     grip = 1.0
+                    steps.append(wps)
+                    continue
+                if skill == Skill.PUSH:
+                    wps += self._push_waypoints(i, tuple(float(v) for v in obj.position),
+                                                step.value("height"), dist, speed, grip)
                     steps.append(wps)
                     continue
                 pts = skill_points(skill, obj.position, step.value("height"), dist)

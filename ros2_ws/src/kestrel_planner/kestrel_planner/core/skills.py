@@ -15,11 +15,17 @@ from enum import IntEnum
 
 __all__ = [
     "Skill", "ArgSpec", "SkillSpec", "SKILLS", "skill_by_name", "NAME_RE", "PUSH_BACKOFF_M",
-    "skill_points",
+    "PUSH_CONTACT_M", "skill_points",
 ]
 
-# PUSH starts this far behind the object (-x of the position frame), m.
-PUSH_BACKOFF_M = 0.05
+# m: PUSH comes down this far behind the object's position (-x of the position frame): the
+# closed fingers' front face (1.6 cm ahead of the tool centre) clears the corner of a 5 cm
+# cube turned 45 degrees (3.5 cm from its centre).
+PUSH_BACKOFF_M = 0.07
+# m: the tool centre's distance behind the object's position when the closed fingers touch
+# it (1.6 cm + half a 5 cm object): the push ends `distance` past that, so that the object
+# moves about `distance`.
+PUSH_CONTACT_M = 0.04
 
 # Object and skill names in the plan text: lower-case identifiers.
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
@@ -90,6 +96,10 @@ _HEIGHT = ArgSpec("height", "m", 0.05,
                   doc="end-effector clearance above the target object's position")
 _DISTANCE = ArgSpec("distance", "m", 0.05, lo=0.0,
                     doc="how far the object is pushed along +x of the position frame")
+# the fingertips reach 2 cm below the tool centre: 1 cm over the object's centre keeps them
+# off the table and pushes the object low
+_PUSH_HEIGHT = ArgSpec("height", "m", 0.01,
+                       doc="tool-centre height above the target object's position while pushing")
 
 SKILLS: dict[Skill, SkillSpec] = {
     Skill.MOVE_TO: SkillSpec(Skill.MOVE_TO, True, (_SPEED, _HEIGHT),
@@ -98,8 +108,9 @@ SKILLS: dict[Skill, SkillSpec] = {
                           "approach above the target at `height`, descend, close the gripper"),
     Skill.PLACE: SkillSpec(Skill.PLACE, True, (_SPEED, _HEIGHT),
                            "move the held object above the target at `height`, open the gripper"),
-    Skill.PUSH: SkillSpec(Skill.PUSH, True, (_SPEED, _HEIGHT, _DISTANCE),
-                          "push the target along +x by `distance` at `height`"),
+    Skill.PUSH: SkillSpec(Skill.PUSH, True, (_SPEED, _PUSH_HEIGHT, _DISTANCE),
+                          "push the target along +x by `distance` with the closed gripper at "
+                          "`height`"),
     Skill.OPEN_GRIPPER: SkillSpec(Skill.OPEN_GRIPPER, False, (), "open the gripper"),
     Skill.CLOSE_GRIPPER: SkillSpec(Skill.CLOSE_GRIPPER, False, (), "close the gripper"),
     Skill.HOME: SkillSpec(Skill.HOME, False, (), "move to the home joint configuration"),
@@ -124,5 +135,6 @@ def skill_points(skill: Skill, position: tuple[float, float, float], height: flo
     if skill == Skill.PICK:
         return [above, (x, y, z)]
     if skill == Skill.PUSH:
-        return [(x - PUSH_BACKOFF_M, y, z + height), (x + distance, y, z + height)]
+        return [(x - PUSH_BACKOFF_M, y, z + height),
+                (x - PUSH_CONTACT_M + distance, y, z + height)]
     return []
