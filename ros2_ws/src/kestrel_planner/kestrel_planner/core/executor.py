@@ -154,6 +154,20 @@ class _Waypoint:
     target: ControlTargetSpec
 
 
+def _cart(position: Sequence[float], gripper: float, speed: float, step: int, skill: str
+          ) -> _Waypoint:
+    """A Cartesian waypoint: the tool centre to `position` (m) at `speed` (m/s), the gripper
+    commanded to `gripper`, for plan step `step` (skill name `skill`)."""
+    return _Waypoint("cartesian", ControlTargetSpec(
+        TargetMode.CARTESIAN, tuple(position), (), speed, gripper, step, skill))
+
+
+def _grip(gripper: float, step: int, skill: str) -> _Waypoint:
+    """A gripper waypoint: hold the arm, command the gripper (0 open, 1 closed)."""
+    return _Waypoint("gripper", ControlTargetSpec(
+        TargetMode.HOLD, (0.0, 0.0, 0.0), (), 0.0, gripper, step, skill))
+
+
 def _dist(a: Sequence[float], b: Sequence[float]) -> float:
     return math.sqrt(sum((float(x) - float(y)) ** 2 for x, y in zip(a, b, strict=True)))
 
@@ -202,16 +216,11 @@ class PlanExecutor:
         pts = skill_points(Skill.PICK, (x, y, z), height)
         if clear > height:
             pts = [transit, *pts]  # over the target first, then down
-
-        def cart(p: Vec3, g: float) -> _Waypoint:
-            return _Waypoint("cartesian", ControlTargetSpec(
-                TargetMode.CARTESIAN, tuple(p), (), speed, g, i, Skill.PICK.text))
-
-        wps = [cart(p, 0.0) for p in pts]
-        wps.append(_Waypoint("gripper", ControlTargetSpec(
-            TargetMode.HOLD, (0.0, 0.0, 0.0), (), 0.0, 1.0, i, Skill.PICK.text)))
+        name = Skill.PICK.text
+        wps = [_cart(p, 0.0, speed, i, name) for p in pts]
+        wps.append(_grip(1.0, i, name))
         if clear > 0.0:  # lift the object before anything else moves it
-            wps.append(cart(transit, 1.0))
+            wps.append(_cart(transit, 1.0, speed, i, name))
         return wps
 
     def _push_waypoints(self, i: int, position: Vec3, height: float, distance: float,
@@ -223,21 +232,14 @@ class PlanExecutor:
         clear = self.config.transit_clearance
         start, end = skill_points(Skill.PUSH, position, height, distance)
         z = float(position[2]) + clear
-
-        def cart(p: Vec3, g: float) -> _Waypoint:
-            return _Waypoint("cartesian", ControlTargetSpec(
-                TargetMode.CARTESIAN, tuple(p), (), speed, g, i, Skill.PUSH.text))
-
-        def gripper(g: float) -> _Waypoint:
-            return _Waypoint("gripper", ControlTargetSpec(
-                TargetMode.HOLD, (0.0, 0.0, 0.0), (), 0.0, g, i, Skill.PUSH.text))
-
+        name = Skill.PUSH.text
         above = clear > height
-        wps = [cart((start[0], start[1], z), grip)] if above else []
-        wps += [gripper(1.0), cart(start, 1.0), cart(end, 1.0)]
+        wps = [_cart((start[0], start[1], z), grip, speed, i, name)] if above else []
+        wps += [_grip(1.0, i, name), _cart(start, 1.0, speed, i, name),
+                _cart(end, 1.0, speed, i, name)]
         if above:
-            wps.append(cart((end[0], end[1], z), 1.0))
-        return [*wps, gripper(grip)]
+            wps.append(_cart((end[0], end[1], z), 1.0, speed, i, name))
+        return [*wps, _grip(grip, i, name)]
 
     def _expand(self, plan: Plan, objects: Sequence[SceneObject]
                 ) -> tuple[list[list[_Waypoint]], dict[int, tuple[Vec3, float, float]]]:
@@ -251,14 +253,6 @@ class PlanExecutor:
             skill = Skill(int(step.skill))
             name = skill.text
             wps: list[_Waypoint] = []
-
-            def cart(p: Vec3, g: float, speed: float, i: int = i, name: str = name) -> _Waypoint:
-                return _Waypoint("cartesian", ControlTargetSpec(
-                    TargetMode.CARTESIAN, tuple(p), (), speed, g, i, name))
-
-            def gripper(g: float, i: int = i, name: str = name) -> _Waypoint:
-                return _Waypoint("gripper", ControlTargetSpec(
-                    TargetMode.HOLD, (0.0, 0.0, 0.0), (), 0.0, g, i, name))
 
             if skill in (Skill.MOVE_TO, Skill.PICK, Skill.PLACE, Skill.PUSH):
                 obj = scene.get(step.target_object)
@@ -285,15 +279,15 @@ class PlanExecutor:
                 transit = (x, y, z + clear)
                 if skill == Skill.PLACE and clear > step.value("height"):
                     pts = [transit, *pts]  # over the target first, then down
-                wps += [cart(p, grip, speed) for p in pts]
+                wps += [_cart(p, grip, speed, i, name) for p in pts]
                 if skill == Skill.PLACE:
                     grip = 0.0
-                    wps.append(gripper(grip))
+                    wps.append(_grip(grip, i, name))
                     if clear > 0.0:  # out of the target (the bin) before anything else moves
-                        wps.append(cart(transit, grip, speed))
+                        wps.append(_cart(transit, grip, speed, i, name))
             elif skill in (Skill.OPEN_GRIPPER, Skill.CLOSE_GRIPPER):
                 grip = 0.0 if skill == Skill.OPEN_GRIPPER else 1.0
-                wps.append(gripper(grip))
+                wps.append(_grip(grip, i, name))
             else:  # HOME
                 wps.append(_Waypoint("joint", ControlTargetSpec(
                     TargetMode.JOINT, (0.0, 0.0, 0.0), tuple(self.config.home_joint_positions),
@@ -419,9 +413,8 @@ class PlanExecutor:
                 if not back:
                     return ExecutorOutput(self.hold_target(), events)
                 t = wp.target
-                self._back = _Waypoint("cartesian", ControlTargetSpec(
-                    TargetMode.CARTESIAN, self._step_from or self._from, (), t.max_speed,
-                    self._gripper, t.step_index, "back_off"))
+                self._back = _cart(self._step_from or self._from, self._gripper,
+                                   t.max_speed, t.step_index, "back_off")
                 self._new_waypoint(now_s)
                 break
             return ExecutorOutput(wp.target, events)
@@ -468,8 +461,7 @@ class PlanExecutor:
         wps = self._pick_waypoints(self._step, (x + dx, y + dy, z), height, speed)
         start = self._step_from or self._from
         if start is not None and self.config.back_off:
-            wps.insert(0, _Waypoint("cartesian", ControlTargetSpec(
-                TargetMode.CARTESIAN, start, (), speed, 0.0, self._step, Skill.PICK.text)))
+            wps.insert(0, _cart(start, 0.0, speed, self._step, Skill.PICK.text))
         self._plan[self._step] = wps
         self._wp, self._step_from = 0, None
         self._new_waypoint(now_s)
