@@ -14,7 +14,6 @@ Success: the object in the bin and settled (the simulator's EpisodeStatus criter
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,17 +25,18 @@ for sub in ("models", "ros2_ws/src/kestrel_sim", "ros2_ws/src/kestrel_descriptio
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
-from kestrel_bringup.core_loop import run_plan  # noqa: E402
+from kestrel_bringup.core_loop import EVAL_WORLD, layouts, run_plan  # noqa: E402
 from kestrel_bringup.evaluation import (  # noqa: E402
     BIN_HALF,
     EpisodeTrace,
     markdown,
     run_record,
     summarize,
+    write_record,
 )
 from kestrel_control.core.kinematics import ArmKinematics  # noqa: E402
 from kestrel_planner.core.executor import StepState  # noqa: E402
-from kestrel_sim.core import SimWorld, SimWorldConfig  # noqa: E402
+from kestrel_sim.core import SimWorld  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,48 +53,45 @@ def main(argv: list[str] | None = None) -> int:
                              "0 = off)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    world = SimWorld(SimWorldConfig(min_objects=1, max_distractors=2))
+    world = SimWorld(EVAL_WORLD)
     kin = ArmKinematics.from_default()
     record = run_record()  # machine, commit, date: at the start
     traces, t0 = [], time.monotonic()
-    for seed in range(1, args.seeds + 1):
-        world.reset(seed)
-        for name in world.task_objects:
-            world.reset(seed)
-            start = world.sim_time_ns
-            plan = f"pick {name} speed={args.speed}\nplace bin speed={args.speed}\nend"
-            dx, dy = args.position_error
-            over = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
-            events: list = []
-            # the plan is given at the start: no scene or planning time here
-            trace = EpisodeTrace(seed=seed, goal=name, instruction=plan.replace("\n", "; "),
-                                 plan_status="accepted", plan_asked_s=0.0, plan_answered_s=0.0)
+    for seed, name in layouts(world, args.seeds):
+        start = world.sim_time_ns
+        plan = f"pick {name} speed={args.speed}\nplace bin speed={args.speed}\nend"
+        dx, dy = args.position_error
+        over = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
+        events: list = []
+        # the plan is given at the start: no scene or planning time here
+        trace = EpisodeTrace(seed=seed, goal=name, instruction=plan.replace("\n", "; "),
+                             plan_status="accepted", plan_asked_s=0.0, plan_answered_s=0.0)
 
-            def observe(t_s: float, name: str = name, trace: EpisodeTrace = trace) -> None:
-                # held and released over the bin: the failure stage, as the stack's evaluator
-                # has it from EpisodeStatus; success is judged once, at the end
-                at = {o.name: o.position for o in world.ground_truth()}
-                above = all(abs(float(g) - float(b)) <= BIN_HALF
-                           for g, b in zip(at[name][:2], at["bin"][:2], strict=True))
-                trace.observe(t_s, held=name in world.task_status().held, success=False,
-                              over_bin=above)
+        def observe(t_s: float, name: str = name, trace: EpisodeTrace = trace) -> None:
+            # held and released over the bin: the failure stage, as the stack's evaluator
+            # has it from EpisodeStatus; success is judged once, at the end
+            at = {o.name: o.position for o in world.ground_truth()}
+            above = all(abs(float(g) - float(b)) <= BIN_HALF
+                       for g, b in zip(at[name][:2], at["bin"][:2], strict=True))
+            trace.observe(t_s, held=name in world.task_status().held, success=False,
+                          over_bin=above)
 
-            ex = run_plan(world, plan, args.timeout, kin, {name: (dx, dy, 0.0)}, events,
-                          observe, **over)
-            # as the stack's evaluator: step ends and grasp retries with their messages
-            steps = plan.splitlines()
-            for e in events:
-                text = f"{steps[e.step_index]}: {e.message}" if e.message else steps[e.step_index]
-                if e.status == StepState.ACTIVE and e.message.startswith("retry"):
-                    trace.retries.append(text)
-                elif e.status >= StepState.SUCCEEDED:
-                    trace.steps.append(text)
-            trace.duration_s = (world.sim_time_ns - start) * 1e-9
-            if world.task_status().success(name):
-                trace.success_s = trace.duration_s
-            traces.append(trace)
-            print(f"seed {seed} {name}: {trace.stage} "
-                  f"({', '.join(s.name.lower() for s in ex.statuses)})", flush=True)
+        ex = run_plan(world, plan, args.timeout, kin, {name: (dx, dy, 0.0)}, events,
+                      observe, **over)
+        # as the stack's evaluator: step ends and grasp retries with their messages
+        steps = plan.splitlines()
+        for e in events:
+            text = f"{steps[e.step_index]}: {e.message}" if e.message else steps[e.step_index]
+            if e.status == StepState.ACTIVE and e.message.startswith("retry"):
+                trace.retries.append(text)
+            elif e.status >= StepState.SUCCEEDED:
+                trace.steps.append(text)
+        trace.duration_s = (world.sim_time_ns - start) * 1e-9
+        if world.task_status().success(name):
+            trace.success_s = trace.duration_s
+        traces.append(trace)
+        print(f"seed {seed} {name}: {trace.stage} "
+              f"({', '.join(s.name.lower() for s in ex.statuses)})", flush=True)
     cmd = "python scripts/eval_pick_place.py " + " ".join(sys.argv[1:] if argv is None else argv)
     summary = summarize(traces, {**vars(args), "control_hz": 500, "planner_hz": 20,
                                  "wall_s": round(time.monotonic() - t0, 1)})
@@ -119,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                  "\n")
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-        out.with_suffix(".md").write_text(text)
+        write_record(args.out, summary, text)
     return 0
 
 

@@ -14,7 +14,6 @@ beside it. Writes <out>.json and <out>.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import Counter
@@ -27,11 +26,11 @@ for sub in ("models", "ros2_ws/src/kestrel_sim", "ros2_ws/src/kestrel_descriptio
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
-from kestrel_bringup.core_loop import run_plan  # noqa: E402
-from kestrel_bringup.evaluation import run_record  # noqa: E402
+from kestrel_bringup.core_loop import EVAL_WORLD, layouts, run_plan  # noqa: E402
+from kestrel_bringup.evaluation import run_record, write_record  # noqa: E402
 from kestrel_control.core.kinematics import ArmKinematics  # noqa: E402
 from kestrel_planner.core.executor import StepState  # noqa: E402
-from kestrel_sim.core import SimWorld, SimWorldConfig  # noqa: E402
+from kestrel_sim.core import SimWorld  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,27 +42,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=15.0, help="sim s per episode")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    world = SimWorld(SimWorldConfig(min_objects=1, max_distractors=2))
+    world = SimWorld(EVAL_WORLD)
     kin = ArmKinematics.from_default()
     record = run_record()  # machine, commit, date: at the start
     episodes, t0 = [], time.monotonic()
-    for seed in range(1, args.seeds + 1):
-        world.reset(seed)
-        for name in world.task_objects:
-            world.reset(seed)
-            before = {o.name: o.position for o in world.ground_truth()}[name]
-            events: list = []
-            ex = run_plan(world, f"push {name} speed={args.speed} distance={args.distance}"
-                          "\nend", args.timeout, kin, events=events)
-            after = {o.name: o.position for o in world.ground_truth()}[name]
-            dx, dy = (float(a - b) for a, b in zip(after[:2], before[:2], strict=True))
-            failed = [e.message for e in events if e.status == StepState.FAILED]
-            episodes.append({
-                "seed": seed, "object": name, "moved_m": [round(dx, 4), round(dy, 4)],
-                "moved": abs(dx - args.distance) <= args.tolerance and abs(dy) <= args.tolerance,
-                "step": ex.statuses[0].name.lower(), "failure": failed[0] if failed else ""})
-            print(f"seed {seed} {name}: moved ({dx:.3f}, {dy:.3f}) m, "
-                  f"step {episodes[-1]['step']}", flush=True)
+    for seed, name in layouts(world, args.seeds):
+        before = {o.name: o.position for o in world.ground_truth()}[name]
+        events: list = []
+        ex = run_plan(world, f"push {name} speed={args.speed} distance={args.distance}"
+                      "\nend", args.timeout, kin, events=events)
+        after = {o.name: o.position for o in world.ground_truth()}[name]
+        dx, dy = (float(a - b) for a, b in zip(after[:2], before[:2], strict=True))
+        failed = [e.message for e in events if e.status == StepState.FAILED]
+        episodes.append({
+            "seed": seed, "object": name, "moved_m": [round(dx, 4), round(dy, 4)],
+            "moved": abs(dx - args.distance) <= args.tolerance and abs(dy) <= args.tolerance,
+            "step": ex.statuses[0].name.lower(), "failure": failed[0] if failed else ""})
+        print(f"seed {seed} {name}: moved ({dx:.3f}, {dy:.3f}) m, "
+              f"step {episodes[-1]['step']}", flush=True)
     summary = {"schema": "kestrel_push_eval/1", "config": {**vars(args), "control_hz": 500,
                "planner_hz": 20, "wall_s": round(time.monotonic() - t0, 1)},
                "command": "python scripts/eval_push.py " + " ".join(
@@ -71,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(summary)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-        out.with_suffix(".md").write_text(text)
+        write_record(args.out, summary, text)
     return 0
 
 

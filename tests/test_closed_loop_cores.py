@@ -5,10 +5,28 @@ ground truth (object in the bin and settled)."""
 
 from __future__ import annotations
 
+import mujoco
 import pytest
 
-from kestrel_bringup.core_loop import run_plan
+from kestrel_bringup.core_loop import EVAL_WORLD, layouts, run_plan
 from kestrel_sim.core import SimWorld, SimWorldConfig
+
+
+def test_layouts_give_every_task_object_of_each_seed_its_own_reset_layout() -> None:
+    world, ref = SimWorld(EVAL_WORLD), SimWorld(EVAL_WORLD)
+    seen = []
+    for seed, name in layouts(world, 3):
+        ref.reset(seed)
+        assert name in ref.task_objects and world.task_objects == ref.task_objects
+        # as reset, whatever ran before
+        assert [tuple(o.position) for o in world.ground_truth()] == \
+            [tuple(o.position) for o in ref.ground_truth()]
+        seen.append((seed, name))
+        # an episode moves things (here: the object 10 cm along x); the next starts as reset
+        joint = mujoco.mj_name2id(world.model, mujoco.mjtObj.mjOBJ_JOINT, f"{name}_free")
+        world.data.qpos[world.model.jnt_qposadr[joint]] += 0.1
+        world.step(10)
+    assert seen == [(s, n) for s in (1, 2, 3) for n in (ref.reset(s) or ref.task_objects)]
 
 
 @pytest.mark.parametrize("name", ["red_cube", "blue_cylinder"])

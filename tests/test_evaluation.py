@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kestrel_bringup.evaluation import (STAGES, EpisodeTrace, markdown, summarize,
-                                        wilson_interval)
+                                        wilson_interval, write_record)
 
 
 def trace(**kw) -> EpisodeTrace:
@@ -238,3 +238,11 @@ def test_grasp_retries_are_counted_and_named() -> None:
             in markdown(summary))
     none = markdown(summarize([trace(plan_status="accepted", success_s=13.0)]))
     assert "Grasp retries: 0 in 0 episodes." in none
+
+
+def test_write_record_writes_the_summary_and_its_report(tmp_path) -> None:
+    import json
+
+    write_record(tmp_path / "new" / "x_cpu", {"episodes": 2}, "# report\n")
+    assert json.loads((tmp_path / "new" / "x_cpu.json").read_text()) == {"episodes": 2}
+    assert (tmp_path / "new" / "x_cpu.md").read_text() == "# report\n"

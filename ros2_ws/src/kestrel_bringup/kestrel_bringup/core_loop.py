@@ -12,7 +12,7 @@ simulator's ground truth (no perception): what the robot side of the loop achiev
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -23,12 +23,25 @@ from kestrel_control.core.policy_runner import RunnerConfig
 from kestrel_planner.core.executor import PlanExecutor, StepEvent, TargetMode
 from kestrel_planner.core.plan import SceneObject, parse_plan
 from kestrel_planner.params import SPECS, executor_config
-from kestrel_sim.core import SimWorld
+from kestrel_sim.core import SimWorld, SimWorldConfig
 
 CONTROL_HZ, PLANNER_HZ = 500.0, 20.0
 # the planner node's defaults (kestrel_planner.params), so this loop runs what the stack runs
 _DEFAULTS = {s.name: s.default for s in SPECS}
 TRANSIT_CLEARANCE = _DEFAULTS["transit_clearance"]  # m
+# the evaluations through the cores (scripts/eval_pick_place.py, eval_push.py): 1-3 task
+# objects and 0-2 distractors per seeded layout
+EVAL_WORLD = SimWorldConfig(min_objects=1, max_distractors=2)
+
+
+def layouts(world: SimWorld, seeds: int) -> Iterator[tuple[int, str]]:
+    """(seed, task object) for every task object of the layouts of seeds 1..`seeds`, the world
+    reset to that seed's layout before each: one episode per object."""
+    for seed in range(1, seeds + 1):
+        world.reset(seed)
+        for name in world.task_objects:
+            world.reset(seed)
+            yield seed, name
 
 
 def run_plan(world: SimWorld, plan_text: str, seconds: float,

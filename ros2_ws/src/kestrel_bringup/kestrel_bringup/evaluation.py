@@ -17,9 +17,11 @@ Failure attribution, first that applies:
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 STAGES = ("success", "perception_miss", "plan_rejected", "reach_timeout", "grasp_slip",
@@ -313,3 +315,11 @@ def run_record(device: str = "cpu") -> dict[str, Any]:
             machine["class"] = gpu_class(machine["gpu"])
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return {"machine": machine, "commit": git_commit(os.getcwd()), "date": date}
+
+
+def write_record(out: str | Path, summary: dict, text: str) -> None:
+    """<out>.json (the summary) and <out>.md (its report), the folder made when missing."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    path.with_suffix(".md").write_text(text)
