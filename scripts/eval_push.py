@@ -27,7 +27,7 @@ for sub in ("models", "ros2_ws/src/kestrel_sim", "ros2_ws/src/kestrel_descriptio
         sys.path.insert(0, str(ROOT / sub))
 
 from kestrel_bringup.core_loop import EVAL_WORLD, layouts, run_plan  # noqa: E402
-from kestrel_bringup.evaluation import run_record, write_record  # noqa: E402
+from kestrel_bringup.evaluation import record_lines, run_record, write_record  # noqa: E402
 from kestrel_control.core.kinematics import ArmKinematics  # noqa: E402
 from kestrel_planner.core.executor import StepState  # noqa: E402
 from kestrel_sim.core import SimWorld  # noqa: E402
@@ -73,12 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(summary: dict) -> str:
     """Per object: episodes, moved as asked, steps succeeded; then each episode not both."""
-    cfg, m, eps = summary["config"], summary["machine"], summary["episodes"]
+    cfg, eps = summary["config"], summary["episodes"]
     lines = ["# Push through the cores (ground-truth object positions)", "",
-             f"Command: `{summary['command']}`", "",
-             f"- machine: {m.get('class', '?')}, {m.get('cpu_model', '?')}, "
-             f"{m.get('cpus', '?')} CPUs", f"- commit: `{summary['commit']}`, date: "
-             f"{summary['date']}", "",
+             f"Command: `{summary['command']}`", "", *record_lines(summary),
              f"Moved: the object moved {cfg['distance']} m +- {cfg['tolerance']} m along +x "
              f"and at most {cfg['tolerance']} m sideways.", "",
              "| object | episodes | moved | step succeeded |", "|---|---|---|---|"]

@@ -209,19 +209,25 @@ def summarize(traces: list[EpisodeTrace], config: dict[str, Any] | None = None) 
     }
 
 
+def record_lines(summary: dict) -> list[str]:
+    """The report's machine and commit lines (run_record's fields), then a blank line; none
+    when the summary has no machine."""
+    m = summary.get("machine")
+    if not m:
+        return []
+    gpu = f"{m['gpu']}, " if m.get("gpu") else ""
+    return [f"- machine: {m.get('class', '?')}, {gpu}{m.get('cpu_model', '?')}, "
+            f"{m.get('cpus', '?')} CPUs, load {m.get('loadavg_1m', '?')} at the start",
+            f"- commit: `{summary.get('commit', '?')}`, date: {summary.get('date', '?')}", ""]
+
+
 def markdown(summary: dict, command: str = "") -> str:
     """The summary as a short markdown report."""
     lo, hi = summary["success_ci95"]
     lines = ["# Closed-loop evaluation", ""]
     if command:
         lines += [f"Command: `{command}`", ""]
-    m = summary.get("machine")
-    if m:
-        gpu = f"{m['gpu']}, " if m.get("gpu") else ""
-        lines += [f"- machine: {m.get('class', '?')}, {gpu}{m.get('cpu_model', '?')}, "
-                  f"{m.get('cpus', '?')} CPUs, load {m.get('loadavg_1m', '?')} at the start",
-                  f"- commit: `{summary.get('commit', '?')}`, date: {summary.get('date', '?')}",
-                  ""]
+    lines += record_lines(summary)
     planned = summary.get("episodes_planned", summary["episodes"])
     if planned > summary["episodes"]:
         lines += [f"**Interrupted: {summary['episodes']} of {planned} episodes ran.**", ""]
