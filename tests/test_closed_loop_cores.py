@@ -39,6 +39,24 @@ def test_pick_and_place_plan_succeeds(name: str) -> None:
     assert status.success(name), status
 
 
+def test_a_plan_without_speeds_runs_at_the_planner_nodes_default_speed() -> None:
+    """As the node: steps that name no speed get default_speed (the same episode, step for
+    step, as the plan that names it)."""
+    from kestrel_planner.params import SPECS
+
+    speed = next(s.default for s in SPECS if s.name == "default_speed")
+    ends = []
+    for plan in ("pick red_cube\nplace bin\nend",
+                 f"pick red_cube speed={speed}\nplace bin speed={speed}\nend"):
+        world = SimWorld()
+        world.reset(0)
+        start = world.sim_time_ns
+        run_plan(world, plan, 20.0)
+        assert world.task_status().success("red_cube")
+        ends.append(world.sim_time_ns - start)
+    assert ends[0] == ends[1], ends
+
+
 def test_pick_and_place_in_the_far_corner() -> None:
     """Seed 47 puts the cylinder in the table's far corner (0.46, -0.36): with the tool
     pointing down the arm does not reach 15 cm above it, and the pick's first waypoint (over

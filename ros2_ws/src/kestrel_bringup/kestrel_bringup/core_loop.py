@@ -21,7 +21,7 @@ from kestrel_control.core.ik_runner import MODE_CARTESIAN, MODE_HOLD, IkRunner
 from kestrel_control.core.kinematics import ArmKinematics
 from kestrel_control.core.policy_runner import RunnerConfig
 from kestrel_planner.core.executor import PlanExecutor, StepEvent, TargetMode
-from kestrel_planner.core.plan import SceneObject, parse_plan
+from kestrel_planner.core.plan import SceneObject, fill_defaults, parse_plan
 from kestrel_planner.params import SPECS, executor_config
 from kestrel_sim.core import SimWorld, SimWorldConfig
 
@@ -70,7 +70,10 @@ def run_plan(world: SimWorld, plan_text: str, seconds: float,
                                      strict=True)))
              for o in world.ground_truth()]
     log = events if events is not None else []
-    log += ex.start(parse_plan(plan_text), scene, 0.0)
+    plan = parse_plan(plan_text)
+    # as the planner node: a step that names no speed gets its default_speed
+    fill_defaults(plan, {"speed": _DEFAULTS["default_speed"]})
+    log += ex.start(plan, scene, 0.0)
     robot = runner.robots[0]
     sub = round(1.0 / CONTROL_HZ / world.config.timestep_s)
     every = round(CONTROL_HZ / PLANNER_HZ)
