@@ -86,6 +86,23 @@ def test_a_push_moves_the_object_by_its_distance(seed: int, name: str) -> None:
         (before, after)
 
 
+@pytest.mark.parametrize(("seed", "name"), [(12, "blue_cylinder"), (20, "red_cube")])
+def test_a_push_stroke_at_push_speed_neither_tips_nor_wedges(seed: int, name: str) -> None:
+    """The arm's position servos lag their command in proportion to speed. Stroked at the
+    step's 0.3 m/s, the tool centre trails about 1.5 cm high: seed 12's 8 cm cylinder tips
+    against the fingers, and on seed 20's cube the fingers wedge on its face (friction holds
+    the arm up, the cube is pressed into the table) 1.2 cm short of the end. At the planner's
+    push_speed both move 5 +- 1 cm along x (the turned cube drifts 1.2 cm sideways)."""
+    world = SimWorld(EVAL_WORLD)
+    world.reset(seed)
+    before = {o.name: o.position for o in world.ground_truth()}[name]
+    ex = run_plan(world, f"push {name} speed=0.3 distance=0.05\nend", 15.0)
+    after = {o.name: o.position for o in world.ground_truth()}[name]
+    assert [s.name for s in ex.statuses] == ["SUCCEEDED"], ex.statuses
+    assert abs(after[0] - before[0] - 0.05) < 0.01 and abs(after[1] - before[1]) < 0.015, \
+        (before, after)
+
+
 def test_a_pick_past_the_reach_recovers_for_its_retry() -> None:
     """The scene puts seed 3's cylinder (at the table's far edge, 0.58 m from the base) 2 cm
     further out than it is: the point over it is past what the arm reaches with the tool down,

@@ -29,6 +29,7 @@ CONTROL_HZ, PLANNER_HZ = 500.0, 20.0
 # the planner node's defaults (kestrel_planner.params), so this loop runs what the stack runs
 _DEFAULTS = {s.name: s.default for s in SPECS}
 TRANSIT_CLEARANCE = _DEFAULTS["transit_clearance"]  # m
+PUSH_SPEED = _DEFAULTS["push_speed"]  # m/s
 # the evaluations through the cores (scripts/eval_pick_place.py, eval_push.py): 1-3 task
 # objects and 0-2 distractors per seeded layout
 EVAL_WORLD = SimWorldConfig(min_objects=1, max_distractors=2)

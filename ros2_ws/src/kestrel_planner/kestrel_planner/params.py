@@ -145,6 +145,10 @@ SPECS = [
               "at once; 0 = off, s.", min=0.0, max=60.0),
     ParamSpec("stall_distance", 0.005, "Progress toward a Cartesian waypoint that counts as "
               "moving for stall_timeout, m.", min=0.001, max=0.1),
+    ParamSpec("push_speed", 0.05, "Top speed of a push's stroke (the move along +x with the "
+              "object in contact), m/s; the step's speed where lower. A position-servoed arm "
+              "lags its command in proportion to its speed: a tool centre trailing high tips "
+              "tall objects and wedges the fingers on a cube's face.", min=0.01, max=5.0),
     ParamSpec("position_tolerance", 0.01, "Waypoint reached within, m.", check=_positive),
     ParamSpec("gripper_time", 0.5, "Wait after a gripper command, s.", min=0.0, max=30.0),
     ParamSpec("transit_clearance", 0.12, "A pick or a place first goes this far above its "
@@ -222,7 +226,7 @@ def executor_config(p: dict) -> ExecutorConfig:
         tuple(p["home_joint_positions"]), transit_clearance=p["transit_clearance"],
         back_off=p["back_off"], grasp_retries=p["grasp_retries"],
         grasp_retry_offset=p["grasp_retry_offset"], stall_timeout=p["stall_timeout"],
-        stall_distance=p["stall_distance"])
+        stall_distance=p["stall_distance"], push_speed=p["push_speed"])
 
 
 def planner_configs(p: dict) -> tuple[PlannerConfig, ExecutorConfig]:

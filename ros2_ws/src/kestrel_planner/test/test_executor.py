@@ -106,6 +106,27 @@ def test_a_push_goes_over_its_start_and_end_at_the_transit_clearance() -> None:
     assert seen[-1] == (TargetMode.HOLD, None, 0.0)  # the gripper as before the push
 
 
+def test_a_push_stroke_runs_at_most_at_push_speed() -> None:
+    """The stroke (the move along +x with the object in contact) runs at min(step speed,
+    push_speed); the other moves at the step's speed. A bad push_speed names the parameter."""
+    for step_speed, push_speed, want in ((0.3, 0.05, 0.05), (0.03, 0.05, 0.03)):
+        ex = PlanExecutor(ExecutorConfig(transit_clearance=0.12, push_speed=push_speed))
+        ex.start(parse_plan(f"push red_cube speed={step_speed}\nend"), SCENE, 0.0)
+        t, ee, speeds = 0.0, None, {}
+        while (tg := ex.tick(t, ee).target) is not None:
+            if tg.mode == TargetMode.CARTESIAN:
+                speeds[tg.position] = tg.max_speed
+                ee = tg.position
+            t += 0.6
+        stroke_end = (0.4 - PUSH_CONTACT_M + 0.05, 0.0, 0.03)
+        ends = {tuple(round(v, 6) for v in p): s for p, s in speeds.items()}
+        assert ends.pop(tuple(round(v, 6) for v in stroke_end)) == want, speeds
+        assert set(ends.values()) == {step_speed}, speeds
+    for bad in (0.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="parameter 'push_speed'"):
+            ExecutorConfig(push_speed=bad)
+
+
 def test_timeout_fails_step_and_aborts_rest() -> None:
     ex = PlanExecutor(CFG)
     ex.start(parse_plan("move_to bin\nhome\nend"), SCENE, 10.0)

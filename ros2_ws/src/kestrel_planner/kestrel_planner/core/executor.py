@@ -17,7 +17,10 @@ a joint limit). Without feedback (ee_position None) Cartesian steps can only tim
 A PUSH closes the gripper first (open fingers reach past the tool centre and would land on
 the object), comes down behind the object (skills.PUSH_BACKOFF_M, over it at the transit
 clearance first), moves along +x until the object has moved about `distance`
-(skills.PUSH_CONTACT_M), goes back up and sets the gripper as it was.
+(skills.PUSH_CONTACT_M), goes back up and sets the gripper as it was. The stroke along +x, in
+contact with the object, runs at most at `push_speed`: a position-servoed arm lags its command
+in proportion to its speed, and a tool centre that trails high pushes the object above its
+centre (a cylinder tips) or wedges the fingers on its face (friction holds the arm up).
 
 After a Cartesian waypoint FAILS (with `back_off`, the default) the arm goes back to where the
 failed step began its approach (its first Cartesian waypoint, if reached: for a pick, the point
@@ -116,9 +119,11 @@ class ExecutorConfig:
     # `stall_timeout` s (0 = off: only step_timeout)
     stall_timeout: float = 0.0  # s
     stall_distance: float = 0.005  # m
+    push_speed: float = 0.05  # m/s, top speed of a PUSH's stroke (module doc)
 
     def __post_init__(self) -> None:
-        for name in ("position_tolerance", "step_timeout", "joint_tolerance", "home_speed"):
+        for name in ("position_tolerance", "step_timeout", "joint_tolerance", "home_speed",
+                     "push_speed"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"parameter '{name}' = {v!r}: must be finite and > 0")
@@ -228,7 +233,8 @@ class PlanExecutor:
         """PUSH of an object at `position` (m): over the start point behind it at the transit
         clearance (if above `height`), the gripper closed (open fingers reach past the tool
         centre and would land on the object), down to the start point, along +x to the end
-        point, back up to the clearance, the gripper as it was before."""
+        point (at most at `push_speed`), back up to the clearance, the gripper as it was
+        before."""
         clear = self.config.transit_clearance
         start, end = skill_points(Skill.PUSH, position, height, distance)
         z = float(position[2]) + clear
@@ -236,7 +242,7 @@ class PlanExecutor:
         above = clear > height
         wps = [_cart((start[0], start[1], z), grip, speed, i, name)] if above else []
         wps += [_grip(1.0, i, name), _cart(start, 1.0, speed, i, name),
-                _cart(end, 1.0, speed, i, name)]
+                _cart(end, 1.0, min(speed, self.config.push_speed), i, name)]
         if above:
             wps.append(_cart((end[0], end[1], z), 1.0, speed, i, name))
         return [*wps, _grip(grip, i, name)]
