@@ -6,6 +6,7 @@ ground truth (object in the bin and settled)."""
 from __future__ import annotations
 
 import mujoco
+import numpy as np
 import pytest
 
 from kestrel_bringup.core_loop import EVAL_WORLD, layouts, run_plan
@@ -101,6 +102,26 @@ def test_a_push_stroke_at_push_speed_neither_tips_nor_wedges(seed: int, name: st
     assert [s.name for s in ex.statuses] == ["SUCCEEDED"], ex.statuses
     assert abs(after[0] - before[0] - 0.05) < 0.01 and abs(after[1] - before[1]) < 0.015, \
         (before, after)
+
+
+@pytest.mark.parametrize(("top", "base"), [("red_cube", "blue_cylinder"),
+                                          ("blue_cylinder", "green_cube")])
+def test_stacking_onto_or_with_a_taller_object_releases_on_contact(top: str, base: str) -> None:
+    """'stack A on B' is 'pick A; place B': the place lowers A's centre to 5 cm over B's, right
+    for two 5 cm cubes. With the 8 cm cylinder on either side, A lands on B 1.5 cm before that
+    and the arm stalls: the place releases there (place_contact_height) and A rests on B.
+    Without it the step failed and the arm backed off holding A."""
+    world = SimWorld(EVAL_WORLD)
+    world.reset(17)
+    events: list = []
+    ex = run_plan(world, f"pick {top}\nplace {base}\nend", 30.0, events=events)
+    assert [s.name for s in ex.statuses] == ["SUCCEEDED"] * 2, ex.statuses
+    assert any(e.message.startswith("landed") for e in events)
+    gt = {o.name: o for o in world.ground_truth()}
+    a, b = gt[top], gt[base]
+    gap = (a.position[2] - a.size[2] / 2) - (b.position[2] + b.size[2] / 2)
+    assert abs(gap) < 0.01 and np.hypot(*(a.position[:2] - b.position[:2])) < 0.01, (a, b)
+    assert top not in world.task_status().held
 
 
 def test_a_pick_past_the_reach_recovers_for_its_retry() -> None:

@@ -149,6 +149,11 @@ SPECS = [
               "object in contact), m/s; the step's speed where lower. A position-servoed arm "
               "lags its command in proportion to its speed: a tool centre trailing high tips "
               "tall objects and wedges the fingers on a cube's face.", min=0.01, max=5.0),
+    ParamSpec("place_contact_height", 0.05, "A place whose lowering stops (stalled or timed "
+              "out) with the tool centre straight above its point and at most this far over it "
+              "opens the gripper there: the held object rests on a target taller than the "
+              "plan's height allowed for (stacking on a cylinder); 0 = off: such a place fails, "
+              "m.", min=0.0, max=0.2),
     ParamSpec("position_tolerance", 0.01, "Waypoint reached within, m.", check=_positive),
     ParamSpec("gripper_time", 0.5, "Wait after a gripper command, s.", min=0.0, max=30.0),
     ParamSpec("transit_clearance", 0.12, "A pick or a place first goes this far above its "
@@ -226,7 +231,8 @@ def executor_config(p: dict) -> ExecutorConfig:
         tuple(p["home_joint_positions"]), transit_clearance=p["transit_clearance"],
         back_off=p["back_off"], grasp_retries=p["grasp_retries"],
         grasp_retry_offset=p["grasp_retry_offset"], stall_timeout=p["stall_timeout"],
-        stall_distance=p["stall_distance"], push_speed=p["push_speed"])
+        stall_distance=p["stall_distance"], push_speed=p["push_speed"],
+        place_contact_height=p["place_contact_height"])
 
 
 def planner_configs(p: dict) -> tuple[PlannerConfig, ExecutorConfig]:

@@ -388,3 +388,47 @@ def test_a_stalled_pick_is_retried_without_waiting_for_its_timeout() -> None:
                                      for m in retries)
     # every target was sent on a 0.05 s tick: 2 stalls of ~0.55 s, not 2 timeouts of > 10 s
     assert len(targets) * 0.05 < 6.0
+
+
+def _place_stopped_at(cfg: ExecutorConfig, stop: tuple[float, float, float]
+                      ) -> tuple[PlanExecutor, list, list]:
+    """'place red_cube' (the held object onto the cube, no transit clearance: the lowering
+    point is the step's first waypoint): the arm moves until `stop` (offset, m, from the
+    lowering point) and stays there. Returns the executor, its events and the targets."""
+    ex = PlanExecutor(cfg)
+    ex.start(parse_plan("place red_cube speed=0.1\nend"), SCENE, 0.0)
+    point = ex.tick(0.0, None).target.position
+    ee = tuple(p + s for p, s in zip(point, stop, strict=True))
+    events, targets = [], []
+    for k in range(200):
+        out = ex.tick(round(0.05 * k, 2), ee)
+        events += out.events
+        targets.append(out.target)
+        if not ex.running:
+            break
+    return ex, events, targets
+
+
+def test_a_place_stopped_straight_over_its_point_releases_there() -> None:
+    """The held object lands on a taller target 2 cm before the tool centre reaches the
+    place point: the stall counts as the point reached (an ACTIVE 'landed' event) and the
+    gripper opens there. Stopped 2 cm to the side, 6 cm over it, or with
+    place_contact_height 0, the place fails as before."""
+    cfg = ExecutorConfig(position_tolerance=0.01, step_timeout=30.0, stall_timeout=1.0,
+                         place_contact_height=0.05)
+    ex, events, targets = _place_stopped_at(cfg, (0.0, 0.0, 0.02))
+    assert ex.statuses == [StepState.SUCCEEDED]
+    landed = [e for e in events if e.message.startswith("landed")]
+    assert len(landed) == 1 and landed[0].status == StepState.ACTIVE
+    assert "2.0 cm over the place point" in landed[0].message, landed[0].message
+    assert any(t is not None and t.mode == TargetMode.HOLD and t.gripper == 0.0
+               for t in targets)  # the gripper opened
+    for stop, c in (((0.02, 0.0, 0.02), cfg), ((0.0, 0.0, 0.06), cfg),
+                    ((0.0, 0.0, 0.02), ExecutorConfig(position_tolerance=0.01,
+                                                      step_timeout=30.0, stall_timeout=1.0))):
+        ex, events, _ = _place_stopped_at(c, stop)
+        assert ex.statuses == [StepState.FAILED], (stop, events)
+        assert not any(e.message.startswith("landed") for e in events)
+    for bad in (-0.01, 0.3, float("nan")):
+        with pytest.raises(ValueError, match="parameter 'place_contact_height'"):
+            ExecutorConfig(place_contact_height=bad)

@@ -22,6 +22,15 @@ contact with the object, runs at most at `push_speed`: a position-servoed arm la
 in proportion to its speed, and a tool centre that trails high pushes the object above its
 centre (a cylinder tips) or wedges the fingers on its face (friction holds the arm up).
 
+A PLACE lowers the held object to `height` over its target's position: right for a bin, or
+for stacking two objects of the same height; onto a taller object (or holding a taller one)
+the object lands on the target before the tool centre gets there, and the arm stalls. When the
+point a PLACE lowers to fails (stalled or timed out) with the tool centre straight above it
+(within `position_tolerance` sideways) and at most `place_contact_height` m over it, the
+object rests on what stopped it: the waypoint counts as reached (an ACTIVE StepEvent says so)
+and the gripper opens there. Stopped higher up or off to the side (an object caught on the
+bin's wall) the step fails as any other.
+
 After a Cartesian waypoint FAILS (with `back_off`, the default) the arm goes back to where the
 failed step began its approach (its first Cartesian waypoint, if reached: for a pick, the point
 `transit_clearance` over the object; else the last Cartesian waypoint reached), at the step's
@@ -44,6 +53,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -120,6 +130,9 @@ class ExecutorConfig:
     stall_timeout: float = 0.0  # s
     stall_distance: float = 0.005  # m
     push_speed: float = 0.05  # m/s, top speed of a PUSH's stroke (module doc)
+    # m: a PLACE stopped on its way down at most this far straight above its point releases
+    # there (module doc); 0 = off: such a place fails
+    place_contact_height: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("position_tolerance", "step_timeout", "joint_tolerance", "home_speed",
@@ -145,6 +158,10 @@ class ExecutorConfig:
         if not (math.isfinite(self.transit_clearance) and self.transit_clearance >= 0):
             raise ValueError(f"parameter 'transit_clearance' = {self.transit_clearance!r}: "
                              "must be >= 0")
+        if not (math.isfinite(self.place_contact_height) and
+                0.0 <= self.place_contact_height <= 0.2):
+            raise ValueError(f"parameter 'place_contact_height' = "
+                             f"{self.place_contact_height!r}: must be in [0, 0.2] m")
 
 
 @dataclass
@@ -157,6 +174,7 @@ class ExecutorOutput:
 class _Waypoint:
     kind: str  # "cartesian" | "gripper" | "joint"
     target: ControlTargetSpec
+    lands: bool = False  # a PLACE's lowering point: contact short of it releases (module doc)
 
 
 def _cart(position: Sequence[float], gripper: float, speed: float, step: int, skill: str
@@ -287,6 +305,7 @@ class PlanExecutor:
                     pts = [transit, *pts]  # over the target first, then down
                 wps += [_cart(p, grip, speed, i, name) for p in pts]
                 if skill == Skill.PLACE:
+                    wps[-1] = dataclasses.replace(wps[-1], lands=True)
                     grip = 0.0
                     wps.append(_grip(grip, i, name))
                     if clear > 0.0:  # out of the target (the bin) before anything else moves
@@ -381,7 +400,16 @@ class PlanExecutor:
             wp = wps[self._wp]
             if self._move_s is None:
                 self._move_s = self._move_time(wp, ee_position, joint_positions)
-            if self._reached(wp, now_s, ee_position, joint_positions):
+            reached, why = self._reached(wp, now_s, ee_position, joint_positions), None
+            if not reached:
+                why = self._failure(wp, now_s, ee_position, len(wps))
+                if why is not None and (landed := self._landed(wp, ee_position)) is not None:
+                    events.append(self._event(
+                        self._step, StepState.ACTIVE,
+                        f"landed: {why}; {100 * landed:.1f} cm over the place point, straight "
+                        "above it: the object rests on what stopped it, released there"))
+                    reached, why = True, None
+            if reached:
                 if wp.kind == "gripper":
                     self._gripper = wp.target.gripper
                 elif wp.kind == "cartesian":
@@ -399,12 +427,6 @@ class PlanExecutor:
                     events.append(self._event(self._step, StepState.ACTIVE,
                                               self._names[self._step]))
                 continue
-            late = now_s - self._t_wp - self._move_s
-            why = self._stalled(wp, now_s, ee_position, len(wps))
-            if why is None and late > self.config.step_timeout:
-                why = (f"timeout: waypoint {self._wp + 1}/{len(wps)} not reached "
-                       f"{now_s - self._t_wp:.1f} s after it was set (its move: "
-                       f"{self._move_s:.1f} s, step_timeout {self.config.step_timeout:.1f} s)")
             if why is not None:
                 if self._can_retry(wps):
                     events.append(self._retry(now_s, why))
@@ -432,6 +454,31 @@ class PlanExecutor:
         """A waypoint (or the back-off) is set now: its clock, move time and stall watch start
         afresh."""
         self._t_wp, self._move_s, self._near = now_s, None, None
+
+    def _failure(self, wp: _Waypoint, now_s: float, ee: Sequence[float] | None,
+                 n_wps: int) -> str | None:
+        """Why the waypoint `wp` (not reached) fails now: stalled or timed out; else None."""
+        why = self._stalled(wp, now_s, ee, n_wps)
+        if why is None and now_s - self._t_wp - self._move_s > self.config.step_timeout:
+            why = (f"timeout: waypoint {self._wp + 1}/{n_wps} not reached "
+                   f"{now_s - self._t_wp:.1f} s after it was set (its move: "
+                   f"{self._move_s:.1f} s, step_timeout {self.config.step_timeout:.1f} s)")
+        return why
+
+    def _landed(self, wp: _Waypoint, ee: Sequence[float] | None) -> float | None:
+        """m the tool centre is over a PLACE's lowering point `wp` when it stopped there
+        straight above it (within position_tolerance sideways, at most place_contact_height
+        over it): the held object landed on something taller than the plan's height allowed
+        for. None otherwise."""
+        c = self.config
+        if not wp.lands or ee is None or c.place_contact_height <= 0:
+            return None
+        (x, y, z), (ex, ey, ez) = wp.target.position, ee
+        over = float(ez) - z
+        if math.hypot(float(ex) - x, float(ey) - y) > c.position_tolerance or \
+                not 0.0 <= over <= c.place_contact_height:
+            return None
+        return over
 
     def _stalled(self, wp: _Waypoint, now_s: float, ee: Sequence[float] | None,
                  n_wps: int) -> str | None:
