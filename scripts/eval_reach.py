@@ -26,11 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for sub in ("models", "tools", "ros2_ws/src/kestrel_sim", "ros2_ws/src/kestrel_description",
-            "ros2_ws/src/kestrel_control", "ros2_ws/src/kestrel_common", "scripts"):
-    if str(ROOT / sub) not in sys.path:
-        sys.path.insert(0, str(ROOT / sub))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from source_paths import ROOT  # noqa: E402  (the checkout's packages first on sys.path)
 
 import mujoco  # noqa: E402
 import numpy as np  # noqa: E402

@@ -23,12 +23,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for sub in ("models", "ros2_ws/src/kestrel_sim", "ros2_ws/src/kestrel_description",
-            "ros2_ws/src/kestrel_control", "ros2_ws/src/kestrel_common",
-            "ros2_ws/src/kestrel_planner", "ros2_ws/src/kestrel_bringup"):
-    if str(ROOT / sub) not in sys.path:
-        sys.path.insert(0, str(ROOT / sub))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import source_paths  # noqa: E402, F401  (the checkout's packages first on sys.path)
 
 import numpy as np  # noqa: E402
 

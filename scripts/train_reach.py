@@ -23,10 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for sub in ("models", "ros2_ws/src/kestrel_sim", "ros2_ws/src/kestrel_description"):
-    if str(ROOT / sub) not in sys.path:
-        sys.path.insert(0, str(ROOT / sub))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from source_paths import ROOT  # noqa: E402  (the checkout's packages first on sys.path)
 
 DEFAULT_OUT = ROOT / "ros2_ws/src/kestrel_control/weights/reach"
 
