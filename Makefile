@@ -4,10 +4,11 @@
 #   make test-fast   # lint + unit and in-process tests: no DDS, no launch, no slow, no GPU tests
 #   make eval        # seeded pick-and-place episodes through the stack: success rate, failures
 #   make eval-oracle # the same with the correct plan per goal: everything but the planner's model
+#   make eval-stack  # seeded stacking episodes ("stack the red cube on the blue cylinder")
 DURATION ?= 30
 EPISODES ?= 50
 
-.PHONY: setup demo test test-fast lint clean eval eval-oracle
+.PHONY: setup demo test test-fast lint clean eval eval-oracle eval-stack
 setup:
 	bash scripts/setup.sh
 
@@ -27,6 +28,10 @@ eval: setup
 eval-oracle: setup
 	bash scripts/run.sh python -m kestrel_bringup.evaluate --episodes $(EPISODES) --seed 0 \
 		--oracle-plan --out docs/benchmarks/closed_loop_oracle_plan_cpu
+
+eval-stack: setup
+	bash scripts/run.sh python -m kestrel_bringup.evaluate --task stack --episodes $(EPISODES) \
+		--seed 0 --out docs/benchmarks/closed_loop_stack_cpu
 
 lint: setup
 	bash scripts/run.sh ruff check .

@@ -7,9 +7,10 @@ kestrel_bringup.core_loop), object positions from the simulator's ground truth.
 
     python scripts/eval_stack.py --seeds 30 --out docs/benchmarks/stack_cores_cpu
 
-An episode counts as stacked when, after the plan and a settling time, A rests on B: A's
-centre at most `--tolerance` sideways of B's, A's bottom within `--tolerance` of B's top, no
-finger on A, and B where it stood (moved at most `--tolerance`). The steps' own outcomes and
+An episode counts as stacked when, after the plan and a settling time, A rests on B
+(kestrel_bringup.evaluation.stacked, as the closed-loop evaluation's `--task stack`): A's
+centre at most `--tolerance` sideways of B's, A's bottom within `--tolerance` of B's top, and
+B where it stood (moved at most `--tolerance`); and no finger on A. The steps' own outcomes and
 the places that released on contact short of their point (the executor's
 place_contact_height) are reported beside it. Writes <out>.json and <out>.md.
 """
@@ -26,25 +27,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import source_paths  # noqa: E402, F401  (the checkout's packages first on sys.path)
 
-import numpy as np  # noqa: E402
-
 from kestrel_bringup.core_loop import EVAL_WORLD, run_plan  # noqa: E402
-from kestrel_bringup.evaluation import record_lines, run_record, write_record  # noqa: E402
+from kestrel_bringup.evaluation import (  # noqa: E402
+    Truth,
+    record_lines,
+    run_record,
+    stack_offsets,
+    stacked,
+    write_record,
+)
 from kestrel_control.core.kinematics import ArmKinematics  # noqa: E402
 from kestrel_planner.core.executor import StepState  # noqa: E402
 from kestrel_sim.core import SimWorld  # noqa: E402
 
 
-def stacked(before: dict, after: dict, top: str, base: str, held: tuple[str, ...],
-            tolerance: float) -> tuple[bool, list[float]]:
-    """(A rests on B, [sideways offset, gap between A's bottom and B's top, B's move] m).
-    before/after: name -> ObjectGT (simulator ground truth: centre, size)."""
-    a, b, b0 = after[top], after[base], before[base]
-    side = float(np.hypot(*(a.position[:2] - b.position[:2])))
-    gap = float((a.position[2] - a.size[2] / 2) - (b.position[2] + b.size[2] / 2))
-    moved = float(np.linalg.norm(b.position - b0.position))
-    ok = side <= tolerance and abs(gap) <= tolerance and moved <= tolerance and top not in held
-    return ok, [round(side, 4), round(gap, 4), round(moved, 4)]
+def truth(world: SimWorld) -> Truth:
+    """The simulator's ground truth: name -> (centre, full size), m."""
+    return {o.name: (tuple(map(float, o.position)), tuple(map(float, o.size)))
+            for o in world.ground_truth()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,20 +68,21 @@ def main(argv: list[str] | None = None) -> int:
         world.reset(seed)
         for top, base in itertools.permutations(world.task_objects, 2):
             world.reset(seed)
-            before = {o.name: o for o in world.ground_truth()}
+            before = truth(world)
             events: list = []
             ex = run_plan(world, f"pick {top} speed={args.speed}\nplace {base} "
                           f"speed={args.speed}\nend", args.timeout, kin, events=events,
                           **executor)
-            after = {o.name: o for o in world.ground_truth()}
-            ok, (side, gap, moved) = stacked(before, after, top, base,
-                                             world.task_status().held, args.tolerance)
+            after, start = truth(world), before[base][0]
+            ok = stacked(after, top, base, start, args.tolerance) and \
+                top not in world.task_status().held
+            side, gap, moved = stack_offsets(after, top, base, start)
             failed = [e.message for e in events if e.status == StepState.FAILED]
-            pair = f"{before[top].class_name.split('_')[-1]} on " \
-                   f"{before[base].class_name.split('_')[-1]}"
+            pair = f"{top.split('_')[-1]} on {base.split('_')[-1]}"
             episodes.append({
                 "seed": seed, "top": top, "base": base, "pair": pair, "stacked": ok,
-                "offset_m": side, "gap_m": gap, "base_moved_m": moved,
+                "offset_m": round(side, 4), "gap_m": round(gap, 4),
+                "base_moved_m": round(moved, 4),
                 "steps": [s.name.lower() for s in ex.statuses],
                 "landed": any(e.message.startswith("landed") for e in events),
                 "failure": failed[0] if failed else ""})

@@ -246,3 +246,62 @@ def test_write_record_writes_the_summary_and_its_report(tmp_path) -> None:
     write_record(tmp_path / "new" / "x_cpu", {"episodes": 2}, "# report\n")
     assert json.loads((tmp_path / "new" / "x_cpu.json").read_text()) == {"episodes": 2}
     assert (tmp_path / "new" / "x_cpu.md").read_text() == "# report\n"
+
+
+def test_stack_instructions_and_oracle_plans_name_both_objects() -> None:
+    """--task stack: the instruction names the goal and the base in words, the oracle plan
+    places the goal on the base and is valid; without a base, the bin task as before."""
+    import random
+
+    from kestrel_bringup.evaluation import STACK_TEMPLATES, instruction_for, oracle_plan
+    from kestrel_planner.core import PlanValidator, SceneObject, Skill, parse_plan
+    from kestrel_planner.core.backend_text import plan_text_of
+    from kestrel_planner.core.validator import PlanLimits
+
+    rng = random.Random(3)
+    texts = {instruction_for("red_cube", rng, "blue_cylinder") for _ in range(30)}
+    assert texts == {t.format(c="red", s="cube", c2="blue", s2="cylinder")
+                     for t in STACK_TEMPLATES}
+    assert "bin" in instruction_for("red_cube", rng)
+    plan = parse_plan(plan_text_of(oracle_plan("red_cube", 0.3, "blue_cylinder")))
+    assert [(s.skill, s.target_object) for s in plan.steps] == [
+        (Skill.PICK, "red_cube"), (Skill.PLACE, "blue_cylinder")]
+    scene = [SceneObject("red_cube", "red_cube", (0.5, 0.1, 0.425)),
+             SceneObject("blue_cylinder", "blue_cylinder", (0.45, -0.1, 0.44))]
+    assert PlanValidator(PlanLimits()).validate(plan, scene).accepted
+
+
+def test_a_stack_stands_when_the_goal_rests_on_the_base() -> None:
+    """stacked: the goal's centre over the base's, its bottom on the base's top, the base
+    where it stood (1 cm each); over_target: over the bin's footprint or the base's."""
+    from kestrel_bringup.evaluation import over_target, stack_offsets, stacked
+
+    base0 = (0.5, 0.0, 0.44)
+    cube, can = (0.05, 0.05, 0.05), (0.05, 0.05, 0.08)
+    truth = {"red_cube": ((0.503, 0.0, 0.5055), cube), "blue_cylinder": (base0, can),
+             "bin": ((0.4, 0.3, 0.43), (0.2, 0.2, 0.1))}
+    side, gap, moved = stack_offsets(truth, "red_cube", "blue_cylinder", base0)
+    assert side == pytest.approx(0.003) and gap == pytest.approx(0.0005) and moved == 0.0
+    assert stacked(truth, "red_cube", "blue_cylinder", base0)
+    assert over_target(truth, "red_cube", "blue_cylinder") is True
+    assert over_target(truth, "red_cube", "bin") is False
+    beside = {**truth, "red_cube": ((0.53, 0.0, 0.5055), cube)}  # 3 cm off: on its edge
+    assert not stacked(beside, "red_cube", "blue_cylinder", base0)
+    held_up = {**truth, "red_cube": ((0.5, 0.0, 0.53), cube)}  # 2.5 cm above the top
+    assert not stacked(held_up, "red_cube", "blue_cylinder", base0)
+    pushed = {**truth, "blue_cylinder": ((0.52, 0.0, 0.44), can),
+              "red_cube": ((0.52, 0.0, 0.5055), cube)}  # the base moved 2 cm
+    assert not stacked(pushed, "red_cube", "blue_cylinder", base0)
+    assert not stacked(truth, "green_cube", "blue_cylinder", base0)  # not in the truth
+    assert over_target(truth, "green_cube", "bin") is None
+
+
+def test_a_stack_report_says_its_task_and_names_the_base() -> None:
+    miss = trace(seed=4, plan_status="accepted", held_ever=True, released_over_bin=True,
+                 base="blue_cylinder")
+    md = markdown(summarize([trace(success_s=7.0, base="blue_cylinder"), miss],
+                            {"task": "stack"}))
+    assert md.startswith("# Closed-loop evaluation: stacking")
+    assert "Task: stack one task object on another" in md
+    assert "| seed 4 | red_cube on blue_cylinder | place_miss |" in md
+    assert markdown(summarize([trace(success_s=7.0)])).startswith("# Closed-loop evaluation\n")

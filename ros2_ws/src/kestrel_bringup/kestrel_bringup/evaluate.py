@@ -16,10 +16,13 @@ action, so it runs against any simulator that publishes the contract:
   /perception/result says whether the goal's class was detected (perception_miss) and how far
   its position (and the bin's) is from the ground truth; /planner/step_status how each plan
   step ended (a step's timeout names it).
+`--task stack`: the instruction asks to stack the goal on another task object, the base ('stack
+the red cube on the blue cylinder'; the simulator puts at least two on the table); success is
+the goal resting on the base, released, by the ground truth (evaluation.stacked).
 `--oracle-plan`: the planner node runs backend plan_text and is sent the correct plan for the
-goal ('pick <goal>; place bin') instead of the instruction. That measures everything but the
-planner's model (perception's scene, validation, execution, control, the robot) and the
-output says so in its first lines.
+goal ('pick <goal>; place bin', or 'place <base>') instead of the instruction. That measures
+everything but the planner's model (perception's scene, validation, execution, control, the
+robot) and the output says so in its first lines.
 `--device cuda`: the GPU variants (evaluation.gpu_params: perception and the planner's decode
 engine on the GPU). `--workers N`: N stacks at once, each on its own ROS domain and share of the
 seeds, one merged table (evaluate_runs).
@@ -43,9 +46,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kestrel_bringup.evaluation import (BIN_HALF, ORACLE_NOTE, EpisodeTrace, instruction_for,
-                                        markdown, oracle_plan, plan_text, run_record, sim_speed,
-                                        summarize)
+from kestrel_bringup.evaluation import (ORACLE_NOTE, STACK_SETTLE_S, TASKS, EpisodeTrace, Truth,
+                                        instruction_for, markdown, oracle_plan, over_target,
+                                        plan_text, run_record, sim_speed, stacked, summarize)
 from kestrel_common.spin_thread import SpinThread
 
 class Evaluator:
@@ -258,24 +261,24 @@ class Evaluator:
                                                              strict=True)) ** 0.5, 4)
         return None
 
-    def over_bin(self, goal: str) -> bool | None:
+    def truth_now(self) -> Truth:
+        """The latest ground truth: name -> (centre, full size), m ({} before one)."""
         with self.lock:
             truth = self.truth
         if truth is None:
-            return None
-        pos = {o.name: o.pose.position for o in truth.objects}
-        if goal not in pos or "bin" not in pos:
-            return None
-        g, b = pos[goal], pos["bin"]
-        return abs(g.x - b.x) <= BIN_HALF and abs(g.y - b.y) <= BIN_HALF
+            return {}
+        return {o.name: ((o.pose.position.x, o.pose.position.y, o.pose.position.z),
+                         (o.size.x, o.size.y, o.size.z)) for o in truth.objects}
 
     # ---- one episode --------------------------------------------------------------------------
     def episode(self, seed: int, rng: random.Random, timeout_s: float,
                 oracle_speed: float = 0.0, goal: str = "",
-                instruction: str = "") -> EpisodeTrace | None:
-        """One episode; oracle_speed > 0: send the planner (backend plan_text) the correct plan
-        at that speed, m/s, instead of the instruction. goal / instruction: these instead of
-        ones drawn with rng (a goal must be on the table in the seed's layout)."""
+                instruction: str = "", task: str = "bin") -> EpisodeTrace | None:
+        """One episode of `task` (evaluation.TASKS); oracle_speed > 0: send the planner
+        (backend plan_text) the correct plan at that speed, m/s, instead of the instruction.
+        goal / instruction: these instead of ones drawn with rng (a goal must be on the table
+        in the seed's layout). None: the episode could not start (a stack needs two objects
+        on the table)."""
         # The reset puts the arm back at home. The control node would drive it back to the
         # previous episode's last target (it holds that target, as it should on a robot
         # nothing teleports): it is deactivated across the reset and activated after it,
@@ -291,8 +294,14 @@ class Evaluator:
                 print(f"[evaluate] seed {seed}: no {goal} on the table "
                       f"({', '.join(first.objects)})", file=sys.stderr)
                 return None
+            if task == "stack" and len(first.objects) < 2:
+                print(f"[evaluate] seed {seed}: one object on the table, nothing to stack "
+                      "it on", file=sys.stderr)
+                return None
             goal = goal or rng.choice(list(first.objects))
-            text = instruction or instruction_for(goal, rng)
+            base = rng.choice([o for o in first.objects if o != goal]) \
+                if task == "stack" else ""
+            text = instruction or instruction_for(goal, rng, base)
             resp = self.call_reset(seed, goal)  # the same layout, with its goal
             if resp is None or not resp.success:
                 return None
@@ -300,7 +309,7 @@ class Evaluator:
             if stopped and not self.control_transition("activate"):
                 print("[evaluate] the control node did not activate again",
                       file=sys.stderr)
-        trace = EpisodeTrace(seed=seed, goal=goal, instruction=text)
+        trace = EpisodeTrace(seed=seed, goal=goal, instruction=text, base=base)
         with self.lock:
             self.caption, self.step, self.plan_steps = f"seed {seed}: {text}", "", []
 
@@ -329,9 +338,11 @@ class Evaluator:
         with self.lock:
             trace.goal_detected = (goal in self.detected) if fresh else None
             self.step_events, self.retry_events, self.plan_ended = [], [], False
-        trace.position_error_m = {n: self.position_error(n) for n in (goal, "bin")}
+        trace.position_error_m = {n: self.position_error(n) for n in (goal, base or "bin")}
+        # where the base stood (the new layout's ground truth, as for the position errors)
+        base_start = self.truth_now().get(base, ((0.0, 0.0, 0.0), None))[0]
         goal_msg = self.PlanTask.Goal(
-            instruction=oracle_plan(goal, oracle_speed) if oracle_speed > 0 else text)
+            instruction=oracle_plan(goal, oracle_speed, base) if oracle_speed > 0 else text)
         trace.plan_asked_s = self.sim_since(t0)
         send = self.plan.send_goal_async(goal_msg)
         handle = self._wait(lambda: send.result() if send.done() else None, 30.0)
@@ -350,13 +361,20 @@ class Evaluator:
             trace.plan_status = {0: "accepted", 1: "rejected"}.get(r.validation_status, "error")
             trace.plan_reasons = list(r.reasons)
         if trace.plan_status == "accepted":
+            standing = None  # sim s since the goal rests on the base, released (task stack)
             while True:
                 s = self._wait(current, 5.0)
                 if s is None:
                     break
                 t = s.header.stamp.sec + s.header.stamp.nanosec * 1e-9 - t0
-                trace.observe(t, held=goal in s.objects_held, success=bool(s.success),
-                              over_bin=self.over_bin(goal))
+                held, truth = goal in s.objects_held, self.truth_now()
+                done = bool(s.success)
+                if base:
+                    on = not held and stacked(truth, goal, base, base_start)
+                    standing = (standing if standing is not None else t) if on else None
+                    done = standing is not None and t - standing >= STACK_SETTLE_S
+                trace.observe(t, held=held, success=done,
+                              over_bin=over_target(truth, goal, base or "bin"))
                 if t > timeout_s:
                     break
                 if trace.success_s is not None:
@@ -384,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="sim s an episode may take after its plan")
     parser.add_argument("--plan-timeout", type=float, default=120.0, help="wall s per plan")
+    parser.add_argument("--task", default="bin", choices=TASKS,
+                        help="bin: put an object in the bin; stack: stack one task object on "
+                        "another (the simulator puts at least two on the table)")
     parser.add_argument("--controller", default="ik", choices=("ik", "policy"))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: the GPU variants of the models (gpu_params)")

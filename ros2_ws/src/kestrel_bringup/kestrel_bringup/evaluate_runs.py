@@ -30,7 +30,8 @@ from pathlib import Path
 from kestrel_bringup.evaluation import EpisodeTrace, gpu_params
 
 # the evaluate options a worker is passed as given (the rest are the parent's own)
-PASSED = ("timeout", "plan_timeout", "controller", "oracle_plan", "oracle_speed", "device")
+PASSED = ("timeout", "plan_timeout", "controller", "oracle_plan", "oracle_speed", "device",
+          "task")
 TRACE_FIELDS = {f.name for f in dataclasses.fields(EpisodeTrace)}
 
 
@@ -164,6 +165,8 @@ def run_here(args: argparse.Namespace, seeds: list[int]) -> tuple[list[EpisodeTr
         extra.setdefault("control", {})["controller"] = args.controller
         if args.oracle_plan:
             extra.setdefault("planner", {})["backend"] = "plan_text"
+        if args.task == "stack":  # two task objects or more on the table: one to stack on
+            extra.setdefault("sim", {})["episode.min_objects"] = "2"
         if args.log_dir:
             args.log_dir.mkdir(parents=True, exist_ok=True)
         runner = StackRunner(extra_params=extra, echo=False, log_dir=args.log_dir)
@@ -183,7 +186,8 @@ def run_here(args: argparse.Namespace, seeds: list[int]) -> tuple[list[EpisodeTr
                 rng = random.Random(seed)
                 ev.recording = bool(args.video) and not traces
                 trace = ev.episode(seed, rng, args.timeout,
-                                   args.oracle_speed if args.oracle_plan else 0.0)
+                                   args.oracle_speed if args.oracle_plan else 0.0,
+                                   task=args.task)
                 if ev.recording:
                     ev.recording = False
                     with ev.lock:

@@ -13,6 +13,9 @@ Failure attribution, first that applies:
   grasp_slip       it was held, then let go away from the bin;
   place_miss       it was let go over the bin, but it is not in the bin and settled;
   timeout          anything else that did not succeed within the episode's time.
+Two tasks (TASKS): put the goal in the bin (the simulator's EpisodeStatus says when it is in
+the bin and settled), or stack it on another task object, the base (the ground truth says when
+it rests there: `stacked`); for a stack, "the bin" above reads "the base".
 """
 
 from __future__ import annotations
@@ -37,14 +40,63 @@ ORACLE_NOTE = ("oracle plan: the planner node ran backend plan_text and was sent
                "plan for the goal, not the instruction; the planner's model is NOT measured")
 
 
-def oracle_plan(goal: str, speed: float) -> str:
-    """The correct plan for 'put <goal> in the bin', in the plan text form ';'-separated."""
-    return f"pick {goal} speed={speed:g}; place bin speed={speed:g}; end"
+# --task: put the goal in the bin, or stack it on another task object (the base)
+TASKS = ("bin", "stack")
+STACK_TEMPLATES = ("stack the {c} {s} on the {c2} {s2}", "put the {c} {s} on top of the {c2} {s2}",
+                   "place the {c} {s} onto the {c2} {s2}")
+# m: a stack stands when the goal's centre is at most this far sideways of the base's, its
+# bottom within this of the base's top, and the base at most this far from where it stood
+STACK_TOLERANCE = 0.01
+STACK_SETTLE_S = 0.5  # sim s a stack stands, the goal released, before it counts
+# name -> (centre (x, y, z) m, full size (x, y, z) m): the simulator's ground truth
+Truth = dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]]
 
 
-def instruction_for(goal: str, rng: random.Random) -> str:
-    colour, shape = COLOURS.get(goal, (goal.split("_")[0], goal.split("_")[-1]))
-    return rng.choice(TEMPLATES).format(c=colour, s=shape)
+def oracle_plan(goal: str, speed: float, base: str = "") -> str:
+    """The correct plan for 'put <goal> in the bin' (or, with a base, 'stack <goal> on
+    <base>'), in the plan text form ';'-separated."""
+    return f"pick {goal} speed={speed:g}; place {base or 'bin'} speed={speed:g}; end"
+
+
+def _words(name: str) -> tuple[str, str]:
+    return COLOURS.get(name, (name.split("_")[0], name.split("_")[-1]))
+
+
+def instruction_for(goal: str, rng: random.Random, base: str = "") -> str:
+    """An instruction to put `goal` in the bin or, with a base, to stack it on `base`."""
+    (c, s), (c2, s2) = _words(goal), _words(base)
+    return rng.choice(STACK_TEMPLATES if base else TEMPLATES).format(c=c, s=s, c2=c2, s2=s2)
+
+
+def over_target(truth: Truth, goal: str, target: str) -> bool | None:
+    """Is the goal's centre above the target's footprint: the bin's (BIN_HALF) or another
+    object's (half its size); None when either is not in `truth`."""
+    if goal not in truth or target not in truth:
+        return None
+    (gx, gy, _), _ = truth[goal]
+    (tx, ty, _), size = truth[target]
+    hx, hy = (BIN_HALF, BIN_HALF) if target == "bin" else (size[0] / 2, size[1] / 2)
+    return abs(gx - tx) <= hx and abs(gy - ty) <= hy
+
+
+def stack_offsets(truth: Truth, goal: str, base: str,
+                  base_start: tuple[float, float, float]) -> tuple[float, float, float]:
+    """(the goal's centre sideways of the base's, the gap between the goal's bottom and the
+    base's top, how far the base moved from `base_start`), m."""
+    (g, gs), (b, bs) = truth[goal], truth[base]
+    side = math.hypot(g[0] - b[0], g[1] - b[1])
+    gap = (g[2] - gs[2] / 2) - (b[2] + bs[2] / 2)
+    return side, gap, math.dist(b, base_start)
+
+
+def stacked(truth: Truth, goal: str, base: str, base_start: tuple[float, float, float],
+            tolerance: float = STACK_TOLERANCE) -> bool:
+    """Does the goal rest on the base (stack_offsets within `tolerance`)? Whether it is
+    released is the caller's to check."""
+    if goal not in truth or base not in truth:
+        return False
+    side, gap, moved = stack_offsets(truth, goal, base, base_start)
+    return side <= tolerance and abs(gap) <= tolerance and moved <= tolerance
 
 
 @dataclass
@@ -54,12 +106,14 @@ class EpisodeTrace:
     seed: int
     goal: str  # goal object name, e.g. red_cube
     instruction: str
+    base: str = ""  # task stack: the object the goal goes on ("" = task bin)
     plan_status: str = "none"  # "accepted" | "rejected" | "error" | "none"
     plan_reasons: list[str] = field(default_factory=list)
     goal_detected: bool | None = None  # perception reported the goal's class (None: unknown)
     held_since_s: float | None = None  # goal held between both fingers since this time
     held_ever: bool = False
-    released_over_bin: bool | None = None  # at the last release: above the bin's footprint
+    # at the last release: above the bin's footprint (task stack: the base's)
+    released_over_bin: bool | None = None
     success_s: float | None = None  # first time the goal was in the bin and settled
     deadline_misses: int = 0  # control loop misses during the episode
     # m, perception's position of the goal and of the bin when the plan was asked for vs the
@@ -82,7 +136,7 @@ class EpisodeTrace:
     def observe(self, t_s: float, held: bool, success: bool,
                 over_bin: bool | None = None) -> None:
         """One EpisodeStatus: is the goal held, is the task done; over_bin: whether the goal
-        object is above the bin's footprint now (ground truth)."""
+        object is above the bin's footprint (task stack: the base's) now (ground truth)."""
         self.duration_s = max(self.duration_s, t_s)
         if success and self.success_s is None:
             self.success_s = t_s
@@ -224,7 +278,8 @@ def record_lines(summary: dict) -> list[str]:
 def markdown(summary: dict, command: str = "") -> str:
     """The summary as a short markdown report."""
     lo, hi = summary["success_ci95"]
-    lines = ["# Closed-loop evaluation", ""]
+    stack = summary.get("config", {}).get("task") == "stack"
+    lines = ["# Closed-loop evaluation" + (": stacking" if stack else ""), ""]
     if command:
         lines += [f"Command: `{command}`", ""]
     lines += record_lines(summary)
@@ -233,6 +288,13 @@ def markdown(summary: dict, command: str = "") -> str:
         lines += [f"**Interrupted: {summary['episodes']} of {planned} episodes ran.**", ""]
     if summary.get("plan_source"):
         lines += [f"**Plans: {summary['plan_source']}.**", ""]
+    if stack:
+        lines += ["Task: stack one task object on another ('stack the red cube on the blue "
+                  "cylinder'). Success: the goal rests on the base, released, for "
+                  f"{STACK_SETTLE_S} s of sim time (its centre at most {STACK_TOLERANCE} m "
+                  f"sideways of the base's, its bottom within {STACK_TOLERANCE} m of the "
+                  f"base's top, the base at most {STACK_TOLERANCE} m from where it stood); "
+                  "place_miss: released over the base but not resting on it.", ""]
     lines += [
         "| episodes | successes | success rate | 95 % CI (Wilson) |",
         "|---|---|---|---|",
@@ -276,7 +338,8 @@ def markdown(summary: dict, command: str = "") -> str:
             steps = "; ".join(e.get("steps") or e.get("plan_reasons") or []) or "-"
             err = ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -"
                             for k, v in (e.get("position_error_m") or {}).items()) or "-"
-            lines.append(f"| seed {e['seed']} | {e['goal']} | {e['stage']} | {steps} | {err} |")
+            goal = f"{e['goal']} on {e['base']}" if e.get("base") else e["goal"]
+            lines.append(f"| seed {e['seed']} | {goal} | {e['stage']} | {steps} | {err} |")
     return "\n".join(lines) + "\n"
 
 
