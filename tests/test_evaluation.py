@@ -272,8 +272,9 @@ def test_stack_instructions_and_oracle_plans_name_both_objects() -> None:
 
 
 def test_a_stack_stands_when_the_goal_rests_on_the_base() -> None:
-    """stacked: the goal's centre over the base's, its bottom on the base's top, the base
-    where it stood (1 cm each); over_target: over the bin's footprint or the base's."""
+    """stacked: the goal's bottom on the base's top (1 cm), its centre over the base's top
+    face (a base that moved still carries it); over_target: over the bin's footprint or the
+    base's."""
     from kestrel_bringup.evaluation import over_target, stack_offsets, stacked
 
     base0 = (0.5, 0.0, 0.44)
@@ -282,17 +283,20 @@ def test_a_stack_stands_when_the_goal_rests_on_the_base() -> None:
              "bin": ((0.4, 0.3, 0.43), (0.2, 0.2, 0.1))}
     side, gap, moved = stack_offsets(truth, "red_cube", "blue_cylinder", base0)
     assert side == pytest.approx(0.003) and gap == pytest.approx(0.0005) and moved == 0.0
-    assert stacked(truth, "red_cube", "blue_cylinder", base0)
+    assert stacked(truth, "red_cube", "blue_cylinder")
+    assert stacked({**truth, "red_cube": ((0.52, 0.0, 0.5055), cube)}, "red_cube",
+                   "blue_cylinder")  # 2 cm off the centre: still over the 5 cm top
     assert over_target(truth, "red_cube", "blue_cylinder") is True
     assert over_target(truth, "red_cube", "bin") is False
     beside = {**truth, "red_cube": ((0.53, 0.0, 0.5055), cube)}  # 3 cm off: on its edge
-    assert not stacked(beside, "red_cube", "blue_cylinder", base0)
+    assert not stacked(beside, "red_cube", "blue_cylinder")
     held_up = {**truth, "red_cube": ((0.5, 0.0, 0.53), cube)}  # 2.5 cm above the top
-    assert not stacked(held_up, "red_cube", "blue_cylinder", base0)
+    assert not stacked(held_up, "red_cube", "blue_cylinder")
     pushed = {**truth, "blue_cylinder": ((0.52, 0.0, 0.44), can),
-              "red_cube": ((0.52, 0.0, 0.5055), cube)}  # the base moved 2 cm
-    assert not stacked(pushed, "red_cube", "blue_cylinder", base0)
-    assert not stacked(truth, "green_cube", "blue_cylinder", base0)  # not in the truth
+              "red_cube": ((0.52, 0.0, 0.5055), cube)}  # the base moved 2 cm, carries it
+    assert stacked(pushed, "red_cube", "blue_cylinder")
+    assert stack_offsets(pushed, "red_cube", "blue_cylinder", base0)[2] == pytest.approx(0.02)
+    assert not stacked(truth, "green_cube", "blue_cylinder")  # not in the truth
     assert over_target(truth, "green_cube", "bin") is None
 
 

@@ -48,7 +48,8 @@ from typing import Any
 
 from kestrel_bringup.evaluation import (ORACLE_NOTE, STACK_SETTLE_S, TASKS, EpisodeTrace, Truth,
                                         instruction_for, markdown, oracle_plan, over_target,
-                                        plan_text, run_record, sim_speed, stacked, summarize)
+                                        plan_text, run_record, sim_speed, stack_offsets, stacked,
+                                        summarize)
 from kestrel_common.spin_thread import SpinThread
 
 class Evaluator:
@@ -370,7 +371,10 @@ class Evaluator:
                 held, truth = goal in s.objects_held, self.truth_now()
                 done = bool(s.success)
                 if base:
-                    on = not held and stacked(truth, goal, base, base_start)
+                    if goal in truth and base in truth:
+                        trace.stack_offsets_m = [round(v, 4) for v in stack_offsets(
+                            truth, goal, base, base_start)]
+                    on = not held and stacked(truth, goal, base)
                     standing = (standing if standing is not None else t) if on else None
                     done = standing is not None and t - standing >= STACK_SETTLE_S
                 trace.observe(t, held=held, success=done,
