@@ -1,7 +1,7 @@
-"""Pick and place through the whole stack as configured (nodes as processes over DDS, sim
-time; the trained planner turns each instruction into the plan): the closed-loop evaluation's
-command for 2 seeded episodes must have at least one success, and it reports failures by stage
-and the sim-time speed."""
+"""Pick and place, and stacking, through the whole stack as configured (nodes as processes over
+DDS, sim time; the trained planner turns each instruction into the plan): the closed-loop
+evaluation's command for 2 seeded episodes of each task must have at least one success, and it
+reports failures by stage and the sim-time speed."""
 
 from __future__ import annotations
 

@@ -341,7 +341,7 @@ class Evaluator:
             self.step_events, self.retry_events, self.plan_ended = [], [], False
         trace.position_error_m = {n: self.position_error(n) for n in (goal, base or "bin")}
         # where the base stood (the new layout's ground truth, as for the position errors)
-        base_start = self.truth_now().get(base, ((0.0, 0.0, 0.0), None))[0]
+        base_start = self.truth_now().get(base, (None,))[0]
         goal_msg = self.PlanTask.Goal(
             instruction=oracle_plan(goal, oracle_speed, base) if oracle_speed > 0 else text)
         trace.plan_asked_s = self.sim_since(t0)
@@ -371,7 +371,7 @@ class Evaluator:
                 held, truth = goal in s.objects_held, self.truth_now()
                 done = bool(s.success)
                 if base:
-                    if goal in truth and base in truth:
+                    if goal in truth and base in truth and base_start is not None:
                         trace.stack_offsets_m = [round(v, 4) for v in stack_offsets(
                             truth, goal, base, base_start)]
                     on = not held and stacked(truth, goal, base)
