@@ -17,8 +17,9 @@ action, so it runs against any simulator that publishes the contract:
   its position (and the bin's) is from the ground truth; /planner/step_status how each plan
   step ended (a step's timeout names it).
 `--task stack`: the instruction asks to stack the goal on another task object, the base ('stack
-the red cube on the blue cylinder'; the simulator puts at least two on the table); success is
-the goal resting on the base, released, by the ground truth (evaluation.stacked).
+the red cube on the blue cylinder'); the embedded simulator is started with at least two task
+objects on the table (episode.min_objects), and with --no-stack a layout with one is skipped;
+success is the goal resting on the base, released, by the ground truth (evaluation.stacked).
 `--oracle-plan`: the planner node runs backend plan_text and is sent the correct plan for the
 goal ('pick <goal>; place bin', or 'place <base>') instead of the instruction. That measures
 everything but the planner's model (perception's scene, validation, execution, control, the
