@@ -21,11 +21,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import source_paths  # noqa: E402, F401  (the checkout's packages first on sys.path)
 
-from kestrel_bringup.core_loop import EVAL_WORLD, layouts, run_plan  # noqa: E402
+from kestrel_bringup.core_loop import (  # noqa: E402
+    EVAL_WORLD,
+    eval_command,
+    eval_config,
+    layouts,
+    run_plan,
+    truth,
+)
 from kestrel_bringup.evaluation import (  # noqa: E402
-    BIN_HALF,
     EpisodeTrace,
     markdown,
+    over_target,
     run_record,
     summarize,
     write_record,
@@ -66,11 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         def observe(t_s: float, name: str = name, trace: EpisodeTrace = trace) -> None:
             # held and released over the bin: the failure stage, as the stack's evaluator
             # has it from EpisodeStatus; success is judged once, at the end
-            at = {o.name: o.position for o in world.ground_truth()}
-            above = all(abs(float(g) - float(b)) <= BIN_HALF
-                       for g, b in zip(at[name][:2], at["bin"][:2], strict=True))
             trace.observe(t_s, held=name in world.task_status().held, success=False,
-                          over_bin=above)
+                          over_bin=over_target(truth(world), name, "bin"))
 
         ex = run_plan(world, plan, args.timeout, kin, {name: (dx, dy, 0.0)}, events,
                       observe, **over)
@@ -88,9 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         traces.append(trace)
         print(f"seed {seed} {name}: {trace.stage} "
               f"({', '.join(s.name.lower() for s in ex.statuses)})", flush=True)
-    cmd = "python scripts/eval_pick_place.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    summary = summarize(traces, {**vars(args), "control_hz": 500, "planner_hz": 20,
-                                 "wall_s": round(time.monotonic() - t0, 1)})
+    cmd = eval_command("scripts/eval_pick_place.py", argv)
+    summary = summarize(traces, eval_config(args, t0))
     summary.update(record)
     summary["schema"] = "kestrel_eval/1"
     summary["command"] = cmd

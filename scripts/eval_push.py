@@ -22,7 +22,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import source_paths  # noqa: E402, F401  (the checkout's packages first on sys.path)
 
-from kestrel_bringup.core_loop import EVAL_WORLD, PUSH_SPEED, layouts, run_plan  # noqa: E402
+from kestrel_bringup.core_loop import (  # noqa: E402
+    EVAL_WORLD,
+    PUSH_SPEED,
+    eval_command,
+    eval_config,
+    layouts,
+    run_plan,
+)
 from kestrel_bringup.evaluation import record_lines, run_record, write_record  # noqa: E402
 from kestrel_control.core.kinematics import ArmKinematics  # noqa: E402
 from kestrel_planner.core.executor import StepState  # noqa: E402
@@ -61,10 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             "step": ex.statuses[0].name.lower(), "failure": failed[0] if failed else ""})
         print(f"seed {seed} {name}: moved ({dx:.3f}, {dy:.3f}) m, "
               f"step {episodes[-1]['step']}", flush=True)
-    summary = {"schema": "kestrel_push_eval/1", "config": {**vars(args), "control_hz": 500,
-               "planner_hz": 20, "wall_s": round(time.monotonic() - t0, 1)},
-               "command": "python scripts/eval_push.py " + " ".join(
-                   sys.argv[1:] if argv is None else argv), **record, "episodes": episodes}
+    summary = {"schema": "kestrel_push_eval/1", "config": eval_config(args, t0),
+               "command": eval_command("scripts/eval_push.py", argv), **record,
+               "episodes": episodes}
     text = markdown(summary)
     print(text)
     if args.out:

@@ -27,9 +27,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import source_paths  # noqa: E402, F401  (the checkout's packages first on sys.path)
 
-from kestrel_bringup.core_loop import EVAL_WORLD, run_plan  # noqa: E402
+from kestrel_bringup.core_loop import (  # noqa: E402
+    EVAL_WORLD,
+    eval_command,
+    eval_config,
+    run_plan,
+    truth,
+)
 from kestrel_bringup.evaluation import (  # noqa: E402
-    Truth,
     record_lines,
     run_record,
     stack_offsets,
@@ -39,12 +44,6 @@ from kestrel_bringup.evaluation import (  # noqa: E402
 from kestrel_control.core.kinematics import ArmKinematics  # noqa: E402
 from kestrel_planner.core.executor import StepState  # noqa: E402
 from kestrel_sim.core import SimWorld  # noqa: E402
-
-
-def truth(world: SimWorld) -> Truth:
-    """The simulator's ground truth: name -> (centre, full size), m."""
-    return {o.name: (tuple(map(float, o.position)), tuple(map(float, o.size)))
-            for o in world.ground_truth()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,10 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"seed {seed} {top} on {base}: {'stacked' if ok else 'NOT stacked'} "
                   f"(offset {side:.3f}, gap {gap:.3f}, base moved {moved:.3f} m), steps "
                   f"{episodes[-1]['steps']}", flush=True)
-    summary = {"schema": "kestrel_stack_eval/1", "config": {**vars(args), "control_hz": 500,
-               "planner_hz": 20, "wall_s": round(time.monotonic() - t0, 1)},
-               "command": "python scripts/eval_stack.py " + " ".join(
-                   sys.argv[1:] if argv is None else argv), **record, "episodes": episodes}
+    summary = {"schema": "kestrel_stack_eval/1", "config": eval_config(args, t0),
+               "command": eval_command("scripts/eval_stack.py", argv), **record,
+               "episodes": episodes}
     text = markdown(summary)
     print(text)
     if args.out:

@@ -73,18 +73,23 @@ def test_pick_and_place_in_the_far_corner() -> None:
     assert world.task_status().success("blue_cylinder")
 
 
-@pytest.mark.parametrize(("seed", "name"), [(0, "red_cube"), (2, "green_cube")])
-def test_a_push_moves_the_object_by_its_distance(seed: int, name: str) -> None:
-    """The push comes down behind the object with the gripper closed (seed 2's cube is turned:
-    its corner reaches 3.5 cm behind its centre) and moves it about `distance` along +x."""
-    world = SimWorld()
+def _push(world: SimWorld, seed: int, name: str) -> tuple[list[str], float, float]:
+    """'push <name> distance=0.05' at 0.3 m/s on seed's layout: the step statuses and how far
+    the object moved along x and y, m."""
     world.reset(seed)
     before = {o.name: o.position for o in world.ground_truth()}[name]
     ex = run_plan(world, f"push {name} speed=0.3 distance=0.05\nend", 15.0)
     after = {o.name: o.position for o in world.ground_truth()}[name]
-    assert [s.name for s in ex.statuses] == ["SUCCEEDED"], ex.statuses
-    assert abs(after[0] - before[0] - 0.05) < 0.01 and abs(after[1] - before[1]) < 0.01, \
-        (before, after)
+    return [s.name for s in ex.statuses], after[0] - before[0], after[1] - before[1]
+
+
+@pytest.mark.parametrize(("seed", "name"), [(0, "red_cube"), (2, "green_cube")])
+def test_a_push_moves_the_object_by_its_distance(seed: int, name: str) -> None:
+    """The push comes down behind the object with the gripper closed (seed 2's cube is turned:
+    its corner reaches 3.5 cm behind its centre) and moves it about `distance` along +x."""
+    statuses, dx, dy = _push(SimWorld(), seed, name)
+    assert statuses == ["SUCCEEDED"], statuses
+    assert abs(dx - 0.05) < 0.01 and abs(dy) < 0.01, (dx, dy)
 
 
 @pytest.mark.parametrize(("seed", "name"), [(12, "blue_cylinder"), (20, "red_cube")])
@@ -94,14 +99,9 @@ def test_a_push_stroke_at_push_speed_neither_tips_nor_wedges(seed: int, name: st
     against the fingers, and on seed 20's cube the fingers wedge on its face (friction holds
     the arm up, the cube is pressed into the table) 1.2 cm short of the end. At the planner's
     push_speed both move 5 +- 1 cm along x (the turned cube drifts 1.2 cm sideways)."""
-    world = SimWorld(EVAL_WORLD)
-    world.reset(seed)
-    before = {o.name: o.position for o in world.ground_truth()}[name]
-    ex = run_plan(world, f"push {name} speed=0.3 distance=0.05\nend", 15.0)
-    after = {o.name: o.position for o in world.ground_truth()}[name]
-    assert [s.name for s in ex.statuses] == ["SUCCEEDED"], ex.statuses
-    assert abs(after[0] - before[0] - 0.05) < 0.01 and abs(after[1] - before[1]) < 0.015, \
-        (before, after)
+    statuses, dx, dy = _push(SimWorld(EVAL_WORLD), seed, name)
+    assert statuses == ["SUCCEEDED"], statuses
+    assert abs(dx - 0.05) < 0.01 and abs(dy) < 0.015, (dx, dy)
 
 
 @pytest.mark.parametrize(("top", "base"), [("red_cube", "blue_cylinder"),

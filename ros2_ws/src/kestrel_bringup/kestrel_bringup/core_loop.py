@@ -11,13 +11,17 @@ simulator's ground truth (no perception): what the robot side of the loop achiev
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import sys
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from kestrel_control.core.cartesian import CartesianConfig
 from kestrel_control.core.ik_runner import MODE_CARTESIAN, MODE_HOLD, IkRunner
+from kestrel_bringup.evaluation import Truth
 from kestrel_control.core.kinematics import ArmKinematics
 from kestrel_control.core.policy_runner import RunnerConfig
 from kestrel_planner.core.executor import PlanExecutor, StepEvent, TargetMode
@@ -43,6 +47,25 @@ def layouts(world: SimWorld, seeds: int) -> Iterator[tuple[int, str]]:
         for name in world.task_objects:
             world.reset(seed)
             yield seed, name
+
+
+def truth(world: SimWorld) -> Truth:
+    """The world's ground truth as the evaluations take it: name -> (centre, full size), m."""
+    return {o.name: (tuple(map(float, o.position)), tuple(map(float, o.size)))
+            for o in world.ground_truth()}
+
+
+def eval_config(options: argparse.Namespace, t0: float) -> dict:
+    """An evaluation script's config record: its options, the loop's rates and the wall s
+    since `t0` (time.monotonic())."""
+    return {**vars(options), "control_hz": int(CONTROL_HZ), "planner_hz": int(PLANNER_HZ),
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def eval_command(script: str, argv: list[str] | None) -> str:
+    """The command line a record names: 'python <script> <arguments>' (argv None: the
+    process's own)."""
+    return f"python {script} " + " ".join(sys.argv[1:] if argv is None else argv)
 
 
 def run_plan(world: SimWorld, plan_text: str, seconds: float,
