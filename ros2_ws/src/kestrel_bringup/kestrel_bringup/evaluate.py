@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import signal
 import sys
@@ -253,15 +254,11 @@ class Evaluator:
     def position_error(self, name: str) -> float | None:
         """m between perception's latest position of `name` and the ground truth's centre."""
         with self.lock:
-            seen, truth = self.positions.get(name), self.truth
+            seen = self.positions.get(name)
+        truth = self.truth_now().get(name)
         if seen is None or truth is None:
             return None
-        for o in truth.objects:
-            if o.name == name:
-                p = o.pose.position
-                return round(sum((a - b) ** 2 for a, b in zip(seen, (p.x, p.y, p.z),
-                                                             strict=True)) ** 0.5, 4)
-        return None
+        return round(math.dist(seen, truth[0]), 4)
 
     def truth_now(self) -> Truth:
         """The latest ground truth: name -> (centre, full size), m ({} before one)."""
