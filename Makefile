@@ -5,10 +5,11 @@
 #   make eval        # seeded pick-and-place episodes through the stack: success rate, failures
 #   make eval-oracle # the same with the correct plan per goal: everything but the planner's model
 #   make eval-stack  # seeded stacking episodes ("stack the red cube on the blue cylinder")
+#   make eval-push   # seeded pushing episodes ("push the red cube")
 DURATION ?= 30
 EPISODES ?= 50
 
-.PHONY: setup demo test test-fast lint clean eval eval-oracle eval-stack
+.PHONY: setup demo test test-fast lint clean eval eval-oracle eval-stack eval-push
 setup:
 	bash scripts/setup.sh
 
@@ -32,6 +33,10 @@ eval-oracle: setup
 eval-stack: setup
 	bash scripts/run.sh python -m kestrel_bringup.evaluate --task stack --episodes $(EPISODES) \
 		--seed 0 --out docs/benchmarks/closed_loop_stack_cpu
+
+eval-push: setup
+	bash scripts/run.sh python -m kestrel_bringup.evaluate --task push --episodes $(EPISODES) \
+		--seed 0 --out docs/benchmarks/closed_loop_push_cpu
 
 lint: setup
 	bash scripts/run.sh ruff check .

@@ -29,10 +29,10 @@ from kestrel_bringup.core_loop import (  # noqa: E402
     run_plan,
     truth,
 )
+from kestrel_bringup.episode_tasks import over_target  # noqa: E402
 from kestrel_bringup.evaluation import (  # noqa: E402
     EpisodeTrace,
     markdown,
-    over_target,
     run_record,
     summarize,
     write_record,

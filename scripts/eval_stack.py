@@ -8,7 +8,7 @@ kestrel_bringup.core_loop), object positions from the simulator's ground truth.
     python scripts/eval_stack.py --seeds 30 --out docs/benchmarks/stack_cores_cpu
 
 An episode counts as stacked when, after the plan and a settling time, A rests on B
-(kestrel_bringup.evaluation.stacked, as the closed-loop evaluation's `--task stack`): A's
+(kestrel_bringup.episode_tasks.stacked, as the closed-loop evaluation's `--task stack`): A's
 bottom within `--tolerance` of B's top and its centre over B's top face; and no finger on A.
 How far A's centre is from B's, how far B moved, the steps' own outcomes and the places that
 released on contact short of their point (the executor's place_contact_height) are reported
@@ -34,13 +34,8 @@ from kestrel_bringup.core_loop import (  # noqa: E402
     run_plan,
     truth,
 )
-from kestrel_bringup.evaluation import (  # noqa: E402
-    record_lines,
-    run_record,
-    stack_offsets,
-    stacked,
-    write_record,
-)
+from kestrel_bringup.episode_tasks import stack_offsets, stacked  # noqa: E402
+from kestrel_bringup.evaluation import record_lines, run_record, write_record  # noqa: E402
 from kestrel_control.core.kinematics import ArmKinematics  # noqa: E402
 from kestrel_planner.core.executor import StepState  # noqa: E402
 from kestrel_sim.core import SimWorld  # noqa: E402

@@ -62,7 +62,8 @@ def test_summary_counts_the_failure_it_is_shown() -> None:
     assert s["episodes"] == 4 and s["successes"] == 3 and s["success_rate"] == 0.75
     assert s["failures_by_stage"]["grasp_slip"] == 1
     assert sum(s["failures_by_stage"].values()) == 1
-    assert set(s["failures_by_stage"]) == set(STAGES) - {"success"}
+    # a bin run's stages: every one but push's
+    assert set(s["failures_by_stage"]) == set(STAGES) - {"success", "push_miss"}
     assert s["time_to_success_s"]["p50"] == 6.0
     assert s["per_episode"][3]["stage"] == "grasp_slip"
     md = markdown(s, "python -m kestrel_bringup.evaluate --episodes 4")
@@ -110,12 +111,12 @@ def test_sim_speed_and_plan_source_are_reported() -> None:
 
 
 def test_the_oracle_plan_is_a_valid_pick_and_place() -> None:
-    from kestrel_bringup.evaluate import oracle_plan
+    from kestrel_bringup.episode_tasks import oracle_plan
     from kestrel_planner.core import PlanValidator, SceneObject, Skill, parse_plan
     from kestrel_planner.core.backend_text import plan_text_of
     from kestrel_planner.core.validator import PlanLimits
 
-    text = plan_text_of(oracle_plan("blue_cylinder", 0.3))
+    text = plan_text_of(oracle_plan("bin", "blue_cylinder", 0.3))
     plan = parse_plan(text)
     assert [(s.skill, s.target_object) for s in plan.steps] == [
         (Skill.PICK, "blue_cylinder"), (Skill.PLACE, "bin")]
@@ -253,17 +254,17 @@ def test_stack_instructions_and_oracle_plans_name_both_objects() -> None:
     places the goal on the base and is valid; without a base, the bin task as before."""
     import random
 
-    from kestrel_bringup.evaluation import STACK_TEMPLATES, instruction_for, oracle_plan
+    from kestrel_bringup.episode_tasks import TEMPLATES, instruction_for, oracle_plan
     from kestrel_planner.core import PlanValidator, SceneObject, Skill, parse_plan
     from kestrel_planner.core.backend_text import plan_text_of
     from kestrel_planner.core.validator import PlanLimits
 
     rng = random.Random(3)
-    texts = {instruction_for("red_cube", rng, "blue_cylinder") for _ in range(30)}
+    texts = {instruction_for("stack", "red_cube", rng, "blue_cylinder") for _ in range(30)}
     assert texts == {t.format(c="red", s="cube", c2="blue", s2="cylinder")
-                     for t in STACK_TEMPLATES}
-    assert "bin" in instruction_for("red_cube", rng)
-    plan = parse_plan(plan_text_of(oracle_plan("red_cube", 0.3, "blue_cylinder")))
+                     for t in TEMPLATES["stack"]}
+    assert "bin" in instruction_for("bin", "red_cube", rng)
+    plan = parse_plan(plan_text_of(oracle_plan("stack", "red_cube", 0.3, "blue_cylinder")))
     assert [(s.skill, s.target_object) for s in plan.steps] == [
         (Skill.PICK, "red_cube"), (Skill.PLACE, "blue_cylinder")]
     scene = [SceneObject("red_cube", "red_cube", (0.5, 0.1, 0.425)),
@@ -275,7 +276,7 @@ def test_a_stack_stands_when_the_goal_rests_on_the_base() -> None:
     """stacked: the goal's bottom on the base's top (1 cm), its centre over the base's top
     face (a base that moved still carries it); over_target: over the bin's footprint or the
     base's."""
-    from kestrel_bringup.evaluation import over_target, stack_offsets, stacked
+    from kestrel_bringup.episode_tasks import over_target, stack_offsets, stacked
 
     base0 = (0.5, 0.0, 0.44)
     cube, can = (0.05, 0.05, 0.05), (0.05, 0.05, 0.08)
@@ -309,3 +310,50 @@ def test_a_stack_report_says_its_task_and_names_the_base() -> None:
     assert "Task: stack one task object on another" in md
     assert "| seed 4 | red_cube on blue_cylinder | place_miss |" in md
     assert markdown(summarize([trace(success_s=7.0)])).startswith("# Closed-loop evaluation\n")
+
+
+def test_a_push_is_done_when_the_object_lies_where_the_push_leaves_it() -> None:
+    """TaskJudge, task push: after the plan ended, the goal 5 +- 1 cm along +x of where it
+    stood, at most 1 cm sideways, upright, for SETTLE_S; not while the plan still runs (the
+    stroke passes through the goal's end point), not short, not sideways, not tipped."""
+    from kestrel_bringup.episode_tasks import (PUSH_DISTANCE, SETTLE_S, TaskJudge, oracle_plan,
+                                               pushed)
+    from kestrel_planner.core.skills import SKILLS, Skill
+
+    assert PUSH_DISTANCE == SKILLS[Skill.PUSH].arg("distance").default
+    cube = (0.05, 0.05, 0.05)
+    start = {"red_cube": ((0.5, 0.1, 0.45), cube), "bin": ((0.4, 0.3, 0.43), (0.2, 0.2, 0.1))}
+    moved = {**start, "red_cube": ((0.548, 0.103, 0.45), cube)}
+    judge = TaskJudge("push", "red_cube", start=start)
+    assert not judge.observe(1.0, False, False, moved, plan_ended=False)  # still pushing
+    assert not judge.observe(2.0, False, False, moved, plan_ended=True)  # not yet settled
+    assert judge.offsets == [0.048, 0.003, 0.0]
+    assert judge.observe(2.0 + SETTLE_S, False, False, moved, plan_ended=True)
+    for centre in ((0.535, 0.1, 0.45), (0.565, 0.1, 0.45), (0.55, 0.115, 0.45),
+                   (0.55, 0.1, 0.43)):  # short, too far, sideways, tipped over
+        assert not pushed({**start, "red_cube": (centre, cube)}, "red_cube", start["red_cube"][0])
+    assert not pushed(start, "green_cube", (0.5, 0.0, 0.45))  # not in the truth
+    assert oracle_plan("push", "red_cube", 0.3) == "push red_cube speed=0.3 distance=0.05; end"
+    with pytest.raises(ValueError, match="task 'throw'"):
+        TaskJudge("throw", "red_cube")
+
+
+def test_a_push_that_ended_short_is_a_push_miss_and_reported_as_one() -> None:
+    """task push: the plan ended with the object elsewhere -> push_miss (never reach_timeout:
+    a push holds nothing); still running at the timeout -> timeout. The report names the task,
+    the stages of a push only, its phases and each failed episode's offsets."""
+    ok = trace(plan_status="accepted", task="push", plan_asked_s=0.5, plan_answered_s=0.8,
+               plan_ended_s=9.0, success_s=9.6, instruction="push the red cube")
+    short = trace(seed=3, plan_status="accepted", task="push", plan_ended_s=9.0,
+                  push_offsets_m=[0.021, -0.002, 0.0])
+    running = trace(seed=4, plan_status="accepted", task="push")
+    assert (ok.stage, short.stage, running.stage) == ("success", "push_miss", "timeout")
+    s = summarize([ok, short, running], {"task": "push"})
+    assert list(s["failures_by_stage"]) == ["perception_miss", "plan_rejected", "push_miss",
+                                            "timeout"]
+    assert set(s["time_by_phase_s"]) == {"scene", "planning", "push", "planner_wall"}
+    assert s["time_by_phase_s"]["push"]["p50"] == pytest.approx(8.8)
+    md = markdown(s)
+    assert md.startswith("# Closed-loop evaluation: pushing")
+    assert "Task: push a task object" in md and "Grasp retries" not in md
+    assert "| seed 3 | red_cube (moved +0.021, -0.002, +0.000) | push_miss |" in md

@@ -5,10 +5,12 @@ write_video(frames, path, fps): frames are (rgb uint8 [H, W, 3], caption) pairs;
 drawn in a band at the top of each frame (matplotlib, Agg); .mp4 through imageio-ffmpeg (the
 ffmpeg binary ships in its wheel), .gif through imageio's pillow writer.
 plot_summary(summary, path): success and every failure stage as bars (PNG).
+write_outputs(summary, command, out, video): an evaluation's record, <out>.json, .png and .md.
 """
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -89,3 +91,17 @@ def plot_summary(summary: dict, path: str | Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def write_outputs(summary: dict, command: str, out: Path, video: Path | None) -> None:
+    """<out>.json (the summary), <out>.png (plot_summary) and <out>.md (the report, the plot
+    and, when it lies beside them, the video of the first episode)."""
+    from kestrel_bringup.evaluation import markdown
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    plot_summary(summary, out.with_suffix(".png"))
+    media = ["", f"![outcomes]({out.with_suffix('.png').name})"]
+    if video and video.exists() and video.resolve().parent == out.resolve().parent:
+        media.append(f"\nThe first episode, from the sim camera: [{video.name}]({video.name})")
+    out.with_suffix(".md").write_text(markdown(summary, command) + "\n".join(media) + "\n")

@@ -18,8 +18,10 @@ action, so it runs against any simulator that publishes the contract:
   step ended (a step's timeout names it).
 `--task stack`: the instruction asks to stack the goal on another task object, the base ('stack
 the red cube on the blue cylinder'); the embedded simulator is started with at least two task
-objects on the table (episode.min_objects), and with --no-stack a layout with one is skipped;
-success is the goal resting on the base, released, by the ground truth (evaluation.stacked).
+objects on the table (episode.min_objects), and with --no-stack a layout with one is skipped.
+`--task push`: the instruction asks to push the goal ('push the red cube'). When each task is
+done, by the ground truth: kestrel_bringup.episode_tasks. An episode ends at its success, at
+--timeout, or PLAN_END_GRACE_S of sim time after its plan ended without one.
 `--oracle-plan`: the planner node runs backend plan_text and is sent the correct plan for the
 goal ('pick <goal>; place bin', or 'place <base>') instead of the instruction. That measures
 everything but the planner's model (perception's scene, validation, execution, control, the
@@ -38,7 +40,6 @@ with the instruction and the plan step (/planner/plan, /planner/step_status) wri
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import signal
@@ -48,11 +49,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kestrel_bringup.evaluation import (ORACLE_NOTE, STACK_SETTLE_S, TASKS, EpisodeTrace, Truth,
-                                        instruction_for, markdown, oracle_plan, over_target,
-                                        plan_text, run_record, sim_speed, stack_offsets, stacked,
-                                        summarize)
+from kestrel_bringup.episode_tasks import (TASKS, TaskJudge, Truth, instruction_for, oracle_plan,
+                                           over_target)
+from kestrel_bringup.evaluation import (ORACLE_NOTE, EpisodeTrace, markdown, plan_text, run_record,
+                                        sim_speed, summarize)
 from kestrel_common.spin_thread import SpinThread
+
+# sim s an episode goes on after its plan ended without success: the object settles in the bin
+# or on the base, a push's object comes to rest; nothing moves the robot after that
+PLAN_END_GRACE_S = 3.0
+
 
 class Evaluator:
     """The ROS side: clients and subscriptions on the contract's names (one rclpy node)."""
@@ -273,7 +279,7 @@ class Evaluator:
     def episode(self, seed: int, rng: random.Random, timeout_s: float,
                 oracle_speed: float = 0.0, goal: str = "",
                 instruction: str = "", task: str = "bin") -> EpisodeTrace | None:
-        """One episode of `task` (evaluation.TASKS); oracle_speed > 0: send the planner
+        """One episode of `task` (episode_tasks.TASKS); oracle_speed > 0: send the planner
         (backend plan_text) the correct plan at that speed, m/s, instead of the instruction.
         goal / instruction: these instead of ones drawn with rng (a goal must be on the table
         in the seed's layout). None: the episode could not start (a stack needs two objects
@@ -300,7 +306,7 @@ class Evaluator:
             goal = goal or rng.choice(list(first.objects))
             base = rng.choice([o for o in first.objects if o != goal]) \
                 if task == "stack" else ""
-            text = instruction or instruction_for(goal, rng, base)
+            text = instruction or instruction_for(task, goal, rng, base)
             resp = self.call_reset(seed, goal)  # the same layout, with its goal
             if resp is None or not resp.success:
                 return None
@@ -308,7 +314,7 @@ class Evaluator:
             if stopped and not self.control_transition("activate"):
                 print("[evaluate] the control node did not activate again",
                       file=sys.stderr)
-        trace = EpisodeTrace(seed=seed, goal=goal, instruction=text, base=base)
+        trace = EpisodeTrace(seed=seed, goal=goal, instruction=text, base=base, task=task)
         with self.lock:
             self.caption, self.step, self.plan_steps = f"seed {seed}: {text}", "", []
 
@@ -337,11 +343,12 @@ class Evaluator:
         with self.lock:
             trace.goal_detected = (goal in self.detected) if fresh else None
             self.step_events, self.retry_events, self.plan_ended = [], [], False
-        trace.position_error_m = {n: self.position_error(n) for n in (goal, base or "bin")}
-        # where the base stood (the new layout's ground truth, as for the position errors)
-        base_start = self.truth_now().get(base, (None,))[0]
-        goal_msg = self.PlanTask.Goal(
-            instruction=oracle_plan(goal, oracle_speed, base) if oracle_speed > 0 else text)
+        trace.position_error_m = {n: self.position_error(n) for n in (
+            (goal,) if task == "push" else (goal, base or "bin"))}
+        # where the objects stood (the new layout's ground truth, as for the position errors)
+        judge = TaskJudge(task, goal, base, self.truth_now())
+        goal_msg = self.PlanTask.Goal(instruction=oracle_plan(task, goal, oracle_speed, base)
+                                      if oracle_speed > 0 else text)
         trace.plan_asked_s = self.sim_since(t0)
         send = self.plan.send_goal_async(goal_msg)
         handle = self._wait(lambda: send.result() if send.done() else None, 30.0)
@@ -360,24 +367,25 @@ class Evaluator:
             trace.plan_status = {0: "accepted", 1: "rejected"}.get(r.validation_status, "error")
             trace.plan_reasons = list(r.reasons)
         if trace.plan_status == "accepted":
-            standing = None  # sim s since the goal rests on the base, released (task stack)
             while True:
                 s = self._wait(current, 5.0)
                 if s is None:
                     break
                 t = s.header.stamp.sec + s.header.stamp.nanosec * 1e-9 - t0
                 held, truth = goal in s.objects_held, self.truth_now()
-                done = bool(s.success)
-                if base:
-                    if goal in truth and base in truth and base_start is not None:
-                        trace.stack_offsets_m = [round(v, 4) for v in stack_offsets(
-                            truth, goal, base, base_start)]
-                    on = not held and stacked(truth, goal, base)
-                    standing = (standing if standing is not None else t) if on else None
-                    done = standing is not None and t - standing >= STACK_SETTLE_S
+                with self.lock:
+                    ended = self.plan_ended
+                if ended and trace.plan_ended_s is None:
+                    trace.plan_ended_s = round(t, 3)
+                done = judge.observe(t, held, bool(s.success), truth, ended)
+                if task == "stack":
+                    trace.stack_offsets_m = judge.offsets
+                elif task == "push":
+                    trace.push_offsets_m = judge.offsets
                 trace.observe(t, held=held, success=done,
                               over_bin=over_target(truth, goal, base or "bin"))
-                if t > timeout_s:
+                if t > timeout_s or (trace.plan_ended_s is not None and trace.success_s is None
+                                     and t - trace.plan_ended_s > PLAN_END_GRACE_S):
                     break
                 if trace.success_s is not None:
                     # the plan's last moves (out of the bin) end before the next reset
@@ -406,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-timeout", type=float, default=120.0, help="wall s per plan")
     parser.add_argument("--task", default="bin", choices=TASKS,
                         help="bin: put an object in the bin; stack: stack one task object on "
-                        "another (the simulator puts at least two on the table)")
+                        "another (the simulator puts at least two on the table); push: push "
+                        "an object")
     parser.add_argument("--controller", default="ik", choices=("ik", "policy"))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: the GPU variants of the models (gpu_params)")
@@ -475,16 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["plan_source"] = ORACLE_NOTE
     print(markdown(summary, command))
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-        from kestrel_bringup.episode_media import plot_summary
-        plot_summary(summary, out.with_suffix(".png"))
-        media = ["", f"![outcomes]({out.with_suffix('.png').name})"]
-        video = Path(args.video) if args.video else None
-        if video and video.exists() and video.resolve().parent == out.resolve().parent:
-            media.append(f"\nThe first episode, from the sim camera: [{video.name}]({video.name})")
-        out.with_suffix(".md").write_text(markdown(summary, command) + "\n".join(media) + "\n")
+        from kestrel_bringup.episode_media import write_outputs
+        write_outputs(summary, command, Path(args.out), Path(args.video) if args.video else None)
     return 0 if summary["successes"] > 0 else 2
 
 

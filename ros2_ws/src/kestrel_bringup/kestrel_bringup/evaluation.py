@@ -1,7 +1,6 @@
-"""Closed-loop evaluation bookkeeping (no rclpy): the episodes' instructions, one trace per
-episode, the failure stage it ends in, and the table over episodes (success rate with a Wilson
-95 % interval, failures by stage, time to success and where it goes, control deadline misses),
-the run's record.
+"""Closed-loop evaluation bookkeeping (no rclpy): one trace per episode, the failure stage it
+ends in, and the table over episodes (success rate with a Wilson 95 % interval, failures by
+stage, time to success and where it goes, control deadline misses), the run's record.
 kestrel_bringup.evaluate feeds it from the simulator contract's topics (sim_contract.yaml);
 tests feed it directly.
 
@@ -12,92 +11,30 @@ Failure attribution, first that applies:
   reach_timeout    the goal object was never held between both fingers;
   grasp_slip       it was held, then let go away from the bin;
   place_miss       it was let go over the bin, but it is not in the bin and settled;
+  push_miss        (task push, instead of the three above) the plan ended, but the goal did
+                   not end where the push should have left it (episode_tasks.pushed);
   timeout          anything else that did not succeed within the episode's time.
-Two tasks (TASKS): put the goal in the bin (the simulator's EpisodeStatus says when it is in
-the bin and settled), or stack it on another task object, the base (the ground truth says when
-it rests there: `stacked`); for a stack, "the bin" above reads "the base".
+The tasks, their instructions and when each is done: kestrel_bringup.episode_tasks; for a
+stack, "the bin" above reads "the base".
 """
 
 from __future__ import annotations
 
 import json
 import math
-import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kestrel_bringup.episode_tasks import PUSH_DISTANCE, PUSH_TOLERANCE, SETTLE_S, STACK_TOLERANCE
+
 STAGES = ("success", "perception_miss", "plan_rejected", "reach_timeout", "grasp_slip",
-          "place_miss", "timeout")
-
-
-COLOURS = {"red_cube": ("red", "cube"), "green_cube": ("green", "cube"),
-           "blue_cylinder": ("blue", "cylinder")}
-TEMPLATES = ("put the {c} {s} in the bin", "place the {c} {s} into the bin",
-             "pick up the {c} {s} and drop it in the bin")
-BIN_HALF = 0.1  # m, half the bin's footprint (tabletop.xml)
+          "place_miss", "push_miss", "timeout")
+# the failure stages each task can end in (a push never holds its object)
+TASK_STAGES = {"bin": STAGES[1:6] + ("timeout",), "stack": STAGES[1:6] + ("timeout",),
+               "push": ("perception_miss", "plan_rejected", "push_miss", "timeout")}
 ORACLE_NOTE = ("oracle plan: the planner node ran backend plan_text and was sent the correct "
                "plan for the goal, not the instruction; the planner's model is NOT measured")
-
-
-# --task: put the goal in the bin, or stack it on another task object (the base)
-TASKS = ("bin", "stack")
-STACK_TEMPLATES = ("stack the {c} {s} on the {c2} {s2}", "put the {c} {s} on top of the {c2} {s2}",
-                   "place the {c} {s} onto the {c2} {s2}")
-# m: a stack stands when the goal's bottom is within this of the base's top, its centre over
-# the base's top face (stacked)
-STACK_TOLERANCE = 0.01
-STACK_SETTLE_S = 0.5  # sim s a stack stands, the goal released, before it counts
-# name -> (centre (x, y, z) m, full size (x, y, z) m): the simulator's ground truth
-Truth = dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]]
-
-
-def oracle_plan(goal: str, speed: float, base: str = "") -> str:
-    """The correct plan for 'put <goal> in the bin' (or, with a base, 'stack <goal> on
-    <base>'), in the plan text form ';'-separated."""
-    return f"pick {goal} speed={speed:g}; place {base or 'bin'} speed={speed:g}; end"
-
-
-def _words(name: str) -> tuple[str, str]:
-    return COLOURS.get(name, (name.split("_")[0], name.split("_")[-1]))
-
-
-def instruction_for(goal: str, rng: random.Random, base: str = "") -> str:
-    """An instruction to put `goal` in the bin or, with a base, to stack it on `base`."""
-    (c, s), (c2, s2) = _words(goal), _words(base)
-    return rng.choice(STACK_TEMPLATES if base else TEMPLATES).format(c=c, s=s, c2=c2, s2=s2)
-
-
-def over_target(truth: Truth, goal: str, target: str) -> bool | None:
-    """Is the goal's centre above the target's footprint: the bin's (BIN_HALF) or another
-    object's (half its size); None when either is not in `truth`."""
-    if goal not in truth or target not in truth:
-        return None
-    (gx, gy, _), _ = truth[goal]
-    (tx, ty, _), size = truth[target]
-    hx, hy = (BIN_HALF, BIN_HALF) if target == "bin" else (size[0] / 2, size[1] / 2)
-    return abs(gx - tx) <= hx and abs(gy - ty) <= hy
-
-
-def stack_offsets(truth: Truth, goal: str, base: str,
-                  base_start: tuple[float, float, float]) -> tuple[float, float, float]:
-    """(the goal's centre sideways of the base's, the gap between the goal's bottom and the
-    base's top, how far the base moved from `base_start`), m."""
-    (g, gs), (b, bs) = truth[goal], truth[base]
-    side = math.hypot(g[0] - b[0], g[1] - b[1])
-    gap = (g[2] - gs[2] / 2) - (b[2] + bs[2] / 2)
-    return side, gap, math.dist(b, base_start)
-
-
-def stacked(truth: Truth, goal: str, base: str, tolerance: float = STACK_TOLERANCE) -> bool:
-    """Does the goal rest on the base: its bottom within `tolerance` of the base's top and its
-    centre over the base's top face (at most half the base's smaller width sideways of the
-    base's centre: its weight is carried)? Whether it is released is the caller's to check;
-    where the base stands (stack_offsets' third value) is not part of it."""
-    if goal not in truth or base not in truth:
-        return False
-    side, gap, _ = stack_offsets(truth, goal, base, truth[base][0])
-    return abs(gap) <= tolerance and side <= min(truth[base][1][:2]) / 2
 
 
 @dataclass
@@ -107,10 +44,13 @@ class EpisodeTrace:
     seed: int
     goal: str  # goal object name, e.g. red_cube
     instruction: str
-    base: str = ""  # task stack: the object the goal goes on ("" = task bin)
+    base: str = ""  # task stack: the object the goal goes on
+    task: str = "bin"  # episode_tasks.TASKS
     # task stack, at the last observation: the goal's centre sideways of the base's, the gap
     # between the goal's bottom and the base's top, the base's move from where it stood, m
     stack_offsets_m: list[float] = field(default_factory=list)
+    # task push, at the last observation: how far the goal moved along +x, sideways, up, m
+    push_offsets_m: list[float] = field(default_factory=list)
     plan_status: str = "none"  # "accepted" | "rejected" | "error" | "none"
     plan_reasons: list[str] = field(default_factory=list)
     goal_detected: bool | None = None  # perception reported the goal's class (None: unknown)
@@ -133,6 +73,7 @@ class EpisodeTrace:
     plan_answered_s: float | None = None
     grasped_s: float | None = None
     plan_wall_s: float | None = None
+    plan_ended_s: float | None = None  # the plan's last step ended, or one failed
     plan: str = ""  # the planned steps with their arguments, e.g. "pick red_cube speed=0.3; ..."
     # the plan's grasp retries, each with its reason ("step 1/2 pick red_cube: retry 1/2: ...")
     retries: list[str] = field(default_factory=list)
@@ -160,6 +101,8 @@ class EpisodeTrace:
             return "success"
         if self.plan_status != "accepted":
             return "perception_miss" if self.goal_detected is False else "plan_rejected"
+        if self.task == "push":
+            return "push_miss" if self.plan_ended_s is not None else "timeout"
         if not self.held_ever:
             return "reach_timeout"
         if self.released_over_bin is False:
@@ -213,13 +156,22 @@ PHASES = {  # time_by_phase_s: name -> (from, to) EpisodeTrace fields (None: the
     "planning": ("plan_asked_s", "plan_answered_s"),
     "reach_and_grasp": ("plan_answered_s", "grasped_s"),
     "carry_and_place": ("grasped_s", "success_s"),
+    "push": ("plan_answered_s", "success_s"),  # task push only: it holds nothing
 }
 
 
+def phase_names(task: str) -> tuple[str, ...]:
+    """The PHASES of a task's episodes."""
+    return tuple(n for n in PHASES if (n == "push") == (task == "push")
+                 or n in ("scene", "planning"))
+
+
 def phases(t: EpisodeTrace) -> dict[str, float]:
-    """Sim s of each of the episode's phases (PHASES) that saw both of its ends."""
+    """Sim s of each of the episode's phases (phase_names of its task) that saw both of its
+    ends."""
     out = {}
-    for name, (a, b) in PHASES.items():
+    for name in phase_names(t.task):
+        a, b = PHASES[name]
         end, start = getattr(t, b), (getattr(t, a) if a else 0.0)
         if end is not None and start is not None:
             out[name] = end - start
@@ -236,8 +188,9 @@ def time_by_phase(traces: list[EpisodeTrace]) -> dict[str, dict[str, float] | No
     its ends, and of the planner's own wall s (plan_wall_s) over the same episodes."""
     done = [t for t in traces if t.success_s is not None]
     each = [phases(t) for t in done]
+    names = [n for n in PHASES if any(n in phase_names(t.task) for t in traces)]
     out: dict[str, dict[str, float] | None] = {
-        name: _quantiles([p[name] for p in each if name in p]) for name in PHASES}
+        name: _quantiles([p[name] for p in each if name in p]) for name in names}
     out["planner_wall"] = _quantiles([t.plan_wall_s for t in done if t.plan_wall_s is not None])
     return out
 
@@ -246,6 +199,8 @@ def summarize(traces: list[EpisodeTrace], config: dict[str, Any] | None = None) 
     """The evaluation's result record (JSON-able)."""
     n = len(traces)
     k = sum(t.stage == "success" for t in traces)
+    # the stages of the tasks run (all of them when there are none)
+    stages = {s for t in ({t.task for t in traces} or TASK_STAGES) for s in TASK_STAGES[t]}
     lo, hi = wilson_interval(k, n)
     return {
         "config": config or {},
@@ -254,7 +209,7 @@ def summarize(traces: list[EpisodeTrace], config: dict[str, Any] | None = None) 
         "success_rate": k / n if n else 0.0,
         "success_ci95": [lo, hi],
         "failures_by_stage": {s: sum(t.stage == s for t in traces) for s in STAGES
-                              if s != "success"},
+                              if s in stages},
         "time_to_success_s": _quantiles([t.success_s for t in traces
                                          if t.success_s is not None]),
         "time_by_phase_s": time_by_phase(traces),
@@ -282,8 +237,9 @@ def record_lines(summary: dict) -> list[str]:
 def markdown(summary: dict, command: str = "") -> str:
     """The summary as a short markdown report."""
     lo, hi = summary["success_ci95"]
-    stack = summary.get("config", {}).get("task") == "stack"
-    lines = ["# Closed-loop evaluation" + (": stacking" if stack else ""), ""]
+    task = summary.get("config", {}).get("task", "bin")
+    lines = ["# Closed-loop evaluation" + {"stack": ": stacking", "push": ": pushing"}.get(
+        task, ""), ""]
     if command:
         lines += [f"Command: `{command}`", ""]
     lines += record_lines(summary)
@@ -292,13 +248,21 @@ def markdown(summary: dict, command: str = "") -> str:
         lines += [f"**Interrupted: {summary['episodes']} of {planned} episodes ran.**", ""]
     if summary.get("plan_source"):
         lines += [f"**Plans: {summary['plan_source']}.**", ""]
-    if stack:
+    if task == "stack":
         lines += ["Task: stack one task object on another ('stack the red cube on the blue "
                   "cylinder'). Success: the goal rests on the base, released, for "
-                  f"{STACK_SETTLE_S} s of sim time (its bottom within {STACK_TOLERANCE} m of "
+                  f"{SETTLE_S} s of sim time (its bottom within {STACK_TOLERANCE} m of "
                   "the base's top, its centre over the base's top face); place_miss: released "
                   "over the base but not resting on it. Each episode's offsets at its end are "
                   "in the JSON record (stack_offsets_m).", ""]
+    if task == "push":
+        lines += ["Task: push a task object ('push the red cube'; the instruction names no "
+                  f"distance: the push skill's {PUSH_DISTANCE} m along +x). Success: after the "
+                  f"plan ended, for {SETTLE_S} s of sim time, the object lies {PUSH_DISTANCE} "
+                  f"+- {PUSH_TOLERANCE} m along +x of where it stood, at most {PUSH_TOLERANCE} m "
+                  "sideways, upright; push_miss: the plan ended, the object elsewhere. Each "
+                  "episode's offsets at its end (along x, sideways, up) are in the JSON record "
+                  "(push_offsets_m) and in the table of failed episodes.", ""]
     lines += [
         "| episodes | successes | success rate | 95 % CI (Wilson) |",
         "|---|---|---|---|",
@@ -319,7 +283,7 @@ def markdown(summary: dict, command: str = "") -> str:
         lines += ["By phase (sim s, p50 over the successes): " + ", ".join(spans)
                   + (f"; the planner's own time {wall['p50']:.1f} wall s." if wall else ".")]
     gr = summary.get("grasp_retries")
-    if gr:
+    if gr and task != "push":
         seeds = ", ".join(f"seed {e['seed']}: {len(e['retries'])}"
                           for e in summary.get("per_episode", []) if e.get("retries"))
         lines += [f"Grasp retries: {gr['retries']} in {gr['episodes']} episodes"
@@ -343,6 +307,8 @@ def markdown(summary: dict, command: str = "") -> str:
             err = ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -"
                             for k, v in (e.get("position_error_m") or {}).items()) or "-"
             goal = f"{e['goal']} on {e['base']}" if e.get("base") else e["goal"]
+            if e.get("push_offsets_m"):
+                goal += " (moved " + ", ".join(f"{v:+.3f}" for v in e["push_offsets_m"]) + ")"
             lines.append(f"| seed {e['seed']} | {goal} | {e['stage']} | {steps} | {err} |")
     return "\n".join(lines) + "\n"
 

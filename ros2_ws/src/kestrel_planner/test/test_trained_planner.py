@@ -42,22 +42,34 @@ def _scene(names: list[str]) -> list[SceneObject]:
     return [SceneObject(n, n, SIM_SCENE[n]) for n in names]
 
 
-def test_the_evaluators_instructions_become_pick_and_place(core: PlannerCore) -> None:
-    from kestrel_bringup.evaluate import instruction_for
+@pytest.mark.parametrize("task", ["bin", "stack", "push"])
+def test_the_evaluators_instructions_become_their_plans(core: PlannerCore, task: str) -> None:
+    """Each closed-loop task's instructions (kestrel_bringup.episode_tasks), in random scenes:
+    the trained planner's plan is the task's oracle plan, step for step."""
+    from kestrel_bringup.episode_tasks import TEMPLATES, instruction_for
 
     rng = random.Random(0)
     image = np.zeros((32, 32, 3), np.uint8)
+    templates = set()
     for _ in range(12):
         present = [n for n in ("red_cube", "green_cube", "blue_cylinder")
                    if rng.random() < 0.7] or ["green_cube"]
+        if task == "stack" and len(present) < 2:
+            present = ["red_cube", "blue_cylinder"]
         names = present + ["bin", "table", "robot"]
         rng.shuffle(names)
         goal = rng.choice(present)
-        instruction = instruction_for(goal, rng)
+        base = rng.choice([n for n in present if n != goal]) if task == "stack" else ""
+        instruction = instruction_for(task, goal, rng, base)
+        templates.add(instruction.split()[0])
         res = core.plan(instruction, image, _scene(names))
         assert res.plan is not None and res.report.accepted, (instruction, res.text)
-        assert format_plan(res.plan).split("\n")[:2] == [f"pick {goal}", "place bin"], \
+        want = {"bin": [f"pick {goal}", "place bin"], "stack": [f"pick {goal}", f"place {base}"],
+                "push": [f"push {goal}"]}[task]
+        assert format_plan(res.plan).split("\n")[:len(want) + 1] == [*want, "end"], \
             (instruction, names, res.text)
+    assert len(templates) > 1  # more than one of the task's templates was asked
+    assert len(TEMPLATES[task]) >= 3
 
 
 @pytest.mark.parametrize("instruction, names, reason", [
