@@ -357,3 +357,15 @@ def test_a_push_that_ended_short_is_a_push_miss_and_reported_as_one() -> None:
     assert md.startswith("# Closed-loop evaluation: pushing")
     assert "Task: push a task object" in md and "Grasp retries" not in md
     assert "| seed 3 | red_cube (moved +0.021, -0.002, +0.000) | push_miss |" in md
+
+
+def test_what_went_wrong_around_the_robot_is_named_in_the_report() -> None:
+    """An episode whose control node did not come back after the reset: its failed row says
+    so beside the steps, so the failure reads as the evaluation's, not the robot's."""
+    t = trace(seed=50, plan_status="accepted", task="push", plan_ended_s=2.0,
+              steps=["step 1/1 push red_cube (failed): stalled"],
+              evaluator_notes=["the control node did not activate again after the reset"])
+    md = markdown(summarize([t], {"task": "push"}))
+    assert ("| step 1/1 push red_cube (failed): stalled (evaluator: the control node did not "
+            "activate again after the reset) |") in md
+    assert summarize([t])["per_episode"][0]["evaluator_notes"] == t.evaluator_notes

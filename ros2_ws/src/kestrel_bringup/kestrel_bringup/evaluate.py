@@ -284,6 +284,7 @@ class Evaluator:
         goal / instruction: these instead of ones drawn with rng (a goal must be on the table
         in the seed's layout). None: the episode could not start (a stack needs two objects
         on the table)."""
+        notes = []  # EpisodeTrace.evaluator_notes
         # The reset puts the arm back at home. The control node would drive it back to the
         # previous episode's last target (it holds that target, as it should on a robot
         # nothing teleports): it is deactivated across the reset and activated after it,
@@ -312,9 +313,10 @@ class Evaluator:
                 return None
         finally:
             if stopped and not self.control_transition("activate"):
-                print("[evaluate] the control node did not activate again",
-                      file=sys.stderr)
-        trace = EpisodeTrace(seed=seed, goal=goal, instruction=text, base=base, task=task)
+                notes.append("the control node did not activate again after the reset")
+                print(f"[evaluate] {notes[-1]}", file=sys.stderr)
+        trace = EpisodeTrace(seed=seed, goal=goal, instruction=text, base=base, task=task,
+                             evaluator_notes=notes)
         with self.lock:
             self.caption, self.step, self.plan_steps = f"seed {seed}: {text}", "", []
 
@@ -340,6 +342,8 @@ class Evaluator:
             with self.lock:
                 seen = self.results
             self._wait(lambda: self.results > seen, 20.0)
+        else:
+            notes.append("no perception result of the new layout within 20 s")
         with self.lock:
             trace.goal_detected = (goal in self.detected) if fresh else None
             self.step_events, self.retry_events, self.plan_ended = [], [], False

@@ -77,6 +77,9 @@ class EpisodeTrace:
     plan: str = ""  # the planned steps with their arguments, e.g. "pick red_cube speed=0.3; ..."
     # the plan's grasp retries, each with its reason ("step 1/2 pick red_cube: retry 1/2: ...")
     retries: list[str] = field(default_factory=list)
+    # what went wrong around the robot rather than in it: the control node not activated again
+    # after the reset, no perception result of the new layout before the plan
+    evaluator_notes: list[str] = field(default_factory=list)
 
     def observe(self, t_s: float, held: bool, success: bool,
                 over_bin: bool | None = None) -> None:
@@ -304,6 +307,8 @@ def markdown(summary: dict, command: str = "") -> str:
                   "|---|---|---|---|---|"]
         for e in failed:
             steps = "; ".join(e.get("steps") or e.get("plan_reasons") or []) or "-"
+            if e.get("evaluator_notes"):
+                steps += " (evaluator: " + "; ".join(e["evaluator_notes"]) + ")"
             err = ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -"
                             for k, v in (e.get("position_error_m") or {}).items()) or "-"
             goal = f"{e['goal']} on {e['base']}" if e.get("base") else e["goal"]
