@@ -6,9 +6,10 @@ kestrel_bringup.core_loop), object positions from the simulator's ground truth.
 
     python scripts/eval_push.py --seeds 20 --out docs/benchmarks/push_cores_cpu
 
-An episode counts as moved when the object moved D +- `--tolerance` along +x and at most
-`--tolerance` sideways; the step's own outcome (SUCCEEDED or FAILED, and why) is reported
-beside it. Writes <out>.json and <out>.md.
+An episode counts as moved when the object moved D +- `--tolerance` along +x, at most
+`--tolerance` sideways and stands (its centre's height within `--tolerance`): the check of the
+closed-loop evaluation's `--task push` (kestrel_bringup.episode_tasks.pushed). The step's own
+outcome (SUCCEEDED or FAILED, and why) is reported beside it. Writes <out>.json and <out>.md.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from kestrel_bringup.core_loop import (  # noqa: E402
     eval_config,
     layouts,
     run_plan,
+    truth,
 )
+from kestrel_bringup.episode_tasks import push_offsets, pushed  # noqa: E402
 from kestrel_bringup.evaluation import record_lines, run_record, write_record  # noqa: E402
 from kestrel_control.core.kinematics import ArmKinematics  # noqa: E402
 from kestrel_planner.core.executor import StepState  # noqa: E402
@@ -54,19 +57,19 @@ def main(argv: list[str] | None = None) -> int:
         args.push_speed = PUSH_SPEED
     episodes, t0 = [], time.monotonic()
     for seed, name in layouts(world, args.seeds):
-        before = {o.name: o.position for o in world.ground_truth()}[name]
+        before = truth(world)[name][0]
         events: list = []
         ex = run_plan(world, f"push {name} speed={args.speed} distance={args.distance}"
                       "\nend", args.timeout, kin, events=events,
                       push_speed=args.push_speed)
-        after = {o.name: o.position for o in world.ground_truth()}[name]
-        dx, dy = (float(a - b) for a, b in zip(after[:2], before[:2], strict=True))
+        after = truth(world)
+        dx, dy, dz = push_offsets(after, name, before)
         failed = [e.message for e in events if e.status == StepState.FAILED]
         episodes.append({
-            "seed": seed, "object": name, "moved_m": [round(dx, 4), round(dy, 4)],
-            "moved": abs(dx - args.distance) <= args.tolerance and abs(dy) <= args.tolerance,
+            "seed": seed, "object": name, "moved_m": [round(dx, 4), round(dy, 4), round(dz, 4)],
+            "moved": pushed(after, name, before, args.distance, args.tolerance),
             "step": ex.statuses[0].name.lower(), "failure": failed[0] if failed else ""})
-        print(f"seed {seed} {name}: moved ({dx:.3f}, {dy:.3f}) m, "
+        print(f"seed {seed} {name}: moved ({dx:.3f}, {dy:.3f}, {dz:.3f}) m, "
               f"step {episodes[-1]['step']}", flush=True)
     summary = {"schema": "kestrel_push_eval/1", "config": eval_config(args, t0),
                "command": eval_command("scripts/eval_push.py", argv), **record,
@@ -83,8 +86,9 @@ def markdown(summary: dict) -> str:
     cfg, eps = summary["config"], summary["episodes"]
     lines = ["# Push through the cores (ground-truth object positions)", "",
              f"Command: `{summary['command']}`", "", *record_lines(summary),
-             f"Moved: the object moved {cfg['distance']} m +- {cfg['tolerance']} m along +x "
-             f"and at most {cfg['tolerance']} m sideways.", "",
+             f"Moved: the object moved {cfg['distance']} m +- {cfg['tolerance']} m along +x, "
+             f"at most {cfg['tolerance']} m sideways, and stands (its centre's height within "
+             f"{cfg['tolerance']} m).", "",
              "| object | episodes | moved | step succeeded |", "|---|---|---|---|"]
     names = sorted(Counter(e["object"] for e in eps))
     for name in [*names, "all"]:
@@ -93,8 +97,9 @@ def markdown(summary: dict) -> str:
                      f"{sum(e['step'] == 'succeeded' for e in sel)} |")
     odd = [e for e in eps if not (e["moved"] and e["step"] == "succeeded")]
     if odd:
-        lines += ["", "| seed | object | moved (x, y) m | step | why |", "|---|---|---|---|---|"]
-        lines += [f"| {e['seed']} | {e['object']} | {e['moved_m'][0]}, {e['moved_m'][1]} | "
+        lines += ["", "| seed | object | moved (x, y, z) m | step | why |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {e['seed']} | {e['object']} | {', '.join(map(str, e['moved_m']))} | "
                   f"{e['step']} | {e['failure'] or '-'} |" for e in odd]
     lines += ["", f"Each episode: the plan 'push <object> distance={cfg['distance']}' at "
               f"{cfg['speed']} m/s, the stroke at most at {cfg['push_speed']} m/s, for one object "

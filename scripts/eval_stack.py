@@ -18,7 +18,6 @@ beside it. Writes <out>.json and <out>.md.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 from collections import Counter
@@ -31,6 +30,7 @@ from kestrel_bringup.core_loop import (  # noqa: E402
     EVAL_WORLD,
     eval_command,
     eval_config,
+    layout_pairs,
     run_plan,
     truth,
 )
@@ -58,31 +58,25 @@ def main(argv: list[str] | None = None) -> int:
     executor = ({} if args.place_contact_height is None
                 else {"place_contact_height": args.place_contact_height})
     episodes, t0 = [], time.monotonic()
-    for seed in range(1, args.seeds + 1):
-        world.reset(seed)
-        for top, base in itertools.permutations(world.task_objects, 2):
-            world.reset(seed)
-            before = truth(world)
-            events: list = []
-            ex = run_plan(world, f"pick {top} speed={args.speed}\nplace {base} "
-                          f"speed={args.speed}\nend", args.timeout, kin, events=events,
-                          **executor)
-            after, start = truth(world), before[base][0]
-            ok = stacked(after, top, base, args.tolerance) and \
-                top not in world.task_status().held
-            side, gap, moved = stack_offsets(after, top, base, start)
-            failed = [e.message for e in events if e.status == StepState.FAILED]
-            pair = f"{top.split('_')[-1]} on {base.split('_')[-1]}"
-            episodes.append({
-                "seed": seed, "top": top, "base": base, "pair": pair, "stacked": ok,
-                "offset_m": round(side, 4), "gap_m": round(gap, 4),
-                "base_moved_m": round(moved, 4),
-                "steps": [s.name.lower() for s in ex.statuses],
-                "landed": any(e.message.startswith("landed") for e in events),
-                "failure": failed[0] if failed else ""})
-            print(f"seed {seed} {top} on {base}: {'stacked' if ok else 'NOT stacked'} "
-                  f"(offset {side:.3f}, gap {gap:.3f}, base moved {moved:.3f} m), steps "
-                  f"{episodes[-1]['steps']}", flush=True)
+    for seed, top, base in layout_pairs(world, args.seeds):
+        before = truth(world)
+        events: list = []
+        ex = run_plan(world, f"pick {top} speed={args.speed}\nplace {base} "
+                      f"speed={args.speed}\nend", args.timeout, kin, events=events, **executor)
+        after, start = truth(world), before[base][0]
+        ok = stacked(after, top, base, args.tolerance) and top not in world.task_status().held
+        side, gap, moved = stack_offsets(after, top, base, start)
+        failed = [e.message for e in events if e.status == StepState.FAILED]
+        pair = f"{top.split('_')[-1]} on {base.split('_')[-1]}"
+        episodes.append({
+            "seed": seed, "top": top, "base": base, "pair": pair, "stacked": ok,
+            "offset_m": round(side, 4), "gap_m": round(gap, 4), "base_moved_m": round(moved, 4),
+            "steps": [s.name.lower() for s in ex.statuses],
+            "landed": any(e.message.startswith("landed") for e in events),
+            "failure": failed[0] if failed else ""})
+        print(f"seed {seed} {top} on {base}: {'stacked' if ok else 'NOT stacked'} "
+              f"(offset {side:.3f}, gap {gap:.3f}, base moved {moved:.3f} m), steps "
+              f"{episodes[-1]['steps']}", flush=True)
     summary = {"schema": "kestrel_stack_eval/1", "config": eval_config(args, t0),
                "command": eval_command("scripts/eval_stack.py", argv), **record,
                "episodes": episodes}

@@ -9,7 +9,7 @@ import mujoco
 import numpy as np
 import pytest
 
-from kestrel_bringup.core_loop import EVAL_WORLD, layouts, run_plan
+from kestrel_bringup.core_loop import EVAL_WORLD, layout_pairs, layouts, run_plan
 from kestrel_sim.core import SimWorld, SimWorldConfig
 
 
@@ -28,6 +28,24 @@ def test_layouts_give_every_task_object_of_each_seed_its_own_reset_layout() -> N
         world.data.qpos[world.model.jnt_qposadr[joint]] += 0.1
         world.step(10)
     assert seen == [(s, n) for s in (1, 2, 3) for n in (ref.reset(s) or ref.task_objects)]
+
+
+def test_layout_pairs_give_every_ordered_pair_of_each_seed_its_own_reset_layout() -> None:
+    """eval_stack's episodes: every (top, base) of two different task objects of a layout, in
+    both orders, each from the layout as reset."""
+    world, ref = SimWorld(EVAL_WORLD), SimWorld(EVAL_WORLD)
+    seen = []
+    for seed, top, base in layout_pairs(world, 4):
+        ref.reset(seed)
+        assert top != base and {top, base} <= set(ref.task_objects)
+        assert [tuple(o.position) for o in world.ground_truth()] == \
+            [tuple(o.position) for o in ref.ground_truth()]
+        seen.append((seed, top, base))
+        world.step(10)
+    for seed in (1, 2, 3, 4):
+        n = len(ref.reset(seed) or ref.task_objects)
+        assert sum(s == seed for s, _, _ in seen) == n * (n - 1)
+    assert len(set(seen)) == len(seen) > 0
 
 
 @pytest.mark.parametrize("name", ["red_cube", "blue_cylinder"])

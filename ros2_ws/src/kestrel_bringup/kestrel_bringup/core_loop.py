@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -47,6 +48,17 @@ def layouts(world: SimWorld, seeds: int) -> Iterator[tuple[int, str]]:
         for name in world.task_objects:
             world.reset(seed)
             yield seed, name
+
+
+def layout_pairs(world: SimWorld, seeds: int) -> Iterator[tuple[int, str, str]]:
+    """(seed, top, base) for every ordered pair of task objects of the layouts of seeds
+    1..`seeds`, the world reset to that seed's layout before each (one stacking episode per
+    pair)."""
+    for seed in range(1, seeds + 1):
+        world.reset(seed)
+        for top, base in itertools.permutations(world.task_objects, 2):
+            world.reset(seed)
+            yield seed, top, base
 
 
 def truth(world: SimWorld) -> Truth:
