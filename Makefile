@@ -1,5 +1,6 @@
 # Kestrel: the commands a new user needs.
 #   make demo        # set up if needed, one pick-and-place episode through the whole stack, a table
+#                    # (TASK=stack or TASK=push: a stacking or pushing episode instead)
 #   make test        # set up if needed, then lint + the whole test suite (what CI runs)
 #   make test-fast   # lint + unit and in-process tests: no DDS, no launch, no slow, no GPU tests
 #   make eval        # seeded pick-and-place episodes through the stack: success rate, failures
@@ -7,6 +8,7 @@
 #   make eval-stack  # seeded stacking episodes ("stack the red cube on the blue cylinder")
 #   make eval-push   # seeded pushing episodes ("push the red cube")
 DURATION ?= 30
+TASK ?= bin
 EPISODES ?= 50
 
 .PHONY: setup demo test test-fast lint clean eval eval-oracle eval-stack eval-push
@@ -14,7 +16,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	bash scripts/run.sh python scripts/demo.py --duration $(DURATION)
+	bash scripts/run.sh python scripts/demo.py --duration $(DURATION) --task $(TASK)
 
 test: setup
 	bash scripts/test.sh

@@ -5,6 +5,7 @@ episode succeeds when the simulator's ground truth has the object in the bin and
 Then a table (topic rates, per-node latency percentiles, control-loop deadline misses).
 
     make demo                         # = scripts/run.sh python scripts/demo.py
+    make demo TASK=stack              # or push: the closed-loop evaluation's other tasks
     python scripts/demo.py --duration 60 --json out/demo.json --video out/episode.mp4
 
 Plans: the planner as configured (config/planner.yaml: the trained VLM) turns the instruction
@@ -26,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kestrel_bringup.episode_tasks import PUSH_DISTANCE, TASKS
 from kestrel_common.domain_lease import DomainLease
 
 
@@ -39,8 +41,13 @@ def main() -> int:
                         help="max seconds for every node to come up and data to flow")
     parser.add_argument("--seed", type=int, default=0,
                         help="episode layout (0 = the default layout: every task object)")
-    parser.add_argument("--goal", default="red_cube", help="the object to put in the bin")
-    parser.add_argument("--instruction", default="put the red cube in the bin")
+    parser.add_argument("--task", default="bin", choices=TASKS,
+                        help="bin: put the goal in the bin; stack: stack it on another task "
+                        "object; push: push it (kestrel_bringup.episode_tasks)")
+    parser.add_argument("--goal", default="red_cube", help="the object the task is about")
+    parser.add_argument("--instruction", default=None,
+                        help="default: 'put the red cube in the bin' for the task bin, else "
+                        "one of the task's instructions for the goal")
     parser.add_argument("--oracle-plan", action="store_true",
                         help="send the planner (backend plan_text) the correct plan instead "
                         "of the instruction: the planner's model is not used")
@@ -53,6 +60,8 @@ def main() -> int:
                         help="node logs (default: a temp dir, printed at the end)")
     parser.add_argument("--quiet", action="store_true", help="do not echo node output")
     args = parser.parse_args()
+    if args.instruction is None:  # "": episode() draws one of the task's for the goal
+        args.instruction = "put the red cube in the bin" if args.task == "bin" else ""
 
     lease = DomainLease()
     os.environ["ROS_DOMAIN_ID"] = str(lease.domain_id)
@@ -105,7 +114,7 @@ def main() -> int:
             ev.recording = True
             trace = ev.episode(args.seed, random.Random(args.seed), args.episode_timeout,
                                0.3 if args.oracle_plan else 0.0, goal=args.goal,
-                               instruction=args.instruction)
+                               instruction=args.instruction, task=args.task)
             ev.recording = False
             _episode_verdict(trace, report, failures)
         end = t_start + startup + args.duration
@@ -141,14 +150,15 @@ def main() -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         out = _report_json(report, measured, failures)
         out["episode"] = None if trace is None else {
-            "seed": trace.seed, "goal": trace.goal, "instruction": trace.instruction,
+            "seed": trace.seed, "task": trace.task, "goal": trace.goal, "base": trace.base,
+            "instruction": trace.instruction,
             "oracle_plan": args.oracle_plan, "stage": trace.stage,
             "success_s": trace.success_s, "phases_s": phases(trace), "plan": trace.plan,
             "steps": trace.steps}
         args.json.write_text(json.dumps(out, indent=2))
     if trace is not None:
         print(f"EPISODE: '{trace.instruction}' (seed {trace.seed}): "
-              + (f"SUCCESS, {trace.goal} in the bin and settled {trace.success_s:.1f} s "
+              + (f"SUCCESS, {_done(trace)} {trace.success_s:.1f} s "
                  f"(sim) after the reset ({phases_text(trace)})" if trace.stage == "success"
                  else f"FAILED at {trace.stage}")
               + (" [oracle plan]" if args.oracle_plan else ""))
@@ -171,7 +181,16 @@ def _episode_verdict(trace, report, failures: list[str]) -> None:  # noqa: ANN00
     report.on_plan(trace.plan_status)
     if trace.stage != "success":
         why = "; ".join(trace.steps or trace.plan_reasons) or "no step ended"
-        failures.append(f"episode: {trace.goal} not in the bin: {trace.stage} ({why})")
+        failures.append(f"episode: not done ({_done(trace)}): {trace.stage} ({why})")
+
+
+def _done(trace) -> str:  # noqa: ANN001
+    """What the episode's task asks, as done: 'red_cube in the bin and settled'."""
+    if trace.task == "stack":
+        return f"{trace.goal} rests on {trace.base}"
+    if trace.task == "push":
+        return f"{trace.goal} pushed {PUSH_DISTANCE:g} m along +x"
+    return f"{trace.goal} in the bin and settled"
 
 
 def _report_json(report, duration: float, failures: list[str]) -> dict:
