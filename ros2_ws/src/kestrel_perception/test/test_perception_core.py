@@ -217,7 +217,9 @@ def test_positions_from_lidar(core: PerceptionCore) -> None:
         p_cam = np.linalg.inv(cam.T_base_from_cam) @ np.append(det.position, 1.0)
         uvw = K @ p_cam[:3]
         centre = ((det.box_xyxy[0] + det.box_xyxy[2]) / 2, (det.box_xyxy[1] + det.box_xyxy[3]) / 2)
-        np.testing.assert_allclose(uvw[:2] / uvw[2], centre, atol=1e-3)
+        # boxes are in pixel-edge coordinates, K puts the top-left pixel's centre at (0, 0):
+        # the box centre is half a pixel right of and below its projection
+        np.testing.assert_allclose(uvw[:2] / uvw[2], np.subtract(centre, 0.5), atol=1e-3)
 
 
 # ---- config / weights -----------------------------------------------------------------------

@@ -24,6 +24,8 @@ from kestrel_models.perception.postprocess import (decode_detections_batched,
 
 from .region_graph import RegionGraphs
 
+# px: pixel-edge coordinates (detection boxes) minus this = K's pixel-centre coordinates
+PIXEL_EDGE_TO_CENTRE = 0.5
 DEPTH_ENCODINGS: tuple[str, ...] = ("32FC1", "16UC1")
 OUTPUT_STRIDES: tuple[int, ...] = (1, 2, 4, 8)
 _ALIGN = 64  # bytes, alignment of every field in the packed buffer
@@ -345,8 +347,13 @@ class DeviceRegion:
                 boxes, bvalid, bclass = boxes[:, :k], bvalid[:, :k], bclass[:, :k]
             # support rule (kestrel_models perception/support.py): needs the segmentation
             support = det.get("support_classes", ()) if "seg" in raw else ()
+            # Detection boxes are in pixel-edge coordinates (the top-left pixel spans [0, 1),
+            # as the training labels and COCO-style models have them); K puts that pixel's
+            # centre at (0, 0) (kestrel_models perception/lidar.py). Half a pixel apart: taken
+            # as they are, the box centre's ray lands half a pixel right of and below the
+            # object, millimetres off on the table.
             pos, src = box_positions_batched(
-                boxes, bvalid, uv, z, ok, depth_full, cams["K_inv"],
+                boxes - PIXEL_EDGE_TO_CENTRE, bvalid, uv, z, ok, depth_full, cams["K_inv"],
                 cams["T_base_from_cam"], det["min_points"], self.chunk, self.static,
                 self.compile, heights=points[:, 2] if points is not None else None,
                 seg=raw.get("seg"), box_class=bclass, support_classes=support,
