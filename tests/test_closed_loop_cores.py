@@ -101,13 +101,24 @@ def _push(world: SimWorld, seed: int, name: str) -> tuple[list[str], float, floa
     return [s.name for s in ex.statuses], after[0] - before[0], after[1] - before[1]
 
 
-@pytest.mark.parametrize(("seed", "name"), [(0, "red_cube"), (2, "green_cube")])
+@pytest.mark.parametrize(("seed", "name"), [(0, "red_cube"), (0, "blue_cylinder")])
 def test_a_push_moves_the_object_by_its_distance(seed: int, name: str) -> None:
-    """The push comes down behind the object with the gripper closed (seed 2's cube is turned:
-    its corner reaches 3.5 cm behind its centre) and moves it about `distance` along +x."""
+    """The push comes down behind the object with the gripper closed and moves it `distance`
+    along +x, within 5 mm: the stroke's end waits for the arm's trail behind its command to
+    be worked off before the arm lifts (lifting once within position_tolerance left the
+    cylinder 7 mm short)."""
     statuses, dx, dy = _push(SimWorld(), seed, name)
     assert statuses == ["SUCCEEDED"], statuses
-    assert abs(dx - 0.05) < 0.01 and abs(dy) < 0.01, (dx, dy)
+    assert abs(dx - 0.05) < 0.005 and abs(dy) < 0.005, (dx, dy)
+
+
+def test_a_turned_cube_is_pushed_its_distance_and_drifts_as_it_turns() -> None:
+    """Seed 2's cube is turned: its corner reaches 3.5 cm behind its centre, the push comes
+    down behind that. The cube turns square to the fingers as it goes and drifts sideways
+    about 1 cm over the 5 cm."""
+    statuses, dx, dy = _push(SimWorld(), 2, "green_cube")
+    assert statuses == ["SUCCEEDED"], statuses
+    assert abs(dx - 0.05) < 0.01 and abs(dy) < 0.015, (dx, dy)
 
 
 @pytest.mark.parametrize(("seed", "name"), [(12, "blue_cylinder"), (20, "red_cube")])

@@ -81,12 +81,14 @@ def test_push_geometry_and_home_joint_target() -> None:
     assert approx(p1.position, (0.4 - PUSH_BACKOFF_M, 0.0, 0.02)) and p1.gripper == 1.0
     p2 = ex.tick(0.7, p1.position).target
     assert approx(p2.position, (0.4 - PUSH_CONTACT_M + 0.1, 0.0, 0.02)) and p2.gripper == 1.0
-    opened = ex.tick(0.8, p2.position).target
+    # the stroke's end holds until its move time (0.13 m at push_speed) and PUSH_SETTLE_S
+    assert ex.tick(0.8, p2.position).target is p2
+    opened = ex.tick(3.7, p2.position).target
     assert opened.mode == TargetMode.HOLD and opened.gripper == 0.0
-    h = ex.tick(1.4, p2.position).target
+    h = ex.tick(4.3, p2.position).target
     assert h.mode == TargetMode.JOINT and h.joint_positions == (0.0, -0.5, 0.5)
-    assert ex.tick(1.5, None, (0.0, -0.4, 0.5)).target is h  # 0.1 rad off: not yet
-    out = ex.tick(1.6, None, (0.01, -0.49, 0.5))
+    assert ex.tick(4.4, None, (0.0, -0.4, 0.5)).target is h  # 0.1 rad off: not yet
+    out = ex.tick(4.5, None, (0.01, -0.49, 0.5))
     assert out.target is None and ex.statuses[-1] == StepState.SUCCEEDED
 
 
@@ -125,6 +127,28 @@ def test_a_push_stroke_runs_at_most_at_push_speed() -> None:
     for bad in (0.0, -0.1, float("nan")):
         with pytest.raises(ValueError, match="parameter 'push_speed'"):
             ExecutorConfig(push_speed=bad)
+
+
+def test_a_push_stroke_end_waits_for_the_arm_to_work_off_its_trail() -> None:
+    """The arm trails its command: within position_tolerance of the stroke's end before the
+    stroke's move time plus PUSH_SETTLE_S, the arm keeps pushing; after that it lifts. Other
+    waypoints count as reached as soon as the tool centre is within tolerance."""
+    from kestrel_planner.core.executor import PUSH_SETTLE_S
+
+    ex = PlanExecutor(ExecutorConfig(transit_clearance=0.0, gripper_time=0.0, push_speed=0.05))
+    ex.start(parse_plan("push red_cube speed=0.3\nend"), SCENE, 0.0)
+    start = (0.4 - PUSH_BACKOFF_M, 0.0, 0.03)
+    end = (0.4 - PUSH_CONTACT_M + 0.05, 0.0, 0.03)
+    t, ee = 0.0, start
+    while (tg := ex.tick(t, ee).target).position != end:  # the gripper, then down to start
+        t += 0.05
+    t_set, move_s = t, (end[0] - start[0]) / 0.05  # the stroke's end was set now, from start
+    near = (end[0] - 0.006, 0.0, 0.03)  # 6 mm short: within tolerance
+    assert ex.tick(t_set + 0.1, near).target.position == end  # too early: still pushing
+    assert ex.tick(t_set + move_s + PUSH_SETTLE_S - 0.05, near).target.position == end
+    # then the gripper as before (gripper_time 0: at once) and the push is done
+    assert ex.tick(t_set + move_s + PUSH_SETTLE_S + 0.05, near).target is None
+    assert ex.statuses == [StepState.SUCCEEDED]
 
 
 def test_timeout_fails_step_and_aborts_rest() -> None:

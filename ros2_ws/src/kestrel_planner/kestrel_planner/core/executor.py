@@ -65,6 +65,10 @@ __all__ = ["TargetMode", "StepState", "ControlTargetSpec", "StepEvent", "Executo
            "ExecutorOutput", "PlanExecutor"]
 
 Vec3 = tuple[float, float, float]
+# s a push's stroke end waits past its move time, the tool centre within position_tolerance,
+# before the arm lifts: the arm trails its command, and lifting as soon as it is within
+# tolerance would end every push short by that trail
+PUSH_SETTLE_S = 0.3
 
 
 class TargetMode(IntEnum):
@@ -118,6 +122,9 @@ class _Waypoint:
     kind: str  # "cartesian" | "gripper" | "joint"
     target: ControlTargetSpec
     lands: bool = False  # a PLACE's lowering point: contact short of it releases (module doc)
+    # s: reached only once its move time plus this has passed since it was set (a PUSH's
+    # stroke end: the arm's lag behind its command is worked off before the arm lifts)
+    settle_s: float = 0.0
 
 
 def _cart(position: Sequence[float], gripper: float, speed: float, step: int, skill: str
@@ -203,7 +210,8 @@ class PlanExecutor:
         above = clear > height
         wps = [_cart((start[0], start[1], z), grip, speed, i, name)] if above else []
         wps += [_grip(1.0, i, name), _cart(start, 1.0, speed, i, name),
-                _cart(end, 1.0, min(speed, self.config.push_speed), i, name)]
+                dataclasses.replace(_cart(end, 1.0, min(speed, self.config.push_speed), i, name),
+                                    settle_s=PUSH_SETTLE_S)]
         if above:
             wps.append(_cart((end[0], end[1], z), 1.0, speed, i, name))
         return [*wps, _grip(grip, i, name)]
@@ -309,6 +317,8 @@ class PlanExecutor:
                                                              strict=True)) <= c.joint_tolerance
             if ee is not None and c.home_position is not None:
                 return _dist(ee, c.home_position) <= c.position_tolerance
+            return False
+        if wp.settle_s > 0.0 and now_s - self._t_wp < (self._move_s or 0.0) + wp.settle_s:
             return False
         return ee is not None and _dist(ee, wp.target.position) <= c.position_tolerance
 
