@@ -151,6 +151,30 @@ def test_a_push_stroke_end_waits_for_the_arm_to_work_off_its_trail() -> None:
     assert ex.statuses == [StepState.SUCCEEDED]
 
 
+def test_a_settling_stroke_end_is_not_a_stall() -> None:
+    """The stall watch leaves a stroke's end alone once the tool centre is within tolerance of
+    it (settling: nothing is left to get closer by), even when the arm got there well before
+    the stroke's move time; the end is then reached after its move time and PUSH_SETTLE_S."""
+    from kestrel_planner.core.executor import PUSH_SETTLE_S
+
+    ex = PlanExecutor(ExecutorConfig(transit_clearance=0.0, gripper_time=0.0, push_speed=0.05,
+                                     stall_timeout=1.0, step_timeout=5.0))
+    ex.start(parse_plan("push red_cube speed=0.3\nend"), SCENE, 0.0)
+    start = (0.4 - PUSH_BACKOFF_M, 0.0, 0.03)
+    end = (0.4 - PUSH_CONTACT_M + 0.05, 0.0, 0.03)
+    t, ee = 0.0, start
+    while (tg := ex.tick(t, ee).target).position != end:
+        t += 0.05
+    t_set, move_s = t, (end[0] - start[0]) / 0.05
+    t += 0.05
+    while t < t_set + move_s + PUSH_SETTLE_S - 0.05:  # there at once, held there
+        out = ex.tick(t, end)
+        assert out.target.position == end and not out.events, out.events
+        t += 0.05
+    assert ex.tick(t_set + move_s + PUSH_SETTLE_S + 0.05, end).target is None
+    assert ex.statuses == [StepState.SUCCEEDED]
+
+
 def test_timeout_fails_step_and_aborts_rest() -> None:
     ex = PlanExecutor(CFG)
     ex.start(parse_plan("move_to bin\nhome\nend"), SCENE, 10.0)

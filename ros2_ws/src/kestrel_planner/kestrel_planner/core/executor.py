@@ -439,6 +439,8 @@ class PlanExecutor:
         c = self.config
         if c.stall_timeout <= 0 or wp.kind != "cartesian" or ee is None:
             return None
+        if wp.settle_s > 0.0 and _dist(ee, wp.target.position) <= c.position_tolerance:
+            return None  # arrived, settling: nothing left to get closer by
         d = _dist(ee, wp.target.position)
         if self._near is None or d <= self._near[0] - c.stall_distance:
             self._near = (d, now_s)
