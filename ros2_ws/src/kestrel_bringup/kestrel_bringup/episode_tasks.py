@@ -33,8 +33,7 @@ TEMPLATES = {
 }
 # The templates measure the robot on phrasings the trained planner reads: two per task are its
 # training templates, one per task is not among them. Its accuracy on phrasings held out of its
-# training is measured apart (its weights' record): of the push ones, "give the blue cylinder
-# a push" is refused as an unsupported action.
+# training is measured apart (its weights' record).
 BIN_HALF = 0.1  # m, half the bin's footprint (tabletop.xml)
 # m: a stack stands when the goal's bottom is within this of the base's top, its centre over
 # the base's top face (stacked)

@@ -31,7 +31,9 @@ from kestrel_bringup.episode_tasks import PUSH_DISTANCE, PUSH_TOLERANCE, SETTLE_
 STAGES = ("success", "perception_miss", "plan_rejected", "reach_timeout", "grasp_slip",
           "place_miss", "push_miss", "timeout")
 # the failure stages each task can end in (a push never holds its object)
-TASK_STAGES = {"bin": STAGES[1:6] + ("timeout",), "stack": STAGES[1:6] + ("timeout",),
+_PICK_STAGES = ("perception_miss", "plan_rejected", "reach_timeout", "grasp_slip", "place_miss",
+                "timeout")
+TASK_STAGES = {"bin": _PICK_STAGES, "stack": _PICK_STAGES,
                "push": ("perception_miss", "plan_rejected", "push_miss", "timeout")}
 ORACLE_NOTE = ("oracle plan: the planner node ran backend plan_text and was sent the correct "
                "plan for the goal, not the instruction; the planner's model is NOT measured")

@@ -140,7 +140,7 @@ def test_a_push_stroke_end_waits_for_the_arm_to_work_off_its_trail() -> None:
     start = (0.4 - PUSH_BACKOFF_M, 0.0, 0.03)
     end = (0.4 - PUSH_CONTACT_M + 0.05, 0.0, 0.03)
     t, ee = 0.0, start
-    while (tg := ex.tick(t, ee).target).position != end:  # the gripper, then down to start
+    while ex.tick(t, ee).target.position != end:  # the gripper, then down to start
         t += 0.05
     t_set, move_s = t, (end[0] - start[0]) / 0.05  # the stroke's end was set now, from start
     near = (end[0] - 0.006, 0.0, 0.03)  # 6 mm short: within tolerance
@@ -163,7 +163,7 @@ def test_a_settling_stroke_end_is_not_a_stall() -> None:
     start = (0.4 - PUSH_BACKOFF_M, 0.0, 0.03)
     end = (0.4 - PUSH_CONTACT_M + 0.05, 0.0, 0.03)
     t, ee = 0.0, start
-    while (tg := ex.tick(t, ee).target).position != end:
+    while ex.tick(t, ee).target.position != end:
         t += 0.05
     t_set, move_s = t, (end[0] - start[0]) / 0.05
     t += 0.05

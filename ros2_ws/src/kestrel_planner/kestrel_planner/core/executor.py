@@ -20,7 +20,10 @@ clearance first), moves along +x until the object has moved about `distance`
 (skills.PUSH_CONTACT_M), goes back up and sets the gripper as it was. The stroke along +x, in
 contact with the object, runs at most at `push_speed`: a position-servoed arm lags its command
 in proportion to its speed, and a tool centre that trails high pushes the object above its
-centre (a cylinder tips) or wedges the fingers on its face (friction holds the arm up).
+centre (a cylinder tips) or wedges the fingers on its face (friction holds the arm up). The
+stroke's end counts as reached only PUSH_SETTLE_S after the stroke's move time, the tool centre
+within `position_tolerance` then (the stall watch leaves it alone while it settles there): the
+arm lifting as soon as it is within tolerance would end every push short by its trail.
 
 A PLACE lowers the held object to `height` over its target's position: right for a bin, or
 for stacking two objects of the same height; onto a taller object (or holding a taller one)
