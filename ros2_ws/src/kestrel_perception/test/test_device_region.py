@@ -11,7 +11,7 @@ import pytest
 import torch
 from kestrel_models.perception import PositionSource, box_positions, decode_detections
 from kestrel_perception.core import PerceptionCore
-from kestrel_perception.core.device_region import DeviceRegion, encode_depth
+from kestrel_perception.core.device_region import PIXEL_EDGE_TO_CENTRE, DeviceRegion, encode_depth
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_perception_core import (  # noqa: E402
@@ -61,8 +61,10 @@ def reference(core: PerceptionCore, f) -> list[tuple]:
                 heights=pts[:, 2], class_map=raw["seg"][cam].argmax(0), box_class=d.classes,
                 support_classes=core._support_classes,
                 support_tolerance=core.config.support_tolerance)
-            pos, src = box_positions(d.boxes, uv, z, ok, raw["depth"][cam, 0], K, T,
-                                     core.config.min_lidar_points, **rule)
+            # the detector's pixel-edge boxes in K's pixel-centre convention, as the region
+            pos, src = box_positions(d.boxes - PIXEL_EDGE_TO_CENTRE, uv, z, ok,
+                                     raw["depth"][cam, 0], K, T, core.config.min_lidar_points,
+                                     **rule)
             for k in range(d.boxes.shape[0]):
                 out.append((cam, int(d.classes[k]), float(d.scores[k]), d.boxes[k].numpy(),
                             pos[k].numpy(), int(src[k])))
