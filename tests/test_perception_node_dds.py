@@ -170,7 +170,8 @@ def sources(r: PerceptionResult) -> list[int]:
 
 
 def check_lidar_positions(r: PerceptionResult) -> None:
-    """Every detection's position lies on the wall and projects onto its box centre."""
+    """Every detection's position lies on the wall and projects onto its box centre, taken in
+    K's pixel convention (boxes are in pixel-edge coordinates: half a pixel apart)."""
     d = detection_arrays(r)
     assert (d["position_source"] == PerceptionResult.POSITION_LIDAR).all()
     for cam, p, box, var in zip(d["camera_index"], d["position"], d["bbox"],
@@ -179,7 +180,7 @@ def check_lidar_positions(r: PerceptionResult) -> None:
         T = pose_to_matrix(POSES[7 * cam: 7 * cam + 7])
         p_cam = np.linalg.inv(T) @ np.array([*p, 1.0])
         u, v = (K @ p_cam[:3])[:2] / p_cam[2]
-        assert (u, v) == pytest.approx((float(box[0]), float(box[1])), abs=1e-2)
+        assert (u, v) == pytest.approx((float(box[0]) - 0.5, float(box[1]) - 0.5), abs=1e-2)
         assert var > 0
 
 
