@@ -9,7 +9,8 @@ import mujoco
 import numpy as np
 import pytest
 
-from kestrel_bringup.core_loop import EVAL_WORLD, layout_pairs, layouts, run_plan
+from kestrel_bringup.core_loop import EVAL_WORLD, layout_pairs, layouts, run_plan, truth
+from kestrel_bringup.episode_tasks import push_offsets
 from kestrel_sim.core import SimWorld, SimWorldConfig
 
 
@@ -95,10 +96,10 @@ def _push(world: SimWorld, seed: int, name: str) -> tuple[list[str], float, floa
     """'push <name> distance=0.05' at 0.3 m/s on seed's layout: the step statuses and how far
     the object moved along x and y, m."""
     world.reset(seed)
-    before = {o.name: o.position for o in world.ground_truth()}[name]
+    before = truth(world)[name][0]
     ex = run_plan(world, f"push {name} speed=0.3 distance=0.05\nend", 15.0)
-    after = {o.name: o.position for o in world.ground_truth()}[name]
-    return [s.name for s in ex.statuses], after[0] - before[0], after[1] - before[1]
+    dx, dy, _ = push_offsets(truth(world), name, before)
+    return [s.name for s in ex.statuses], dx, dy
 
 
 @pytest.mark.parametrize(("seed", "name"), [(0, "red_cube"), (0, "blue_cylinder")])

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from kestrel_bringup.episode_tasks import Truth
 from kestrel_control.core.cartesian import CartesianConfig
 from kestrel_control.core.ik_runner import MODE_CARTESIAN, MODE_HOLD, IkRunner
-from kestrel_bringup.episode_tasks import Truth
 from kestrel_control.core.kinematics import ArmKinematics
 from kestrel_control.core.policy_runner import RunnerConfig
 from kestrel_planner.core.executor import PlanExecutor, StepEvent, TargetMode
